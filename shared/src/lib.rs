@@ -1,1 +1,51 @@
-//! placeholder
+//! kvoy's core, as plain Rust with no proxy-wasm dependency: OpenAI request parsing, prefix
+//! keys, the prefix index, scoring and picking, cross-worker state over a shared-data trait,
+//! and the plugin configuration. The wasm filters are thin adapters over this crate; the
+//! harness, simulator and benchmarks use it natively.
+//!
+//! ```
+//! use kvoy_shared::{request::Api, PluginConfig, Router};
+//! let cfg = PluginConfig::from_json(br#"{"endpoints":[
+//!     {"address":"10.0.0.1:8000","models":["m"]},
+//!     {"address":"10.0.0.2:8000","models":["m"]}]}"#).unwrap();
+//! let mut router = Router::new(cfg, 7);
+//! let body = br#"{"model":"m","messages":[{"role":"user","content":"hello"}]}"#;
+//! let decision = router.route_body(Api::ChatCompletions, body, &[0, 0], None).unwrap();
+//! let address = &router.config().pool.get(decision.endpoint).unwrap().address_text;
+//! assert!(address.starts_with("10.0.0."));
+//! ```
+
+mod config;
+mod endpoint;
+mod index;
+mod lru;
+pub mod prefix;
+pub mod replica;
+pub mod request;
+mod rng;
+mod router;
+mod score;
+
+pub use config::{
+    ConfigError, HotspotGuard, InvalidBodyPolicy, PluginConfig, Weights, MAX_ENDPOINTS,
+};
+pub use endpoint::{Endpoint, EndpointId, EndpointLoad, Pool};
+pub use index::PrefixIndex;
+pub use lru::LruSet;
+pub use rng::Rng;
+pub use router::{Decision, DecisionKind, RouteError, Router};
+pub use score::{least_loaded, pick, Candidate, EndpointScore};
+
+/// A JSON error body in OpenAI's shape:
+/// `{"error":{"message":..,"type":..,"param":..,"code":..}}`.
+pub fn openai_error_body(
+    message: &str,
+    kind: &str,
+    param: Option<&str>,
+    code: Option<&str>,
+) -> String {
+    serde_json::json!({
+        "error": {"message": message, "type": kind, "param": param, "code": code}
+    })
+    .to_string()
+}

@@ -1,0 +1,351 @@
+//! Plugin configuration: a raw serde shape (unknown fields rejected) checked into [`PluginConfig`].
+//!
+//! ```
+//! let cfg = kvoy_shared::PluginConfig::from_json(br#"{
+//!     "endpoints": [{"address": "10.0.0.1:8000", "models": ["llama"]}]
+//! }"#).unwrap();
+//! assert_eq!(cfg.block_size, 64);
+//! ```
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+
+use serde::Deserialize;
+use thiserror::Error;
+
+use crate::endpoint::{Endpoint, EndpointLoad, Pool};
+
+/// What to do with a body that is not a valid OpenAI request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InvalidBodyPolicy {
+    /// Answer 400 with an OpenAI-style error.
+    Reject,
+    /// Route to the least-loaded endpoint and let the server answer.
+    Fallback,
+}
+
+/// Scorer weights; a weight of 0 turns a scorer off.
+#[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Weights {
+    pub prefix: f64,
+    pub inflight: f64,
+    pub queue: f64,
+    pub kv_cache: f64,
+}
+
+impl Default for Weights {
+    /// llm-d's defaults (queue 2, KV 2, prefix 3) plus this proxy's own in-flight count at 2.
+    fn default() -> Self {
+        Weights {
+            prefix: 3.0,
+            inflight: 2.0,
+            queue: 2.0,
+            kv_cache: 2.0,
+        }
+    }
+}
+
+/// The hot-spot guard: an endpoint whose load exceeds the least-loaded candidate's by more than
+/// `abs` requests *and* by more than a factor `rel` loses its prefix score for this decision.
+#[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HotspotGuard {
+    pub abs: u32,
+    pub rel: f64,
+}
+
+impl Default for HotspotGuard {
+    fn default() -> Self {
+        HotspotGuard { abs: 8, rel: 1.5 }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEndpoint {
+    address: String,
+    models: Vec<String>,
+    #[serde(default)]
+    waiting: Option<u32>,
+    #[serde(default)]
+    kv_cache_usage: Option<f64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    endpoints: Vec<RawEndpoint>,
+    #[serde(default)]
+    weights: Weights,
+    #[serde(default)]
+    hotspot: HotspotGuard,
+    #[serde(default = "defaults::block_size")]
+    block_size: usize,
+    #[serde(default = "defaults::max_blocks")]
+    max_blocks: usize,
+    #[serde(default = "defaults::lru_blocks_per_endpoint")]
+    lru_blocks_per_endpoint: usize,
+    #[serde(default = "defaults::max_body_bytes")]
+    max_body_bytes: usize,
+    #[serde(default = "defaults::on_invalid_body")]
+    on_invalid_body: InvalidBodyPolicy,
+    #[serde(default = "defaults::decision_log_slots")]
+    decision_log_slots: u32,
+}
+
+mod defaults {
+    use super::InvalidBodyPolicy;
+    pub fn block_size() -> usize {
+        64
+    }
+    pub fn max_blocks() -> usize {
+        256
+    }
+    pub fn lru_blocks_per_endpoint() -> usize {
+        31_250
+    }
+    pub fn max_body_bytes() -> usize {
+        8 << 20
+    }
+    pub fn on_invalid_body() -> InvalidBodyPolicy {
+        InvalidBodyPolicy::Reject
+    }
+    pub fn decision_log_slots() -> u32 {
+        1024
+    }
+}
+
+/// Largest pool one filter instance accepts; endpoint ids are `u16` and the in-flight table is
+/// one shared-data value, so keep it small enough to copy on every request.
+pub const MAX_ENDPOINTS: usize = 4096;
+
+/// A checked plugin configuration.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PluginConfig {
+    pub pool: Pool,
+    pub weights: Weights,
+    pub hotspot: HotspotGuard,
+    /// Bytes of prompt text per prefix block.
+    pub block_size: usize,
+    /// Prefix blocks hashed per request at most.
+    pub max_blocks: usize,
+    /// Blocks remembered per endpoint (LRU).
+    pub lru_blocks_per_endpoint: usize,
+    pub max_body_bytes: usize,
+    pub on_invalid_body: InvalidBodyPolicy,
+    /// Slots of the cross-worker decision log.
+    pub decision_log_slots: u32,
+}
+
+#[derive(Debug, Error, PartialEq)]
+pub enum ConfigError {
+    #[error("invalid configuration JSON: {0}")]
+    Json(String),
+    #[error("`endpoints` must list at least one endpoint")]
+    NoEndpoints,
+    #[error("`endpoints` lists {0} endpoints; at most {MAX_ENDPOINTS} are supported")]
+    TooManyEndpoints(usize),
+    #[error("`endpoints[{index}].address` {value:?} is not an ip:port address")]
+    BadAddress { index: usize, value: String },
+    #[error("`endpoints[{index}].address` {value:?} is listed twice")]
+    DuplicateAddress { index: usize, value: String },
+    #[error("`endpoints[{index}].models` must name at least one model")]
+    NoModels { index: usize },
+    #[error("`endpoints[{index}].kv_cache_usage` must be within 0..=1, got {value}")]
+    BadKvUsage { index: usize, value: f64 },
+    #[error("`{field}` must be {expected}, got {value}")]
+    OutOfRange {
+        field: &'static str,
+        expected: &'static str,
+        value: String,
+    },
+}
+
+impl PluginConfig {
+    /// Parses and checks a JSON configuration. An empty configuration is an error: a pool is
+    /// required.
+    pub fn from_json(bytes: &[u8]) -> Result<Self, ConfigError> {
+        let raw: RawConfig =
+            serde_json::from_slice(bytes).map_err(|e| ConfigError::Json(e.to_string()))?;
+        Self::try_from(raw)
+    }
+}
+
+fn out_of_range(field: &'static str, expected: &'static str, value: impl ToString) -> ConfigError {
+    ConfigError::OutOfRange {
+        field,
+        expected,
+        value: value.to_string(),
+    }
+}
+
+impl TryFrom<RawConfig> for PluginConfig {
+    type Error = ConfigError;
+
+    fn try_from(raw: RawConfig) -> Result<Self, ConfigError> {
+        if raw.endpoints.is_empty() {
+            return Err(ConfigError::NoEndpoints);
+        }
+        if raw.endpoints.len() > MAX_ENDPOINTS {
+            return Err(ConfigError::TooManyEndpoints(raw.endpoints.len()));
+        }
+        let mut seen = HashSet::new();
+        let mut endpoints = Vec::with_capacity(raw.endpoints.len());
+        for (index, e) in raw.endpoints.into_iter().enumerate() {
+            let address: SocketAddr =
+                e.address
+                    .trim()
+                    .parse()
+                    .map_err(|_| ConfigError::BadAddress {
+                        index,
+                        value: e.address.clone(),
+                    })?;
+            if !seen.insert(address) {
+                return Err(ConfigError::DuplicateAddress {
+                    index,
+                    value: e.address,
+                });
+            }
+            if e.models.is_empty() || e.models.iter().any(|m| m.is_empty()) {
+                return Err(ConfigError::NoModels { index });
+            }
+            if let Some(value) = e.kv_cache_usage {
+                if !(0.0..=1.0).contains(&value) {
+                    return Err(ConfigError::BadKvUsage { index, value });
+                }
+            }
+            endpoints.push(Endpoint {
+                address,
+                address_text: address.to_string(),
+                models: e.models,
+                static_load: EndpointLoad {
+                    waiting: e.waiting,
+                    kv_cache_usage: e.kv_cache_usage,
+                },
+            });
+        }
+        let w = raw.weights;
+        for (field, value) in [
+            ("weights.prefix", w.prefix),
+            ("weights.inflight", w.inflight),
+            ("weights.queue", w.queue),
+            ("weights.kv_cache", w.kv_cache),
+        ] {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(out_of_range(field, "a finite number >= 0", value));
+            }
+        }
+        if !(raw.hotspot.rel.is_finite() && raw.hotspot.rel >= 1.0) {
+            return Err(out_of_range(
+                "hotspot.rel",
+                "a number >= 1",
+                raw.hotspot.rel,
+            ));
+        }
+        if !(1..=65_536).contains(&raw.block_size) {
+            return Err(out_of_range(
+                "block_size",
+                "within 1..=65536",
+                raw.block_size,
+            ));
+        }
+        if !(1..=65_536).contains(&raw.max_blocks) {
+            return Err(out_of_range(
+                "max_blocks",
+                "within 1..=65536",
+                raw.max_blocks,
+            ));
+        }
+        if !(1..=16_000_000).contains(&raw.lru_blocks_per_endpoint) {
+            return Err(out_of_range(
+                "lru_blocks_per_endpoint",
+                "within 1..=16000000",
+                raw.lru_blocks_per_endpoint,
+            ));
+        }
+        if raw.max_body_bytes == 0 {
+            return Err(out_of_range("max_body_bytes", "> 0", raw.max_body_bytes));
+        }
+        if !(1..=1_000_000).contains(&raw.decision_log_slots) {
+            return Err(out_of_range(
+                "decision_log_slots",
+                "within 1..=1000000",
+                raw.decision_log_slots,
+            ));
+        }
+        Ok(PluginConfig {
+            pool: Pool::new(endpoints),
+            weights: w,
+            hotspot: raw.hotspot,
+            block_size: raw.block_size,
+            max_blocks: raw.max_blocks,
+            lru_blocks_per_endpoint: raw.lru_blocks_per_endpoint,
+            max_body_bytes: raw.max_body_bytes,
+            on_invalid_body: raw.on_invalid_body,
+            decision_log_slots: raw.decision_log_slots,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(json: &str) -> String {
+        match PluginConfig::from_json(json.as_bytes()) {
+            Ok(_) => panic!("accepted {json}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn defaults_apply() {
+        let cfg =
+            PluginConfig::from_json(br#"{"endpoints":[{"address":"127.0.0.1:1","models":["m"]}]}"#)
+                .unwrap();
+        assert_eq!(cfg.block_size, 64);
+        assert_eq!(cfg.max_blocks, 256);
+        assert_eq!(cfg.lru_blocks_per_endpoint, 31_250);
+        assert_eq!(cfg.on_invalid_body, InvalidBodyPolicy::Reject);
+        assert_eq!(cfg.weights, Weights::default());
+        assert_eq!(cfg.pool.len(), 1);
+    }
+
+    #[test]
+    fn unknown_fields_are_named() {
+        let e = err(r#"{"endpoints":[{"address":"127.0.0.1:1","models":["m"]}],"blocksize":3}"#);
+        assert!(e.contains("unknown field `blocksize`"), "{e}");
+        let e = err(r#"{"endpoints":[{"address":"127.0.0.1:1","models":["m"],"modle":1}]}"#);
+        assert!(e.contains("unknown field `modle`"), "{e}");
+        let e = err(
+            r#"{"endpoints":[{"address":"127.0.0.1:1","models":["m"]}],"weights":{"prefx":1}}"#,
+        );
+        assert!(e.contains("unknown field `prefx`"), "{e}");
+    }
+
+    #[test]
+    fn bad_values_are_named() {
+        let e = err(r#"{"endpoints":[{"address":"localhost","models":["m"]}]}"#);
+        assert!(e.contains("endpoints[0].address"), "{e}");
+        let e = err(r#"{"endpoints":[]}"#);
+        assert!(e.contains("endpoints"), "{e}");
+        let e = err(r#"{"endpoints":[{"address":"127.0.0.1:1","models":[]}]}"#);
+        assert!(e.contains("endpoints[0].models"), "{e}");
+        let e = err(
+            r#"{"endpoints":[{"address":"127.0.0.1:1","models":["m"]},{"address":"127.0.0.1:1","models":["m"]}]}"#,
+        );
+        assert!(e.contains("endpoints[1].address"), "{e}");
+        let e = err(r#"{"endpoints":[{"address":"127.0.0.1:1","models":["m"]}],"block_size":0}"#);
+        assert!(e.contains("block_size"), "{e}");
+        let e = err(
+            r#"{"endpoints":[{"address":"127.0.0.1:1","models":["m"]}],"on_invalid_body":"drop"}"#,
+        );
+        assert!(e.contains("reject") && e.contains("fallback"), "{e}");
+        let e = err(
+            r#"{"endpoints":[{"address":"127.0.0.1:1","models":["m"]}],"weights":{"prefix":-1}}"#,
+        );
+        assert!(e.contains("weights.prefix"), "{e}");
+    }
+}

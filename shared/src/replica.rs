@@ -1,0 +1,483 @@
+//! Sharing routing state between the worker threads of one proxy.
+//!
+//! Envoy gives each worker its own VM; the only process-wide state is *shared data*: a map of
+//! small byte values with compare-and-swap and no delete, which every read copies into the VM.
+//! Two structures sit on it, both bounded:
+//!
+//! - [`InflightTable`]: one value holding a `u32` per endpoint, changed by CAS. Every VM reads
+//!   the same counts, so "in flight" means across the whole proxy.
+//! - [`DecisionLog`]: a ring of `slots` values plus a head counter. A VM appends each decision
+//!   (endpoint + prefix keys) and, before routing, replays the records other VMs appended since
+//!   it last looked into its own prefix index. A request only ever reads the head (8 bytes) and
+//!   the few new records, never a big copy. A VM that falls more than `slots` records behind
+//!   skips the overwritten ones: it loses some affinity, never correctness.
+//!
+//! The store is a trait so the logic is tested natively; the filter implements it over
+//! `get_shared_data` / `set_shared_data`.
+
+use thiserror::Error;
+
+use crate::endpoint::EndpointId;
+use crate::prefix::BlockKey;
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum StoreError {
+    #[error("compare-and-swap mismatch")]
+    CasMismatch,
+    #[error("shared data unavailable: {0}")]
+    Unavailable(String),
+}
+
+/// Envoy's shared data: values with a version (`cas`); `set` with `cas` 0 is unconditional.
+pub trait SharedStore {
+    fn get(&self, key: &str) -> Option<(Vec<u8>, u32)>;
+    fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError>;
+}
+
+const CAS_RETRIES: usize = 32;
+
+/// Per-endpoint in-flight counts shared by all VMs of a proxy.
+#[derive(Debug, Clone)]
+pub struct InflightTable {
+    key: String,
+    endpoints: usize,
+}
+
+impl InflightTable {
+    pub fn new(namespace: &str, endpoints: usize) -> Self {
+        InflightTable {
+            key: format!("{namespace}.inflight"),
+            endpoints,
+        }
+    }
+
+    fn decode(&self, bytes: &[u8], out: &mut Vec<u32>) {
+        out.clear();
+        out.extend(
+            bytes
+                .chunks_exact(4)
+                .take(self.endpoints)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        );
+        out.resize(self.endpoints, 0);
+    }
+
+    /// Reads the counts into `out` (one per endpoint; zeros when nothing is stored yet).
+    pub fn read(&self, store: &impl SharedStore, out: &mut Vec<u32>) {
+        match store.get(&self.key) {
+            Some((bytes, _)) => self.decode(&bytes, out),
+            None => {
+                out.clear();
+                out.resize(self.endpoints, 0);
+            }
+        }
+    }
+
+    /// Adds `delta` to `endpoint`'s count (saturating at 0 and `u32::MAX`).
+    pub fn add(
+        &self,
+        store: &impl SharedStore,
+        endpoint: EndpointId,
+        delta: i32,
+    ) -> Result<(), StoreError> {
+        let mut counts = Vec::with_capacity(self.endpoints);
+        let mut bytes = Vec::with_capacity(self.endpoints * 4);
+        let mut last = StoreError::CasMismatch;
+        for _ in 0..CAS_RETRIES {
+            let cas = match store.get(&self.key) {
+                Some((b, cas)) => {
+                    self.decode(&b, &mut counts);
+                    cas
+                }
+                None => {
+                    counts.clear();
+                    counts.resize(self.endpoints, 0);
+                    0
+                }
+            };
+            let Some(c) = counts.get_mut(endpoint.index()) else {
+                return Ok(());
+            };
+            *c = c.saturating_add_signed(delta);
+            bytes.clear();
+            for c in &counts {
+                bytes.extend_from_slice(&c.to_le_bytes());
+            }
+            match store.set(&self.key, &bytes, cas) {
+                Ok(()) => return Ok(()),
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
+    }
+}
+
+/// One decision as written to the log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogRecord {
+    pub seq: u64,
+    /// The VM that appended it, so a VM skips its own records.
+    pub origin: u64,
+    pub endpoint: EndpointId,
+    pub keys: Vec<BlockKey>,
+}
+
+const RECORD_HEADER: usize = 8 + 8 + 2 + 4;
+
+impl LogRecord {
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.clear();
+        out.extend_from_slice(&self.seq.to_le_bytes());
+        out.extend_from_slice(&self.origin.to_le_bytes());
+        out.extend_from_slice(&self.endpoint.0.to_le_bytes());
+        out.extend_from_slice(&(self.keys.len() as u32).to_le_bytes());
+        for k in &self.keys {
+            out.extend_from_slice(&k.0.to_le_bytes());
+        }
+    }
+
+    /// Decodes a record; `None` for anything malformed.
+    pub fn decode(b: &[u8]) -> Option<LogRecord> {
+        let header = b.get(..RECORD_HEADER)?;
+        let seq = u64::from_le_bytes(header[0..8].try_into().ok()?);
+        let origin = u64::from_le_bytes(header[8..16].try_into().ok()?);
+        let endpoint = EndpointId(u16::from_le_bytes(header[16..18].try_into().ok()?));
+        let n = u32::from_le_bytes(header[18..22].try_into().ok()?) as usize;
+        let body = &b[RECORD_HEADER..];
+        if body.len() != n.checked_mul(8)? {
+            return None;
+        }
+        let keys = body
+            .chunks_exact(8)
+            .map(|c| {
+                BlockKey(u64::from_le_bytes([
+                    c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7],
+                ]))
+            })
+            .collect();
+        Some(LogRecord {
+            seq,
+            origin,
+            endpoint,
+            keys,
+        })
+    }
+}
+
+/// Reads a record's header only (seq, origin) without decoding keys.
+fn peek_header(b: &[u8]) -> Option<(u64, u64)> {
+    let seq = u64::from_le_bytes(b.get(0..8)?.try_into().ok()?);
+    let origin = u64::from_le_bytes(b.get(8..16)?.try_into().ok()?);
+    Some((seq, origin))
+}
+
+/// The cross-VM decision log (see the module doc).
+#[derive(Debug, Clone)]
+pub struct DecisionLog {
+    head_key: String,
+    slot_prefix: String,
+    slots: u64,
+    origin: u64,
+    /// Highest sequence number this VM has consumed.
+    seen: u64,
+    /// Polls spent waiting on a slot whose writer has not finished.
+    stalled: u32,
+    scratch: Vec<u8>,
+}
+
+/// A slot whose writer has not finished after this many polls is given up on.
+const MAX_STALL_POLLS: u32 = 64;
+
+impl DecisionLog {
+    /// `origin` identifies this VM (any value distinct per VM, e.g. random).
+    pub fn new(namespace: &str, slots: u32, origin: u64) -> Self {
+        DecisionLog {
+            head_key: format!("{namespace}.log.head"),
+            slot_prefix: format!("{namespace}.log."),
+            slots: u64::from(slots.max(1)),
+            origin,
+            seen: 0,
+            stalled: 0,
+            scratch: Vec::new(),
+        }
+    }
+
+    fn slot_key(&self, seq: u64) -> String {
+        format!("{}{}", self.slot_prefix, seq % self.slots)
+    }
+
+    fn head(store: &impl SharedStore, key: &str) -> (u64, u32) {
+        match store.get(key) {
+            Some((b, cas)) => (
+                b.get(..8)
+                    .and_then(|b| b.try_into().ok())
+                    .map_or(0, u64::from_le_bytes),
+                cas,
+            ),
+            None => (0, 0),
+        }
+    }
+
+    /// Skips everything already logged: a VM that starts late does not replay old history
+    /// it could only partly see.
+    pub fn start_at_head(&mut self, store: &impl SharedStore) {
+        self.seen = Self::head(store, &self.head_key).0;
+    }
+
+    /// Appends a decision; returns its sequence number.
+    pub fn append(
+        &mut self,
+        store: &impl SharedStore,
+        endpoint: EndpointId,
+        keys: &[BlockKey],
+    ) -> Result<u64, StoreError> {
+        let mut claimed = None;
+        let mut last = StoreError::CasMismatch;
+        for _ in 0..CAS_RETRIES {
+            let (head, cas) = Self::head(store, &self.head_key);
+            let next = head.wrapping_add(1);
+            match store.set(&self.head_key, &next.to_le_bytes(), cas) {
+                Ok(()) => {
+                    claimed = Some(next);
+                    break;
+                }
+                Err(e) => last = e,
+            }
+        }
+        let seq = claimed.ok_or(last)?;
+        let record = LogRecord {
+            seq,
+            origin: self.origin,
+            endpoint,
+            keys: keys.to_vec(),
+        };
+        record.encode(&mut self.scratch);
+        store.set(&self.slot_key(seq), &self.scratch, 0)?;
+        Ok(seq)
+    }
+
+    /// Calls `apply` for every record other VMs appended since the last poll, in order.
+    /// Returns how many were applied.
+    pub fn poll(
+        &mut self,
+        store: &impl SharedStore,
+        mut apply: impl FnMut(EndpointId, &[BlockKey]),
+    ) -> usize {
+        let (head, _) = Self::head(store, &self.head_key);
+        if head < self.seen {
+            // The log restarted (e.g. lost state): follow it from its head.
+            self.seen = head;
+            return 0;
+        }
+        if head - self.seen > self.slots {
+            self.seen = head - self.slots;
+        }
+        let mut applied = 0;
+        while self.seen < head {
+            let want = self.seen + 1;
+            let header = store
+                .get(&self.slot_key(want))
+                .and_then(|(b, _)| peek_header(&b).map(|h| (h, b)));
+            match header {
+                Some(((seq, origin), bytes)) if seq == want => {
+                    if origin != self.origin {
+                        if let Some(rec) = LogRecord::decode(&bytes) {
+                            apply(rec.endpoint, &rec.keys);
+                            applied += 1;
+                        }
+                    }
+                }
+                Some(((seq, _), _)) if seq > want => {} // overwritten: we were lapped
+                _ => {
+                    // Claimed but not written yet: wait for it, within reason.
+                    self.stalled += 1;
+                    if self.stalled < MAX_STALL_POLLS {
+                        return applied;
+                    }
+                }
+            }
+            self.stalled = 0;
+            self.seen = want;
+        }
+        applied
+    }
+
+    pub fn seen(&self) -> u64 {
+        self.seen
+    }
+}
+
+/// An in-process [`SharedStore`] with Envoy's semantics, for tests and native tools.
+#[derive(Debug, Default)]
+pub struct MemoryStore {
+    inner: std::cell::RefCell<(std::collections::HashMap<String, (Vec<u8>, u32)>, u32)>,
+}
+
+impl SharedStore for MemoryStore {
+    fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+        self.inner.borrow().0.get(key).cloned()
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError> {
+        let mut inner = self.inner.borrow_mut();
+        let (map, counter) = &mut *inner;
+        *counter = counter.wrapping_add(1).max(1);
+        let next = *counter;
+        match map.get_mut(key) {
+            Some(entry) => {
+                if cas != 0 && cas != entry.1 {
+                    return Err(StoreError::CasMismatch);
+                }
+                *entry = (value.to_vec(), next);
+            }
+            None => {
+                map.insert(key.to_owned(), (value.to_vec(), next));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(v: &[u64]) -> Vec<BlockKey> {
+        v.iter().copied().map(BlockKey).collect()
+    }
+
+    #[test]
+    fn inflight_counts_are_shared_and_saturate() {
+        let store = MemoryStore::default();
+        let t = InflightTable::new("ns", 3);
+        let mut out = Vec::new();
+        t.read(&store, &mut out);
+        assert_eq!(out, vec![0, 0, 0]);
+        t.add(&store, EndpointId(1), 1).unwrap();
+        t.add(&store, EndpointId(1), 1).unwrap();
+        t.add(&store, EndpointId(2), 1).unwrap();
+        t.add(&store, EndpointId(0), -1).unwrap();
+        InflightTable::new("ns", 3).read(&store, &mut out);
+        assert_eq!(out, vec![0, 2, 1]);
+        // out-of-range ids are ignored
+        t.add(&store, EndpointId(9), 1).unwrap();
+        t.read(&store, &mut out);
+        assert_eq!(out, vec![0, 2, 1]);
+    }
+
+    /// A store that fails the first `n` CAS writes, as if another VM raced each one.
+    struct Racy {
+        inner: MemoryStore,
+        fail: std::cell::Cell<u32>,
+    }
+    impl SharedStore for Racy {
+        fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+            self.inner.get(key)
+        }
+        fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError> {
+            if cas != 0 && self.fail.get() > 0 {
+                self.fail.set(self.fail.get() - 1);
+                // the racer's write lands first
+                let (v, _) = self.inner.get(key).unwrap_or_default();
+                self.inner.set(key, &v, 0)?;
+                return Err(StoreError::CasMismatch);
+            }
+            self.inner.set(key, value, cas)
+        }
+    }
+
+    #[test]
+    fn inflight_retries_on_cas_mismatch() {
+        let store = Racy {
+            inner: MemoryStore::default(),
+            fail: std::cell::Cell::new(0),
+        };
+        let t = InflightTable::new("ns", 2);
+        t.add(&store, EndpointId(0), 1).unwrap();
+        store.fail.set(5);
+        t.add(&store, EndpointId(0), 1).unwrap();
+        let mut out = Vec::new();
+        t.read(&store, &mut out);
+        assert_eq!(out, vec![2, 0]);
+        store.fail.set(1000);
+        assert_eq!(
+            t.add(&store, EndpointId(0), 1),
+            Err(StoreError::CasMismatch)
+        );
+    }
+
+    #[test]
+    fn log_replays_other_vms_records_once() {
+        let store = MemoryStore::default();
+        let mut a = DecisionLog::new("ns", 8, 1);
+        let mut b = DecisionLog::new("ns", 8, 2);
+        a.append(&store, EndpointId(0), &keys(&[1, 2])).unwrap();
+        a.append(&store, EndpointId(1), &keys(&[3])).unwrap();
+        b.append(&store, EndpointId(2), &keys(&[4])).unwrap();
+        let mut got = Vec::new();
+        assert_eq!(b.poll(&store, |e, k| got.push((e, k.to_vec()))), 2);
+        assert_eq!(
+            got,
+            vec![(EndpointId(0), keys(&[1, 2])), (EndpointId(1), keys(&[3]))]
+        );
+        got.clear();
+        assert_eq!(b.poll(&store, |e, k| got.push((e, k.to_vec()))), 0);
+        assert_eq!(a.poll(&store, |e, k| got.push((e, k.to_vec()))), 1);
+        assert_eq!(got, vec![(EndpointId(2), keys(&[4]))]);
+    }
+
+    #[test]
+    fn lapped_reader_skips_overwritten_records() {
+        let store = MemoryStore::default();
+        let mut a = DecisionLog::new("ns", 4, 1);
+        let mut b = DecisionLog::new("ns", 4, 2);
+        for i in 0..10u64 {
+            a.append(&store, EndpointId(0), &keys(&[i])).unwrap();
+        }
+        let mut got = Vec::new();
+        b.poll(&store, |_, k| got.push(k[0].0));
+        assert_eq!(got, vec![6, 7, 8, 9]);
+        assert_eq!(b.seen(), 10);
+    }
+
+    #[test]
+    fn unwritten_slot_waits_then_is_skipped() {
+        let store = MemoryStore::default();
+        let mut a = DecisionLog::new("ns", 8, 1);
+        let mut b = DecisionLog::new("ns", 8, 2);
+        a.append(&store, EndpointId(0), &keys(&[1])).unwrap();
+        // A writer that claimed seq 2 and has not written it yet.
+        store.set("ns.log.head", &2u64.to_le_bytes(), 0).unwrap();
+        let mut got = Vec::new();
+        b.poll(&store, |_, k| got.push(k[0].0));
+        assert_eq!((got.clone(), b.seen()), (vec![1], 1));
+        for _ in 0..MAX_STALL_POLLS {
+            b.poll(&store, |_, k| got.push(k[0].0));
+        }
+        assert_eq!(b.seen(), 2);
+        a.append(&store, EndpointId(0), &keys(&[3])).unwrap();
+        b.poll(&store, |_, k| got.push(k[0].0));
+        assert_eq!(got, vec![1, 3]);
+    }
+
+    #[test]
+    fn garbage_records_are_ignored() {
+        assert_eq!(LogRecord::decode(b""), None);
+        assert_eq!(LogRecord::decode(&[0u8; 21]), None);
+        let mut rec = Vec::new();
+        LogRecord {
+            seq: 1,
+            origin: 2,
+            endpoint: EndpointId(3),
+            keys: keys(&[4, 5]),
+        }
+        .encode(&mut rec);
+        assert_eq!(LogRecord::decode(&rec).unwrap().keys, keys(&[4, 5]));
+        rec.pop();
+        assert_eq!(LogRecord::decode(&rec), None);
+        let store = MemoryStore::default();
+        store.set("ns.log.head", b"\x01", 0).unwrap(); // short head reads as 0
+        let mut b = DecisionLog::new("ns", 8, 2);
+        assert_eq!(b.poll(&store, |_, _| panic!("nothing to apply")), 0);
+    }
+}

@@ -1,0 +1,257 @@
+use super::*;
+use proptest::prelude::*;
+
+fn prompt_text(req: &ParsedRequest<'_>) -> Vec<u8> {
+    req.prompt.concat()
+}
+
+const LIMIT: usize = 1 << 20;
+
+#[test]
+fn api_from_path() {
+    assert_eq!(
+        Api::from_path("/v1/chat/completions"),
+        Some(Api::ChatCompletions)
+    );
+    assert_eq!(
+        Api::from_path("/v1/chat/completions?x=1"),
+        Some(Api::ChatCompletions)
+    );
+    assert_eq!(Api::from_path("/v1/completions/"), Some(Api::Completions));
+    assert_eq!(Api::from_path("/v1/responses"), Some(Api::Responses));
+    assert_eq!(Api::from_path("/v1/models"), None);
+    assert_eq!(Api::from_path(""), None);
+}
+
+#[test]
+fn chat_string_and_parts_content() {
+    let body = br#"{"model":"m","stream":true,"user":"u1","cache_salt":"s",
+        "messages":[{"role":"system","content":"be brief"},
+                    {"role":"user","content":[{"type":"text","text":"hi \"there\""},
+                                              {"type":"image_url","image_url":{"url":"data:x"}}]},
+                    {"role":"assistant","content":null,"tool_calls":[{"id":"c1"}]}],
+        "temperature":0.2,"extra":{"nested":[1,2,3]}}"#;
+    let req = parse(Api::ChatCompletions, body, LIMIT).unwrap();
+    assert_eq!(req.model, "m");
+    assert!(req.stream);
+    assert_eq!(req.user.as_deref(), Some("u1"));
+    assert_eq!(req.cache_salt.as_deref(), Some("s"));
+    let text = prompt_text(&req);
+    let expected: Vec<u8> = [
+        &b"system\x1fbe brief\x1e"[..],
+        b"user\x1fhi \\\"there\\\"\x1e{\"url\":\"data:x\"}\x1e\x1e",
+        b"assistant\x1f[{\"id\":\"c1\"}]\x1f\x1e",
+    ]
+    .concat();
+    assert_eq!(
+        String::from_utf8_lossy(&text),
+        String::from_utf8_lossy(&expected)
+    );
+}
+
+#[test]
+fn chat_tools_come_first() {
+    let a = br#"{"messages":[{"role":"user","content":"q"}],"tools":[{"type":"function"}],"model":"m"}"#;
+    let b = br#"{"model":"m","tools":[{"type":"function"}],"messages":[{"role":"user","content":"q"}]}"#;
+    let pa = prompt_text(&parse(Api::ChatCompletions, a, LIMIT).unwrap());
+    let pb = prompt_text(&parse(Api::ChatCompletions, b, LIMIT).unwrap());
+    assert_eq!(pa, pb);
+    assert!(pa.starts_with(b"[{\"type\":\"function\"}]"));
+}
+
+#[test]
+fn string_and_text_part_key_alike() {
+    let a = br#"{"model":"m","messages":[{"role":"user","content":"hello"}]}"#;
+    let b =
+        br#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"hello"}]}]}"#;
+    let pa = prompt_text(&parse(Api::ChatCompletions, a, LIMIT).unwrap());
+    let pb = prompt_text(&parse(Api::ChatCompletions, b, LIMIT).unwrap());
+    // parts add one separator after each part; the leading text is the same
+    assert!(pb.starts_with(&pa[..pa.len() - 1]));
+}
+
+#[test]
+fn completions_prompt_shapes() {
+    let req = parse(
+        Api::Completions,
+        br#"{"model":"m","prompt":"once upon"}"#,
+        LIMIT,
+    )
+    .unwrap();
+    assert_eq!(prompt_text(&req), b"once upon");
+    let req = parse(
+        Api::Completions,
+        br#"{"model":"m","prompt":["a","b"]}"#,
+        LIMIT,
+    )
+    .unwrap();
+    assert_eq!(prompt_text(&req), b"a\x1eb\x1e");
+    let req = parse(
+        Api::Completions,
+        br#"{"model":"m","prompt":[1,2,3]}"#,
+        LIMIT,
+    )
+    .unwrap();
+    assert_eq!(prompt_text(&req), b"1\x1e2\x1e3\x1e");
+    let e = parse(Api::Completions, br#"{"model":"m","prompt":5}"#, LIMIT).unwrap_err();
+    assert!(e.to_string().contains("prompt"), "{e}");
+    let e = parse(Api::Completions, br#"{"model":"m"}"#, LIMIT).unwrap_err();
+    assert_eq!(e, RequestError::MissingField { field: "prompt" });
+}
+
+#[test]
+fn responses_input_shapes() {
+    let req = parse(
+        Api::Responses,
+        br#"{"model":"m","input":"hi","instructions":"be nice","previous_response_id":"resp_1"}"#,
+        LIMIT,
+    )
+    .unwrap();
+    assert_eq!(prompt_text(&req), b"be nice\x1ehi");
+    assert_eq!(req.previous_response_id.as_deref(), Some("resp_1"));
+    let req = parse(
+        Api::Responses,
+        br#"{"model":"m","input":[{"type":"message","role":"user","content":[{"type":"input_text","text":"hello"}]},
+            {"type":"function_call_output","call_id":"c1","output":"42"}]}"#,
+        LIMIT,
+    )
+    .unwrap();
+    assert_eq!(
+        prompt_text(&req),
+        b"user\x1fhello\x1e\x1ec1\x1f42\x1f\x1e".to_vec()
+    );
+    // chat message and responses message with the same text key alike
+    let chat = parse(
+        Api::ChatCompletions,
+        br#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"hello"}]}]}"#,
+        LIMIT,
+    )
+    .unwrap();
+    let resp = parse(Api::Responses, br#"{"model":"m","input":[{"role":"user","content":[{"type":"input_text","text":"hello"}]}]}"#, LIMIT).unwrap();
+    assert_eq!(prompt_text(&chat), prompt_text(&resp));
+}
+
+#[test]
+fn errors_are_typed() {
+    assert_eq!(
+        parse(Api::ChatCompletions, b"  ", LIMIT),
+        Err(RequestError::Empty)
+    );
+    assert!(matches!(
+        parse(Api::ChatCompletions, b"{", LIMIT),
+        Err(RequestError::Json(_))
+    ));
+    assert!(matches!(
+        parse(Api::ChatCompletions, b"[]", LIMIT),
+        Err(RequestError::Json(_))
+    ));
+    assert!(matches!(
+        parse(Api::ChatCompletions, b"{} x", LIMIT),
+        Err(RequestError::Json(_))
+    ));
+    assert_eq!(
+        parse(Api::ChatCompletions, br#"{"messages":[]}"#, LIMIT),
+        Err(RequestError::MissingModel)
+    );
+    assert_eq!(
+        parse(Api::ChatCompletions, br#"{"model":"m"}"#, LIMIT),
+        Err(RequestError::MissingField { field: "messages" })
+    );
+    assert!(matches!(
+        parse(Api::ChatCompletions, br#"{"model":"m","messages":[{"role":"user","content":7}]}"#, LIMIT),
+        Err(RequestError::Json(m)) if m.contains("content")
+    ));
+    assert!(matches!(
+        parse(
+            Api::ChatCompletions,
+            br#"{"model":"m","stream":"yes","messages":[]}"#,
+            LIMIT
+        ),
+        Err(RequestError::Json(_))
+    ));
+    assert_eq!(
+        parse(Api::ChatCompletions, &[b' '; 11], 10),
+        Err(RequestError::TooLarge {
+            size: 11,
+            limit: 10
+        })
+    );
+    assert!(matches!(
+        parse(Api::ChatCompletions, b"\xff\xfe", LIMIT),
+        Err(RequestError::Json(_))
+    ));
+}
+
+#[test]
+fn escaped_model_is_unescaped() {
+    let req = parse(
+        Api::ChatCompletions,
+        br#"{"model":"a\/b","messages":[]}"#,
+        LIMIT,
+    )
+    .unwrap();
+    assert_eq!(req.model, "a/b");
+}
+
+fn json_value() -> impl Strategy<Value = serde_json::Value> {
+    let leaf = prop_oneof![
+        Just(serde_json::Value::Null),
+        any::<bool>().prop_map(serde_json::Value::from),
+        any::<i64>().prop_map(serde_json::Value::from),
+        ".{0,20}".prop_map(serde_json::Value::from),
+    ];
+    leaf.prop_recursive(4, 32, 6, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..6).prop_map(serde_json::Value::from),
+            prop::collection::btree_map(
+                prop_oneof![
+                    Just("model".to_string()),
+                    Just("messages".to_string()),
+                    Just("content".to_string()),
+                    Just("role".to_string()),
+                    Just("text".to_string()),
+                    Just("prompt".to_string()),
+                    Just("input".to_string()),
+                    Just("tools".to_string()),
+                    ".{0,8}"
+                ],
+                inner,
+                0..6
+            )
+            .prop_map(|m| serde_json::Value::Object(m.into_iter().collect())),
+        ]
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    #[test]
+    fn never_panics_on_bytes(body in prop::collection::vec(any::<u8>(), 0..512)) {
+        for api in [Api::ChatCompletions, Api::Completions, Api::Responses] {
+            let _ = parse(api, &body, LIMIT);
+        }
+    }
+
+    #[test]
+    fn never_panics_on_json_shapes(v in json_value()) {
+        let body = v.to_string();
+        for api in [Api::ChatCompletions, Api::Completions, Api::Responses] {
+            let _ = parse(api, body.as_bytes(), LIMIT);
+        }
+    }
+
+    #[test]
+    fn valid_chat_always_parses(
+        model in "[a-z0-9/.-]{1,20}",
+        msgs in prop::collection::vec(("(system|user|assistant)", ".{0,200}"), 1..8),
+    ) {
+        let messages: Vec<_> = msgs.iter().map(|(r, c)| serde_json::json!({"role": r, "content": c})).collect();
+        let body = serde_json::json!({"model": model, "messages": messages}).to_string();
+        let req = parse(Api::ChatCompletions, body.as_bytes(), LIMIT).unwrap();
+        prop_assert_eq!(req.model.as_ref(), model.as_str());
+        // one message separator per message (JSON escapes control characters in the text)
+        let text = prompt_text(&req);
+        prop_assert_eq!(text.iter().filter(|&&b| b == 0x1e).count(), msgs.len());
+    }
+}

@@ -1,0 +1,360 @@
+//! The request path as one call: body in, endpoint (or an HTTP error) out.
+
+use thiserror::Error;
+
+use crate::config::{InvalidBodyPolicy, PluginConfig};
+use crate::endpoint::{EndpointId, EndpointLoad};
+use crate::index::PrefixIndex;
+use crate::prefix::{BlockKey, PrefixHasher};
+use crate::request::{self, Api, RequestError};
+use crate::rng::Rng;
+use crate::score::{self, Candidate, EndpointScore};
+
+/// Where a request goes and why.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Decision {
+    pub endpoint: EndpointId,
+    /// Leading prefix blocks the chosen endpoint was believed to hold.
+    pub matched_blocks: u32,
+    /// Prefix blocks of the request.
+    pub request_blocks: u32,
+    pub kind: DecisionKind,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecisionKind {
+    /// Scored on prefix and load.
+    Scored,
+    /// Not an inference request (e.g. `GET /v1/models`): least-loaded endpoint.
+    Passthrough,
+    /// The body could not be parsed and the policy is `fallback`: least-loaded endpoint.
+    Fallback,
+}
+
+/// A request the router refuses, mapped to the status and OpenAI error it is answered with.
+#[derive(Debug, Error, PartialEq)]
+pub enum RouteError {
+    #[error(transparent)]
+    BadRequest(RequestError),
+    #[error("the model `{0}` does not exist or is not served by this pool")]
+    UnknownModel(String),
+    #[error("no endpoint is available")]
+    NoEndpoint,
+}
+
+impl RouteError {
+    pub fn status(&self) -> u16 {
+        match self {
+            RouteError::BadRequest(RequestError::TooLarge { .. }) => 413,
+            RouteError::BadRequest(_) => 400,
+            RouteError::UnknownModel(_) => 404,
+            RouteError::NoEndpoint => 503,
+        }
+    }
+
+    /// OpenAI's `error.code`.
+    pub fn code(&self) -> &'static str {
+        match self {
+            RouteError::BadRequest(RequestError::TooLarge { .. }) => "request_too_large",
+            RouteError::BadRequest(_) => "invalid_request",
+            RouteError::UnknownModel(_) => "model_not_found",
+            RouteError::NoEndpoint => "no_endpoint_available",
+        }
+    }
+
+    /// A short label for metrics and logs.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            RouteError::BadRequest(RequestError::TooLarge { .. }) => "body_too_large",
+            RouteError::BadRequest(_) => "bad_request",
+            RouteError::UnknownModel(_) => "unknown_model",
+            RouteError::NoEndpoint => "no_endpoint",
+        }
+    }
+
+    /// The JSON body, in OpenAI's error shape.
+    pub fn body(&self) -> String {
+        let (kind, param) = match self {
+            RouteError::BadRequest(e) => ("invalid_request_error", e.param()),
+            RouteError::UnknownModel(_) => ("invalid_request_error", Some("model")),
+            RouteError::NoEndpoint => ("service_unavailable", None),
+        };
+        crate::openai_error_body(&self.to_string(), kind, param, Some(self.code()))
+    }
+}
+
+/// Per-VM routing state: the config, the prefix index and reusable scratch buffers.
+#[derive(Debug)]
+pub struct Router {
+    config: PluginConfig,
+    index: PrefixIndex,
+    hasher: PrefixHasher,
+    rng: Rng,
+    ids: Vec<EndpointId>,
+    candidates: Vec<Candidate>,
+    scores: Vec<EndpointScore>,
+    keys: Vec<BlockKey>,
+}
+
+impl Router {
+    /// `seed` drives tie-breaks and keys the index's hash maps.
+    pub fn new(config: PluginConfig, seed: u64) -> Self {
+        let index = PrefixIndex::new(
+            config.pool.len(),
+            config.lru_blocks_per_endpoint,
+            seed.rotate_left(17),
+        );
+        let hasher = PrefixHasher::new(config.block_size, config.max_blocks);
+        Router {
+            config,
+            index,
+            hasher,
+            rng: Rng::new(seed),
+            ids: Vec::new(),
+            candidates: Vec::new(),
+            scores: Vec::new(),
+            keys: Vec::new(),
+        }
+    }
+
+    pub fn config(&self) -> &PluginConfig {
+        &self.config
+    }
+
+    pub fn index(&self) -> &PrefixIndex {
+        &self.index
+    }
+
+    /// Prefix keys of the last request routed by [`Router::route_body`] (empty otherwise).
+    pub fn last_keys(&self) -> &[BlockKey] {
+        &self.keys
+    }
+
+    /// Scores of the last scored decision, in the order of [`Router::last_candidates`].
+    pub fn last_scores(&self) -> &[EndpointScore] {
+        &self.scores
+    }
+
+    pub fn last_candidates(&self) -> &[Candidate] {
+        &self.candidates
+    }
+
+    /// Applies a decision taken elsewhere (another worker) to the local index.
+    pub fn apply_remote(&mut self, endpoint: EndpointId, keys: &[BlockKey]) {
+        self.index.record(endpoint, keys);
+    }
+
+    fn fill_candidates(&mut self, inflight: &[u32], loads: Option<&[EndpointLoad]>) {
+        self.candidates.clear();
+        for &id in &self.ids {
+            let load = loads
+                .and_then(|l| l.get(id.index()).copied())
+                .or_else(|| self.config.pool.get(id).map(|e| e.static_load))
+                .unwrap_or_default();
+            self.candidates.push(Candidate {
+                id,
+                matched: self.index.matched(id, &self.keys) as u32,
+                inflight: inflight.get(id.index()).copied().unwrap_or(0),
+                load,
+            });
+        }
+    }
+
+    /// Routes an OpenAI request body. `inflight` is this proxy's open-request count per
+    /// endpoint (by id); `loads`, when given, replaces the configured static loads.
+    pub fn route_body(
+        &mut self,
+        api: Api,
+        body: &[u8],
+        inflight: &[u32],
+        loads: Option<&[EndpointLoad]>,
+    ) -> Result<Decision, RouteError> {
+        self.keys.clear();
+        let req = match request::parse(api, body, self.config.max_body_bytes) {
+            Ok(req) => req,
+            Err(e @ RequestError::TooLarge { .. }) => return Err(RouteError::BadRequest(e)),
+            Err(e) => {
+                return match self.config.on_invalid_body {
+                    InvalidBodyPolicy::Reject => Err(RouteError::BadRequest(e)),
+                    InvalidBodyPolicy::Fallback => {
+                        self.least_loaded(inflight, loads, DecisionKind::Fallback)
+                    }
+                }
+            }
+        };
+        self.config.pool.serving(&req.model, &mut self.ids);
+        if self.ids.is_empty() {
+            return Err(RouteError::UnknownModel(req.model.into_owned()));
+        }
+        let keys = self
+            .hasher
+            .hash(&req.model, req.cache_salt.as_deref(), &req.prompt);
+        self.keys.extend_from_slice(keys);
+        self.fill_candidates(inflight, loads);
+        let chosen = score::pick(
+            &self.candidates,
+            self.keys.len(),
+            &self.config.weights,
+            &self.config.hotspot,
+            &mut self.rng,
+            &mut self.scores,
+        )
+        .ok_or(RouteError::NoEndpoint)?;
+        let c = self.candidates[chosen];
+        self.index.record(c.id, &self.keys);
+        Ok(Decision {
+            endpoint: c.id,
+            matched_blocks: c.matched,
+            request_blocks: self.keys.len() as u32,
+            kind: DecisionKind::Scored,
+        })
+    }
+
+    /// Routes a request whose body kvoy does not read (any endpoint of the pool will do).
+    pub fn route_passthrough(
+        &mut self,
+        inflight: &[u32],
+        loads: Option<&[EndpointLoad]>,
+    ) -> Result<Decision, RouteError> {
+        self.keys.clear();
+        self.least_loaded(inflight, loads, DecisionKind::Passthrough)
+    }
+
+    fn least_loaded(
+        &mut self,
+        inflight: &[u32],
+        loads: Option<&[EndpointLoad]>,
+        kind: DecisionKind,
+    ) -> Result<Decision, RouteError> {
+        self.config.pool.all(&mut self.ids);
+        self.fill_candidates(inflight, loads);
+        self.scores.clear();
+        let chosen =
+            score::least_loaded(&self.candidates, &mut self.rng).ok_or(RouteError::NoEndpoint)?;
+        Ok(Decision {
+            endpoint: self.candidates[chosen].id,
+            matched_blocks: 0,
+            request_blocks: 0,
+            kind,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn router(extra: &str) -> Router {
+        let cfg = format!(
+            r#"{{"endpoints":[
+                {{"address":"10.0.0.1:8000","models":["a"]}},
+                {{"address":"10.0.0.2:8000","models":["a","b"]}},
+                {{"address":"10.0.0.3:8000","models":["a"]}}]{extra}}}"#
+        );
+        Router::new(PluginConfig::from_json(cfg.as_bytes()).unwrap(), 42)
+    }
+
+    fn chat(model: &str, system: &str, user: &str) -> Vec<u8> {
+        serde_json::json!({"model": model, "messages": [
+            {"role": "system", "content": system}, {"role": "user", "content": user}]})
+        .to_string()
+        .into_bytes()
+    }
+
+    #[test]
+    fn shared_prefix_sticks() {
+        let mut r = router("");
+        let system = "You are a helpful assistant. ".repeat(40);
+        let first = r
+            .route_body(
+                Api::ChatCompletions,
+                &chat("a", &system, "q0"),
+                &[0; 3],
+                None,
+            )
+            .unwrap();
+        for i in 1..20 {
+            let d = r
+                .route_body(
+                    Api::ChatCompletions,
+                    &chat("a", &system, &format!("q{i}")),
+                    &[0; 3],
+                    None,
+                )
+                .unwrap();
+            assert_eq!(d.endpoint, first.endpoint);
+            assert!(d.matched_blocks > 10 && d.matched_blocks <= d.request_blocks);
+        }
+    }
+
+    #[test]
+    fn model_restricts_candidates() {
+        let mut r = router("");
+        for i in 0..10 {
+            let d = r
+                .route_body(
+                    Api::ChatCompletions,
+                    &chat("b", "s", &format!("{i}")),
+                    &[0; 3],
+                    None,
+                )
+                .unwrap();
+            assert_eq!(d.endpoint, EndpointId(1));
+        }
+        let e = r
+            .route_body(Api::ChatCompletions, &chat("zzz", "s", "u"), &[0; 3], None)
+            .unwrap_err();
+        assert_eq!(e.status(), 404);
+        assert!(e.body().contains("model_not_found"));
+    }
+
+    #[test]
+    fn bad_bodies_per_policy() {
+        let mut r = router("");
+        let e = r
+            .route_body(Api::ChatCompletions, b"{nope", &[0; 3], None)
+            .unwrap_err();
+        assert_eq!(e.status(), 400);
+        let v: serde_json::Value = serde_json::from_str(&e.body()).unwrap();
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        let mut r = router(r#","on_invalid_body":"fallback","max_body_bytes":100"#);
+        let d = r
+            .route_body(Api::ChatCompletions, b"{nope", &[3, 0, 5], None)
+            .unwrap();
+        assert_eq!(d.kind, DecisionKind::Fallback);
+        assert_eq!(d.endpoint, EndpointId(1));
+        // too large is never a fallback
+        let e = r
+            .route_body(Api::ChatCompletions, &[b' '; 101], &[0; 3], None)
+            .unwrap_err();
+        assert_eq!(e.status(), 413);
+    }
+
+    #[test]
+    fn passthrough_is_least_loaded() {
+        let mut r = router("");
+        let d = r.route_passthrough(&[4, 2, 9], None).unwrap();
+        assert_eq!(
+            (d.endpoint, d.kind),
+            (EndpointId(1), DecisionKind::Passthrough)
+        );
+    }
+
+    #[test]
+    fn remote_decisions_count() {
+        let mut a = router("");
+        let mut b = router("");
+        let body = chat("a", &"x".repeat(2000), "u");
+        let d = a
+            .route_body(Api::ChatCompletions, &body, &[0; 3], None)
+            .unwrap();
+        b.apply_remote(d.endpoint, a.last_keys());
+        for _ in 0..5 {
+            let e = b
+                .route_body(Api::ChatCompletions, &body, &[0; 3], None)
+                .unwrap();
+            assert_eq!(e.endpoint, d.endpoint);
+            assert_eq!(e.matched_blocks, e.request_blocks);
+        }
+    }
+}
