@@ -1,1 +1,45 @@
-//! placeholder
+//! kvoy's end-to-end kit: a real Envoy with the built filters in front of OpenAI-shaped echo
+//! backends on 127.0.0.1. The `kvoy-stack` binary (`make run`) and the tests in `tests/` use it.
+//!
+//! - [`EchoServer`]: an HTTP/1.1 backend that answers chat/completions/responses calls with a
+//!   reply naming the address that served it (header `x-served-by`).
+//! - [`render_bootstrap`]: fills in the `envoy/kvoy.yaml` template.
+//! - [`Stack`]: renders the template for a pool, runs Envoy, waits until it is ready, and kills
+//!   it on drop.
+//! - [`http`]: a tiny client and codec for the tests.
+//!
+//! ```no_run
+//! use kvoy_e2e::{EchoConfig, EchoServer, PoolEndpoint, Stack, StackConfig};
+//! use std::time::Duration;
+//!
+//! let backend = EchoServer::start(EchoConfig::new("127.0.0.1:0".parse()?, &["m"]))?;
+//! let pool = vec![PoolEndpoint::new(backend.addr(), &["m"])];
+//! let stack = Stack::start(&StackConfig::new(pool, "/tmp/kvoy-run".into()))?;
+//! let body = br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+//! let reply = kvoy_e2e::http::post_json(
+//!     stack.listen, "/v1/chat/completions", &[], body, Duration::from_secs(10))?;
+//! assert_eq!(reply.header("x-served-by"), Some(backend.addr().to_string().as_str()));
+//! # anyhow::Ok(())
+//! ```
+
+mod bootstrap;
+mod echo;
+mod envoy;
+pub mod http;
+mod stack;
+
+pub use bootstrap::{
+    prefix_affinity_config, quoted_contents, render_bootstrap, render_bootstrap_file,
+    BootstrapParams, PoolEndpoint, RenderError,
+};
+pub use echo::{
+    error_body, EchoConfig, EchoServer, DELAY_HEADER, DESTINATION_HEADER, MAX_DELAY,
+    SERVED_BY_HEADER,
+};
+pub use envoy::{
+    envoy_binary, envoy_version, free_port, validate_config, wasm_failures, EnvoyProcess,
+};
+pub use stack::{
+    bootstrap_template, default_wasm_dir, require_filter_wasm, stale_sources, workspace_root,
+    Stack, StackConfig, PREFIX_AFFINITY_WASM,
+};

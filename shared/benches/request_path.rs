@@ -1,1 +1,85 @@
-fn main() {}
+//! Parse + hash + score on the request path, at prompt sizes of 1k, 8k and 100k tokens
+//! (about 4 bytes per token), natively. The same bodies run through the wasm filter in
+//! `harness/benches/filter_wasm.rs`.
+
+// A benchmark fails loudly on bad fixtures, like a test.
+#![allow(clippy::expect_used)]
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use std::hint::black_box;
+
+use kvoy_shared::prefix::PrefixHasher;
+use kvoy_shared::request::{parse, Api};
+use kvoy_shared::{PluginConfig, Router};
+
+/// A chat body whose prompt is about `tokens * 4` bytes of prose with newlines and quotes,
+/// so that the JSON carries escapes like real prompts do.
+pub fn chat_body(tokens: usize, question: &str) -> Vec<u8> {
+    let line = "The quick brown fox jumps over the lazy dog; \"quoted\" text, code { x: 1 }.\n";
+    let mut system = String::with_capacity(tokens * 4 + line.len());
+    while system.len() < tokens * 4 {
+        system.push_str(line);
+    }
+    serde_json::json!({
+        "model": "llama",
+        "stream": true,
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": question}
+        ]
+    })
+    .to_string()
+    .into_bytes()
+}
+
+fn config() -> PluginConfig {
+    let endpoints: Vec<String> = (1..=8)
+        .map(|i| format!(r#"{{"address":"10.0.0.{i}:8000","models":["llama"]}}"#))
+        .collect();
+    let json = format!(r#"{{"endpoints":[{}]}}"#, endpoints.join(","));
+    PluginConfig::from_json(json.as_bytes()).expect("valid config")
+}
+
+fn bench(c: &mut Criterion) {
+    let sizes = [1_000usize, 8_000, 100_000];
+    let mut g = c.benchmark_group("native");
+    for &tokens in &sizes {
+        let body = chat_body(tokens, "What is the answer?");
+        g.throughput(Throughput::Bytes(body.len() as u64));
+        // The floor of any serde-based parser: validate the body, build nothing.
+        g.bench_with_input(
+            BenchmarkId::new("serde_json_ignored_any", tokens),
+            &body,
+            |b, body| {
+                b.iter(|| serde_json::from_slice::<serde::de::IgnoredAny>(black_box(body)).is_ok())
+            },
+        );
+        g.bench_with_input(BenchmarkId::new("parse", tokens), &body, |b, body| {
+            b.iter(|| {
+                parse(Api::ChatCompletions, black_box(body), 16 << 20).map(|r| r.prompt.len())
+            })
+        });
+        let req = parse(Api::ChatCompletions, &body, 16 << 20).expect("parses");
+        let mut hasher = PrefixHasher::new(64, 256);
+        g.bench_with_input(BenchmarkId::new("hash", tokens), &req, |b, req| {
+            b.iter(|| hasher.hash(&req.model, None, black_box(&req.prompt)).len())
+        });
+        let mut router = Router::new(config(), 1);
+        let inflight = [0u32; 8];
+        // Warm the index so the match walks the full chain.
+        router
+            .route_body(Api::ChatCompletions, &body, &inflight, None)
+            .expect("routes");
+        g.bench_with_input(BenchmarkId::new("route", tokens), &body, |b, body| {
+            b.iter(|| {
+                router
+                    .route_body(Api::ChatCompletions, black_box(body), &inflight, None)
+                    .map(|d| d.endpoint)
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

@@ -32,6 +32,7 @@ pub use config::{
 pub use endpoint::{Endpoint, EndpointId, EndpointLoad, Pool};
 pub use index::PrefixIndex;
 pub use lru::LruSet;
+pub use request::RequestError;
 pub use rng::Rng;
 pub use router::{Decision, DecisionKind, RouteError, Router};
 pub use score::{least_loaded, pick, Candidate, EndpointScore};

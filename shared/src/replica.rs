@@ -36,6 +36,12 @@ pub trait SharedStore {
 
 const CAS_RETRIES: usize = 32;
 
+/// The shared-data namespace of one filter configuration: `{prefix}.{xxh3(config):016x}`.
+/// Keys differ per configuration, so a new one (new endpoint order) never reads the old state.
+pub fn namespace(prefix: &str, config: &[u8]) -> String {
+    format!("{prefix}.{:016x}", xxhash_rust::xxh3::xxh3_64(config))
+}
+
 /// Per-endpoint in-flight counts shared by all VMs of a proxy.
 #[derive(Debug, Clone)]
 pub struct InflightTable {
@@ -307,10 +313,13 @@ impl DecisionLog {
     }
 }
 
+/// Values with their cas, and the last cas handed out.
+type MemoryMap = (std::collections::HashMap<String, (Vec<u8>, u32)>, u32);
+
 /// An in-process [`SharedStore`] with Envoy's semantics, for tests and native tools.
 #[derive(Debug, Default)]
 pub struct MemoryStore {
-    inner: std::cell::RefCell<(std::collections::HashMap<String, (Vec<u8>, u32)>, u32)>,
+    inner: std::cell::RefCell<MemoryMap>,
 }
 
 impl SharedStore for MemoryStore {

@@ -1,1 +1,113 @@
-//! placeholder
+//! `kvoy_prefix_affinity`: a proxy-wasm HTTP filter that sends each OpenAI request to the pool
+//! endpoint most likely to hold its prompt prefix in KV cache, weighed against load.
+//!
+//! A thin adapter over [`kvoy_shared::Router`]: it pauses at request headers (Envoy needs
+//! `allow_on_headers_stop_iteration: true`), buffers the body, asks the router, and writes
+//! `x-gateway-destination-endpoint` for an `ORIGINAL_DST` cluster. Cross-worker state lives in
+//! Envoy shared data (see [`kvoy_shared::replica`]): in-flight counts per endpoint and a
+//! bounded log of decisions that each worker replays into its own prefix index.
+//!
+//! Plugin configuration: the JSON of [`kvoy_shared::PluginConfig`], e.g.
+//! `{"endpoints":[{"address":"10.0.0.1:8000","models":["llama"]}]}`.
+
+mod metrics;
+mod store;
+mod stream;
+
+use std::cell::RefCell;
+use std::rc::Rc;
+
+use log::{error, info};
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{ContextType, LogLevel};
+
+use kvoy_shared::replica::{self, DecisionLog, InflightTable};
+use kvoy_shared::{PluginConfig, Router};
+
+use crate::metrics::Metrics;
+use crate::store::HostStore;
+use crate::stream::RequestStream;
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(LogLevel::Info);
+    proxy_wasm::set_root_context(|context_id| -> Box<dyn RootContext> {
+        Box::new(PrefixAffinityRoot { context_id, state: Rc::new(RefCell::new(None)) })
+    });
+}}
+
+/// Everything one VM keeps between requests.
+pub(crate) struct VmState {
+    pub router: Router,
+    pub inflight: InflightTable,
+    pub log: DecisionLog,
+    pub metrics: Metrics,
+    /// Scratch for in-flight counts read per request.
+    pub counts: Vec<u32>,
+}
+
+pub(crate) type SharedState = Rc<RefCell<Option<VmState>>>;
+
+struct PrefixAffinityRoot {
+    context_id: u32,
+    state: SharedState,
+}
+
+impl Context for PrefixAffinityRoot {}
+
+/// A per-VM random value: the host's random source (WASI `random_get`, through std's hash
+/// keys) mixed with the clock, so that VMs differ in tie-breaks and log origin ids.
+fn vm_seed(context_id: u32) -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    let now = hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos() as u64);
+    h.write_u64(now);
+    h.write_u32(context_id);
+    h.finish()
+}
+
+impl RootContext for PrefixAffinityRoot {
+    fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
+        let Some(raw) = self.get_plugin_configuration() else {
+            error!("kvoy_prefix_affinity: no plugin configuration; an endpoint list is required");
+            return false;
+        };
+        let config = match PluginConfig::from_json(&raw) {
+            Ok(c) => c,
+            Err(e) => {
+                error!("kvoy_prefix_affinity: bad configuration: {e}");
+                return false;
+            }
+        };
+        // Shared-data keys are namespaced by the configuration, so that a new configuration
+        // (new endpoint order) never reads the previous one's counters.
+        let namespace = replica::namespace("kvoy.pa", &raw);
+        let seed = vm_seed(self.context_id);
+        let endpoints = config.pool.len();
+        let mut log = DecisionLog::new(&namespace, config.decision_log_slots, seed);
+        log.start_at_head(&HostStore);
+        info!(
+            "kvoy_prefix_affinity: configured {endpoints} endpoints, block size {}, namespace {namespace}",
+            config.block_size
+        );
+        *self.state.borrow_mut() = Some(VmState {
+            router: Router::new(config, seed),
+            inflight: InflightTable::new(&namespace, endpoints),
+            log,
+            metrics: Metrics::define(),
+            counts: Vec::with_capacity(endpoints),
+        });
+        true
+    }
+
+    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(RequestStream::new(self.state.clone())))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}

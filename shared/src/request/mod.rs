@@ -1,8 +1,9 @@
 //! OpenAI request bodies decoded at the edge into the few things routing needs.
 //!
 //! Parsing is total: any byte string gives a [`ParsedRequest`] or a [`RequestError`], never a
-//! panic. No DOM of the prompt is built: prompt text stays borrowed from the body as the JSON
-//! string bytes the client sent (escapes included), which is all the prefix keys need.
+//! panic. No DOM of the prompt is built: a one-pass scanner ([`json`]) walks the body and prompt
+//! text stays borrowed as the JSON string bytes the client sent (escapes included), which is all
+//! the prefix keys need. Prompt strings are not checked for UTF-8; the model server is.
 //!
 //! ```
 //! use kvoy_shared::request::{parse, Api};
@@ -11,6 +12,7 @@
 //! assert_eq!(req.model, "m");
 //! ```
 
+mod json;
 mod openai;
 
 use std::borrow::Cow;
@@ -107,11 +109,7 @@ pub fn parse(api: Api, body: &[u8], limit: usize) -> Result<ParsedRequest<'_>, R
     if body.iter().all(u8::is_ascii_whitespace) {
         return Err(RequestError::Empty);
     }
-    match api {
-        Api::ChatCompletions => openai::parse_chat(body),
-        Api::Completions => openai::parse_completions(body),
-        Api::Responses => openai::parse_responses(body),
-    }
+    openai::parse_body(api, body)
 }
 
 #[cfg(test)]

@@ -1,92 +1,83 @@
-//! Single-pass serde visitors over OpenAI bodies. Prompt text is kept as borrowed raw JSON
-//! string bytes; only array-shaped message content is scanned a second time.
+//! OpenAI bodies walked once with [`Cursor`]. Prompt text stays borrowed as the raw JSON string
+//! bytes the client sent; only the few scalar fields kvoy reads are unescaped.
 
 use std::borrow::Cow;
-use std::fmt;
 
-use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
-use serde::Deserialize;
-use serde_json::value::RawValue;
-
+use super::json::{unescape, Cursor, JsonError};
 use super::{Api, ParsedRequest, RequestError, SEP_PART, SEP_ROLE};
 
 type Segments<'a> = Vec<&'a [u8]>;
 
-pub(super) fn parse_chat(body: &[u8]) -> Result<ParsedRequest<'_>, RequestError> {
-    parse_body(Api::ChatCompletions, body)
+/// An error inside a field: a JSON error, or a well-formed value of the wrong shape.
+enum FieldError {
+    Json(JsonError),
+    Shape(RequestError),
 }
 
-pub(super) fn parse_completions(body: &[u8]) -> Result<ParsedRequest<'_>, RequestError> {
-    parse_body(Api::Completions, body)
-}
-
-pub(super) fn parse_responses(body: &[u8]) -> Result<ParsedRequest<'_>, RequestError> {
-    parse_body(Api::Responses, body)
-}
-
-fn json_err(e: serde_json::Error) -> RequestError {
-    RequestError::Json(e.to_string())
-}
-
-fn parse_body(api: Api, body: &[u8]) -> Result<ParsedRequest<'_>, RequestError> {
-    let mut de = serde_json::Deserializer::from_slice(body);
-    let fields = BodySeed { api }.deserialize(&mut de).map_err(json_err)?;
-    de.end().map_err(json_err)?;
-    let model = fields.model.ok_or(RequestError::MissingModel)?;
-    if model.is_empty() {
-        return Err(RequestError::MissingModel);
-    }
-    let (field, main) = match api {
-        Api::ChatCompletions => ("messages", fields.messages),
-        Api::Completions => ("prompt", fields.prompt),
-        Api::Responses => ("input", fields.input),
-    };
-    let mut prompt = main.ok_or(RequestError::MissingField { field })?;
-    let mut head: Segments<'_> = Vec::new();
-    if let Some(tools) = fields.tools {
-        head.push(tools.get().as_bytes());
-        head.push(SEP_PART);
-    }
-    if let Some(instructions) = fields.instructions {
-        push_text_or_raw(&mut head, instructions);
-        head.push(SEP_PART);
-    }
-    if !head.is_empty() {
-        prompt.splice(0..0, head);
-    }
-    Ok(ParsedRequest {
-        api,
-        model,
-        stream: fields.stream.unwrap_or(false),
-        user: fields.user,
-        cache_salt: fields.cache_salt,
-        previous_response_id: fields.previous_response_id,
-        prompt,
-    })
-}
-
-/// The bytes between the quotes of a raw JSON string, or `None` if `raw` is not a string.
-fn string_inner(raw: &RawValue) -> Option<&[u8]> {
-    let b = raw.get().trim_ascii().as_bytes();
-    match b {
-        [b'"', inner @ .., b'"'] => Some(inner),
-        _ => None,
+impl From<JsonError> for FieldError {
+    fn from(e: JsonError) -> Self {
+        FieldError::Json(e)
     }
 }
 
-fn first_byte(raw: &RawValue) -> u8 {
-    raw.get()
-        .trim_ascii()
-        .as_bytes()
-        .first()
-        .copied()
-        .unwrap_or(0)
+impl From<FieldError> for RequestError {
+    fn from(e: FieldError) -> Self {
+        match e {
+            FieldError::Json(e) => RequestError::Json(e.to_string()),
+            FieldError::Shape(e) => e,
+        }
+    }
 }
 
-fn push_text_or_raw<'a>(out: &mut Segments<'a>, raw: &'a RawValue) {
-    match string_inner(raw) {
-        Some(inner) => out.push(inner),
-        None => out.push(raw.get().as_bytes()),
+type Result<T, E = FieldError> = std::result::Result<T, E>;
+
+/// A value of the wrong shape, unless the body simply ended (a truncated body is a JSON error).
+fn shape(c: &mut Cursor<'_>, field: &'static str, expected: &'static str) -> FieldError {
+    if c.peek().is_none() {
+        return FieldError::Json(JsonError::Eof);
+    }
+    FieldError::Shape(RequestError::BadShape { field, expected })
+}
+
+/// Runs an object walk whose member handler can fail with a shape error.
+fn walk_object<'a>(
+    cur: &mut Cursor<'a>,
+    mut member: impl FnMut(&mut Cursor<'a>, &'a [u8]) -> Result<()>,
+) -> Result<()> {
+    let mut shape_err = None;
+    let walked = cur.object(|c, key| match member(c, key) {
+        Ok(()) => Ok(()),
+        Err(FieldError::Json(e)) => Err(e),
+        Err(FieldError::Shape(e)) => {
+            shape_err = Some(e);
+            Err(JsonError::Eof) // stops the walk; replaced below
+        }
+    });
+    match (walked, shape_err) {
+        (_, Some(e)) => Err(FieldError::Shape(e)),
+        (Err(e), None) => Err(e.into()),
+        (Ok(()), None) => Ok(()),
+    }
+}
+
+/// Same as [`walk_object`] for arrays.
+fn walk_array<'a>(
+    cur: &mut Cursor<'a>,
+    mut element: impl FnMut(&mut Cursor<'a>) -> Result<()>,
+) -> Result<()> {
+    let mut shape_err = None;
+    let walked = cur.array(|c| match element(c) {
+        Ok(()) => Ok(()),
+        Err(FieldError::Json(e)) => Err(e),
+        Err(FieldError::Shape(e)) => {
+            shape_err = Some(e);
+            Err(JsonError::Eof)
+        }
+    });
+    match (walked, shape_err) {
+        (_, Some(e)) => Err(FieldError::Shape(e)),
+        (Err(e), None) => Err(e.into()),
+        (Ok(()), None) => Ok(()),
     }
 }
 
@@ -97,319 +88,210 @@ struct BodyFields<'a> {
     user: Option<Cow<'a, str>>,
     cache_salt: Option<Cow<'a, str>>,
     previous_response_id: Option<Cow<'a, str>>,
-    tools: Option<&'a RawValue>,
-    instructions: Option<&'a RawValue>,
-    messages: Option<Segments<'a>>,
-    prompt: Option<Segments<'a>>,
-    input: Option<Segments<'a>>,
+    tools: Option<&'a [u8]>,
+    instructions: Option<&'a [u8]>,
+    main: Option<Segments<'a>>,
 }
 
-enum Field {
-    Model,
-    Stream,
-    User,
-    CacheSalt,
-    PreviousResponseId,
-    Tools,
-    Instructions,
-    Messages,
-    Prompt,
-    Input,
-    Other,
+/// A key as text: raw when it has no escapes (the common case), unescaped otherwise.
+fn key_text(raw: &[u8]) -> Cow<'_, [u8]> {
+    if raw.contains(&b'\\') {
+        if let Some(k) = unescape(raw) {
+            return Cow::Owned(k.into_owned().into_bytes());
+        }
+    }
+    Cow::Borrowed(raw)
 }
 
-impl<'de> Deserialize<'de> for Field {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl Visitor<'_> for V {
-            type Value = Field;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a field name")
+fn opt_text<'a>(cur: &mut Cursor<'a>, field: &'static str) -> Result<Option<Cow<'a, str>>> {
+    if cur.null()? {
+        return Ok(None);
+    }
+    if cur.peek() != Some(b'"') {
+        return Err(shape(cur, field, "a string"));
+    }
+    Ok(Some(cur.text()?))
+}
+
+fn opt_raw<'a>(cur: &mut Cursor<'a>) -> Result<Option<&'a [u8]>> {
+    if cur.null()? {
+        return Ok(None);
+    }
+    Ok(Some(cur.value()?))
+}
+
+pub(super) fn parse_body(api: Api, body: &[u8]) -> Result<ParsedRequest<'_>, RequestError> {
+    let mut cur = Cursor::new(body);
+    let mut f = BodyFields::default();
+    let main_field = match api {
+        Api::ChatCompletions => "messages",
+        Api::Completions => "prompt",
+        Api::Responses => "input",
+    };
+    if cur.peek() != Some(b'{') {
+        return Err(RequestError::Json(
+            "the body must be a JSON object".to_owned(),
+        ));
+    }
+    walk_object(&mut cur, |c, key| {
+        match (key_text(key).as_ref(), api) {
+            (b"model", _) => f.model = opt_text(c, "model")?,
+            (b"stream", _) => {
+                f.stream = if c.null()? { None } else { Some(c.boolean()?) };
             }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<Field, E> {
-                Ok(match v {
-                    "model" => Field::Model,
-                    "stream" => Field::Stream,
-                    "user" => Field::User,
-                    "cache_salt" => Field::CacheSalt,
-                    "previous_response_id" => Field::PreviousResponseId,
-                    "tools" => Field::Tools,
-                    "instructions" => Field::Instructions,
-                    "messages" => Field::Messages,
-                    "prompt" => Field::Prompt,
-                    "input" => Field::Input,
-                    _ => Field::Other,
-                })
+            (b"user", _) => f.user = opt_text(c, "user")?,
+            (b"cache_salt", _) => f.cache_salt = opt_text(c, "cache_salt")?,
+            (b"previous_response_id", _) => {
+                f.previous_response_id = opt_text(c, "previous_response_id")?
+            }
+            (b"tools", _) => f.tools = opt_raw(c)?,
+            (b"instructions", Api::Responses) => f.instructions = opt_raw(c)?,
+            (b"messages", Api::ChatCompletions) => {
+                let mut segs = Vec::new();
+                if c.peek() != Some(b'[') {
+                    return Err(shape(c, "messages", "an array of message objects"));
+                }
+                walk_array(c, |c| message(c, &mut segs, "messages"))?;
+                f.main = Some(segs);
+            }
+            (b"prompt", Api::Completions) => f.main = Some(completion_prompt(c)?),
+            (b"input", Api::Responses) => f.main = Some(responses_input(c)?),
+            _ => {
+                c.value()?;
             }
         }
-        d.deserialize_identifier(V)
-    }
-}
-
-/// A string that borrows from the body when it has no escapes.
-struct CowStr<'a>(Cow<'a, str>);
-
-impl<'de> Deserialize<'de> for CowStr<'de> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = CowStr<'de>;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a string")
-            }
-            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
-                Ok(CowStr(Cow::Borrowed(v)))
-            }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
-                Ok(CowStr(Cow::Owned(v.to_owned())))
-            }
-        }
-        d.deserialize_str(V)
-    }
-}
-
-fn opt_str<'de, A: MapAccess<'de>>(map: &mut A) -> Result<Option<Cow<'de, str>>, A::Error> {
-    Ok(map.next_value::<Option<CowStr<'de>>>()?.map(|s| s.0))
-}
-
-struct BodySeed {
-    api: Api,
-}
-
-impl<'de> DeserializeSeed<'de> for BodySeed {
-    type Value = BodyFields<'de>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_map(self)
-    }
-}
-
-impl<'de> Visitor<'de> for BodySeed {
-    type Value = BodyFields<'de>;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a JSON object")
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        let mut out = BodyFields::default();
-        while let Some(field) = map.next_key::<Field>()? {
-            match field {
-                Field::Model => out.model = opt_str(&mut map)?,
-                Field::Stream => out.stream = map.next_value()?,
-                Field::User => out.user = opt_str(&mut map)?,
-                Field::CacheSalt => out.cache_salt = opt_str(&mut map)?,
-                Field::PreviousResponseId => out.previous_response_id = opt_str(&mut map)?,
-                Field::Tools => out.tools = non_null(map.next_value()?),
-                Field::Instructions if self.api == Api::Responses => {
-                    out.instructions = non_null(map.next_value()?)
-                }
-                Field::Messages if self.api == Api::ChatCompletions => {
-                    let mut segs = Vec::new();
-                    map.next_value_seed(MessagesSeed(&mut segs))?;
-                    out.messages = Some(segs);
-                }
-                Field::Prompt if self.api == Api::Completions => {
-                    let raw: &'de RawValue = map.next_value()?;
-                    out.prompt = Some(completion_prompt(raw).map_err(de::Error::custom)?);
-                }
-                Field::Input if self.api == Api::Responses => {
-                    let raw: &'de RawValue = map.next_value()?;
-                    out.input = Some(responses_input(raw).map_err(de::Error::custom)?);
-                }
-                _ => {
-                    map.next_value::<IgnoredAny>()?;
-                }
-            }
-        }
-        Ok(out)
-    }
-}
-
-fn non_null(raw: Option<&RawValue>) -> Option<&RawValue> {
-    raw.filter(|r| r.get().trim_ascii() != "null")
-}
-
-/// `messages`: an array of message objects, flattened into segments in order.
-struct MessagesSeed<'s, 'de>(&'s mut Segments<'de>);
-
-impl<'de> DeserializeSeed<'de> for MessagesSeed<'_, 'de> {
-    type Value = ();
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
-        d.deserialize_seq(self)
-    }
-}
-
-impl<'de> Visitor<'de> for MessagesSeed<'_, 'de> {
-    type Value = ();
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("an array of messages")
-    }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
-        while seq.next_element_seed(MessageSeed(self.0))?.is_some() {}
         Ok(())
+    })?;
+    cur.end().map_err(|e| RequestError::Json(e.to_string()))?;
+
+    let model = f
+        .model
+        .filter(|m| !m.is_empty())
+        .ok_or(RequestError::MissingModel)?;
+    let mut prompt = f
+        .main
+        .ok_or(RequestError::MissingField { field: main_field })?;
+    let mut head: Segments<'_> = Vec::new();
+    if let Some(tools) = f.tools {
+        head.push(tools);
+        head.push(SEP_PART);
+    }
+    if let Some(instructions) = f.instructions {
+        head.push(text_or_raw(instructions));
+        head.push(SEP_PART);
+    }
+    if !head.is_empty() {
+        prompt.splice(0..0, head);
+    }
+    Ok(ParsedRequest {
+        api,
+        model,
+        stream: f.stream.unwrap_or(false),
+        user: f.user,
+        cache_salt: f.cache_salt,
+        previous_response_id: f.previous_response_id,
+        prompt,
+    })
+}
+
+/// The inside of a raw JSON string value, or the raw value itself for anything else.
+fn text_or_raw(raw: &[u8]) -> &[u8] {
+    match raw {
+        [b'"', inner @ .., b'"'] => inner,
+        _ => raw,
     }
 }
 
-/// One message or Responses item: role, then content (string or parts), then any other
-/// prompt-bearing field (`tool_calls`, `output`, `arguments`...) as raw JSON. Only `type`
-/// is left out, so chat messages and Responses items with the same text key alike.
-struct MessageSeed<'s, 'de>(&'s mut Segments<'de>);
-
-impl<'de> DeserializeSeed<'de> for MessageSeed<'_, 'de> {
-    type Value = ();
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
-        d.deserialize_map(self)
+/// One chat message or Responses item: role, then content (string or parts), then any other
+/// prompt-bearing field (`tool_calls`, `output`, `arguments`...) as raw JSON. `type` and
+/// `cache_control` are left out, so chat messages and Responses items with the same text key
+/// alike.
+fn message<'a>(c: &mut Cursor<'a>, out: &mut Segments<'a>, field: &'static str) -> Result<()> {
+    if c.peek() != Some(b'{') {
+        return Err(shape(c, field, "an array of message objects"));
     }
-}
-
-impl<'de> Visitor<'de> for MessageSeed<'_, 'de> {
-    type Value = ();
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a message object")
-    }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        let out = self.0;
-        while let Some(key) = map.next_key::<CowStr<'de>>()? {
-            let raw: &'de RawValue = map.next_value()?;
-            match key.0.as_ref() {
-                "type" | "cache_control" => {}
-                "role" => {
-                    push_text_or_raw(out, raw);
+    walk_object(c, |c, key| {
+        match key_text(key).as_ref() {
+            b"type" | b"cache_control" => {
+                c.value()?;
+            }
+            b"role" => {
+                out.push(text_or_raw(c.value()?));
+                out.push(SEP_ROLE);
+            }
+            b"content" => content(c, out)?,
+            _ => {
+                let raw = c.value()?;
+                if raw != b"null" {
+                    out.push(text_or_raw(raw));
                     out.push(SEP_ROLE);
                 }
-                "content" => push_content(out, raw).map_err(de::Error::custom)?,
-                _ => {
-                    if raw.get() != "null" {
-                        push_text_or_raw(out, raw);
-                        out.push(SEP_ROLE);
-                    }
-                }
             }
         }
-        out.push(SEP_PART);
         Ok(())
-    }
+    })?;
+    out.push(SEP_PART);
+    Ok(())
 }
 
 /// Message content: a string, null, or an array of parts (`{"type":"text","text":...}`,
 /// images and the like). Text parts contribute their text; other parts their raw fields.
-fn push_content<'de>(out: &mut Segments<'de>, raw: &'de RawValue) -> Result<(), RequestError> {
-    match first_byte(raw) {
-        b'"' => push_text_or_raw(out, raw),
-        b'n' => {}
-        b'[' => {
-            let mut de = serde_json::Deserializer::from_str(raw.get());
-            PartsSeed(out).deserialize(&mut de).map_err(json_err)?;
+fn content<'a>(c: &mut Cursor<'a>, out: &mut Segments<'a>) -> Result<()> {
+    match c.peek() {
+        Some(b'"') => out.push(c.string()?),
+        Some(b'n') => {
+            c.null()?;
         }
-        _ => {
-            return Err(RequestError::BadShape {
-                field: "content",
-                expected: "a string, an array of parts or null",
-            })
-        }
+        Some(b'[') => walk_array(c, |c| {
+            match c.peek() {
+                Some(b'"') => out.push(c.string()?),
+                Some(b'{') => walk_object(c, |c, key| {
+                    let raw = c.value()?;
+                    if !matches!(key_text(key).as_ref(), b"type" | b"cache_control") {
+                        out.push(text_or_raw(raw));
+                    }
+                    Ok(())
+                })?,
+                _ => return Err(shape(c, "content", "an array of part objects or strings")),
+            }
+            out.push(SEP_PART);
+            Ok(())
+        })?,
+        _ => return Err(shape(c, "content", "a string, an array of parts or null")),
     }
     Ok(())
 }
 
-struct PartsSeed<'s, 'de>(&'s mut Segments<'de>);
-
-impl<'de> DeserializeSeed<'de> for PartsSeed<'_, 'de> {
-    type Value = ();
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
-        d.deserialize_seq(self)
-    }
-}
-
-impl<'de> Visitor<'de> for PartsSeed<'_, 'de> {
-    type Value = ();
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("an array of content parts")
-    }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
-        while seq.next_element_seed(PartSeed(self.0))?.is_some() {}
-        Ok(())
-    }
-}
-
-struct PartSeed<'s, 'de>(&'s mut Segments<'de>);
-
-impl<'de> DeserializeSeed<'de> for PartSeed<'_, 'de> {
-    type Value = ();
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
-impl<'de> Visitor<'de> for PartSeed<'_, 'de> {
-    type Value = ();
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a content part object")
-    }
-    // Some servers accept bare strings as parts; they key like text parts when unescaped.
-    fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<(), E> {
-        self.0.push(v.as_bytes());
-        self.0.push(SEP_PART);
-        Ok(())
-    }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        while let Some(key) = map.next_key::<CowStr<'de>>()? {
-            let raw: &'de RawValue = map.next_value()?;
-            if !matches!(key.0.as_ref(), "type" | "cache_control") {
-                push_text_or_raw(self.0, raw);
-            }
-        }
-        self.0.push(SEP_PART);
-        Ok(())
-    }
-}
-
 /// `/v1/completions` `prompt`: a string, or a list of strings (or token ids), as sent.
-fn completion_prompt(raw: &RawValue) -> Result<Segments<'_>, RequestError> {
+fn completion_prompt<'a>(c: &mut Cursor<'a>) -> Result<Segments<'a>> {
     let mut out = Vec::new();
-    match first_byte(raw) {
-        b'"' => push_text_or_raw(&mut out, raw),
-        b'[' => {
-            let items: Vec<&RawValue> = serde_json::from_str(raw.get()).map_err(json_err)?;
-            for item in items {
-                push_text_or_raw(&mut out, item);
-                out.push(SEP_PART);
-            }
-        }
-        _ => {
-            return Err(RequestError::BadShape {
-                field: "prompt",
-                expected: "a string or an array",
-            })
-        }
+    match c.peek() {
+        Some(b'"') => out.push(c.string()?),
+        Some(b'[') => walk_array(c, |c| {
+            out.push(text_or_raw(c.value()?));
+            out.push(SEP_PART);
+            Ok(())
+        })?,
+        _ => return Err(shape(c, "prompt", "a string or an array")),
     }
     Ok(out)
 }
 
 /// `/v1/responses` `input`: a string or a list of items (messages, tool calls, outputs).
-fn responses_input(raw: &RawValue) -> Result<Segments<'_>, RequestError> {
+fn responses_input<'a>(c: &mut Cursor<'a>) -> Result<Segments<'a>> {
     let mut out = Vec::new();
-    match first_byte(raw) {
-        b'"' => push_text_or_raw(&mut out, raw),
-        b'[' => {
-            let items: Vec<&RawValue> = serde_json::from_str(raw.get()).map_err(json_err)?;
-            for item in items {
-                if first_byte(item) == b'{' {
-                    let mut de = serde_json::Deserializer::from_str(item.get());
-                    MessageSeed(&mut out)
-                        .deserialize(&mut de)
-                        .map_err(json_err)?;
-                } else {
-                    push_text_or_raw(&mut out, item);
-                    out.push(SEP_PART);
-                }
+    match c.peek() {
+        Some(b'"') => out.push(c.string()?),
+        Some(b'[') => walk_array(c, |c| {
+            if c.peek() == Some(b'{') {
+                message(c, &mut out, "input")
+            } else {
+                out.push(text_or_raw(c.value()?));
+                out.push(SEP_PART);
+                Ok(())
             }
-        }
-        _ => {
-            return Err(RequestError::BadShape {
-                field: "input",
-                expected: "a string or an array of items",
-            })
-        }
+        })?,
+        _ => return Err(shape(c, "input", "a string or an array of items")),
     }
     Ok(out)
 }

@@ -158,8 +158,30 @@ fn errors_are_typed() {
         Err(RequestError::MissingField { field: "messages" })
     );
     assert!(matches!(
-        parse(Api::ChatCompletions, br#"{"model":"m","messages":[{"role":"user","content":7}]}"#, LIMIT),
-        Err(RequestError::Json(m)) if m.contains("content")
+        parse(
+            Api::ChatCompletions,
+            br#"{"model":"m","messages":[{"role":"user","content":7}]}"#,
+            LIMIT
+        ),
+        Err(RequestError::BadShape {
+            field: "content",
+            ..
+        })
+    ));
+    assert!(matches!(
+        parse(
+            Api::ChatCompletions,
+            br#"{"model":"m","messages":{}}"#,
+            LIMIT
+        ),
+        Err(RequestError::BadShape {
+            field: "messages",
+            ..
+        })
+    ));
+    assert!(matches!(
+        parse(Api::ChatCompletions, br#"{"model":5,"messages":[]}"#, LIMIT),
+        Err(RequestError::BadShape { field: "model", .. })
     ));
     assert!(matches!(
         parse(
@@ -253,5 +275,183 @@ proptest! {
         // one message separator per message (JSON escapes control characters in the text)
         let text = prompt_text(&req);
         prop_assert_eq!(text.iter().filter(|&&b| b == 0x1e).count(), msgs.len());
+    }
+}
+
+/// The prompt bytes the rules in `openai.rs` give for a chat body, computed over a
+/// `serde_json::Value`. For bodies serialised by serde_json, raw bytes are the value's own
+/// serialisation, so the two must agree byte for byte.
+fn reference_chat_prompt(v: &serde_json::Value) -> Option<Vec<u8>> {
+    use serde_json::Value;
+    fn raw(v: &Value) -> Vec<u8> {
+        let s = serde_json::to_string(v).unwrap();
+        match v {
+            Value::String(_) => s.as_bytes()[1..s.len() - 1].to_vec(),
+            _ => s.into_bytes(),
+        }
+    }
+    let obj = v.as_object()?;
+    let mut out = Vec::new();
+    if let Some(t) = obj.get("tools").filter(|t| !t.is_null()) {
+        out.extend(serde_json::to_vec(t).unwrap());
+        out.push(0x1e);
+    }
+    for m in obj.get("messages")?.as_array()? {
+        for (k, val) in m.as_object()? {
+            match k.as_str() {
+                "type" | "cache_control" => {}
+                "role" => {
+                    out.extend(raw(val));
+                    out.push(0x1f);
+                }
+                "content" => match val {
+                    Value::String(_) => out.extend(raw(val)),
+                    Value::Null => {}
+                    Value::Array(parts) => {
+                        for p in parts {
+                            match p {
+                                Value::String(_) => out.extend(raw(p)),
+                                Value::Object(fields) => {
+                                    for (pk, pv) in fields {
+                                        if pk != "type" && pk != "cache_control" {
+                                            out.extend(raw(pv));
+                                        }
+                                    }
+                                }
+                                _ => return None,
+                            }
+                            out.push(0x1e);
+                        }
+                    }
+                    _ => return None,
+                },
+                _ => {
+                    if !val.is_null() {
+                        out.extend(raw(val));
+                        out.push(0x1f);
+                    }
+                }
+            }
+        }
+        out.push(0x1e);
+    }
+    Some(out)
+}
+
+fn chat_body_strategy() -> impl Strategy<Value = serde_json::Value> {
+    use serde_json::{json, Value};
+    let text = "(.|\n|\"|\\\\){0,40}";
+    let part = prop_oneof![
+        text.prop_map(|t| json!({"type": "text", "text": t})),
+        text.prop_map(|t| json!({"type": "image_url", "image_url": {"url": t}})),
+        text.prop_map(Value::from),
+    ];
+    let content = prop_oneof![
+        text.prop_map(Value::from),
+        Just(Value::Null),
+        prop::collection::vec(part, 0..4).prop_map(Value::from),
+    ];
+    let message = (
+        "(system|user|assistant|tool)",
+        content,
+        prop::option::of(json_value()),
+    )
+        .prop_map(|(role, content, extra)| {
+            let mut m = json!({"role": role, "content": content});
+            if let Some(extra) = extra {
+                m["tool_calls"] = extra;
+            }
+            m
+        });
+    (
+        prop::collection::vec(message, 0..6),
+        prop::option::of(json_value()),
+        prop::option::of(json_value()),
+    )
+        .prop_map(|(messages, tools, noise)| {
+            let mut body = json!({"model": "m", "messages": messages});
+            if let Some(t) = tools {
+                body["tools"] = t;
+            }
+            if let Some(n) = noise {
+                body["temperature"] = n;
+            }
+            body
+        })
+}
+
+/// Bytes drawn mostly from JSON's structural alphabet, so that random inputs reach deep into
+/// the scanner instead of failing at the first byte.
+fn jsonish() -> impl Strategy<Value = String> {
+    prop::collection::vec(
+        prop_oneof![
+            prop::sample::select(vec![
+                "{",
+                "}",
+                "[",
+                "]",
+                ",",
+                ":",
+                "\"",
+                "\\",
+                "\\u00e9",
+                "\\n",
+                "0",
+                "-1.5e3",
+                "1.",
+                "01",
+                "true",
+                "false",
+                "null",
+                "nul",
+                " ",
+                "\n",
+                "\"model\"",
+                "\"messages\"",
+                "\"content\"",
+                "\"role\"",
+                "\"prompt\"",
+                "\"input\"",
+                "\"a\"",
+                "é",
+                "\u{1}",
+            ])
+            .prop_map(str::to_owned),
+            ".".prop_map(|s: String| s),
+        ],
+        0..40,
+    )
+    .prop_map(|v| v.concat())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(3000))]
+
+    #[test]
+    fn scanner_accepts_exactly_what_serde_json_accepts(s in jsonish()) {
+        let mut cur = json::Cursor::new(s.as_bytes());
+        let ours = cur.value().and_then(|_| cur.end()).is_ok();
+        let theirs = serde_json::from_str::<serde_json::Value>(&s).is_ok();
+        prop_assert_eq!(ours, theirs, "input {:?}", s);
+    }
+
+    #[test]
+    fn chat_prompt_matches_the_reference(body in chat_body_strategy()) {
+        let bytes = serde_json::to_vec(&body).unwrap();
+        let expected = reference_chat_prompt(&body);
+        let ours = parse(Api::ChatCompletions, &bytes, LIMIT).ok().map(|r| prompt_text(&r));
+        prop_assert_eq!(ours, expected);
+    }
+}
+
+#[test]
+fn truncated_bodies_are_json_errors() {
+    let full =
+        br#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"hi"}]}]}"#;
+    for cut in 1..full.len() {
+        match parse(Api::ChatCompletions, &full[..cut], LIMIT) {
+            Err(RequestError::Json(_)) => {}
+            other => panic!("cut at {cut}: {other:?}"),
+        }
     }
 }

@@ -1,0 +1,49 @@
+# kvoy: build, run and test. `make test` is the one command that checks everything (CI runs it).
+#
+#   make deps       install the wasm target and Envoy 1.40 (scripts/install-deps.sh)
+#   make wasm       release-build every wasm filter for wasm32-wasip1
+#   make build      wasm filters + native binaries
+#   make run        a local demo: 3 echo backends behind Envoy with the filters (Ctrl-C stops it)
+#   make test       deps, wasm, fmt check, clippy -D warnings, all tests (incl. real Envoy e2e)
+#   make bench      criterion benches
+#   make fmt        format the workspace
+#   make clean-run  remove .run/ (the demo's rendered config and logs)
+
+SHELL := /bin/bash
+CARGO ?= cargo
+# The machine is small and shared: cap parallel compile jobs.
+JOBS ?= 2
+WASM_TARGET := wasm32-wasip1
+# One crate per proxy-wasm filter.
+WASM_CRATES := kvoy-prefix-affinity
+# Crates with native binaries.
+BIN_CRATES := kvoy-e2e
+
+.PHONY: deps wasm build run test bench fmt clean-run
+
+deps:
+	bash scripts/install-deps.sh
+
+wasm:
+	$(CARGO) build --release --target $(WASM_TARGET) -j $(JOBS) $(addprefix -p ,$(WASM_CRATES))
+
+build: wasm
+	$(CARGO) build --release -j $(JOBS) $(addprefix -p ,$(BIN_CRATES)) --bins
+
+run: deps build
+	$(CARGO) run --release -j $(JOBS) -p kvoy-e2e --bin kvoy-stack
+
+test: deps wasm
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --workspace --all-targets -j $(JOBS) -- -D warnings
+	$(CARGO) test --workspace -j $(JOBS)
+
+bench:
+	$(CARGO) bench -j $(JOBS) -p kvoy-shared
+	@if [ -d harness/benches ]; then $(CARGO) bench -j $(JOBS) -p kvoy-harness; fi
+
+fmt:
+	$(CARGO) fmt --all
+
+clean-run:
+	rm -rf .run

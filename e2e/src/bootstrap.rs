@@ -1,0 +1,199 @@
+//! Rendering `envoy/kvoy.yaml`: substitutes its `{{NAME}}` placeholders in one pass.
+//!
+//! String values land inside double-quoted YAML scalars in the template, so they are escaped as
+//! JSON string contents (YAML 1.2 double-quoted scalars accept every JSON escape).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Value};
+use thiserror::Error;
+
+/// What the `envoy/kvoy.yaml` template needs.
+#[derive(Clone, Debug)]
+pub struct BootstrapParams {
+    /// Port of the proxy listener on 127.0.0.1.
+    pub listen_port: u16,
+    /// Port of the admin interface on 127.0.0.1.
+    pub admin_port: u16,
+    /// Directory holding `kvoy_prefix_affinity.wasm`.
+    pub wasm_dir: PathBuf,
+    /// The prefix-affinity filter's JSON configuration.
+    pub prefix_affinity_config: String,
+}
+
+/// A template that cannot be rendered.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum RenderError {
+    #[error("unknown placeholder {{{{{0}}}}} in the bootstrap template")]
+    UnknownPlaceholder(String),
+    #[error("unterminated placeholder at byte {0} of the bootstrap template")]
+    Unterminated(usize),
+    #[error("placeholder {{{{{0}}}}} is missing from the bootstrap template")]
+    Missing(&'static str),
+    #[error("wasm directory {0:?} is not valid UTF-8")]
+    NonUtf8Path(PathBuf),
+}
+
+/// Escapes `s` as the contents of a double-quoted YAML (or JSON) string, without the quotes.
+pub fn quoted_contents(s: &str) -> String {
+    let quoted = Value::String(s.to_string()).to_string();
+    quoted[1..quoted.len() - 1].to_string()
+}
+
+const PLACEHOLDERS: [&str; 4] = [
+    "LISTEN_PORT",
+    "ADMIN_PORT",
+    "WASM_DIR",
+    "PREFIX_AFFINITY_CONFIG",
+];
+
+/// Renders `template` (the text of `envoy/kvoy.yaml`). Every placeholder must be known and every
+/// known placeholder must occur; substituted text is never scanned again.
+pub fn render_bootstrap(template: &str, params: &BootstrapParams) -> Result<String, RenderError> {
+    let wasm_dir = params
+        .wasm_dir
+        .to_str()
+        .ok_or_else(|| RenderError::NonUtf8Path(params.wasm_dir.clone()))?;
+    let wasm_dir = wasm_dir.trim_end_matches('/');
+    let value = |name: &str| -> Option<String> {
+        match name {
+            "LISTEN_PORT" => Some(params.listen_port.to_string()),
+            "ADMIN_PORT" => Some(params.admin_port.to_string()),
+            "WASM_DIR" => Some(quoted_contents(wasm_dir)),
+            "PREFIX_AFFINITY_CONFIG" => Some(quoted_contents(&params.prefix_affinity_config)),
+            _ => None,
+        }
+    };
+    let mut out = String::with_capacity(template.len() + params.prefix_affinity_config.len() * 2);
+    let mut seen = [false; PLACEHOLDERS.len()];
+    let mut rest = template;
+    let mut offset = 0;
+    while let Some(start) = rest.find("{{") {
+        out.push_str(&rest[..start]);
+        let after = &rest[start + 2..];
+        let end = after
+            .find("}}")
+            .ok_or(RenderError::Unterminated(offset + start))?;
+        let name = after[..end].trim();
+        let text = value(name).ok_or_else(|| RenderError::UnknownPlaceholder(name.to_string()))?;
+        if let Some(i) = PLACEHOLDERS.iter().position(|p| *p == name) {
+            seen[i] = true;
+        }
+        out.push_str(&text);
+        let consumed = start + 2 + end + 2;
+        offset += consumed;
+        rest = &rest[consumed..];
+    }
+    out.push_str(rest);
+    if let Some(i) = seen.iter().position(|s| !s) {
+        return Err(RenderError::Missing(PLACEHOLDERS[i]));
+    }
+    Ok(out)
+}
+
+/// One endpoint of the filter's pool.
+#[derive(Clone, Debug)]
+pub struct PoolEndpoint {
+    pub address: SocketAddr,
+    pub models: Vec<String>,
+}
+
+impl PoolEndpoint {
+    /// An endpoint at `address` serving `models`.
+    pub fn new(address: SocketAddr, models: &[&str]) -> Self {
+        PoolEndpoint {
+            address,
+            models: models.iter().map(|m| m.to_string()).collect(),
+        }
+    }
+}
+
+/// The prefix-affinity filter's configuration JSON for a static pool, with an optional body
+/// limit and any further top-level fields from `extra` (a JSON object; other values are ignored).
+pub fn prefix_affinity_config(
+    endpoints: &[PoolEndpoint],
+    max_body_bytes: Option<u64>,
+    extra: Option<&Value>,
+) -> String {
+    let endpoints: Vec<Value> = endpoints
+        .iter()
+        .map(|e| json!({"address": e.address.to_string(), "models": e.models}))
+        .collect();
+    let mut config = json!({"endpoints": endpoints});
+    if let Some(limit) = max_body_bytes {
+        config["max_body_bytes"] = json!(limit);
+    }
+    if let (Some(Value::Object(extra)), Value::Object(map)) = (extra, &mut config) {
+        for (k, v) in extra {
+            map.insert(k.clone(), v.clone());
+        }
+    }
+    config.to_string()
+}
+
+/// Reads the template at `path` and renders it.
+pub fn render_bootstrap_file(path: &Path, params: &BootstrapParams) -> anyhow::Result<String> {
+    let template = std::fs::read_to_string(path)
+        .map_err(|e| anyhow::anyhow!("reading bootstrap template {}: {e}", path.display()))?;
+    Ok(render_bootstrap(&template, params)?)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    fn params(config: &str) -> BootstrapParams {
+        BootstrapParams {
+            listen_port: 10000,
+            admin_port: 9901,
+            wasm_dir: PathBuf::from("/opt/kvoy wasm/"),
+            prefix_affinity_config: config.to_string(),
+        }
+    }
+
+    const T: &str = "l: {{LISTEN_PORT}}\na: {{ ADMIN_PORT }}\nf: \"{{WASM_DIR}}/x.wasm\"\nv: \"{{PREFIX_AFFINITY_CONFIG}}\"\n";
+
+    #[test]
+    fn substitutes_and_escapes() {
+        let config = r#"{"endpoints":[{"address":"1.2.3.4:80","models":["a\"b","{{X}}"]}]}"#;
+        let out = render_bootstrap(T, &params(config)).unwrap();
+        assert!(out.contains("l: 10000\n"));
+        assert!(out.contains("a: 9901\n"));
+        assert!(out.contains("f: \"/opt/kvoy wasm/x.wasm\""));
+        // The value line is a JSON string literal that decodes back to the config.
+        let line = out.lines().find(|l| l.starts_with("v: ")).unwrap();
+        let decoded: String = serde_json::from_str(&line[3..]).unwrap();
+        assert_eq!(decoded, config);
+    }
+
+    #[test]
+    fn rejects_unknown_unterminated_and_missing() {
+        let p = params("{}");
+        assert_eq!(
+            render_bootstrap("{{NOPE}}", &p),
+            Err(RenderError::UnknownPlaceholder("NOPE".into()))
+        );
+        assert_eq!(
+            render_bootstrap("x {{LISTEN_PORT", &p),
+            Err(RenderError::Unterminated(2))
+        );
+        assert_eq!(
+            render_bootstrap("{{LISTEN_PORT}}", &p),
+            Err(RenderError::Missing("ADMIN_PORT"))
+        );
+    }
+
+    #[test]
+    fn builds_pool_config() {
+        let a: SocketAddr = "127.0.0.1:18001".parse().unwrap();
+        let extra = json!({"on_invalid_body": "reject"});
+        let c = prefix_affinity_config(&[PoolEndpoint::new(a, &["m"])], Some(1024), Some(&extra));
+        let v: Value = serde_json::from_str(&c).unwrap();
+        assert_eq!(v["endpoints"][0]["address"], "127.0.0.1:18001");
+        assert_eq!(v["endpoints"][0]["models"][0], "m");
+        assert_eq!(v["max_body_bytes"], 1024);
+        assert_eq!(v["on_invalid_body"], "reject");
+    }
+}

@@ -1,0 +1,207 @@
+//! A kvoy stack: the rendered `envoy/kvoy.yaml` running in a real Envoy in front of a static pool.
+//! Used by `kvoy-stack` (`make run`) and by the end-to-end tests; the backends are started by
+//! the caller.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context as _};
+use serde_json::Value;
+
+use crate::bootstrap::{
+    prefix_affinity_config, render_bootstrap_file, BootstrapParams, PoolEndpoint,
+};
+use crate::envoy::{free_port, EnvoyProcess};
+
+/// File name of the prefix-affinity filter module.
+pub const PREFIX_AFFINITY_WASM: &str = "kvoy_prefix_affinity.wasm";
+
+/// The repository root (this crate's parent directory, as built).
+pub fn workspace_root() -> PathBuf {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().unwrap_or(manifest).to_path_buf()
+}
+
+/// `envoy/kvoy.yaml` in the repository.
+pub fn bootstrap_template() -> PathBuf {
+    workspace_root().join("envoy").join("kvoy.yaml")
+}
+
+/// Where the release wasm filters are: `$KVOY_WASM_DIR`, else
+/// `$CARGO_TARGET_DIR/wasm32-wasip1/release`, else `<root>/target/wasm32-wasip1/release`.
+pub fn default_wasm_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("KVOY_WASM_DIR") {
+        return PathBuf::from(dir);
+    }
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target"));
+    target.join("wasm32-wasip1").join("release")
+}
+
+/// The prefix-affinity module in `wasm_dir`, or an error that says how to build it.
+pub fn require_filter_wasm(wasm_dir: &Path) -> anyhow::Result<PathBuf> {
+    let path = wasm_dir.join(PREFIX_AFFINITY_WASM);
+    if !path.is_file() {
+        bail!(
+            "the filter module {} is missing: build it with `make wasm` \
+             (cargo build --release --target wasm32-wasip1 -p kvoy-prefix-affinity)",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+/// Source files (under `filters/` and `shared/`) newer than the built module at `wasm`: when
+/// there are any, the module is stale and `make wasm` should run first. Empty if `wasm` is
+/// missing or times are unavailable.
+pub fn stale_sources(wasm: &Path) -> Vec<PathBuf> {
+    let Ok(built) = std::fs::metadata(wasm).and_then(|m| m.modified()) else {
+        return Vec::new();
+    };
+    let root = workspace_root();
+    let mut newer = Vec::new();
+    let mut dirs = vec![(root.join("filters"), 0u32), (root.join("shared"), 0u32)];
+    // Bounded walk: a few levels deep, a few thousand entries at most.
+    let mut budget = 5000u32;
+    while let Some((dir, depth)) = dirs.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            budget = budget.saturating_sub(1);
+            if budget == 0 {
+                return newer;
+            }
+            let path = entry.path();
+            let Ok(meta) = entry.metadata() else { continue };
+            if meta.is_dir() {
+                if depth < 6 && entry.file_name() != "target" {
+                    dirs.push((path, depth + 1));
+                }
+            } else if path.extension().is_some_and(|e| e == "rs" || e == "toml")
+                && meta.modified().is_ok_and(|m| m > built)
+            {
+                newer.push(path);
+            }
+        }
+    }
+    newer
+}
+
+/// How to start a stack.
+#[derive(Clone, Debug)]
+pub struct StackConfig {
+    /// The filter's endpoint pool.
+    pub pool: Vec<PoolEndpoint>,
+    /// The filter's `max_body_bytes`, if set.
+    pub max_body_bytes: Option<u64>,
+    /// Further top-level fields of the filter configuration (a JSON object).
+    pub extra_config: Option<Value>,
+    /// Listener port on 127.0.0.1; 0 picks a free one.
+    pub listen_port: u16,
+    /// Admin port on 127.0.0.1; 0 picks a free one.
+    pub admin_port: u16,
+    /// Directory for `envoy.yaml` and `envoy.log` (created).
+    pub run_dir: PathBuf,
+    /// Directory holding the wasm filters.
+    pub wasm_dir: PathBuf,
+    /// Envoy worker threads.
+    pub concurrency: u32,
+    /// How long to wait for Envoy to become ready.
+    pub ready_timeout: Duration,
+}
+
+impl StackConfig {
+    /// Defaults for `pool`: free ports, the built filters, two workers, a 60 s startup bound.
+    pub fn new(pool: Vec<PoolEndpoint>, run_dir: PathBuf) -> Self {
+        StackConfig {
+            pool,
+            max_body_bytes: None,
+            extra_config: None,
+            listen_port: 0,
+            admin_port: 0,
+            run_dir,
+            wasm_dir: default_wasm_dir(),
+            concurrency: 2,
+            ready_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// A running Envoy with the rendered kvoy bootstrap.
+pub struct Stack {
+    /// The proxy listener.
+    pub listen: SocketAddr,
+    /// The admin interface.
+    pub admin: SocketAddr,
+    /// The rendered bootstrap.
+    pub config_path: PathBuf,
+    /// The filter configuration it carries.
+    pub filter_config: String,
+    /// The Envoy process (killed on drop).
+    pub envoy: EnvoyProcess,
+}
+
+impl Stack {
+    /// Renders `envoy/kvoy.yaml` into `run_dir/envoy.yaml`, starts Envoy and waits until it is
+    /// ready.
+    pub fn start(config: &StackConfig) -> anyhow::Result<Stack> {
+        crate::envoy::envoy_version()?;
+        let wasm = require_filter_wasm(&config.wasm_dir)?;
+        let stale = stale_sources(&wasm);
+        if !stale.is_empty() {
+            eprintln!(
+                "warning: {} is older than {} source file(s), e.g. {}: run `make wasm`",
+                wasm.display(),
+                stale.len(),
+                stale[0].display()
+            );
+        }
+        std::fs::create_dir_all(&config.run_dir)
+            .with_context(|| format!("creating {}", config.run_dir.display()))?;
+        let listen_port = pick(config.listen_port)?;
+        let admin_port = pick(config.admin_port)?;
+        let filter_config = prefix_affinity_config(
+            &config.pool,
+            config.max_body_bytes,
+            config.extra_config.as_ref(),
+        );
+        let wasm_dir = config
+            .wasm_dir
+            .canonicalize()
+            .with_context(|| format!("resolving {}", config.wasm_dir.display()))?;
+        let params = BootstrapParams {
+            listen_port,
+            admin_port,
+            wasm_dir,
+            prefix_affinity_config: filter_config.clone(),
+        };
+        let rendered = render_bootstrap_file(&bootstrap_template(), &params)?;
+        let config_path = config.run_dir.join("envoy.yaml");
+        std::fs::write(&config_path, rendered)
+            .with_context(|| format!("writing {}", config_path.display()))?;
+        let log_path = config.run_dir.join("envoy.log");
+        let _ = std::fs::remove_file(&log_path);
+        let mut envoy = EnvoyProcess::spawn(&config_path, &log_path, config.concurrency, &[])?;
+        let listen = SocketAddr::from(([127, 0, 0, 1], listen_port));
+        let admin = SocketAddr::from(([127, 0, 0, 1], admin_port));
+        envoy.wait_ready(admin, listen, config.ready_timeout)?;
+        Ok(Stack {
+            listen,
+            admin,
+            config_path,
+            filter_config,
+            envoy,
+        })
+    }
+}
+
+fn pick(port: u16) -> std::io::Result<u16> {
+    if port == 0 {
+        free_port()
+    } else {
+        Ok(port)
+    }
+}

@@ -1,0 +1,49 @@
+//! `envoy/kvoy.yaml`, rendered as `make run` and the end-to-end tests render it, passes
+//! `envoy --mode validate`. Validation loads the wasm module, so this needs the built filter
+//! (`make wasm`) and fails, saying so, without it.
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+use std::path::PathBuf;
+
+use kvoy_e2e::{
+    bootstrap_template, default_wasm_dir, envoy_version, prefix_affinity_config,
+    render_bootstrap_file, require_filter_wasm, validate_config, BootstrapParams, PoolEndpoint,
+};
+use serde_json::json;
+
+#[test]
+fn rendered_bootstrap_passes_envoy_validate() {
+    let version = envoy_version().expect("envoy must be installed (make deps)");
+    eprintln!("using {version}");
+    let wasm_dir = default_wasm_dir();
+    require_filter_wasm(&wasm_dir).expect("the filter must be built (make wasm)");
+    let pool = vec![
+        PoolEndpoint::new("127.0.0.1:18001".parse().unwrap(), &["kvoy-demo"]),
+        PoolEndpoint::new(
+            "127.0.0.1:18002".parse().unwrap(),
+            &["kvoy-demo", "other \"quoted\" model"],
+        ),
+    ];
+    // Quotes, backslashes and newlines in the config must survive YAML escaping.
+    let extra = json!({"on_invalid_body": "reject"});
+    let config = prefix_affinity_config(&pool, Some(1 << 20), Some(&extra));
+    let params = BootstrapParams {
+        listen_port: 18000,
+        admin_port: 18900,
+        wasm_dir: wasm_dir.canonicalize().expect("wasm dir"),
+        prefix_affinity_config: config,
+    };
+    let rendered = render_bootstrap_file(&bootstrap_template(), &params).expect("render");
+    assert!(rendered.contains("allow_on_headers_stop_iteration: true"));
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("kvoy-e2e");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(format!("validate-{}.yaml", std::process::id()));
+    std::fs::write(&path, rendered).unwrap();
+    match validate_config(&path) {
+        Ok(out) => {
+            eprintln!("{}", out.lines().last().unwrap_or(""));
+            let _ = std::fs::remove_file(&path);
+        }
+        Err(e) => panic!("{e:#}"),
+    }
+}

@@ -1,0 +1,56 @@
+//! The filter's Envoy metrics (`kvoy_prefix_affinity_*`). A metric that fails to define is
+//! skipped, never fatal.
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::MetricType;
+
+pub(crate) struct Metrics {
+    pub decisions: Option<u32>,
+    pub passthrough: Option<u32>,
+    pub fallbacks: Option<u32>,
+    pub blocks_requested: Option<u32>,
+    pub blocks_matched: Option<u32>,
+    pub remote_applied: Option<u32>,
+    pub shared_state_errors: Option<u32>,
+    pub rejected_bad_request: Option<u32>,
+    pub rejected_body_too_large: Option<u32>,
+    pub rejected_unknown_model: Option<u32>,
+    pub rejected_no_endpoint: Option<u32>,
+}
+
+fn counter(name: &str) -> Option<u32> {
+    hostcalls::define_metric(MetricType::Counter, name).ok()
+}
+
+impl Metrics {
+    pub fn define() -> Self {
+        Metrics {
+            decisions: counter("kvoy_prefix_affinity_decisions_total"),
+            passthrough: counter("kvoy_prefix_affinity_passthrough_total"),
+            fallbacks: counter("kvoy_prefix_affinity_fallbacks_total"),
+            blocks_requested: counter("kvoy_prefix_affinity_prefix_blocks_requested_total"),
+            blocks_matched: counter("kvoy_prefix_affinity_prefix_blocks_matched_total"),
+            remote_applied: counter("kvoy_prefix_affinity_remote_decisions_applied_total"),
+            shared_state_errors: counter("kvoy_prefix_affinity_shared_state_errors_total"),
+            rejected_bad_request: counter("kvoy_prefix_affinity_errors_bad_request_total"),
+            rejected_body_too_large: counter("kvoy_prefix_affinity_errors_body_too_large_total"),
+            rejected_unknown_model: counter("kvoy_prefix_affinity_errors_unknown_model_total"),
+            rejected_no_endpoint: counter("kvoy_prefix_affinity_errors_no_endpoint_total"),
+        }
+    }
+
+    pub fn add(id: Option<u32>, n: u64) {
+        if let Some(id) = id {
+            let _ = hostcalls::increment_metric(id, n.min(i64::MAX as u64) as i64);
+        }
+    }
+
+    pub fn rejected(&self, reason: &str) -> Option<u32> {
+        match reason {
+            "body_too_large" => self.rejected_body_too_large,
+            "unknown_model" => self.rejected_unknown_model,
+            "no_endpoint" => self.rejected_no_endpoint,
+            _ => self.rejected_bad_request,
+        }
+    }
+}

@@ -1,0 +1,261 @@
+//! One HTTP request through the filter.
+
+use log::{debug, warn};
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext};
+use proxy_wasm::types::{Action, MapType};
+
+use kvoy_shared::request::Api;
+use kvoy_shared::{Decision, DecisionKind, EndpointId, RequestError, RouteError};
+
+use crate::metrics::Metrics;
+use crate::store::HostStore;
+use crate::{SharedState, VmState};
+
+/// The destination the ORIGINAL_DST cluster routes by (Gateway API Inference Extension).
+pub(crate) const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+/// The endpoint that actually served the request, on the response.
+pub(crate) const SERVED_HEADER: &str = "x-gateway-destination-endpoint-served";
+
+pub(crate) struct RequestStream {
+    state: SharedState,
+    /// Set while the body of an inference request is being buffered.
+    api: Option<Api>,
+    chosen: Option<EndpointId>,
+    /// Counted in the shared in-flight table; released once, when the stream ends.
+    acquired: Option<EndpointId>,
+}
+
+impl RequestStream {
+    pub fn new(state: SharedState) -> Self {
+        RequestStream {
+            state,
+            api: None,
+            chosen: None,
+            acquired: None,
+        }
+    }
+
+    fn header(&self, name: &str) -> Option<String> {
+        hostcalls::get_map_value(MapType::HttpRequestHeaders, name)
+            .ok()
+            .flatten()
+    }
+
+    fn reply_error(&self, vm: &VmState, err: &RouteError) -> Action {
+        Metrics::add(vm.metrics.rejected(err.reason()), 1);
+        debug!("kvoy_prefix_affinity: {} {}", err.status(), err);
+        let body = err.body();
+        let _ = hostcalls::send_http_response(
+            u32::from(err.status()),
+            vec![("content-type", "application/json")],
+            Some(body.as_bytes()),
+        );
+        Action::Pause
+    }
+
+    /// Sets the destination, counts the request in flight, shares the decision.
+    fn commit(&mut self, vm: &mut VmState, decision: Decision) -> Action {
+        let Some(endpoint) = vm.router.config().pool.get(decision.endpoint) else {
+            return self.reply_error(vm, &RouteError::NoEndpoint);
+        };
+        if hostcalls::set_map_value(
+            MapType::HttpRequestHeaders,
+            DESTINATION_HEADER,
+            Some(&endpoint.address_text),
+        )
+        .is_err()
+        {
+            return self.reply_error(vm, &RouteError::NoEndpoint);
+        }
+        self.chosen = Some(decision.endpoint);
+        if vm.inflight.add(&HostStore, decision.endpoint, 1).is_ok() {
+            self.acquired = Some(decision.endpoint);
+        } else {
+            Metrics::add(vm.metrics.shared_state_errors, 1);
+        }
+        Metrics::add(vm.metrics.decisions, 1);
+        match decision.kind {
+            DecisionKind::Scored => {
+                Metrics::add(
+                    vm.metrics.blocks_requested,
+                    u64::from(decision.request_blocks),
+                );
+                Metrics::add(
+                    vm.metrics.blocks_matched,
+                    u64::from(decision.matched_blocks),
+                );
+                let keys = vm.router.last_keys();
+                if !keys.is_empty() && vm.log.append(&HostStore, decision.endpoint, keys).is_err() {
+                    Metrics::add(vm.metrics.shared_state_errors, 1);
+                }
+            }
+            DecisionKind::Passthrough => Metrics::add(vm.metrics.passthrough, 1),
+            DecisionKind::Fallback => Metrics::add(vm.metrics.fallbacks, 1),
+        }
+        Action::Continue
+    }
+
+    /// Brings this VM's view up to date: other workers' decisions and the in-flight counts.
+    fn refresh(vm: &mut VmState) {
+        let VmState {
+            router,
+            log,
+            metrics,
+            inflight,
+            counts,
+            ..
+        } = vm;
+        let applied = log.poll(&HostStore, |endpoint, keys| {
+            router.apply_remote(endpoint, keys)
+        });
+        if applied > 0 {
+            Metrics::add(metrics.remote_applied, applied as u64);
+        }
+        inflight.read(&HostStore, counts);
+    }
+
+    fn route_body(&mut self, api: Api, body: &[u8]) -> Action {
+        let state = self.state.clone();
+        let mut guard = state.borrow_mut();
+        let Some(vm) = guard.as_mut() else {
+            return Action::Continue;
+        };
+        Self::refresh(vm);
+        let counts = std::mem::take(&mut vm.counts);
+        let result = vm.router.route_body(api, body, &counts, None);
+        vm.counts = counts;
+        match result {
+            Ok(decision) => self.commit(vm, decision),
+            Err(err) => self.reply_error(vm, &err),
+        }
+    }
+}
+
+impl Context for RequestStream {}
+
+impl HttpContext for RequestStream {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        // Whatever happens next, the client never chooses the upstream.
+        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, DESTINATION_HEADER, None);
+        let state = self.state.clone();
+        let mut guard = state.borrow_mut();
+        let Some(vm) = guard.as_mut() else {
+            // Not configured: Envoy refuses such a plugin, so this is unreachable in practice.
+            return Action::Continue;
+        };
+        let method = self.header(":method").unwrap_or_default();
+        let api = self
+            .header(":path")
+            .and_then(|p| Api::from_path(&p))
+            .filter(|_| method.eq_ignore_ascii_case("POST"));
+        let Some(api) = api else {
+            Self::refresh(vm);
+            let counts = std::mem::take(&mut vm.counts);
+            let result = vm.router.route_passthrough(&counts, None);
+            vm.counts = counts;
+            return match result {
+                Ok(decision) => self.commit(vm, decision),
+                Err(err) => self.reply_error(vm, &err),
+            };
+        };
+        let limit = vm.router.config().max_body_bytes;
+        if let Some(size) = self
+            .header("content-length")
+            .and_then(|v| v.trim().parse::<u64>().ok())
+        {
+            if size > limit as u64 {
+                let err = RouteError::BadRequest(RequestError::TooLarge {
+                    size: usize::try_from(size).unwrap_or(usize::MAX),
+                    limit,
+                });
+                return self.reply_error(vm, &err);
+            }
+        }
+        drop(guard);
+        if end_of_stream {
+            return self.route_body(api, b"");
+        }
+        self.api = Some(api);
+        Action::Pause
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let Some(api) = self.api else {
+            return Action::Continue;
+        };
+        let limit = self
+            .state
+            .borrow()
+            .as_ref()
+            .map_or(usize::MAX, |vm| vm.router.config().max_body_bytes);
+        if body_size > limit {
+            self.api = None;
+            let state = self.state.clone();
+            let guard = state.borrow();
+            if let Some(vm) = guard.as_ref() {
+                let err = RouteError::BadRequest(RequestError::TooLarge {
+                    size: body_size,
+                    limit,
+                });
+                return self.reply_error(vm, &err);
+            }
+            return Action::Pause;
+        }
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        self.api = None;
+        let body = match hostcalls::get_buffer(
+            proxy_wasm::types::BufferType::HttpRequestBody,
+            0,
+            body_size,
+        ) {
+            Ok(Some(b)) => b,
+            Ok(None) => Vec::new(),
+            Err(status) => {
+                warn!("kvoy_prefix_affinity: cannot read the request body: {status:?}");
+                Vec::new()
+            }
+        };
+        self.route_body(api, &body)
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        let Some(chosen) = self.chosen else {
+            return Action::Continue;
+        };
+        let guard = self.state.borrow();
+        let Some(vm) = guard.as_ref() else {
+            return Action::Continue;
+        };
+        let pool = &vm.router.config().pool;
+        // The upstream Envoy actually used; only a pool member is reported.
+        let served = hostcalls::get_property(vec!["upstream", "address"])
+            .ok()
+            .flatten()
+            .and_then(|b| String::from_utf8(b).ok())
+            .and_then(|a| pool.find(&a))
+            .unwrap_or(chosen);
+        if let Some(endpoint) = pool.get(served) {
+            let _ = hostcalls::set_map_value(
+                MapType::HttpResponseHeaders,
+                SERVED_HEADER,
+                Some(&endpoint.address_text),
+            );
+        }
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        let Some(endpoint) = self.acquired.take() else {
+            return;
+        };
+        let guard = self.state.borrow();
+        if let Some(vm) = guard.as_ref() {
+            if vm.inflight.add(&HostStore, endpoint, -1).is_err() {
+                Metrics::add(vm.metrics.shared_state_errors, 1);
+            }
+        }
+    }
+}
