@@ -14,8 +14,8 @@ CARGO ?= cargo
 # The machine is small and shared: cap parallel compile jobs.
 JOBS ?= 2
 WASM_TARGET := wasm32-wasip1
-# One crate per proxy-wasm filter.
-WASM_CRATES := kvoy-prefix-affinity
+# One crate per proxy-wasm filter, plus the harness's SDK test guest.
+WASM_CRATES := kvoy-prefix-affinity kvoy-harness-guest
 # Crates with native binaries.
 BIN_CRATES := kvoy-e2e
 

@@ -1,1 +1,68 @@
-//! placeholder
+//! A proxy-wasm ABI 0.2.1 host on wasmtime, for testing and benchmarking kvoy's filters without
+//! Envoy.
+//!
+//! It loads a filter built for `wasm32-wasip1`, starts a [`Plugin`] of N VMs the way Envoy
+//! starts one per worker thread, and drives HTTP streams through them with Envoy's semantics
+//! (see `harness/README.md` for what is implemented and where it differs). The VMs share
+//! shared data (with CAS), shared queues, metrics, captured logs and a virtual clock that only
+//! moves when the test calls [`Plugin::advance`]. HTTP callouts and foreign functions are
+//! recorded for the test to answer. A guest trap (a Rust panic) becomes an [`Error::Trap`] from
+//! the call that caused it, with the panic message.
+//!
+//! ```no_run
+//! use kvoy_harness::{testing, Action};
+//!
+//! # fn main() -> Result<(), kvoy_harness::Error> {
+//! let host = testing::filter_host("kvoy_prefix_affinity")?; // needs `make wasm`
+//! let plugin = host
+//!     .plugin()
+//!     .configuration(r#"{"endpoints":[{"address":"127.0.0.1:18001","models":["m"]}]}"#)
+//!     .vms(2)
+//!     .start()?;
+//!
+//! let stream = plugin.vm(0).http_stream()?;
+//! let headers = [(":method", "POST"), (":path", "/v1/chat/completions"), (":authority", "gw")];
+//! assert_eq!(stream.send_request_headers(&headers, false)?, Action::Pause);
+//! stream.send_request_body(br#"{"model":"m","messages":[]}"#, true)?;
+//! let destination = stream.request_header("x-gateway-destination-endpoint");
+//! stream.finish()?;
+//!
+//! plugin.advance(std::time::Duration::from_secs(1))?; // fires due proxy_on_tick calls
+//! println!("{destination:?} {:?}", plugin.counter("kvoy_requests_total"));
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Set `KVOY_HARNESS_LOG=1` to print the guests' log lines as they arrive.
+
+mod abi;
+mod callouts;
+mod clock;
+mod error;
+mod headers;
+mod host;
+mod http_driver;
+mod logs;
+mod metrics;
+mod plugin;
+mod queues;
+mod shared;
+mod shared_data;
+mod stream;
+mod stream_state;
+pub mod testing;
+mod types;
+mod vm;
+mod vm_state;
+mod wasi;
+
+pub use callouts::{ForeignCall, ForeignFunction, HttpCall, HttpResponse, LocalReply};
+pub use error::{Error, Result};
+pub use headers::{decode_pairs, encode_pairs, HeaderMap, PairsError, RawPair};
+pub use host::Host;
+pub use logs::{LogEntry, LogSource, ECHO_ENV};
+pub use metrics::Metric;
+pub use plugin::{Plugin, PluginBuilder, VmRef};
+pub use stream::HttpStream;
+pub use stream_state::StreamEvent;
+pub use types::{Action, BufferType, LogLevel, MapType, MetricType, Status, StreamType};

@@ -1,0 +1,321 @@
+//! A scriptable proxy-wasm filter for the harness's own tests.
+//!
+//! The plugin configuration is `;`-separated words: `tick=<ms>` arms a tick, `queue` registers
+//! queue "q", `fail` makes `on_configure` return false, `panic` panics there. Each request names
+//! what to do in `x-test-action`; results come back as request headers (`x-*`) or log lines.
+
+use std::collections::hash_map::RandomState;
+use std::hash::BuildHasher;
+use std::time::{Duration, UNIX_EPOCH};
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action, ContextType, LogLevel, MetricType};
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(LogLevel::Trace);
+    proxy_wasm::set_root_context(|_| Box::new(Root { queue: None }));
+}}
+
+struct Root {
+    queue: Option<u32>,
+}
+
+impl Context for Root {
+    fn on_http_call_response(&mut self, token: u32, headers: usize, body: usize, _trailers: usize) {
+        let status = self
+            .get_http_call_response_header(":status")
+            .unwrap_or_default();
+        let text = self
+            .get_http_call_response_body(0, body)
+            .unwrap_or_default();
+        log::info!(
+            "root callout {token}: status={status} headers={headers} body={}",
+            String::from_utf8_lossy(&text)
+        );
+    }
+}
+
+impl RootContext for Root {
+    fn on_vm_start(&mut self, _size: usize) -> bool {
+        let config = self.get_vm_configuration().unwrap_or_default();
+        log::info!("vm_start config={}", String::from_utf8_lossy(&config));
+        true
+    }
+
+    fn on_configure(&mut self, _size: usize) -> bool {
+        let config = self.get_plugin_configuration().unwrap_or_default();
+        let config = String::from_utf8_lossy(&config).into_owned();
+        log::info!("configure config={config}");
+        for word in config.split(';') {
+            match word.split_once('=') {
+                Some(("tick", ms)) => {
+                    self.set_tick_period(Duration::from_millis(ms.parse().unwrap_or(0)))
+                }
+                Some(("callout", upstream)) => {
+                    let headers = vec![
+                        (":method", "GET"),
+                        (":path", "/snapshot"),
+                        (":authority", "agg"),
+                    ];
+                    match self.dispatch_http_call(
+                        upstream,
+                        headers,
+                        None,
+                        vec![],
+                        Duration::from_secs(1),
+                    ) {
+                        Ok(token) => log::info!("root dispatched {token}"),
+                        Err(status) => log::warn!("root dispatch failed: {status:?}"),
+                    }
+                }
+                _ => match word {
+                    "queue" => self.queue = Some(self.register_shared_queue("q")),
+                    "fail" => return false,
+                    "panic" => panic!("configure panicked on purpose"),
+                    _ => {}
+                },
+            }
+        }
+        true
+    }
+
+    fn on_tick(&mut self) {
+        let now = self
+            .get_current_time()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
+        let id = hostcalls::define_metric(MetricType::Counter, "guest_ticks").unwrap_or(0);
+        let _ = hostcalls::increment_metric(id, 1);
+        log::info!("tick at {}", now.as_millis());
+    }
+
+    fn on_queue_ready(&mut self, queue: u32) {
+        while let Ok(Some(item)) = self.dequeue_shared_queue(queue) {
+            log::info!("queue item {}", String::from_utf8_lossy(&item));
+        }
+    }
+
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(Probe {
+            context_id,
+            callout: None,
+        }))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+struct Probe {
+    context_id: u32,
+    callout: Option<u32>,
+}
+
+impl Probe {
+    fn run(&mut self, action: &str) -> Action {
+        match action {
+            "local-reply" => {
+                self.send_http_response(403, vec![("x-reason", "denied")], Some(b"go away"));
+                return Action::Pause;
+            }
+            "panic" => panic!("request headers panicked on purpose"),
+            "shared" => self.shared_data(),
+            "enqueue" => {
+                let queue = self.resolve_shared_queue("", "q");
+                let result = queue.map(|q| self.enqueue_shared_queue(q, Some(b"hello")));
+                self.set_http_request_header("x-enqueue", Some(&format!("{result:?}")));
+            }
+            "callout" => {
+                let headers = vec![
+                    (":method", "POST"),
+                    (":path", "/score"),
+                    (":authority", "svc"),
+                ];
+                let token = self.dispatch_http_call(
+                    "scorer",
+                    headers,
+                    Some(b"ping"),
+                    vec![],
+                    Duration::from_millis(250),
+                );
+                self.set_http_request_header("x-callout", Some(&format!("{token:?}")));
+                self.callout = token.ok();
+                return Action::Pause;
+            }
+            "callout-bad" => {
+                let headers = vec![(":method", "GET"), (":path", "/x")];
+                let token = self.dispatch_http_call(
+                    "scorer",
+                    headers,
+                    None,
+                    vec![],
+                    Duration::from_secs(1),
+                );
+                self.set_http_request_header("x-callout", Some(&format!("{token:?}")));
+            }
+            "property" => {
+                let value = self.get_property(vec!["upstream", "address"]);
+                let text =
+                    value.map_or("none".into(), |v| String::from_utf8_lossy(&v).into_owned());
+                self.set_http_request_header("x-prop", Some(&text));
+                let path = self
+                    .get_property(vec!["request", "path"])
+                    .unwrap_or_default();
+                self.set_http_request_header("x-prop-path", Some(&String::from_utf8_lossy(&path)));
+                self.set_property(vec!["kvoy", "note"], Some(b"set-by-guest"));
+            }
+            "foreign" => {
+                let result = self.call_foreign_function("echo", Some(b"args"));
+                let text = format!(
+                    "{:?}",
+                    result.map(|r| r.map(|b| String::from_utf8_lossy(&b).into_owned()))
+                );
+                self.set_http_request_header("x-foreign", Some(&text));
+                let missing = self.call_foreign_function("missing", None);
+                self.set_http_request_header("x-foreign-missing", Some(&format!("{missing:?}")));
+            }
+            "metrics" => self.metrics(),
+            "time" => {
+                let now = self
+                    .get_current_time()
+                    .duration_since(UNIX_EPOCH)
+                    .unwrap_or_default();
+                self.set_http_request_header("x-time-ms", Some(&now.as_millis().to_string()));
+                let std_now = std::time::SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .unwrap_or_default();
+                self.set_http_request_header(
+                    "x-wasi-time-ms",
+                    Some(&std_now.as_millis().to_string()),
+                );
+            }
+            "random" => {
+                let hash = RandomState::new().hash_one("kvoy");
+                self.set_http_request_header("x-random", Some(&hash.to_string()));
+            }
+            "stdio" => {
+                println!("hello from stdout");
+                eprintln!("hello from stderr");
+            }
+            "continue" => return Action::Continue,
+            _ => {}
+        }
+        Action::Pause
+    }
+
+    fn shared_data(&mut self) {
+        let (value, cas) = self.get_shared_data("k");
+        let first = self.set_shared_data("k", Some(b"v1"), cas);
+        let (_, cas1) = self.get_shared_data("k");
+        let second = self.set_shared_data("k", Some(b"v2"), cas1);
+        let stale = self.set_shared_data("k", Some(b"v3"), cas1);
+        let (now, _) = self.get_shared_data("k");
+        let report = format!(
+            "before={:?} first={first:?} second={second:?} stale={stale:?} now={:?}",
+            value.map(|v| String::from_utf8_lossy(&v).into_owned()),
+            now.map(|v| String::from_utf8_lossy(&v).into_owned()),
+        );
+        self.set_http_request_header("x-shared", Some(&report));
+    }
+
+    fn metrics(&mut self) {
+        let counter = hostcalls::define_metric(MetricType::Counter, "guest_requests").unwrap_or(0);
+        let gauge = hostcalls::define_metric(MetricType::Gauge, "guest_inflight").unwrap_or(0);
+        let histogram =
+            hostcalls::define_metric(MetricType::Histogram, "guest_latency").unwrap_or(0);
+        let _ = hostcalls::increment_metric(counter, 1);
+        let _ = hostcalls::record_metric(gauge, 5);
+        let _ = hostcalls::increment_metric(gauge, -2);
+        let _ = hostcalls::record_metric(histogram, 42);
+        let report = format!(
+            "counter={:?} gauge={:?} histogram={:?}",
+            hostcalls::get_metric(counter),
+            hostcalls::get_metric(gauge),
+            hostcalls::get_metric(histogram)
+        );
+        self.set_http_request_header("x-metrics", Some(&report));
+    }
+}
+
+impl Context for Probe {
+    fn on_http_call_response(&mut self, token: u32, headers: usize, body: usize, _trailers: usize) {
+        // After a failure there is no response map: reading it is BadArgument (an SDK panic), as
+        // in Envoy.
+        let status = match headers {
+            0 => "none".into(),
+            _ => self
+                .get_http_call_response_header(":status")
+                .unwrap_or_default(),
+        };
+        let text = self
+            .get_http_call_response_body(0, body)
+            .unwrap_or_default();
+        let (code, message) = self.get_grpc_status();
+        let report = format!(
+            "token={token} status={status} body={} code={code} message={message:?}",
+            String::from_utf8_lossy(&text)
+        );
+        self.set_http_request_header("x-callout-result", Some(&report));
+        self.resume_http_request();
+    }
+}
+
+impl HttpContext for Probe {
+    fn on_http_request_headers(&mut self, headers: usize, _end_of_stream: bool) -> Action {
+        self.set_http_request_header("x-seen-headers", Some(&headers.to_string()));
+        // A client cannot choose its own destination.
+        self.set_http_request_header("x-gateway-destination-endpoint", None);
+        let action = self
+            .get_http_request_header("x-test-action")
+            .unwrap_or_default();
+        self.run(&action)
+    }
+
+    fn on_http_request_body(&mut self, size: usize, end_of_stream: bool) -> Action {
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        let body = self.get_http_request_body(0, size).unwrap_or_default();
+        if body == b"reject" {
+            self.send_http_response(400, vec![], Some(b"rejected body"));
+            return Action::Pause;
+        }
+        if body == b"panic" {
+            panic!("body panicked on purpose");
+        }
+        self.set_http_request_header("x-body", Some(&String::from_utf8_lossy(&body)));
+        self.set_http_request_header("x-body-size", Some(&size.to_string()));
+        Action::Continue
+    }
+
+    fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
+        self.set_http_response_header("x-filtered", Some("1"));
+        let served = self
+            .get_property(vec!["upstream", "address"])
+            .unwrap_or_default();
+        if !served.is_empty() {
+            self.set_http_response_header("x-served-by", Some(&String::from_utf8_lossy(&served)));
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, size: usize, end_of_stream: bool) -> Action {
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        let body = self.get_http_response_body(0, size).unwrap_or_default();
+        self.set_http_response_body(0, size, &body.to_ascii_uppercase());
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        let path = self.get_http_request_header(":path").unwrap_or_default();
+        let status = self.get_http_response_header(":status").unwrap_or_default();
+        log::info!(
+            "on_log context={} path={path} status={status}",
+            self.context_id
+        );
+    }
+}

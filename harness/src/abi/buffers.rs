@@ -1,0 +1,99 @@
+//! `proxy_get_buffer_bytes` / `proxy_set_buffer_bytes`.
+
+use wasmtime::{Caller, Linker};
+
+use super::memory::{copy_out, read};
+use super::{env_fn, AbiResult};
+use crate::types::{BufferType, Status};
+use crate::vm_state::VmState;
+
+type Ctx<'a> = Caller<'a, VmState>;
+
+pub(super) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
+    env_fn!(
+        linker,
+        "proxy_get_buffer_bytes",
+        get_buffer_bytes,
+        (kind, start, max_size, ptr_ptr, size_ptr)
+    );
+    env_fn!(
+        linker,
+        "proxy_set_buffer_bytes",
+        set_buffer_bytes,
+        (kind, start, size, data_ptr, data_size)
+    );
+    Ok(())
+}
+
+/// The buffer a type names for the current context: `None` is `NotFound` (Envoy's null buffer).
+/// Body buffers always exist and are empty when no body is in flight.
+fn buffer(state: &VmState, kind: BufferType) -> Option<&[u8]> {
+    const EMPTY: &[u8] = &[];
+    match kind {
+        BufferType::VmConfiguration => Some(&state.shared.config.vm_configuration),
+        BufferType::PluginConfiguration => state
+            .configuring
+            .then_some(&state.shared.config.configuration[..]),
+        BufferType::HttpRequestBody => Some(state.stream().map_or(EMPTY, |s| &s.request.body)),
+        BufferType::HttpResponseBody => Some(state.stream().map_or(EMPTY, |s| &s.response.body)),
+        BufferType::HttpCallResponseBody => state.http_response.as_ref().map(|r| &r.body[..]),
+        BufferType::DownstreamData | BufferType::UpstreamData | BufferType::GrpcReceiveBuffer => {
+            Some(EMPTY)
+        }
+        BufferType::CallData => None,
+    }
+}
+
+fn get_buffer_bytes(
+    caller: &mut Ctx<'_>,
+    kind: u32,
+    start: u32,
+    max_size: u32,
+    ptr_ptr: u32,
+    size_ptr: u32,
+) -> AbiResult {
+    let kind = BufferType::from_raw(kind).ok_or(Status::BadArgument)?;
+    let bytes = {
+        let buffer = buffer(caller.data(), kind).ok_or(Status::NotFound)?;
+        let start = (start as usize).min(buffer.len());
+        let end = start.saturating_add(max_size as usize).min(buffer.len());
+        buffer[start..end].to_vec()
+    };
+    // Like Envoy, an empty range returns Ok without touching the return slots.
+    if bytes.is_empty() {
+        return Ok(());
+    }
+    copy_out(caller, &bytes, ptr_ptr, size_ptr)
+}
+
+/// Envoy's `Buffer::copyFrom` for HTTP bodies: at start 0, size 0 prepends and a size covering
+/// the whole buffer replaces it; a start at or past the end appends; anything else is
+/// `BadArgument`.
+fn set_buffer_bytes(
+    caller: &mut Ctx<'_>,
+    kind: u32,
+    start: u32,
+    size: u32,
+    data_ptr: u32,
+    data_size: u32,
+) -> AbiResult {
+    let kind = BufferType::from_raw(kind).ok_or(Status::BadArgument)?;
+    let data = read(caller, data_ptr, data_size)?;
+    let stream = caller.data_mut().stream_mut().ok_or(Status::BadArgument)?;
+    let body = match kind {
+        BufferType::HttpRequestBody => &mut stream.request.body,
+        BufferType::HttpResponseBody => &mut stream.response.body,
+        _ => return Err(Status::BadArgument.into()),
+    };
+    let (start, size) = (start as usize, size as usize);
+    if start == 0 && size == 0 {
+        body.splice(0..0, data);
+    } else if start == 0 && size >= body.len() {
+        *body = data;
+    } else if start != 0 && start >= body.len() {
+        body.extend_from_slice(&data);
+    } else {
+        return Err(Status::BadArgument.into());
+    }
+    Ok(())
+}

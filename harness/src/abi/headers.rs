@@ -1,0 +1,194 @@
+//! The `proxy_*_header_map_*` calls.
+//!
+//! Availability follows Envoy's `Context::getMap` / `getConstMap`: a stream's headers are
+//! reachable from their callback until the filter lets them go (see `Direction::headers_live`),
+//! during `proxy_on_log` the request and response headers are readable, and the HTTP callout
+//! response maps exist (read-only) only inside `proxy_on_http_call_response`. Reading a map that
+//! is not there lists no pairs, and getting a value from it is `BadArgument`; changing it is
+//! `BadArgument` (which the Rust SDK turns into a panic, as in Envoy).
+
+use wasmtime::{Caller, Linker};
+
+use super::memory::{copy_out, read, read_string, write_u32};
+use super::{env_fn, AbiResult};
+use crate::headers::HeaderMap;
+use crate::types::{MapType, Status};
+use crate::vm_state::VmState;
+
+type Ctx<'a> = Caller<'a, VmState>;
+
+pub(super) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
+    env_fn!(
+        linker,
+        "proxy_get_header_map_pairs",
+        get_pairs,
+        (kind, ptr_ptr, size_ptr)
+    );
+    env_fn!(
+        linker,
+        "proxy_set_header_map_pairs",
+        set_pairs,
+        (kind, ptr, size)
+    );
+    env_fn!(
+        linker,
+        "proxy_get_header_map_value",
+        get_value,
+        (kind, key_ptr, key_size, ptr_ptr, size_ptr)
+    );
+    env_fn!(
+        linker,
+        "proxy_add_header_map_value",
+        add_value,
+        (kind, key_ptr, key_size, value_ptr, value_size)
+    );
+    env_fn!(
+        linker,
+        "proxy_replace_header_map_value",
+        replace_value,
+        (kind, key_ptr, key_size, value_ptr, value_size)
+    );
+    env_fn!(
+        linker,
+        "proxy_remove_header_map_value",
+        remove_value,
+        (kind, key_ptr, key_size)
+    );
+    env_fn!(
+        linker,
+        "proxy_get_header_map_size",
+        get_size,
+        (kind, size_ptr)
+    );
+    Ok(())
+}
+
+fn map_type(raw: u32) -> Result<MapType, Status> {
+    MapType::from_raw(raw).ok_or(Status::BadArgument)
+}
+
+/// The map the guest may read, or `None` if Envoy would have no map there.
+fn readable(state: &VmState, kind: MapType) -> Option<&HeaderMap> {
+    match kind {
+        MapType::HttpCallResponseHeaders => state.http_response.as_ref().map(|r| &r.headers),
+        MapType::HttpCallResponseTrailers => state.http_response.as_ref().map(|r| &r.trailers),
+        MapType::GrpcReceiveInitialMetadata | MapType::GrpcReceiveTrailingMetadata => None,
+        MapType::HttpRequestHeaders => {
+            let s = state.stream()?;
+            (s.request.headers_live || s.in_log).then_some(&s.request.headers)
+        }
+        MapType::HttpRequestTrailers => {
+            let s = state.stream()?;
+            s.request.trailers_live.then_some(&s.request.trailers)
+        }
+        MapType::HttpResponseHeaders => {
+            let s = state.stream()?;
+            (s.response.headers_live || s.in_log).then_some(&s.response.headers)
+        }
+        MapType::HttpResponseTrailers => {
+            let s = state.stream()?;
+            (s.response.trailers_live || s.in_log).then_some(&s.response.trailers)
+        }
+    }
+}
+
+/// The map the guest may change, or `None`.
+fn writable(state: &mut VmState, kind: MapType) -> Option<&mut HeaderMap> {
+    let s = state.stream_mut()?;
+    match kind {
+        MapType::HttpRequestHeaders => s.request.headers_live.then_some(&mut s.request.headers),
+        MapType::HttpRequestTrailers => s.request.trailers_live.then_some(&mut s.request.trailers),
+        MapType::HttpResponseHeaders => s.response.headers_live.then_some(&mut s.response.headers),
+        MapType::HttpResponseTrailers => {
+            s.response.trailers_live.then_some(&mut s.response.trailers)
+        }
+        _ => None,
+    }
+}
+
+fn get_pairs(caller: &mut Ctx<'_>, kind: u32, ptr_ptr: u32, size_ptr: u32) -> AbiResult {
+    let kind = map_type(kind)?;
+    let encoded = match readable(caller.data(), kind) {
+        Some(map) if !map.is_empty() => map.encode(),
+        _ => Vec::new(),
+    };
+    copy_out(caller, &encoded, ptr_ptr, size_ptr)
+}
+
+fn set_pairs(caller: &mut Ctx<'_>, kind: u32, ptr: u32, size: u32) -> AbiResult {
+    let kind = map_type(kind)?;
+    let bytes = read(caller, ptr, size)?;
+    let decoded = HeaderMap::decode(&bytes).map_err(|_| Status::BadArgument)?;
+    let map = writable(caller.data_mut(), kind).ok_or(Status::BadArgument)?;
+    *map = decoded;
+    Ok(())
+}
+
+fn get_value(
+    caller: &mut Ctx<'_>,
+    kind: u32,
+    key_ptr: u32,
+    key_size: u32,
+    ptr_ptr: u32,
+    size_ptr: u32,
+) -> AbiResult {
+    let kind = map_type(kind)?;
+    let key = read_string(caller, key_ptr, key_size)?;
+    let value = {
+        let map = readable(caller.data(), kind).ok_or(Status::BadArgument)?;
+        map.get(&key).ok_or(Status::NotFound)?.to_owned()
+    };
+    copy_out(caller, value.as_bytes(), ptr_ptr, size_ptr)
+}
+
+fn add_value(
+    caller: &mut Ctx<'_>,
+    kind: u32,
+    key_ptr: u32,
+    key_size: u32,
+    value_ptr: u32,
+    value_size: u32,
+) -> AbiResult {
+    let kind = map_type(kind)?;
+    let key = read_string(caller, key_ptr, key_size)?;
+    let value = read_string(caller, value_ptr, value_size)?;
+    writable(caller.data_mut(), kind)
+        .ok_or(Status::BadArgument)?
+        .add(&key, &value);
+    Ok(())
+}
+
+fn replace_value(
+    caller: &mut Ctx<'_>,
+    kind: u32,
+    key_ptr: u32,
+    key_size: u32,
+    value_ptr: u32,
+    value_size: u32,
+) -> AbiResult {
+    let kind = map_type(kind)?;
+    let key = read_string(caller, key_ptr, key_size)?;
+    let value = read_string(caller, value_ptr, value_size)?;
+    writable(caller.data_mut(), kind)
+        .ok_or(Status::BadArgument)?
+        .replace(&key, &value);
+    Ok(())
+}
+
+fn remove_value(caller: &mut Ctx<'_>, kind: u32, key_ptr: u32, key_size: u32) -> AbiResult {
+    let kind = map_type(kind)?;
+    let key = read_string(caller, key_ptr, key_size)?;
+    writable(caller.data_mut(), kind)
+        .ok_or(Status::BadArgument)?
+        .remove(&key);
+    Ok(())
+}
+
+fn get_size(caller: &mut Ctx<'_>, kind: u32, size_ptr: u32) -> AbiResult {
+    let kind = map_type(kind)?;
+    let size = writable(caller.data_mut(), kind)
+        .ok_or(Status::BadArgument)?
+        .byte_size();
+    write_u32(caller, size_ptr, u32::try_from(size).unwrap_or(u32::MAX))?;
+    Ok(())
+}

@@ -1,0 +1,241 @@
+//! Stream control (local replies, continue, close) and HTTP callouts; gRPC is not implemented.
+
+use std::time::Duration;
+
+use wasmtime::{Caller, Linker};
+
+use super::memory::{read, read_string, write_u32};
+use super::{env_fn, to_status, AbiResult};
+use crate::callouts::{HttpCall, LocalReply};
+use crate::headers::HeaderMap;
+use crate::logs::LogSource;
+use crate::stream_state::StreamEvent;
+use crate::types::{LogLevel, Status, StreamType};
+use crate::vm_state::VmState;
+
+type Ctx<'a> = Caller<'a, VmState>;
+
+pub(super) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
+    linker.func_wrap(
+        "env",
+        "proxy_send_local_response",
+        |mut caller: Ctx<'_>,
+         status: i32,
+         details_ptr: i32,
+         details_size: i32,
+         body_ptr: i32,
+         body_size: i32,
+         headers_ptr: i32,
+         headers_size: i32,
+         grpc_status: i32| {
+            let args = LocalReplyArgs {
+                status: status as u32,
+                details: (details_ptr as u32, details_size as u32),
+                body: (body_ptr as u32, body_size as u32),
+                headers: (headers_ptr as u32, headers_size as u32),
+                grpc_status,
+            };
+            to_status(send_local_response(&mut caller, args))
+        },
+    )?;
+    env_fn!(linker, "proxy_continue_stream", continue_stream, (stream));
+    env_fn!(linker, "proxy_close_stream", close_stream, (stream));
+    env_fn!(
+        linker,
+        "proxy_http_call",
+        http_call,
+        (
+            upstream_ptr,
+            upstream_size,
+            headers_ptr,
+            headers_size,
+            body_ptr,
+            body_size,
+            trailers_ptr,
+            trailers_size,
+            timeout,
+            token_ptr
+        )
+    );
+    linker.func_wrap(
+        "env",
+        "proxy_grpc_call",
+        |mut caller: Ctx<'_>,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32| { to_status(grpc_unsupported(&mut caller)) },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_grpc_stream",
+        |mut caller: Ctx<'_>,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32| { to_status(grpc_unsupported(&mut caller)) },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_grpc_send",
+        |_: Ctx<'_>, _: i32, _: i32, _: i32, _: i32| Status::NotFound as i32,
+    )?;
+    linker.func_wrap("env", "proxy_grpc_cancel", |_: Ctx<'_>, _: i32| {
+        Status::NotFound as i32
+    })?;
+    linker.func_wrap("env", "proxy_grpc_close", |_: Ctx<'_>, _: i32| {
+        Status::NotFound as i32
+    })?;
+    Ok(())
+}
+
+struct LocalReplyArgs {
+    status: u32,
+    details: (u32, u32),
+    body: (u32, u32),
+    headers: (u32, u32),
+    grpc_status: i32,
+}
+
+/// Records the reply; the harness applies it after the guest call returns, as Envoy does with
+/// its after-VM-call action. From a root context (no stream) it does nothing, as in Envoy.
+fn send_local_response(caller: &mut Ctx<'_>, args: LocalReplyArgs) -> AbiResult {
+    let details = read_string(caller, args.details.0, args.details.1)?;
+    let body = read(caller, args.body.0, args.body.1)?;
+    let headers = read(caller, args.headers.0, args.headers.1)?;
+    let headers = HeaderMap::decode(&headers).map_err(|_| Status::BadArgument)?;
+    let reply = LocalReply {
+        status: args.status,
+        details,
+        body,
+        headers,
+        grpc_status: u32::try_from(args.grpc_status).ok(),
+    };
+    let state = caller.data_mut();
+    let context = state.effective;
+    let Some(stream) = state.stream_mut() else {
+        return Ok(());
+    };
+    stream.events.push(StreamEvent::LocalReply(reply.status));
+    if stream.pending_reply.is_some() || stream.local_reply.is_some() {
+        let message = format!(
+            "context {context}: a second local reply ({}) was ignored",
+            reply.status
+        );
+        state.log(LogLevel::Warn, LogSource::Host, message);
+        return Ok(());
+    }
+    stream.pending_reply = Some(reply);
+    state.local_replies.push(context);
+    Ok(())
+}
+
+/// Lets held headers and buffered body go on. Like Envoy, the guest loses access to that
+/// direction's headers.
+fn continue_stream(caller: &mut Ctx<'_>, stream: u32) -> AbiResult {
+    let kind = match StreamType::from_raw(stream) {
+        Some(kind @ (StreamType::HttpRequest | StreamType::HttpResponse)) => kind,
+        _ => return Err(Status::BadArgument.into()),
+    };
+    if let Some(stream) = caller.data_mut().stream_mut() {
+        stream.events.push(StreamEvent::Continued(kind));
+        if let Some(direction) = stream.direction_mut(kind) {
+            if !direction.closed {
+                direction.pass_on();
+            }
+            direction.headers_live = false;
+        }
+    }
+    Ok(())
+}
+
+/// Resets the stream: no more callbacks in either direction.
+fn close_stream(caller: &mut Ctx<'_>, stream: u32) -> AbiResult {
+    let kind = StreamType::from_raw(stream).ok_or(Status::BadArgument)?;
+    if let Some(stream) = caller.data_mut().stream_mut() {
+        stream.events.push(StreamEvent::Closed(kind));
+        stream.request.closed = true;
+        stream.response.closed = true;
+    }
+    Ok(())
+}
+
+/// Records the call for the test to answer. As in Envoy: a negative timeout, an unknown cluster
+/// (when the plugin lists its clusters) or missing `:method`, `:path` or `:authority` is
+/// `BadArgument`.
+#[allow(clippy::too_many_arguments)]
+fn http_call(
+    caller: &mut Ctx<'_>,
+    upstream_ptr: u32,
+    upstream_size: u32,
+    headers_ptr: u32,
+    headers_size: u32,
+    body_ptr: u32,
+    body_size: u32,
+    trailers_ptr: u32,
+    trailers_size: u32,
+    timeout: u32,
+    token_ptr: u32,
+) -> AbiResult {
+    let upstream = read_string(caller, upstream_ptr, upstream_size)?;
+    let headers = HeaderMap::decode(&read(caller, headers_ptr, headers_size)?)
+        .map_err(|_| Status::BadArgument)?;
+    let body = read(caller, body_ptr, body_size)?;
+    let trailers = HeaderMap::decode(&read(caller, trailers_ptr, trailers_size)?)
+        .map_err(|_| Status::BadArgument)?;
+    if (timeout as i32) < 0 {
+        return Err(Status::BadArgument.into());
+    }
+    let state = caller.data_mut();
+    if state
+        .shared
+        .config
+        .clusters
+        .as_ref()
+        .is_some_and(|known| !known.contains(&upstream))
+    {
+        return Err(Status::BadArgument.into());
+    }
+    if ![":method", ":path", ":authority"]
+        .iter()
+        .all(|name| headers.contains(name))
+    {
+        return Err(Status::BadArgument.into());
+    }
+    let token = state.take_token();
+    let call = HttpCall {
+        vm: state.vm,
+        context_id: state.effective,
+        token,
+        upstream,
+        headers,
+        body,
+        trailers,
+        timeout: Duration::from_millis(u64::from(timeout)),
+    };
+    let shared = state.shared.clone();
+    write_u32(caller, token_ptr, token)?;
+    shared.lock().http_calls.push(call);
+    Ok(())
+}
+
+fn grpc_unsupported(caller: &mut Ctx<'_>) -> AbiResult {
+    let message = "gRPC callouts are not implemented by the harness".to_owned();
+    caller
+        .data_mut()
+        .log(LogLevel::Warn, LogSource::Host, message);
+    Err(Status::InternalFailure.into())
+}

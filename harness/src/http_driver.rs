@@ -1,0 +1,279 @@
+//! Driving one HTTP stream through a VM the way Envoy's HTTP filter does, with the plugin
+//! option `allow_on_headers_stop_iteration: true`.
+//!
+//! * Headers: `Continue` lets them go on (the guest loses access to them); `Pause` holds them,
+//!   and body callbacks still arrive, so headers can be changed until the filter continues.
+//! * Body: while the filter returns `Pause`, chunks accumulate and each callback sees the total
+//!   buffered so far; `Continue` passes the buffer on.
+//! * A local reply ends the request direction, then travels back through this filter's
+//!   response callbacks (as Envoy's local replies go through the encoder filters).
+//! * A closed direction (local reply, reset) gets no more callbacks: sending to it returns
+//!   `Pause` without calling the guest.
+
+use crate::error::{Error, Result};
+use crate::headers::HeaderMap;
+use crate::stream_state::{Direction, StreamState};
+use crate::types::Action;
+use crate::vm::{action, invoke, size_u32, VmInstance};
+
+/// Which direction of the stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Side {
+    Request,
+    Response,
+}
+
+impl Side {
+    fn of(self, stream: &mut StreamState) -> &mut Direction {
+        match self {
+            Side::Request => &mut stream.request,
+            Side::Response => &mut stream.response,
+        }
+    }
+}
+
+impl VmInstance {
+    /// Creates an HTTP context: `proxy_on_context_create(id, root)`.
+    pub fn create_stream(&mut self) -> Result<u32> {
+        let id = self.next_context_id();
+        let root = self.root_id();
+        self.store
+            .data_mut()
+            .streams
+            .insert(id, StreamState::default());
+        let func = self.exports.context_create.as_ref();
+        invoke(
+            &mut self.store,
+            &mut self.failed,
+            "proxy_on_context_create",
+            func,
+            id,
+            (id, root),
+        )?;
+        self.after_call()?;
+        Ok(id)
+    }
+
+    fn direction(&mut self, context: u32, side: Side) -> Result<&mut Direction> {
+        let vm = self.vm();
+        match self.store.data_mut().streams.get_mut(&context) {
+            Some(stream) if !stream.finished => Ok(side.of(stream)),
+            _ => Err(Error::StreamFinished {
+                vm,
+                context_id: context,
+            }),
+        }
+    }
+
+    /// Delivers headers to `proxy_on_{request,response}_headers`.
+    pub fn send_headers(
+        &mut self,
+        context: u32,
+        side: Side,
+        headers: HeaderMap,
+        end_of_stream: bool,
+    ) -> Result<Action> {
+        let dir = self.direction(context, side)?;
+        if dir.closed {
+            return Ok(Action::Pause);
+        }
+        dir.headers = headers;
+        dir.headers_live = true;
+        let args = (
+            context,
+            size_u32(dir.headers.len()),
+            u32::from(end_of_stream),
+        );
+        let (call, func) = match side {
+            Side::Request => (
+                "proxy_on_request_headers",
+                self.exports.request_headers.as_ref(),
+            ),
+            Side::Response => (
+                "proxy_on_response_headers",
+                self.exports.response_headers.as_ref(),
+            ),
+        };
+        let raw = invoke(&mut self.store, &mut self.failed, call, func, context, args)?;
+        let action = action(self.vm(), call, raw)?;
+        // A local reply sent during the callback wins over its action, as in Envoy.
+        self.after_call()?;
+        let dir = self.direction(context, side)?;
+        if action == Action::Continue && !dir.closed {
+            dir.pass_on();
+            dir.headers_live = false;
+        }
+        Ok(action)
+    }
+
+    /// Delivers a body chunk to `proxy_on_{request,response}_body`.
+    pub fn send_body(
+        &mut self,
+        context: u32,
+        side: Side,
+        chunk: &[u8],
+        end_of_stream: bool,
+    ) -> Result<Action> {
+        let dir = self.direction(context, side)?;
+        if dir.closed {
+            return Ok(Action::Pause);
+        }
+        dir.take_chunk(chunk);
+        let args = (context, size_u32(dir.body.len()), u32::from(end_of_stream));
+        let (call, func) = match side {
+            Side::Request => ("proxy_on_request_body", self.exports.request_body.as_ref()),
+            Side::Response => (
+                "proxy_on_response_body",
+                self.exports.response_body.as_ref(),
+            ),
+        };
+        let raw = invoke(&mut self.store, &mut self.failed, call, func, context, args)?;
+        let action = action(self.vm(), call, raw)?;
+        self.after_call()?;
+        let dir = self.direction(context, side)?;
+        if !dir.closed {
+            match action {
+                Action::Continue => dir.pass_on(),
+                Action::Pause => dir.buffering = true,
+            }
+        }
+        Ok(action)
+    }
+
+    /// Delivers trailers to `proxy_on_{request,response}_trailers`.
+    pub fn send_trailers(
+        &mut self,
+        context: u32,
+        side: Side,
+        trailers: HeaderMap,
+    ) -> Result<Action> {
+        let dir = self.direction(context, side)?;
+        if dir.closed {
+            return Ok(Action::Pause);
+        }
+        dir.trailers = trailers;
+        dir.trailers_live = true;
+        let args = (context, size_u32(dir.trailers.len()));
+        let (call, func) = match side {
+            Side::Request => (
+                "proxy_on_request_trailers",
+                self.exports.request_trailers.as_ref(),
+            ),
+            Side::Response => (
+                "proxy_on_response_trailers",
+                self.exports.response_trailers.as_ref(),
+            ),
+        };
+        let raw = invoke(&mut self.store, &mut self.failed, call, func, context, args)?;
+        let action = action(self.vm(), call, raw)?;
+        self.after_call()?;
+        let dir = self.direction(context, side)?;
+        if action == Action::Continue && !dir.closed {
+            dir.pass_on();
+            dir.trailers_live = false;
+        }
+        Ok(action)
+    }
+
+    /// Ends the stream: `proxy_on_done`, `proxy_on_log` (request and response headers readable),
+    /// `proxy_on_delete`. Returns the stream's final state.
+    pub fn finish_stream(&mut self, context: u32) -> Result<StreamState> {
+        self.direction(context, Side::Request)?;
+        let done = self.exports.done.as_ref();
+        invoke(
+            &mut self.store,
+            &mut self.failed,
+            "proxy_on_done",
+            done,
+            context,
+            context,
+        )?;
+        self.set_in_log(context, true);
+        let log = self.exports.log.as_ref();
+        let logged = invoke(
+            &mut self.store,
+            &mut self.failed,
+            "proxy_on_log",
+            log,
+            context,
+            context,
+        );
+        self.set_in_log(context, false);
+        logged?;
+        let delete = self.exports.delete.as_ref();
+        invoke(
+            &mut self.store,
+            &mut self.failed,
+            "proxy_on_delete",
+            delete,
+            context,
+            context,
+        )?;
+        self.after_call()?;
+        let mut stream = self
+            .store
+            .data_mut()
+            .streams
+            .remove(&context)
+            .unwrap_or_default();
+        stream.finished = true;
+        Ok(stream)
+    }
+
+    fn set_in_log(&mut self, context: u32, in_log: bool) {
+        if let Some(stream) = self.store.data_mut().streams.get_mut(&context) {
+            stream.in_log = in_log;
+        }
+    }
+
+    /// Applies a local reply recorded during the last guest call.
+    pub(crate) fn apply_local_reply(&mut self, context: u32) -> Result<()> {
+        let Some(stream) = self.store.data_mut().streams.get_mut(&context) else {
+            return Ok(());
+        };
+        let Some(reply) = stream.pending_reply.take() else {
+            return Ok(());
+        };
+        stream.request.closed = true;
+        stream.request.body.clear();
+        stream.request.buffering = false;
+
+        let mut headers = HeaderMap::new();
+        headers.add(":status", &reply.status.to_string());
+        if !reply.body.is_empty() {
+            headers.add("content-length", &reply.body.len().to_string());
+            headers.add("content-type", "text/plain");
+        }
+        for (name, value) in reply.headers.iter() {
+            headers.add(name, value);
+        }
+        let body = reply.body.clone();
+        stream.local_reply = Some(reply);
+
+        let response = &mut stream.response;
+        let response_started =
+            response.closed || response.headers_live || response.forwarded_headers.is_some();
+        if response_started {
+            // Sent while the upstream response was being processed: the reply replaces it
+            // without running this filter's callbacks again.
+            response.headers = headers.clone();
+            response.headers_live = false;
+            response.forwarded_headers = Some(headers);
+            response.forwarded_body = body;
+            response.body.clear();
+            response.closed = true;
+            return Ok(());
+        }
+        let end_of_stream = body.is_empty();
+        self.send_headers(context, Side::Response, headers, end_of_stream)?;
+        if !end_of_stream {
+            self.send_body(context, Side::Response, &body, true)?;
+        }
+        let dir = self.direction(context, Side::Response)?;
+        if !dir.closed {
+            dir.pass_on();
+            dir.closed = true;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,481 @@
+//! A plugin: one configuration running in N VMs that share process-wide state, like one
+//! `envoy.filters.http.wasm` config on an Envoy with N worker threads.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use crate::callouts::{ForeignCall, ForeignFunction, HttpCall, HttpResponse};
+use crate::clock::{Clock, DEFAULT_START};
+use crate::error::{Error, Result};
+use crate::host::HostInner;
+use crate::logs::{LogBuffer, LogEntry};
+use crate::metrics::{Metric, Metrics};
+use crate::queues::SharedQueues;
+use crate::shared::{property_key, PluginConfig, Shared, SharedState};
+use crate::shared_data::SharedData;
+use crate::stream::HttpStream;
+use crate::types::{LogLevel, MetricType, Status};
+use crate::vm::VmInstance;
+
+/// Deferred notifications delivered in one go before the harness gives up (a queue handler
+/// that enqueues to itself forever).
+const MAX_ROUNDS: usize = 100_000;
+
+/// Configures and starts a [`Plugin`]; from [`crate::Host::plugin`].
+pub struct PluginBuilder {
+    host: Arc<HostInner>,
+    config: PluginConfig,
+    vms: usize,
+    start_time: u64,
+    max_log_entries: usize,
+    properties: HashMap<Vec<u8>, Vec<u8>>,
+    foreign: HashMap<String, ForeignFunction>,
+}
+
+impl PluginBuilder {
+    pub(crate) fn new(host: Arc<HostInner>) -> PluginBuilder {
+        PluginBuilder {
+            host,
+            config: PluginConfig {
+                name: "kvoy".into(),
+                root_id: String::new(),
+                vm_id: String::new(),
+                configuration: Vec::new(),
+                vm_configuration: Vec::new(),
+                env: Vec::new(),
+                log_level: LogLevel::Info,
+                clusters: None,
+                seed: 0x6b76_6f79,
+            },
+            vms: 1,
+            start_time: DEFAULT_START,
+            max_log_entries: 100_000,
+            properties: HashMap::new(),
+            foreign: HashMap::new(),
+        }
+    }
+
+    /// The plugin configuration (`configuration` in Envoy's `PluginConfig`), read by the guest
+    /// in `proxy_on_configure`.
+    pub fn configuration(mut self, configuration: impl Into<Vec<u8>>) -> Self {
+        self.config.configuration = configuration.into();
+        self
+    }
+
+    /// The VM configuration (`vm_config.configuration`), read in `proxy_on_vm_start`.
+    pub fn vm_configuration(mut self, configuration: impl Into<Vec<u8>>) -> Self {
+        self.config.vm_configuration = configuration.into();
+        self
+    }
+
+    /// Number of VMs (Envoy worker threads); default 1. Envoy with `--concurrency N` runs N
+    /// worker VMs plus one on the main thread.
+    pub fn vms(mut self, count: usize) -> Self {
+        self.vms = count;
+        self
+    }
+
+    /// The plugin name (property `plugin_name`); default "kvoy".
+    pub fn name(mut self, name: &str) -> Self {
+        name.clone_into(&mut self.config.name);
+        self
+    }
+
+    /// The root id (property `plugin_root_id`); default "".
+    pub fn root_id(mut self, root_id: &str) -> Self {
+        root_id.clone_into(&mut self.config.root_id);
+        self
+    }
+
+    /// The vm_id, which scopes shared queue names; default "".
+    pub fn vm_id(mut self, vm_id: &str) -> Self {
+        vm_id.clone_into(&mut self.config.vm_id);
+        self
+    }
+
+    /// What `proxy_get_log_level` reports; default `Info` (Envoy's default). Every line the
+    /// guest logs is captured regardless.
+    pub fn log_level(mut self, level: LogLevel) -> Self {
+        self.config.log_level = level;
+        self
+    }
+
+    /// Seed of WASI `random_get` (each VM derives its own stream from it).
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.config.seed = seed;
+        self
+    }
+
+    /// Start of the virtual clock; default 2026-01-01T00:00:00Z.
+    pub fn start_time(mut self, start: SystemTime) -> Self {
+        let since_epoch = start.duration_since(UNIX_EPOCH).unwrap_or_default();
+        self.start_time = u64::try_from(since_epoch.as_nanos()).unwrap_or(u64::MAX);
+        self
+    }
+
+    /// An environment variable the guest sees through WASI (Envoy's `environment_variables`).
+    pub fn env(mut self, key: &str, value: &str) -> Self {
+        self.config.env.push((key.to_owned(), value.to_owned()));
+        self
+    }
+
+    /// A plugin-wide property, e.g. `(&["node", "id"], "proxy-1")`.
+    pub fn property(mut self, path: &[&str], value: impl Into<Vec<u8>>) -> Self {
+        self.properties.insert(property_key(path), value.into());
+        self
+    }
+
+    /// Implements a foreign function for `proxy_call_foreign_function`; calls to names without
+    /// one return `NotFound`. Every call is recorded either way.
+    pub fn foreign_function(
+        mut self,
+        name: &str,
+        function: impl FnMut(&[u8]) -> std::result::Result<Vec<u8>, Status> + Send + 'static,
+    ) -> Self {
+        self.foreign.insert(name.to_owned(), Box::new(function));
+        self
+    }
+
+    /// Limits `proxy_http_call` to these cluster names (others get `BadArgument`, as Envoy does
+    /// for clusters it does not know); by default any name is accepted.
+    pub fn clusters<S: Into<String>>(mut self, names: impl IntoIterator<Item = S>) -> Self {
+        self.config.clusters = Some(names.into_iter().map(Into::into).collect::<HashSet<_>>());
+        self
+    }
+
+    /// How many log lines to keep (oldest dropped first); default 100,000.
+    pub fn max_log_entries(mut self, count: usize) -> Self {
+        self.max_log_entries = count;
+        self
+    }
+
+    /// Instantiates and starts every VM (see [`crate::Host`] for the sequence). A guest that
+    /// traps or returns false from `proxy_on_vm_start` / `proxy_on_configure` fails the start.
+    pub fn start(self) -> Result<Plugin> {
+        if self.vms == 0 {
+            return Err(Error::NoVms);
+        }
+        let state = SharedState {
+            clock: Clock::new(self.start_time, self.vms),
+            data: SharedData::default(),
+            queues: SharedQueues::default(),
+            metrics: Metrics::default(),
+            logs: LogBuffer::new(self.max_log_entries, LogBuffer::echo_from_env()),
+            queue_ready: VecDeque::new(),
+            http_calls: Vec::new(),
+            foreign_calls: Vec::new(),
+            properties: self.properties,
+        };
+        let shared = Arc::new(Shared::new(self.config, state, self.foreign));
+        let mut vms = Vec::with_capacity(self.vms);
+        for vm in 0..self.vms {
+            vms.push(Mutex::new(VmInstance::start(
+                &self.host,
+                shared.clone(),
+                vm,
+            )?));
+        }
+        let plugin = Plugin {
+            shared,
+            vms: vms.into(),
+        };
+        plugin.deliver_queue_ready()?;
+        Ok(plugin)
+    }
+}
+
+/// A running plugin: N VMs of one filter configuration sharing shared data, queues, metrics,
+/// logs and a virtual clock. Cheap to clone (a handle); usable from several threads, each VM
+/// serializing its own calls.
+#[derive(Clone)]
+pub struct Plugin {
+    shared: Arc<Shared>,
+    vms: Arc<[Mutex<VmInstance>]>,
+}
+
+/// One VM of a plugin; from [`Plugin::vm`].
+pub struct VmRef<'a> {
+    plugin: &'a Plugin,
+    index: usize,
+}
+
+impl VmRef<'_> {
+    /// Starts a new HTTP stream (a new context) on this VM.
+    pub fn http_stream(&self) -> Result<HttpStream> {
+        self.plugin.http_stream(self.index)
+    }
+
+    /// Calls `proxy_on_tick` now, whatever the schedule.
+    pub fn tick(&self) -> Result<()> {
+        self.plugin.with_vm(self.index, VmInstance::tick)
+    }
+
+    /// The tick period this VM asked for.
+    pub fn tick_period(&self) -> Option<Duration> {
+        self.plugin.shared.lock().clock.tick_period(self.index)
+    }
+
+    /// Whether the VM trapped earlier (then it takes no more calls).
+    pub fn is_failed(&self) -> bool {
+        self.plugin.lock_vm(self.index).is_ok_and(|vm| vm.failed)
+    }
+
+    /// The VM's index.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+}
+
+impl Plugin {
+    /// Number of VMs.
+    pub fn vm_count(&self) -> usize {
+        self.vms.len()
+    }
+
+    /// A handle on VM `index` (errors surface when it is used, if there is no such VM).
+    pub fn vm(&self, index: usize) -> VmRef<'_> {
+        VmRef {
+            plugin: self,
+            index,
+        }
+    }
+
+    /// Starts a new HTTP stream on VM `vm`.
+    pub fn http_stream(&self, vm: usize) -> Result<HttpStream> {
+        let context_id = self.with_vm(vm, VmInstance::create_stream)?;
+        Ok(HttpStream::new(self.clone(), vm, context_id))
+    }
+
+    /// Moves the virtual clock forward, firing every `proxy_on_tick` that falls due on the way,
+    /// in time order.
+    pub fn advance(&self, by: Duration) -> Result<()> {
+        let deadline = {
+            let clock = &self.shared.lock().clock;
+            clock
+                .now()
+                .saturating_add(u64::try_from(by.as_nanos()).unwrap_or(u64::MAX))
+        };
+        loop {
+            let next = self.shared.lock().clock.next_tick_until(deadline);
+            let Some(vm) = next else { break };
+            if self.lock_vm(vm)?.failed {
+                continue;
+            }
+            self.with_vm(vm, VmInstance::tick)?;
+        }
+        self.shared.lock().clock.advance_to(deadline);
+        Ok(())
+    }
+
+    /// The virtual wall-clock time.
+    pub fn now(&self) -> SystemTime {
+        self.shared.lock().clock.system_time()
+    }
+
+    /// A shared-data value and its CAS.
+    pub fn shared_data(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+        self.shared
+            .lock()
+            .data
+            .get(key)
+            .map(|(value, cas)| (value.to_vec(), cas))
+    }
+
+    /// Sets shared data as a guest would (CAS 0 is unconditional).
+    pub fn set_shared_data(
+        &self,
+        key: &str,
+        value: &[u8],
+        cas: u32,
+    ) -> std::result::Result<(), Status> {
+        self.shared.lock().data.set(key, value, cas)
+    }
+
+    /// Number of shared-data keys and their total size in bytes.
+    pub fn shared_data_size(&self) -> (usize, usize) {
+        let state = self.shared.lock();
+        (state.data.len(), state.data.byte_size())
+    }
+
+    /// Enqueues an item on a registered queue (of this plugin's vm_id) and delivers
+    /// `proxy_on_queue_ready` to its owner.
+    pub fn enqueue(&self, name: &str, item: &[u8]) -> Result<()> {
+        {
+            let mut state = self.shared.lock();
+            let token = self.queue_token(&state.queues, name)?;
+            let owner = state
+                .queues
+                .enqueue(token, item)
+                .map_err(|_| self.unknown_queue(name))?;
+            state.queue_ready.push_back((owner, token));
+        }
+        self.deliver_queue_ready()
+    }
+
+    /// Takes the oldest item of a queue, as a guest would.
+    pub fn dequeue(&self, name: &str) -> Result<Option<Vec<u8>>> {
+        let mut state = self.shared.lock();
+        let token = self.queue_token(&state.queues, name)?;
+        Ok(state.queues.dequeue(token).ok())
+    }
+
+    /// Number of items waiting in a queue.
+    pub fn queue_len(&self, name: &str) -> Result<usize> {
+        let state = self.shared.lock();
+        let token = self.queue_token(&state.queues, name)?;
+        Ok(state.queues.len(token).unwrap_or(0))
+    }
+
+    /// A counter's total.
+    pub fn counter(&self, name: &str) -> Option<u64> {
+        let state = self.shared.lock();
+        state
+            .metrics
+            .find(MetricType::Counter, name)
+            .map(|m| m.value.max(0) as u64)
+    }
+
+    /// A gauge's value.
+    pub fn gauge(&self, name: &str) -> Option<i64> {
+        self.shared
+            .lock()
+            .metrics
+            .find(MetricType::Gauge, name)
+            .map(|m| m.value)
+    }
+
+    /// Every value recorded into a histogram.
+    pub fn histogram(&self, name: &str) -> Option<Vec<u64>> {
+        self.shared
+            .lock()
+            .metrics
+            .find(MetricType::Histogram, name)
+            .map(|m| m.samples.clone())
+    }
+
+    /// All metrics, in definition order.
+    pub fn metrics(&self) -> Vec<Metric> {
+        self.shared.lock().metrics.all().to_vec()
+    }
+
+    /// The captured log lines, oldest first.
+    pub fn logs(&self) -> Vec<LogEntry> {
+        self.shared.lock().logs.entries().cloned().collect()
+    }
+
+    /// Whether any captured line contains `text`.
+    pub fn logged(&self, text: &str) -> bool {
+        self.shared
+            .lock()
+            .logs
+            .entries()
+            .any(|e| e.message.contains(text))
+    }
+
+    /// How many old lines were dropped to respect [`PluginBuilder::max_log_entries`].
+    pub fn dropped_logs(&self) -> usize {
+        self.shared.lock().logs.dropped()
+    }
+
+    /// Forgets the captured lines.
+    pub fn clear_logs(&self) {
+        self.shared.lock().logs.clear();
+    }
+
+    /// HTTP callouts waiting for an answer, oldest first.
+    pub fn http_calls(&self) -> Vec<HttpCall> {
+        self.shared.lock().http_calls.clone()
+    }
+
+    /// Answers a callout: `proxy_on_http_call_response` on the VM and context that made it.
+    pub fn respond_http_call(&self, call: &HttpCall, response: HttpResponse) -> Result<()> {
+        self.finish_http_call(call, Some(response))
+    }
+
+    /// Fails a callout (as on a connection reset): the callback sees no headers or body and
+    /// `proxy_get_status` reports `BrokenConnection` / "reset".
+    pub fn fail_http_call(&self, call: &HttpCall) -> Result<()> {
+        self.finish_http_call(call, None)
+    }
+
+    /// Every `proxy_call_foreign_function` call so far.
+    pub fn foreign_calls(&self) -> Vec<ForeignCall> {
+        self.shared.lock().foreign_calls.clone()
+    }
+
+    /// Sets a plugin-wide property.
+    pub fn set_property(&self, path: &[&str], value: impl Into<Vec<u8>>) {
+        self.shared
+            .lock()
+            .properties
+            .insert(property_key(path), value.into());
+    }
+
+    fn finish_http_call(&self, call: &HttpCall, response: Option<HttpResponse>) -> Result<()> {
+        let unknown = Error::UnknownHttpCall {
+            vm: call.vm,
+            token: call.token,
+        };
+        {
+            let mut state = self.shared.lock();
+            let index = state
+                .http_calls
+                .iter()
+                .position(|c| c.vm == call.vm && c.token == call.token)
+                .ok_or(unknown)?;
+            state.http_calls.remove(index);
+        }
+        self.with_vm(call.vm, |vm| vm.http_call_response(call, response))
+    }
+
+    fn queue_token(&self, queues: &SharedQueues, name: &str) -> Result<u32> {
+        queues
+            .resolve(&self.shared.config.vm_id, name)
+            .ok_or_else(|| self.unknown_queue(name))
+    }
+
+    fn unknown_queue(&self, name: &str) -> Error {
+        Error::UnknownQueue {
+            vm_id: self.shared.config.vm_id.clone(),
+            name: name.to_owned(),
+        }
+    }
+
+    pub(crate) fn lock_vm(&self, vm: usize) -> Result<MutexGuard<'_, VmInstance>> {
+        let slot = self.vms.get(vm).ok_or(Error::NoSuchVm {
+            vm,
+            count: self.vms.len(),
+        })?;
+        Ok(slot.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// Runs one top-level operation on a VM, then delivers the queue notifications it caused.
+    pub(crate) fn with_vm<R>(
+        &self,
+        vm: usize,
+        op: impl FnOnce(&mut VmInstance) -> Result<R>,
+    ) -> Result<R> {
+        let result = op(&mut *self.lock_vm(vm)?);
+        let delivered = self.deliver_queue_ready();
+        let value = result?;
+        delivered?;
+        Ok(value)
+    }
+
+    /// Delivers pending `proxy_on_queue_ready` calls (each to the queue's last registrant),
+    /// including the ones those calls cause.
+    fn deliver_queue_ready(&self) -> Result<()> {
+        for _ in 0..MAX_ROUNDS {
+            let next = self.shared.lock().queue_ready.pop_front();
+            let Some((owner, token)) = next else {
+                return Ok(());
+            };
+            let mut vm = self.lock_vm(owner.vm)?;
+            if !vm.failed {
+                vm.queue_ready(owner.root_context_id, token)?;
+            }
+        }
+        Err(Error::Runaway(MAX_ROUNDS))
+    }
+}

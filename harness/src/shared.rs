@@ -1,0 +1,85 @@
+//! Process-wide state every VM of a plugin sees: the clock, shared data and queues, metrics,
+//! logs, pending callouts. Host calls lock it briefly; it never stays locked across a guest call.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use crate::callouts::{ForeignCall, ForeignFunction, HttpCall};
+use crate::clock::Clock;
+use crate::logs::{LogBuffer, LogEntry};
+use crate::metrics::Metrics;
+use crate::queues::{QueueOwner, SharedQueues};
+use crate::shared_data::SharedData;
+use crate::types::LogLevel;
+
+/// The plugin's fixed settings, from the builder.
+#[derive(Debug, Clone)]
+pub(crate) struct PluginConfig {
+    pub name: String,
+    pub root_id: String,
+    pub vm_id: String,
+    pub configuration: Vec<u8>,
+    pub vm_configuration: Vec<u8>,
+    pub env: Vec<(String, String)>,
+    pub log_level: LogLevel,
+    /// Upstream clusters `proxy_http_call` accepts; `None` accepts any name.
+    pub clusters: Option<HashSet<String>>,
+    pub seed: u64,
+}
+
+/// Mutable process-wide state.
+pub(crate) struct SharedState {
+    pub clock: Clock,
+    pub data: SharedData,
+    pub queues: SharedQueues,
+    pub metrics: Metrics,
+    pub logs: LogBuffer,
+    /// `proxy_on_queue_ready` notifications not yet delivered.
+    pub queue_ready: VecDeque<(QueueOwner, u32)>,
+    pub http_calls: Vec<HttpCall>,
+    pub foreign_calls: Vec<ForeignCall>,
+    /// Plugin-wide properties, keyed by the \0-joined path.
+    pub properties: HashMap<Vec<u8>, Vec<u8>>,
+}
+
+/// Everything a VM's host calls reach besides its own store.
+pub(crate) struct Shared {
+    pub config: PluginConfig,
+    state: Mutex<SharedState>,
+    foreign: Mutex<HashMap<String, ForeignFunction>>,
+}
+
+impl Shared {
+    pub fn new(
+        config: PluginConfig,
+        state: SharedState,
+        foreign: HashMap<String, ForeignFunction>,
+    ) -> Shared {
+        Shared {
+            config,
+            state: Mutex::new(state),
+            foreign: Mutex::new(foreign),
+        }
+    }
+
+    /// Locks the process state. A panic in a test's foreign function cannot leave it half
+    /// updated (no host code panics while holding it), so poisoning is ignored.
+    pub fn lock(&self) -> MutexGuard<'_, SharedState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Locks the foreign-function table.
+    pub fn foreign(&self) -> MutexGuard<'_, HashMap<String, ForeignFunction>> {
+        self.foreign.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Appends a log line.
+    pub fn log(&self, entry: LogEntry) {
+        self.lock().logs.push(entry);
+    }
+}
+
+/// Joins a property path the way the SDK serializes it.
+pub(crate) fn property_key(path: &[&str]) -> Vec<u8> {
+    path.join("\0").into_bytes()
+}

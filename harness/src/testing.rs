@@ -1,0 +1,73 @@
+//! Helpers for tests and benchmarks that load the workspace's own filters.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock, PoisonError};
+
+use crate::error::{Error, Result};
+use crate::host::Host;
+
+/// Overrides the directory the built filters are looked up in.
+pub const WASM_DIR_ENV: &str = "KVOY_WASM_DIR";
+
+/// The workspace's target directory: `CARGO_TARGET_DIR` if set, else `<workspace>/target`.
+pub fn target_dir() -> PathBuf {
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) => workspace.join(dir),
+        None => workspace.join("target"),
+    }
+}
+
+/// The path of a filter built with `cargo build --release --target wasm32-wasip1`, e.g.
+/// `filter_wasm_path("kvoy_prefix_affinity")` (dashes are accepted too). Fails with a message
+/// telling to run `make wasm` when the file is missing; it never builds anything itself.
+pub fn filter_wasm_path(name: &str) -> Result<PathBuf> {
+    let file = format!("{}.wasm", name.replace('-', "_"));
+    let dir = match std::env::var_os(WASM_DIR_ENV) {
+        Some(dir) => PathBuf::from(dir),
+        None => target_dir().join("wasm32-wasip1").join("release"),
+    };
+    let path = dir.join(file);
+    if !path.is_file() {
+        return Err(Error::WasmNotBuilt {
+            name: name.to_owned(),
+            path,
+        });
+    }
+    Ok(path)
+}
+
+/// Loads and compiles a workspace filter once per process: tests in one binary share the
+/// compiled module (compiling takes a second or more).
+pub fn filter_host(name: &str) -> Result<Host> {
+    static CACHE: OnceLock<Mutex<HashMap<PathBuf, Host>>> = OnceLock::new();
+    let path = filter_wasm_path(name)?;
+    let cache = CACHE.get_or_init(Mutex::default);
+    if let Some(host) = cache
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .get(&path)
+    {
+        return Ok(host.clone());
+    }
+    let host = Host::load(&path)?;
+    cache
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .insert(path, host.clone());
+    Ok(host)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_filter_names_the_fix() {
+        let err = filter_wasm_path("kvoy-no-such-filter").expect_err("not built");
+        let text = err.to_string();
+        assert!(text.contains("kvoy_no_such_filter.wasm"), "{text}");
+        assert!(text.contains("make wasm"), "{text}");
+    }
+}

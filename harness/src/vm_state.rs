@@ -1,0 +1,155 @@
+//! The data each VM's wasmtime store carries: what host calls need besides guest memory.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use wasmtime::{Memory, TypedFunc};
+
+use crate::callouts::HttpResponse;
+use crate::logs::{LineSplitter, LogEntry, LogSource};
+use crate::shared::Shared;
+use crate::stream_state::StreamState;
+use crate::types::LogLevel;
+
+/// At most this many warning-or-worse lines are kept per guest call for error messages.
+const CALL_LOG_LINES: usize = 40;
+
+/// A deterministic random source for WASI `random_get` (SplitMix64).
+#[derive(Debug, Clone)]
+pub(crate) struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed)
+    }
+
+    pub fn fill(&mut self, out: &mut [u8]) {
+        for chunk in out.chunks_mut(8) {
+            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^= z >> 31;
+            chunk.copy_from_slice(&z.to_le_bytes()[..chunk.len()]);
+        }
+    }
+}
+
+/// Store data of one VM.
+pub(crate) struct VmState {
+    pub vm: usize,
+    pub shared: Arc<Shared>,
+    pub memory: Option<Memory>,
+    pub allocate: Option<TypedFunc<u32, u32>>,
+    pub root_id: u32,
+    /// The context host calls act on (`proxy_set_effective_context` changes it).
+    pub effective: u32,
+    /// Inside `proxy_on_configure`: only then is the plugin configuration readable (as in Envoy).
+    pub configuring: bool,
+    pub streams: HashMap<u32, StreamState>,
+    /// The response being delivered to `proxy_on_http_call_response`.
+    pub http_response: Option<HttpResponse>,
+    /// What `proxy_get_status` reports during a callout callback.
+    pub call_status: (u32, String),
+    pub next_token: u32,
+    /// Streams that sent a local reply during the current guest call.
+    pub local_replies: Vec<u32>,
+    pub stdout: LineSplitter,
+    pub stderr: LineSplitter,
+    /// Warning-or-worse lines logged during the current top-level call.
+    pub call_log: Vec<String>,
+    pub rng: Rng,
+}
+
+impl VmState {
+    pub fn new(vm: usize, shared: Arc<Shared>) -> VmState {
+        let seed = shared.config.seed ^ (vm as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        VmState {
+            vm,
+            shared,
+            memory: None,
+            allocate: None,
+            root_id: 1,
+            effective: 1,
+            configuring: false,
+            streams: HashMap::new(),
+            http_response: None,
+            call_status: (0, String::new()),
+            next_token: 1,
+            local_replies: Vec::new(),
+            stdout: LineSplitter::default(),
+            stderr: LineSplitter::default(),
+            call_log: Vec::new(),
+            rng: Rng::new(seed),
+        }
+    }
+
+    /// Records a log line from this VM.
+    pub fn log(&mut self, level: LogLevel, source: LogSource, message: String) {
+        if level >= LogLevel::Warn || source == LogSource::Stderr {
+            if self.call_log.len() == CALL_LOG_LINES {
+                self.call_log.remove(0);
+            }
+            self.call_log.push(message.clone());
+        }
+        self.shared.log(LogEntry {
+            vm: self.vm,
+            level,
+            source,
+            message,
+        });
+    }
+
+    /// Pushes out partial stdout/stderr lines (at the end of every guest call).
+    pub fn flush_output(&mut self) {
+        if let Some(line) = self.stdout.flush() {
+            self.log(LogLevel::Info, LogSource::Stdout, line);
+        }
+        if let Some(line) = self.stderr.flush() {
+            self.log(LogLevel::Error, LogSource::Stderr, line);
+        }
+    }
+
+    /// The stream the effective context names, if it is a live HTTP stream.
+    pub fn stream(&self) -> Option<&StreamState> {
+        self.streams.get(&self.effective).filter(|s| !s.finished)
+    }
+
+    /// Mutable [`VmState::stream`].
+    pub fn stream_mut(&mut self) -> Option<&mut StreamState> {
+        self.streams
+            .get_mut(&self.effective)
+            .filter(|s| !s.finished)
+    }
+
+    /// Whether a context id names the root context or a live stream.
+    pub fn is_live_context(&self, context_id: u32) -> bool {
+        context_id == self.root_id || self.streams.get(&context_id).is_some_and(|s| !s.finished)
+    }
+
+    /// A fresh callout token (per VM, never 0).
+    pub fn take_token(&mut self) -> u32 {
+        let token = self.next_token;
+        self.next_token = self.next_token.wrapping_add(1).max(1);
+        token
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rng_is_deterministic_and_fills_odd_lengths() {
+        let (mut a, mut b) = (Rng::new(7), Rng::new(7));
+        let (mut x, mut y) = ([0u8; 13], [0u8; 13]);
+        a.fill(&mut x);
+        b.fill(&mut y);
+        assert_eq!(x, y);
+        assert_ne!(x, [0u8; 13]);
+        let mut c = Rng::new(8);
+        let mut z = [0u8; 13];
+        c.fill(&mut z);
+        assert_ne!(x, z);
+    }
+}

@@ -1,0 +1,251 @@
+//! The WASI preview1 functions a Rust `wasm32-wasip1` cdylib imports, implemented the way
+//! Envoy's proxy-wasm host does: stdout/stderr go to the log, clocks read the virtual clock,
+//! randomness is seeded per plugin, there are no files, arguments or preopens. Imports not
+//! listed here trap when called.
+
+use wasmtime::{Caller, Linker};
+
+use crate::abi::memory::{read, write, write_u32, write_u64};
+use crate::logs::LogSource;
+use crate::types::{LogLevel, Status};
+use crate::vm_state::VmState;
+
+type Ctx<'a> = Caller<'a, VmState>;
+
+const MODULE: &str = "wasi_snapshot_preview1";
+
+const SUCCESS: i32 = 0;
+const BADF: i32 = 8;
+const FAULT: i32 = 21;
+const INVAL: i32 = 28;
+const SPIPE: i32 = 70;
+
+/// Largest single `fd_write` the harness accepts (a guest could otherwise point many iovecs at
+/// the same large region).
+const MAX_WRITE: usize = 16 << 20;
+
+/// The error `proc_exit` raises to unwind the guest.
+#[derive(Debug, thiserror::Error)]
+#[error("proc_exit({0})")]
+pub(crate) struct ProcExit(pub i32);
+
+pub(crate) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
+    linker.func_wrap(
+        MODULE,
+        "fd_write",
+        |mut c: Ctx<'_>, fd: i32, iovs: i32, len: i32, nwritten: i32| {
+            errno(fd_write(
+                &mut c,
+                fd,
+                iovs as u32,
+                len as u32,
+                nwritten as u32,
+            ))
+        },
+    )?;
+    linker.func_wrap(
+        MODULE,
+        "fd_read",
+        |mut c: Ctx<'_>, fd: i32, _iovs: i32, _len: i32, nread: i32| {
+            if fd != 0 {
+                return BADF;
+            }
+            errno(write_u32(&mut c, nread as u32, 0).map_err(|_| FAULT))
+        },
+    )?;
+    linker.func_wrap(MODULE, "fd_close", |_: Ctx<'_>, _fd: i32| BADF)?;
+    linker.func_wrap(
+        MODULE,
+        "fd_seek",
+        |_: Ctx<'_>, fd: i32, _offset: i64, _whence: i32, _new: i32| {
+            if (0..=2).contains(&fd) {
+                SPIPE
+            } else {
+                BADF
+            }
+        },
+    )?;
+    linker.func_wrap(
+        MODULE,
+        "fd_fdstat_get",
+        |mut c: Ctx<'_>, fd: i32, stat: i32| errno(fd_fdstat_get(&mut c, fd, stat as u32)),
+    )?;
+    linker.func_wrap(
+        MODULE,
+        "fd_prestat_get",
+        |_: Ctx<'_>, _fd: i32, _out: i32| BADF,
+    )?;
+    linker.func_wrap(
+        MODULE,
+        "fd_prestat_dir_name",
+        |_: Ctx<'_>, _fd: i32, _path: i32, _len: i32| BADF,
+    )?;
+    linker.func_wrap(
+        MODULE,
+        "environ_sizes_get",
+        |mut c: Ctx<'_>, count: i32, size: i32| {
+            let env = environment(c.data());
+            errno(sizes_get(&mut c, &env, count as u32, size as u32))
+        },
+    )?;
+    linker.func_wrap(
+        MODULE,
+        "environ_get",
+        |mut c: Ctx<'_>, ptrs: i32, buf: i32| {
+            let env = environment(c.data());
+            errno(strings_get(&mut c, &env, ptrs as u32, buf as u32))
+        },
+    )?;
+    linker.func_wrap(
+        MODULE,
+        "args_sizes_get",
+        |mut c: Ctx<'_>, count: i32, size: i32| {
+            errno(sizes_get(&mut c, &[], count as u32, size as u32))
+        },
+    )?;
+    linker.func_wrap(MODULE, "args_get", |mut c: Ctx<'_>, ptrs: i32, buf: i32| {
+        errno(strings_get(&mut c, &[], ptrs as u32, buf as u32))
+    })?;
+    linker.func_wrap(
+        MODULE,
+        "clock_time_get",
+        |mut c: Ctx<'_>, id: i32, _precision: i64, out: i32| {
+            errno(clock_time_get(&mut c, id, out as u32))
+        },
+    )?;
+    linker.func_wrap(
+        MODULE,
+        "clock_res_get",
+        |mut c: Ctx<'_>, id: i32, out: i32| {
+            if !(0..=3).contains(&id) {
+                return INVAL;
+            }
+            errno(write_u64(&mut c, out as u32, 1).map_err(|_| FAULT))
+        },
+    )?;
+    linker.func_wrap(
+        MODULE,
+        "random_get",
+        |mut c: Ctx<'_>, buf: i32, len: i32| errno(random_get(&mut c, buf as u32, len as u32)),
+    )?;
+    linker.func_wrap(MODULE, "sched_yield", |_: Ctx<'_>| SUCCESS)?;
+    linker.func_wrap(
+        MODULE,
+        "proc_exit",
+        |_: Ctx<'_>, code: i32| -> wasmtime::Result<()> {
+            Err(wasmtime::Error::new(ProcExit(code)))
+        },
+    )?;
+    Ok(())
+}
+
+fn errno(result: Result<(), i32>) -> i32 {
+    result.err().unwrap_or(SUCCESS)
+}
+
+fn fault(_: Status) -> i32 {
+    FAULT
+}
+
+fn fd_write(caller: &mut Ctx<'_>, fd: i32, iovs: u32, len: u32, nwritten: u32) -> Result<(), i32> {
+    let (level, source) = match fd {
+        1 => (LogLevel::Info, LogSource::Stdout),
+        2 => (LogLevel::Error, LogSource::Stderr),
+        _ => return Err(BADF),
+    };
+    let table = read(caller, iovs, len.checked_mul(8).ok_or(INVAL)?).map_err(fault)?;
+    let mut bytes = Vec::new();
+    for iov in table.chunks_exact(8) {
+        let ptr = u32::from_le_bytes([iov[0], iov[1], iov[2], iov[3]]);
+        let size = u32::from_le_bytes([iov[4], iov[5], iov[6], iov[7]]);
+        if bytes.len().saturating_add(size as usize) > MAX_WRITE {
+            return Err(INVAL);
+        }
+        bytes.extend(read(caller, ptr, size).map_err(fault)?);
+    }
+    let state = caller.data_mut();
+    let splitter = if fd == 1 {
+        &mut state.stdout
+    } else {
+        &mut state.stderr
+    };
+    for line in splitter.push(&bytes) {
+        state.log(level, source, line);
+    }
+    let written = u32::try_from(bytes.len()).unwrap_or(u32::MAX);
+    write_u32(caller, nwritten, written).map_err(fault)
+}
+
+/// fd 0-2 are character devices (readable stdin, writable stdout/stderr); nothing else exists.
+fn fd_fdstat_get(caller: &mut Ctx<'_>, fd: i32, stat: u32) -> Result<(), i32> {
+    const CHARACTER_DEVICE: u8 = 2;
+    const RIGHT_FD_READ: u64 = 1 << 1;
+    const RIGHT_FD_WRITE: u64 = 1 << 6;
+    let rights = match fd {
+        0 => RIGHT_FD_READ,
+        1 | 2 => RIGHT_FD_WRITE,
+        _ => return Err(BADF),
+    };
+    let mut out = [0u8; 24];
+    out[0] = CHARACTER_DEVICE;
+    out[8..16].copy_from_slice(&rights.to_le_bytes());
+    write(caller, stat, &out).map_err(fault)
+}
+
+fn environment(state: &VmState) -> Vec<Vec<u8>> {
+    state
+        .shared
+        .config
+        .env
+        .iter()
+        .map(|(key, value)| format!("{key}={value}\0").into_bytes())
+        .collect()
+}
+
+fn sizes_get(caller: &mut Ctx<'_>, strings: &[Vec<u8>], count: u32, size: u32) -> Result<(), i32> {
+    let total: usize = strings.iter().map(Vec::len).sum();
+    let n = u32::try_from(strings.len()).map_err(|_| INVAL)?;
+    write_u32(caller, count, n).map_err(fault)?;
+    write_u32(caller, size, u32::try_from(total).map_err(|_| INVAL)?).map_err(fault)
+}
+
+/// Writes NUL-terminated strings to `buf` and their addresses to `ptrs`.
+fn strings_get(caller: &mut Ctx<'_>, strings: &[Vec<u8>], ptrs: u32, buf: u32) -> Result<(), i32> {
+    let mut at = buf;
+    for (index, string) in strings.iter().enumerate() {
+        let slot = u32::try_from(index * 4)
+            .ok()
+            .and_then(|o| ptrs.checked_add(o))
+            .ok_or(FAULT)?;
+        write_u32(caller, slot, at).map_err(fault)?;
+        write(caller, at, string).map_err(fault)?;
+        let len = u32::try_from(string.len()).map_err(|_| FAULT)?;
+        at = at.checked_add(len).ok_or(FAULT)?;
+    }
+    Ok(())
+}
+
+/// Realtime (0) reads the virtual wall clock; the monotonic and CPU-time clocks (1-3) read
+/// virtual time since the plugin started.
+fn clock_time_get(caller: &mut Ctx<'_>, id: i32, out: u32) -> Result<(), i32> {
+    let now = {
+        let shared = caller.data().shared.lock();
+        match id {
+            0 => shared.clock.now(),
+            1..=3 => shared.clock.monotonic(),
+            _ => return Err(INVAL),
+        }
+    };
+    write_u64(caller, out, now).map_err(fault)
+}
+
+fn random_get(caller: &mut Ctx<'_>, buf: u32, len: u32) -> Result<(), i32> {
+    // Check the range before allocating, so a huge length cannot exhaust host memory.
+    let memory_size = caller.data().memory.map_or(0, |m| m.data_size(&*caller));
+    if (buf as usize).saturating_add(len as usize) > memory_size {
+        return Err(FAULT);
+    }
+    let mut bytes = vec![0u8; len as usize];
+    caller.data_mut().rng.fill(&mut bytes);
+    write(caller, buf, &bytes).map_err(fault)
+}
