@@ -1,0 +1,553 @@
+//! The prefix-affinity filter's decisions, driven through the real `.wasm` (built by
+//! `make wasm`) with two VMs, as two Envoy worker threads. Deterministic: the harness seeds the
+//! guests' random source and nothing reads a wall clock.
+
+use std::collections::BTreeMap;
+
+use kvoy_harness::{testing, Action, Error, HttpStream, Plugin};
+use kvoy_shared::replica;
+
+type TestResult = Result<(), Error>;
+
+const POOL: [&str; 3] = ["127.0.0.1:18001", "127.0.0.1:18002", "127.0.0.1:18003"];
+const DEST: &str = "x-gateway-destination-endpoint";
+
+fn config(extra: serde_json::Value) -> String {
+    let mut cfg = serde_json::json!({
+        "endpoints": POOL.iter().map(|a| serde_json::json!({"address": a, "models": ["m"]})).collect::<Vec<_>>(),
+    });
+    if let (Some(cfg), Some(extra)) = (cfg.as_object_mut(), extra.as_object()) {
+        cfg.extend(extra.clone());
+    }
+    cfg.to_string()
+}
+
+fn plugin_with(config: &str, seed: u64) -> Result<Plugin, Error> {
+    testing::filter_host("kvoy_prefix_affinity")?
+        .plugin()
+        .configuration(config)
+        .vms(2)
+        .seed(seed)
+        .start()
+}
+
+fn plugin() -> Result<Plugin, Error> {
+    plugin_with(&config(serde_json::json!({})), 7)
+}
+
+fn chat(system: &str, user: &str) -> Vec<u8> {
+    serde_json::json!({"model": "m", "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": user}]})
+    .to_string()
+    .into_bytes()
+}
+
+fn post_headers(path: &str, extra: &[(&'static str, &'static str)]) -> Vec<(&'static str, String)> {
+    let mut h: Vec<(&'static str, String)> = vec![
+        (":method", "POST".into()),
+        (":path", path.into()),
+        (":authority", "gateway".into()),
+        (":scheme", "http".into()),
+        ("content-type", "application/json".into()),
+    ];
+    h.extend(extra.iter().map(|(k, v)| (*k, (*v).to_owned())));
+    h
+}
+
+/// Sends a POST with `body`; returns the open stream (not finished: still in flight).
+fn send(
+    plugin: &Plugin,
+    vm: usize,
+    path: &str,
+    body: &[u8],
+    extra: &[(&'static str, &'static str)],
+) -> Result<HttpStream, Error> {
+    let stream = plugin.http_stream(vm)?;
+    let headers = post_headers(path, extra);
+    let refs: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    assert_eq!(
+        stream.send_request_headers(&refs, false)?,
+        Action::Pause,
+        "waits for the body"
+    );
+    stream.send_request_body(body, true)?;
+    Ok(stream)
+}
+
+/// Routes one chat request to completion and returns the chosen endpoint.
+fn route(plugin: &Plugin, vm: usize, body: &[u8]) -> Result<String, Error> {
+    let stream = send(plugin, vm, "/v1/chat/completions", body, &[])?;
+    let dest = destination(&stream);
+    stream.finish()?;
+    Ok(dest)
+}
+
+fn destination(stream: &HttpStream) -> String {
+    let dest = stream
+        .forwarded_request_headers()
+        .and_then(|h| h.get(DEST).map(str::to_owned))
+        .unwrap_or_else(|| panic!("no destination; local reply {:?}", stream.local_reply()));
+    assert!(
+        POOL.contains(&dest.as_str()),
+        "{dest} is not a pool endpoint"
+    );
+    dest
+}
+
+fn inflight(plugin: &Plugin, config: &str) -> Vec<u32> {
+    let key = format!(
+        "{}.inflight",
+        replica::namespace("kvoy.pa", config.as_bytes())
+    );
+    plugin
+        .shared_data(&key)
+        .map(|(b, _)| {
+            b.chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()
+        })
+        .unwrap_or_else(|| vec![0; POOL.len()])
+}
+
+#[test]
+fn a_shared_prefix_sticks_across_both_workers() -> TestResult {
+    let plugin = plugin()?;
+    let system = "You are a careful assistant for the ACME support desk. ".repeat(80);
+    let first = route(&plugin, 0, &chat(&system, "question 0"))?;
+    for i in 1..20 {
+        // alternate workers: VM 1 learns VM 0's decisions through the shared decision log
+        let got = route(&plugin, i % 2, &chat(&system, &format!("question {i}")))?;
+        assert_eq!(got, first, "request {i} on vm {}", i % 2);
+    }
+    assert_eq!(
+        plugin.counter("kvoy_prefix_affinity_decisions_total"),
+        Some(20)
+    );
+    let requested = plugin
+        .counter("kvoy_prefix_affinity_prefix_blocks_requested_total")
+        .unwrap_or(0);
+    let matched = plugin
+        .counter("kvoy_prefix_affinity_prefix_blocks_matched_total")
+        .unwrap_or(0);
+    // every request after the first matches the whole shared system prompt
+    assert!(
+        matched * 100 >= requested * 85,
+        "matched {matched} of {requested}"
+    );
+    assert!(
+        plugin
+            .counter("kvoy_prefix_affinity_remote_decisions_applied_total")
+            .unwrap_or(0)
+            >= 9
+    );
+    Ok(())
+}
+
+#[test]
+fn distinct_prefixes_spread_over_the_pool() -> TestResult {
+    let plugin = plugin()?;
+    let mut per: BTreeMap<String, u32> = BTreeMap::new();
+    for i in 0..30 {
+        let body = chat(
+            &format!("Conversation {i}: {}", "context ".repeat(40)),
+            "hi",
+        );
+        *per.entry(route(&plugin, i % 2, &body)?).or_default() += 1;
+    }
+    assert_eq!(per.len(), 3, "{per:?}");
+    assert!(per.values().all(|&n| n >= 4), "{per:?}");
+    Ok(())
+}
+
+#[test]
+fn a_same_prefix_burst_spills_past_the_hot_endpoint() -> TestResult {
+    let cfg = config(serde_json::json!({}));
+    let plugin = plugin_with(&cfg, 11)?;
+    let system = "Shared agent instructions. ".repeat(100);
+    let mut open = Vec::new();
+    let mut per: BTreeMap<String, u32> = BTreeMap::new();
+    for i in 0..50 {
+        let stream = send(
+            &plugin,
+            i % 2,
+            "/v1/chat/completions",
+            &chat(&system, &format!("task {i}")),
+            &[],
+        )?;
+        *per.entry(destination(&stream)).or_default() += 1;
+        open.push(stream);
+    }
+    assert!(per.len() >= 2, "burst went to one endpoint: {per:?}");
+    // the guard keeps the spread within `hotspot.abs` (8) of even, plus one
+    let (min, max) = (
+        per.values().min().copied().unwrap_or(0),
+        per.values().max().copied().unwrap_or(0),
+    );
+    assert!(max - min <= 9, "{per:?}");
+    // the in-flight table, shared by both workers, counts every open request
+    assert_eq!(inflight(&plugin, &cfg).iter().sum::<u32>(), 50);
+    for s in &open {
+        s.finish()?;
+    }
+    assert_eq!(
+        inflight(&plugin, &cfg),
+        vec![0, 0, 0],
+        "finished requests release their count"
+    );
+    Ok(())
+}
+
+#[test]
+fn forged_destinations_are_overwritten() -> TestResult {
+    let plugin = plugin()?;
+    let system = "Pinned prefix for the forgery test. ".repeat(50);
+    let home = route(&plugin, 0, &chat(&system, "first"))?;
+    let other = POOL
+        .iter()
+        .find(|a| **a != home)
+        .copied()
+        .unwrap_or(POOL[0]);
+    for (vm, forged) in [
+        (0, "10.9.9.9:80"),
+        (1, "127.0.0.1:1"),
+        (0, other),
+        (1, "not an address"),
+    ] {
+        let stream = plugin.http_stream(vm)?;
+        let mut headers = post_headers("/v1/chat/completions", &[]);
+        headers.push((DEST, forged.to_owned()));
+        let refs: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        stream.send_request_headers(&refs, false)?;
+        // removed at once, before the body is even seen
+        assert_eq!(stream.request_header(DEST), None, "forged {forged}");
+        stream.send_request_body(&chat(&system, "again"), true)?;
+        assert_eq!(destination(&stream), home, "forged {forged}");
+        let forwarded = stream.forwarded_request_headers().unwrap_or_default();
+        assert_eq!(
+            forwarded.get_all(DEST).count(),
+            1,
+            "exactly one destination header"
+        );
+        stream.finish()?;
+    }
+    // a GET with a forged header is routed by the filter too
+    let stream = plugin.http_stream(1)?;
+    stream.send_request_headers(
+        &[
+            (":method", "GET"),
+            (":path", "/v1/models"),
+            (":authority", "g"),
+            (DEST, "10.9.9.9:80"),
+        ],
+        true,
+    )?;
+    let dest = destination(&stream);
+    assert_ne!(dest, "10.9.9.9:80");
+    stream.finish()?;
+    Ok(())
+}
+
+fn error_reply(stream: &HttpStream) -> (u32, serde_json::Value) {
+    let reply = stream.local_reply().expect("a local reply");
+    assert!(
+        stream.forwarded_request_headers().is_none(),
+        "nothing went upstream"
+    );
+    assert_eq!(reply.headers.get("content-type"), Some("application/json"));
+    let body: serde_json::Value = serde_json::from_slice(&reply.body).expect("JSON error body");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()),
+        "{body}"
+    );
+    assert!(body["error"]["type"].is_string(), "{body}");
+    (reply.status, body)
+}
+
+#[test]
+fn bad_requests_get_openai_errors() -> TestResult {
+    let cfg = config(serde_json::json!({"max_body_bytes": 1000}));
+    let plugin = plugin_with(&cfg, 3)?;
+
+    let s = send(
+        &plugin,
+        0,
+        "/v1/chat/completions",
+        b"{\"model\":\"m\",\"messages\":[",
+        &[],
+    )?;
+    let (status, body) = error_reply(&s);
+    assert_eq!(status, 400);
+    assert_eq!(body["error"]["type"], "invalid_request_error");
+    s.finish()?;
+
+    let s = send(
+        &plugin,
+        1,
+        "/v1/chat/completions",
+        br#"{"model":"zzz","messages":[]}"#,
+        &[],
+    )?;
+    let (status, body) = error_reply(&s);
+    assert_eq!(status, 404, "{body}");
+    assert_eq!(body["error"]["code"], "model_not_found");
+    s.finish()?;
+
+    // Too large by content-length: refused at headers, before buffering anything.
+    let s = plugin.http_stream(0)?;
+    let headers = post_headers("/v1/chat/completions", &[("content-length", "5000")]);
+    let refs: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    s.send_request_headers(&refs, false)?;
+    let (status, body) = error_reply(&s);
+    assert_eq!(status, 413);
+    assert_eq!(body["error"]["code"], "request_too_large");
+    s.finish()?;
+
+    // Too large without content-length: refused as soon as the buffer passes the limit.
+    let s = plugin.http_stream(1)?;
+    let headers = post_headers("/v1/chat/completions", &[]);
+    let refs: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    s.send_request_headers(&refs, false)?;
+    assert_eq!(s.send_request_body(&[b' '; 600], false)?, Action::Pause);
+    s.send_request_body(&[b' '; 600], false)?;
+    let (status, _) = error_reply(&s);
+    assert_eq!(status, 413);
+    s.finish()?;
+
+    // A POST with no body at all.
+    let s = plugin.http_stream(0)?;
+    let refs: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    s.send_request_headers(&refs, true)?;
+    assert_eq!(error_reply(&s).0, 400);
+    s.finish()?;
+
+    assert_eq!(
+        plugin.counter("kvoy_prefix_affinity_errors_bad_request_total"),
+        Some(2)
+    );
+    assert_eq!(
+        plugin.counter("kvoy_prefix_affinity_errors_unknown_model_total"),
+        Some(1)
+    );
+    assert_eq!(
+        plugin.counter("kvoy_prefix_affinity_errors_body_too_large_total"),
+        Some(2)
+    );
+    assert_eq!(
+        inflight(&plugin, &cfg),
+        vec![0, 0, 0],
+        "rejections hold no count"
+    );
+    Ok(())
+}
+
+#[test]
+fn fallback_policy_routes_bad_bodies_to_the_least_loaded() -> TestResult {
+    let cfg = config(serde_json::json!({"on_invalid_body": "fallback"}));
+    let plugin = plugin_with(&cfg, 5)?;
+    // load two endpoints with open requests so that one is clearly the least loaded
+    let mut open = Vec::new();
+    for i in 0..7 {
+        let s = send(
+            &plugin,
+            0,
+            "/v1/chat/completions",
+            &chat(&format!("p{i}"), "u"),
+            &[],
+        )?;
+        destination(&s);
+        open.push(s);
+    }
+    let counts = inflight(&plugin, &cfg);
+    let min = counts.iter().copied().min().unwrap_or(0);
+    let least: Vec<&str> = (0..3)
+        .filter(|&i| counts[i] == min)
+        .map(|i| POOL[i])
+        .collect();
+    let s = send(&plugin, 1, "/v1/chat/completions", b"not json at all", &[])?;
+    assert!(
+        least.contains(&destination(&s).as_str()),
+        "counts {counts:?}"
+    );
+    assert_eq!(
+        plugin.counter("kvoy_prefix_affinity_fallbacks_total"),
+        Some(1)
+    );
+    s.finish()?;
+    // an unknown model is still a 404 under fallback: the body parsed, the model is not served
+    let s = send(
+        &plugin,
+        1,
+        "/v1/chat/completions",
+        br#"{"model":"other","messages":[]}"#,
+        &[],
+    )?;
+    assert_eq!(error_reply(&s).0, 404);
+    s.finish()?;
+    for s in &open {
+        s.finish()?;
+    }
+    Ok(())
+}
+
+#[test]
+fn other_requests_pass_through_to_a_pool_endpoint() -> TestResult {
+    let plugin = plugin()?;
+    for (vm, (method, path)) in [
+        ("GET", "/v1/models"),
+        ("GET", "/health"),
+        ("POST", "/tokenize"),
+        ("GET", "/v1/chat/completions"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let s = plugin.http_stream(vm % 2)?;
+        assert_eq!(
+            s.send_request_headers(
+                &[(":method", method), (":path", path), (":authority", "g")],
+                true
+            )?,
+            Action::Continue
+        );
+        destination(&s);
+        s.finish()?;
+    }
+    assert_eq!(
+        plugin.counter("kvoy_prefix_affinity_passthrough_total"),
+        Some(4)
+    );
+    Ok(())
+}
+
+#[test]
+fn the_served_endpoint_is_reported_from_the_upstream_address() -> TestResult {
+    let plugin = plugin()?;
+    let s = send(
+        &plugin,
+        0,
+        "/v1/completions",
+        br#"{"model":"m","prompt":"Once upon a time"}"#,
+        &[],
+    )?;
+    let chosen = destination(&s);
+    let other = POOL
+        .iter()
+        .find(|a| **a != chosen)
+        .copied()
+        .unwrap_or(POOL[0]);
+    s.set_property(&["upstream", "address"], other)?;
+    s.send_response_headers(&[(":status", "200")], false)?;
+    assert_eq!(
+        s.response_header("x-gateway-destination-endpoint-served")
+            .as_deref(),
+        Some(other)
+    );
+    s.finish()?;
+    // an upstream outside the pool is never echoed: the filter reports its own choice
+    let s = send(
+        &plugin,
+        1,
+        "/v1/responses",
+        br#"{"model":"m","input":"hello"}"#,
+        &[],
+    )?;
+    let chosen = destination(&s);
+    s.set_property(&["upstream", "address"], "10.1.1.1:9")?;
+    s.send_response_headers(&[(":status", "200")], false)?;
+    assert_eq!(
+        s.response_header("x-gateway-destination-endpoint-served"),
+        Some(chosen)
+    );
+    s.finish()?;
+    Ok(())
+}
+
+#[test]
+fn bad_configurations_are_refused_with_the_field_named() -> TestResult {
+    for (cfg, field) in [
+        (
+            r#"{"endpoints":[{"address":"127.0.0.1:1","models":["m"]}],"blok_size":4}"#,
+            "blok_size",
+        ),
+        (
+            r#"{"endpoints":[{"address":"nowhere","models":["m"]}]}"#,
+            "endpoints[0].address",
+        ),
+        (r#"{"endpoints":[]}"#, "endpoints"),
+        ("not json", "configuration JSON"),
+    ] {
+        let host = testing::filter_host("kvoy_prefix_affinity")?;
+        match host.plugin().configuration(cfg).vms(1).start() {
+            Ok(_) => panic!("accepted {cfg}"),
+            Err(e) => {
+                let text = format!("{e:?}");
+                assert!(text.contains(field), "{cfg}: {text}");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Random bodies, valid JSON of the wrong shapes and truncations never trap the VM: every
+/// request ends in a destination or an OpenAI error.
+#[test]
+fn no_body_traps_the_filter() -> TestResult {
+    let plugin = plugin()?;
+    let mut x = 0x1234_5678_9abc_def0u64;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let valid = chat("sys", "user question with \"quotes\" and \\ backslashes\n");
+    // the whole body first (index 0 goes to the chat path), then every truncation of it
+    let mut bodies: Vec<Vec<u8>> = (0..=valid.len())
+        .rev()
+        .map(|cut| valid[..cut].to_vec())
+        .collect();
+    for _ in 0..150 {
+        let len = (next() % 300) as usize;
+        let alphabet = b"{}[]\":,\\ amodelsgcontent0123";
+        bodies.push(
+            (0..len)
+                .map(|_| alphabet[(next() % alphabet.len() as u64) as usize])
+                .collect(),
+        );
+        bodies.push((0..len).map(|_| next() as u8).collect());
+    }
+    for shape in [
+        r#"{"model":"m","messages":[1,2]}"#,
+        r#"{"model":"m","messages":[{"role":1,"content":{"a":[]}}]}"#,
+        r#"{"model":["m"],"messages":[]}"#,
+        r#"{"model":"m","messages":null}"#,
+        r#"{"model":"m","messages":[{"content":[null,1,{"text":5}]}]}"#,
+        r#"[{"model":"m"}]"#,
+    ] {
+        bodies.push(shape.as_bytes().to_vec());
+    }
+    let (mut routed, mut rejected) = (0, 0);
+    for (i, body) in bodies.iter().enumerate() {
+        let path = ["/v1/chat/completions", "/v1/completions", "/v1/responses"][i % 3];
+        let s = send(&plugin, i % 2, path, body, &[])?;
+        match s.local_reply() {
+            Some(r) => {
+                assert!([400, 404].contains(&r.status), "{r:?}");
+                rejected += 1;
+            }
+            None => {
+                destination(&s);
+                routed += 1;
+            }
+        }
+        s.finish()?;
+    }
+    assert!(
+        routed > 0 && rejected > 0,
+        "routed {routed}, rejected {rejected}"
+    );
+    assert!(!plugin.logged("panicked"));
+    Ok(())
+}
