@@ -2,6 +2,9 @@
 //! `make wasm`) with two VMs, as two Envoy worker threads. Deterministic: the harness seeds the
 //! guests' random source and nothing reads a wall clock.
 
+// Test helpers panic on broken expectations, like the tests themselves.
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
 use std::collections::BTreeMap;
 
 use kvoy_harness::{testing, Action, Error, HttpStream, Plugin};
