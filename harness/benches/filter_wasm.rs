@@ -1,0 +1,171 @@
+//! One request through the real `kvoy_prefix_affinity` wasm filter under wasmtime (this crate's
+//! proxy-wasm host), beside the native `Router::route_body` on the same body, at prompt sizes
+//! of 1k, 8k and 100k tokens (about 4 bytes per token). Both run in one group, so the wasm /
+//! native ratio comes from one run on one machine.
+//!
+//! `filter/wasm/N` is what a worker does per request: a new stream, request headers (the filter
+//! pauses), the whole body with end of stream (the filter parses, hashes, scores, sets
+//! `x-gateway-destination-endpoint` and continues), then the end of the stream (`on_log`
+//! releases the in-flight count). One plugin runs 2 VMs and iterations alternate between them,
+//! so each request also replays the other VM's last decision from the shared decision log, as
+//! on an Envoy with 2 workers. The index is warmed first: every request matches its full chain.
+//! `filter/native/N` is `Router::route_body` on the same body with a warmed index.
+//!
+//! Needs `make wasm`. `KVOY_BENCH_WASM=path/to/filter.wasm` benches another build of the filter
+//! (e.g. one built with `-C target-feature=+simd128`); see BENCHMARKS.md.
+//!
+//! Run: `cargo bench -p kvoy-harness -j 2 --bench filter_wasm`.
+
+// A benchmark fails loudly on a missing module or a filter that stops routing, like a test.
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+use std::hint::black_box;
+use std::path::Path;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+
+use kvoy_harness::{testing, Action, Host, Plugin};
+use kvoy_shared::request::Api;
+use kvoy_shared::{PluginConfig, Router};
+
+/// Points the bench at another build of the filter instead of `target/wasm32-wasip1/release`.
+const WASM_ENV: &str = "KVOY_BENCH_WASM";
+const FILTER: &str = "kvoy_prefix_affinity";
+const DESTINATION: &str = "x-gateway-destination-endpoint";
+const REQUESTED: &str = "kvoy_prefix_affinity_prefix_blocks_requested_total";
+const MATCHED: &str = "kvoy_prefix_affinity_prefix_blocks_matched_total";
+const SHARED_ERRORS: &str = "kvoy_prefix_affinity_shared_state_errors_total";
+const VMS: usize = 2;
+
+/// A chat body whose prompt is about `tokens * 4` bytes of prose with newlines and quotes,
+/// so that the JSON carries escapes like real prompts do. A copy of the builder in
+/// `shared/benches/request_path.rs`: keep the two identical so the numbers compare.
+fn chat_body(tokens: usize, question: &str) -> Vec<u8> {
+    let line = "The quick brown fox jumps over the lazy dog; \"quoted\" text, code { x: 1 }.\n";
+    let mut system = String::with_capacity(tokens * 4 + line.len());
+    while system.len() < tokens * 4 {
+        system.push_str(line);
+    }
+    serde_json::json!({
+        "model": "llama",
+        "stream": true,
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": question}
+        ]
+    })
+    .to_string()
+    .into_bytes()
+}
+
+/// 8 endpoints serving one model, as in the native bench.
+fn config_json() -> String {
+    let endpoints: Vec<String> = (1..=8)
+        .map(|i| format!(r#"{{"address":"10.0.0.{i}:8000","models":["llama"]}}"#))
+        .collect();
+    format!(r#"{{"endpoints":[{}]}}"#, endpoints.join(","))
+}
+
+fn load_host() -> Host {
+    match std::env::var_os(WASM_ENV) {
+        Some(path) => {
+            let path = Path::new(&path);
+            eprintln!("filter_wasm: benching {} ({WASM_ENV})", path.display());
+            Host::load(path).unwrap_or_else(|e| panic!("{WASM_ENV}={}: {e}", path.display()))
+        }
+        // The error says which file is missing and to run `make wasm`.
+        None => testing::filter_host(FILTER).unwrap_or_else(|e| panic!("filter_wasm: {e}")),
+    }
+}
+
+/// One request as Envoy drives it; panics if the filter does not route it.
+fn request(plugin: &Plugin, vm: usize, headers: &[(&str, &str)], body: &[u8]) {
+    let stream = plugin.http_stream(vm).expect("new stream");
+    let action = stream
+        .send_request_headers(headers, false)
+        .expect("request headers");
+    assert_eq!(action, Action::Pause, "the filter must hold the headers");
+    let action = stream.send_request_body(body, true).expect("request body");
+    assert_eq!(
+        action,
+        Action::Continue,
+        "the filter did not route the request: {:?}",
+        stream.local_reply()
+    );
+    assert!(
+        stream.request_header(DESTINATION).is_some(),
+        "no {DESTINATION} header"
+    );
+    stream.finish().expect("finish");
+}
+
+fn counter(plugin: &Plugin, name: &str) -> u64 {
+    plugin.counter(name).unwrap_or(0)
+}
+
+fn bench(c: &mut Criterion) {
+    let host = load_host();
+    let config = config_json();
+    let plugin = host
+        .plugin()
+        .configuration(config.as_bytes())
+        .vms(VMS)
+        .start()
+        .expect("plugin starts");
+    let mut g = c.benchmark_group("filter");
+    for tokens in [1_000usize, 8_000, 100_000] {
+        let body = chat_body(tokens, "What is the answer?");
+        let length = body.len().to_string();
+        let headers = [
+            (":method", "POST"),
+            (":path", "/v1/chat/completions"),
+            (":authority", "gateway"),
+            ("content-type", "application/json"),
+            ("content-length", length.as_str()),
+        ];
+        g.throughput(Throughput::Bytes(body.len() as u64));
+
+        // Warm both VMs' indexes, then check that a request matches its whole chain.
+        for vm in 0..VMS {
+            request(&plugin, vm, &headers, &body);
+        }
+        let (requested, matched) = (counter(&plugin, REQUESTED), counter(&plugin, MATCHED));
+        request(&plugin, 0, &headers, &body);
+        let requested = counter(&plugin, REQUESTED) - requested;
+        let matched = counter(&plugin, MATCHED) - matched;
+        assert!(
+            requested > 0 && matched == requested,
+            "warm request matched {matched} of {requested} blocks"
+        );
+
+        let mut next_vm = 0;
+        g.bench_with_input(BenchmarkId::new("wasm", tokens), &body, |b, body| {
+            b.iter(|| {
+                request(&plugin, next_vm, &headers, black_box(body));
+                next_vm = (next_vm + 1) % VMS;
+            })
+        });
+        assert_eq!(counter(&plugin, SHARED_ERRORS), 0, "shared state errors");
+
+        let mut router = Router::new(
+            PluginConfig::from_json(config.as_bytes()).expect("valid config"),
+            1,
+        );
+        let inflight = [0u32; 8];
+        // Warm the index so the match walks the full chain.
+        router
+            .route_body(Api::ChatCompletions, &body, &inflight, None)
+            .expect("routes");
+        g.bench_with_input(BenchmarkId::new("native", tokens), &body, |b, body| {
+            b.iter(|| {
+                router
+                    .route_body(Api::ChatCompletions, black_box(body), &inflight, None)
+                    .map(|d| d.endpoint)
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
