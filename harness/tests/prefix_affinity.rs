@@ -57,6 +57,19 @@ fn post_headers(path: &str, extra: &[(&'static str, &'static str)]) -> Vec<(&'st
     h
 }
 
+/// Opens a stream on `vm` and sends `headers`.
+fn open(
+    plugin: &Plugin,
+    vm: usize,
+    headers: &[(&'static str, String)],
+    end_of_stream: bool,
+) -> Result<(HttpStream, Action), Error> {
+    let stream = plugin.http_stream(vm)?;
+    let refs: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let action = stream.send_request_headers(&refs, end_of_stream)?;
+    Ok((stream, action))
+}
+
 /// Sends a POST with `body`; returns the open stream (not finished: still in flight).
 fn send(
     plugin: &Plugin,
@@ -65,14 +78,8 @@ fn send(
     body: &[u8],
     extra: &[(&'static str, &'static str)],
 ) -> Result<HttpStream, Error> {
-    let stream = plugin.http_stream(vm)?;
-    let headers = post_headers(path, extra);
-    let refs: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    assert_eq!(
-        stream.send_request_headers(&refs, false)?,
-        Action::Pause,
-        "waits for the body"
-    );
+    let (stream, action) = open(plugin, vm, &post_headers(path, extra), false)?;
+    assert_eq!(action, Action::Pause, "waits for the body");
     stream.send_request_body(body, true)?;
     Ok(stream)
 }
@@ -216,11 +223,9 @@ fn forged_destinations_are_overwritten() -> TestResult {
         (0, other),
         (1, "not an address"),
     ] {
-        let stream = plugin.http_stream(vm)?;
         let mut headers = post_headers("/v1/chat/completions", &[]);
         headers.push((DEST, forged.to_owned()));
-        let refs: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        stream.send_request_headers(&refs, false)?;
+        let (stream, _) = open(&plugin, vm, &headers, false)?;
         // removed at once, before the body is even seen
         assert_eq!(stream.request_header(DEST), None, "forged {forged}");
         stream.send_request_body(&chat(&system, "again"), true)?;
@@ -298,20 +303,16 @@ fn bad_requests_get_openai_errors() -> TestResult {
     s.finish()?;
 
     // Too large by content-length: refused at headers, before buffering anything.
-    let s = plugin.http_stream(0)?;
     let headers = post_headers("/v1/chat/completions", &[("content-length", "5000")]);
-    let refs: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    s.send_request_headers(&refs, false)?;
+    let (s, _) = open(&plugin, 0, &headers, false)?;
     let (status, body) = error_reply(&s);
     assert_eq!(status, 413);
     assert_eq!(body["error"]["code"], "request_too_large");
     s.finish()?;
 
     // Too large without content-length: refused as soon as the buffer passes the limit.
-    let s = plugin.http_stream(1)?;
     let headers = post_headers("/v1/chat/completions", &[]);
-    let refs: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    s.send_request_headers(&refs, false)?;
+    let (s, _) = open(&plugin, 1, &headers, false)?;
     assert_eq!(s.send_request_body(&[b' '; 600], false)?, Action::Pause);
     s.send_request_body(&[b' '; 600], false)?;
     let (status, _) = error_reply(&s);
@@ -319,9 +320,7 @@ fn bad_requests_get_openai_errors() -> TestResult {
     s.finish()?;
 
     // A POST with no body at all.
-    let s = plugin.http_stream(0)?;
-    let refs: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    s.send_request_headers(&refs, true)?;
+    let (s, _) = open(&plugin, 0, &headers, true)?;
     assert_eq!(error_reply(&s).0, 400);
     s.finish()?;
 
