@@ -1,0 +1,339 @@
+//! The paged KV cache with prefix caching, like vLLM v1's `KVCacheManager`.
+//!
+//! - Blocks hold `block_size` tokens. A full block's hash chains over the token ids:
+//!   `h_0 = xxh3(0x00 ‖ tokens_0)`, `h_i = xxh3(0x01 ‖ le64(h_{i-1}) ‖ tokens_i)` (token ids as
+//!   little-endian u32). Only full blocks are cached.
+//! - Admission looks up the longest run of cached blocks from the start of the sequence, capped
+//!   so that at least one token is computed (vLLM recomputes the last token of a fully cached
+//!   prompt to get logits).
+//! - Blocks are cached (and `BlockStored` is emitted) when the step that fills them is
+//!   scheduled, as vLLM does; consecutive newly cached blocks of one sequence go in one event.
+//!   A block whose hash another block already holds stays uncached and unannounced.
+//! - A finished or preempted sequence frees its blocks tail first, so that when they are later
+//!   reused in LRU order the tail goes before the head and shared prefixes survive longer.
+//! - Usage counts referenced blocks only (`vllm:kv_cache_usage_perc`): cached blocks that no
+//!   request holds are free, reusable, and not counted.
+
+use super::block_pool::{BlockId, BlockPool};
+use super::events::{KvEvent, MEDIUM_GPU};
+
+/// The blocks one sequence holds, and the hash chain of its full blocks.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct SeqBlocks {
+    /// Physical blocks, in sequence order.
+    pub(crate) blocks: Vec<BlockId>,
+    /// Hashes of the sequence's full blocks, computed so far (kept across preemption).
+    hashes: Vec<u64>,
+    /// How many leading blocks have been through caching.
+    num_cached: usize,
+}
+
+/// The KV cache: a block pool plus prefix-cache bookkeeping and an event queue.
+#[derive(Debug, Clone)]
+pub(crate) struct KvCache {
+    pool: BlockPool,
+    block_size: usize,
+    events: Vec<KvEvent>,
+    scratch: Vec<u8>,
+}
+
+/// Hash of one full block chained to its parent.
+fn block_hash(scratch: &mut Vec<u8>, parent: Option<u64>, tokens: &[u32]) -> u64 {
+    scratch.clear();
+    match parent {
+        None => scratch.push(0),
+        Some(p) => {
+            scratch.push(1);
+            scratch.extend_from_slice(&p.to_le_bytes());
+        }
+    }
+    for t in tokens {
+        scratch.extend_from_slice(&t.to_le_bytes());
+    }
+    xxhash_rust::xxh3::xxh3_64(scratch)
+}
+
+impl KvCache {
+    /// `block_size` must be at least 1 (checked by `Profile::validate`; 0 is treated as 1).
+    pub(crate) fn new(num_blocks: u32, block_size: u32) -> KvCache {
+        KvCache {
+            pool: BlockPool::new(num_blocks),
+            block_size: (block_size as usize).max(1),
+            events: Vec::new(),
+            scratch: Vec::new(),
+        }
+    }
+
+    pub(crate) fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Extends `seq.hashes` to cover the first `upto` blocks of `tokens` (all full).
+    fn extend_hashes(&mut self, seq: &mut SeqBlocks, tokens: &[u32], upto: usize) {
+        let bs = self.block_size;
+        let upto = upto.min(tokens.len() / bs);
+        while seq.hashes.len() < upto {
+            let i = seq.hashes.len();
+            let parent = i.checked_sub(1).and_then(|p| seq.hashes.get(p).copied());
+            let h = block_hash(&mut self.scratch, parent, &tokens[i * bs..(i + 1) * bs]);
+            seq.hashes.push(h);
+        }
+    }
+
+    /// The longest run of cached blocks at the start of `tokens` (at most `(len - 1) / bs`
+    /// blocks). Takes no references: pass the result to [`KvCache::allocate_slots`].
+    pub(crate) fn computed_blocks(&mut self, seq: &mut SeqBlocks, tokens: &[u32]) -> Vec<BlockId> {
+        let max_blocks = tokens.len().saturating_sub(1) / self.block_size;
+        self.extend_hashes(seq, tokens, max_blocks);
+        seq.hashes
+            .iter()
+            .take(max_blocks)
+            .map_while(|&h| self.pool.lookup(h))
+            .collect()
+    }
+
+    /// Makes room for `num_new` more tokens after `num_computed` computed ones plus the cache
+    /// hits `new_computed` (only on admission, when the sequence holds no block yet). Returns
+    /// false, changing nothing, when too few blocks are free. On success, caches the blocks that
+    /// this step fills and queues the events.
+    pub(crate) fn allocate_slots(
+        &mut self,
+        seq: &mut SeqBlocks,
+        tokens: &[u32],
+        num_computed: usize,
+        new_computed: &[BlockId],
+        num_new: usize,
+    ) -> bool {
+        let bs = self.block_size;
+        let total = num_computed + new_computed.len() * bs + num_new;
+        let needed = total.div_ceil(bs);
+        let have = seq.blocks.len() + new_computed.len();
+        let to_allocate = needed.saturating_sub(have);
+        let evictable_hits = new_computed
+            .iter()
+            .filter(|&&b| self.pool.ref_cnt(b) == 0)
+            .count();
+        if to_allocate + evictable_hits > self.pool.num_free() {
+            return false;
+        }
+        for &b in new_computed {
+            self.pool.touch(b);
+            seq.blocks.push(b);
+        }
+        for _ in 0..to_allocate {
+            match self.pool.allocate(&mut self.events) {
+                Some(b) => seq.blocks.push(b),
+                None => break, // unreachable: counted above
+            }
+        }
+        self.cache_full_blocks(seq, tokens, total);
+        true
+    }
+
+    /// Caches the full blocks among the first `total` tokens that are not cached yet.
+    fn cache_full_blocks(&mut self, seq: &mut SeqBlocks, tokens: &[u32], total: usize) {
+        let bs = self.block_size;
+        let full = (total.min(tokens.len()) / bs).min(seq.blocks.len());
+        if full <= seq.num_cached {
+            return;
+        }
+        self.extend_hashes(seq, tokens, full);
+        let mut run_start: Option<usize> = None;
+        for i in seq.num_cached..full {
+            let (block, hash) = (seq.blocks[i], seq.hashes[i]);
+            let newly = self.pool.hash(block).is_none() && self.pool.cache(block, hash);
+            match (newly, run_start) {
+                (true, None) => run_start = Some(i),
+                (false, Some(start)) => {
+                    self.emit_stored(seq, tokens, start, i);
+                    run_start = None;
+                }
+                _ => {}
+            }
+        }
+        if let Some(start) = run_start {
+            self.emit_stored(seq, tokens, start, full);
+        }
+        seq.num_cached = full;
+    }
+
+    fn emit_stored(&mut self, seq: &SeqBlocks, tokens: &[u32], start: usize, end: usize) {
+        let bs = self.block_size;
+        self.events.push(KvEvent::BlockStored {
+            block_hashes: seq.hashes[start..end].to_vec(),
+            parent_block_hash: start.checked_sub(1).map(|p| seq.hashes[p]),
+            token_ids: tokens[start * bs..end * bs].to_vec(),
+            block_size: bs as u32,
+            medium: MEDIUM_GPU,
+        });
+    }
+
+    /// Releases every block of `seq`, tail first; their hashes stay cached until evicted.
+    pub(crate) fn free(&mut self, seq: &mut SeqBlocks) {
+        for &b in seq.blocks.iter().rev() {
+            self.pool.release(b);
+        }
+        seq.blocks.clear();
+        seq.num_cached = 0;
+    }
+
+    /// Drops the prefix cache if no block is referenced (vLLM's `reset_prefix_cache`): queues
+    /// `AllBlocksCleared` and returns true; otherwise changes nothing and returns false.
+    pub(crate) fn reset(&mut self) -> bool {
+        if self.pool.num_free() != self.pool.num_blocks() {
+            return false;
+        }
+        self.pool.clear_cache();
+        self.events.push(KvEvent::AllBlocksCleared);
+        true
+    }
+
+    /// Events queued since the last call, in order.
+    pub(crate) fn take_events(&mut self) -> Vec<KvEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    /// Referenced blocks / all blocks.
+    pub(crate) fn usage(&self) -> f64 {
+        let n = self.pool.num_blocks();
+        if n == 0 {
+            return 0.0;
+        }
+        (n - self.pool.num_free()) as f64 / n as f64
+    }
+
+    pub(crate) fn num_cached_blocks(&self) -> usize {
+        self.pool.num_cached()
+    }
+
+    pub(crate) fn cached_block_hashes(&self) -> impl Iterator<Item = u64> + '_ {
+        self.pool.cached_hashes()
+    }
+
+    pub(crate) fn num_blocks(&self) -> usize {
+        self.pool.num_blocks()
+    }
+
+    pub(crate) fn ref_cnt(&self, id: BlockId) -> u32 {
+        self.pool.ref_cnt(id)
+    }
+
+    pub(crate) fn check(&self) -> Result<(), String> {
+        self.pool.check()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tokens(n: usize, salt: u32) -> Vec<u32> {
+        (0..n as u32)
+            .map(|i| i.wrapping_mul(31).wrapping_add(salt))
+            .collect()
+    }
+
+    #[test]
+    fn prefix_hit_is_capped_below_the_last_token_and_whole_blocks() {
+        let mut cache = KvCache::new(16, 4);
+        let t = tokens(12, 0);
+        let mut a = SeqBlocks::default();
+        assert!(cache.computed_blocks(&mut a, &t).is_empty());
+        assert!(cache.allocate_slots(&mut a, &t, 0, &[], 12));
+        let events = cache.take_events();
+        assert_eq!(events.len(), 1, "three blocks in one BlockStored");
+        let KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            ..
+        } = &events[0]
+        else {
+            panic!("expected BlockStored");
+        };
+        assert_eq!(block_hashes.len(), 3);
+        assert_eq!(*parent_block_hash, None);
+        assert_eq!(token_ids, &t);
+        // Same 12 tokens again: 2 blocks hit (the last token must be recomputed).
+        let mut b = SeqBlocks::default();
+        assert_eq!(cache.computed_blocks(&mut b, &t).len(), 2);
+        // 13 tokens sharing 12: all 3 blocks hit.
+        let mut longer = t.clone();
+        longer.push(99);
+        let mut c = SeqBlocks::default();
+        assert_eq!(cache.computed_blocks(&mut c, &longer).len(), 3);
+        cache.check().unwrap();
+    }
+
+    #[test]
+    fn decode_fills_blocks_and_chains_parents() {
+        let mut cache = KvCache::new(16, 4);
+        let mut t = tokens(6, 1);
+        let mut s = SeqBlocks::default();
+        assert!(cache.allocate_slots(&mut s, &t, 0, &[], 6));
+        let first = cache.take_events();
+        assert_eq!(first.len(), 1);
+        t.extend([7, 8]); // two decode steps: tokens 6 and 7 computed
+        assert!(cache.allocate_slots(&mut s, &t, 6, &[], 1));
+        assert!(cache.take_events().is_empty());
+        assert!(cache.allocate_slots(&mut s, &t, 7, &[], 1));
+        let second = cache.take_events();
+        let (
+            KvEvent::BlockStored {
+                block_hashes: h0, ..
+            },
+            KvEvent::BlockStored {
+                block_hashes: h1,
+                parent_block_hash,
+                ..
+            },
+        ) = (&first[0], &second[0])
+        else {
+            panic!("expected two BlockStored");
+        };
+        assert_eq!(*parent_block_hash, Some(h0[0]));
+        assert_eq!(h1.len(), 1);
+        assert_eq!(s.blocks.len(), 2);
+    }
+
+    #[test]
+    fn allocation_fails_without_change_and_eviction_emits_removed() {
+        let mut cache = KvCache::new(2, 4);
+        let mut a = SeqBlocks::default();
+        let t = tokens(8, 2);
+        assert!(cache.allocate_slots(&mut a, &t, 0, &[], 8));
+        let mut b = SeqBlocks::default();
+        let u = tokens(4, 3);
+        assert!(!cache.allocate_slots(&mut b, &u, 0, &[], 4));
+        assert!(b.blocks.is_empty());
+        cache.free(&mut a);
+        assert_eq!(cache.usage(), 0.0);
+        assert_eq!(cache.num_cached_blocks(), 2);
+        cache.take_events();
+        assert!(cache.allocate_slots(&mut b, &u, 0, &[], 4));
+        // Tail block of `a` was freed first, so it is evicted first; the head survives.
+        let events = cache.take_events();
+        assert!(
+            matches!(&events[0], KvEvent::BlockRemoved { block_hashes, .. }
+            if block_hashes[0] == a.hashes[1])
+        );
+        let mut again = SeqBlocks::default();
+        assert_eq!(cache.computed_blocks(&mut again, &t).len(), 1);
+        cache.check().unwrap();
+    }
+
+    #[test]
+    fn reset_only_when_idle() {
+        let mut cache = KvCache::new(4, 4);
+        let mut a = SeqBlocks::default();
+        let t = tokens(8, 4);
+        assert!(cache.allocate_slots(&mut a, &t, 0, &[], 8));
+        assert!(!cache.reset());
+        cache.free(&mut a);
+        cache.take_events();
+        assert!(cache.reset());
+        assert_eq!(cache.take_events(), vec![KvEvent::AllBlocksCleared]);
+        assert_eq!(cache.cached_block_hashes().count(), 0);
+        cache.check().unwrap();
+    }
+}

@@ -1,0 +1,262 @@
+//! The OpenAI request fields the simulator needs, and the response bodies it writes.
+//!
+//! The prompt is taken with kvoy-shared's parser (the same bytes the router keys), so the
+//! simulator's tokens line up with what kvoy's filters see.
+
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use kvoy_shared::request::{self, Api};
+
+/// Generation options read from the body besides the prompt.
+#[derive(Debug, Default, Deserialize)]
+struct Options {
+    #[serde(default)]
+    max_tokens: Option<u32>,
+    #[serde(default)]
+    max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: Option<bool>,
+}
+
+/// A request the engine can run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completion {
+    pub api: Api,
+    pub model: String,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub max_tokens: u32,
+    /// The prompt bytes, concatenated, as kvoy-shared's parser sees them.
+    pub prompt: Vec<u8>,
+}
+
+/// An error answered in OpenAI's shape.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub status: u16,
+    pub kind: &'static str,
+    pub code: &'static str,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        ApiError {
+            status: 400,
+            kind: "invalid_request_error",
+            code: "invalid_request",
+            message: message.into(),
+        }
+    }
+
+    pub fn body(&self) -> Vec<u8> {
+        kvoy_shared::openai_error_body(&self.message, self.kind, None, Some(self.code)).into_bytes()
+    }
+}
+
+/// Parses a completion request; `models` are the served model names.
+pub fn parse_completion(
+    api: Api,
+    body: &[u8],
+    models: &[String],
+    default_max_tokens: u32,
+    limit: usize,
+) -> Result<Completion, ApiError> {
+    let parsed = request::parse(api, body, limit).map_err(|e| match e {
+        request::RequestError::TooLarge { .. } => ApiError {
+            status: 413,
+            kind: "invalid_request_error",
+            code: "request_too_large",
+            message: e.to_string(),
+        },
+        e => ApiError::bad_request(e.to_string()),
+    })?;
+    if !models.iter().any(|m| m == parsed.model.as_ref()) {
+        return Err(ApiError {
+            status: 404,
+            kind: "NotFoundError",
+            code: "model_not_found",
+            message: format!("The model `{}` does not exist.", parsed.model),
+        });
+    }
+    let options: Options =
+        serde_json::from_slice(body).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let max_tokens = options
+        .max_completion_tokens
+        .or(options.max_tokens)
+        .unwrap_or(default_max_tokens);
+    Ok(Completion {
+        api,
+        model: parsed.model.into_owned(),
+        stream: parsed.stream,
+        include_usage: options
+            .stream_options
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false),
+        max_tokens,
+        prompt: parsed.prompt.concat(),
+    })
+}
+
+/// Token usage of a finished request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub cached_tokens: u32,
+}
+
+impl Usage {
+    pub fn json(&self) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        })
+    }
+}
+
+pub fn finish_reason(usage: &Usage, max_tokens: u32) -> &'static str {
+    if usage.completion_tokens >= max_tokens {
+        "length"
+    } else {
+        "stop"
+    }
+}
+
+/// A whole (non-streamed) response.
+pub fn response_body(c: &Completion, id: &str, created: u64, text: &str, usage: &Usage) -> Value {
+    let finish = finish_reason(usage, c.max_tokens);
+    match c.api {
+        Api::ChatCompletions => json!({
+            "id": id, "object": "chat.completion", "created": created, "model": c.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": finish}],
+            "usage": usage.json(),
+        }),
+        _ => json!({
+            "id": id, "object": "text_completion", "created": created, "model": c.model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish}],
+            "usage": usage.json(),
+        }),
+    }
+}
+
+/// One streamed chunk carrying `delta` (and `finish` on the last one).
+pub fn chunk(
+    c: &Completion,
+    id: &str,
+    created: u64,
+    delta: &str,
+    finish: Option<&str>,
+    first: bool,
+) -> Value {
+    match c.api {
+        Api::ChatCompletions => {
+            let delta = if first {
+                json!({"role": "assistant", "content": delta})
+            } else {
+                json!({"content": delta})
+            };
+            json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": c.model,
+                   "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+        }
+        _ => json!({"id": id, "object": "text_completion", "created": created, "model": c.model,
+                    "choices": [{"index": 0, "text": delta, "finish_reason": finish}]}),
+    }
+}
+
+/// The final usage-only chunk (`stream_options.include_usage`).
+pub fn usage_chunk(c: &Completion, id: &str, created: u64, usage: &Usage) -> Value {
+    let object = match c.api {
+        Api::ChatCompletions => "chat.completion.chunk",
+        _ => "text_completion",
+    };
+    json!({"id": id, "object": object, "created": created, "model": c.model, "choices": [],
+           "usage": usage.json()})
+}
+
+pub fn models_body(models: &[String], created: u64) -> Value {
+    let data: Vec<Value> = models
+        .iter()
+        .map(|m| json!({"id": m, "object": "model", "created": created, "owned_by": "kvoy-sim"}))
+        .collect();
+    json!({"object": "list", "data": data})
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn models() -> Vec<String> {
+        vec!["m".to_owned()]
+    }
+
+    #[test]
+    fn reads_options() {
+        let c = parse_completion(
+            Api::ChatCompletions,
+            br#"{"model":"m","stream":true,"stream_options":{"include_usage":true},"max_tokens":5,
+                "messages":[{"role":"user","content":"hi"}]}"#,
+            &models(),
+            16,
+            1 << 20,
+        )
+        .unwrap();
+        assert!(c.stream && c.include_usage);
+        assert_eq!(c.max_tokens, 5);
+        assert_eq!(c.prompt, b"user\x1fhi\x1e");
+        let c = parse_completion(
+            Api::Completions,
+            br#"{"model":"m","prompt":"x","max_completion_tokens":3}"#,
+            &models(),
+            16,
+            1 << 20,
+        )
+        .unwrap();
+        assert_eq!(c.max_tokens, 3);
+        let c = parse_completion(
+            Api::Completions,
+            br#"{"model":"m","prompt":"x"}"#,
+            &models(),
+            16,
+            1 << 20,
+        )
+        .unwrap();
+        assert_eq!(c.max_tokens, 16);
+    }
+
+    #[test]
+    fn errors() {
+        let e = parse_completion(
+            Api::Completions,
+            br#"{"model":"x","prompt":"p"}"#,
+            &models(),
+            16,
+            1 << 20,
+        )
+        .unwrap_err();
+        assert_eq!((e.status, e.code), (404, "model_not_found"));
+        let e = parse_completion(Api::Completions, b"{", &models(), 16, 1 << 20).unwrap_err();
+        assert_eq!(e.status, 400);
+        let e = parse_completion(
+            Api::Completions,
+            br#"{"model":"m","prompt":"p","max_tokens":-1}"#,
+            &models(),
+            16,
+            1 << 20,
+        )
+        .unwrap_err();
+        assert_eq!(e.status, 400);
+        let v: Value = serde_json::from_slice(&e.body()).unwrap();
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+    }
+}

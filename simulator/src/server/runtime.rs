@@ -1,0 +1,241 @@
+//! The engine loop: one thread owns the [`Engine`] and runs its steps in real time (simulated
+//! durations divided by the speedup); request handlers talk to it through an [`EngineHandle`].
+
+use std::collections::HashMap;
+use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, oneshot};
+
+use crate::engine::tokenizer::generated_word;
+use crate::engine::{
+    Engine, EngineRequest, EngineStats, KvEvent, OutputKind, Profile, ProfileError,
+};
+use crate::server::api::Usage;
+
+/// What a request's handler hears from the engine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Progress {
+    /// The first token; `cached_tokens` prompt tokens came from the prefix cache.
+    First {
+        word: &'static str,
+        cached_tokens: u32,
+    },
+    Token {
+        word: &'static str,
+    },
+    Done(Usage),
+    /// The engine refused the request (e.g. a prompt larger than the model's context).
+    Failed(String),
+}
+
+enum Command {
+    Submit {
+        prompt: Vec<u32>,
+        max_tokens: u32,
+        progress: mpsc::UnboundedSender<Progress>,
+    },
+    Reset(oneshot::Sender<bool>),
+}
+
+/// Receives the KV events of every step, in order.
+pub type EventSink = Box<dyn FnMut(Vec<KvEvent>) + Send>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("invalid profile: {0}")]
+    Profile(#[from] ProfileError),
+    #[error("cannot start the engine thread: {0}")]
+    Thread(#[from] std::io::Error),
+}
+
+/// A cheap, cloneable handle to the engine thread.
+#[derive(Clone)]
+pub struct EngineHandle {
+    commands: std_mpsc::Sender<Command>,
+    stats: Arc<Mutex<EngineStats>>,
+}
+
+impl EngineHandle {
+    /// Starts the engine thread. `speedup` divides every simulated duration.
+    pub fn start(
+        profile: Profile,
+        speedup: f64,
+        mut sink: EventSink,
+    ) -> Result<EngineHandle, StartError> {
+        let (tx, rx) = std_mpsc::channel::<Command>();
+        let mut engine = Engine::new(&profile)?;
+        let stats = Arc::new(Mutex::new(engine.stats()));
+        let shared = stats.clone();
+        let speedup = if speedup.is_finite() && speedup > 0.0 {
+            speedup
+        } else {
+            1.0
+        };
+        thread::Builder::new()
+            .name(format!("kvoy-sim-engine-{}", profile.name))
+            .spawn(move || run(&mut engine, &rx, speedup, &shared, &mut sink))?;
+        Ok(EngineHandle {
+            commands: tx,
+            stats,
+        })
+    }
+
+    /// Submits a request; progress arrives on the returned channel. Dropping the receiver
+    /// aborts the request at the next step.
+    pub fn submit(&self, prompt: Vec<u32>, max_tokens: u32) -> mpsc::UnboundedReceiver<Progress> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        // A stopped engine drops the sender: the handler sees a closed channel.
+        let _ = self.commands.send(Command::Submit {
+            prompt,
+            max_tokens,
+            progress: tx,
+        });
+        rx
+    }
+
+    /// Drops the prefix cache, as vLLM's `/reset_prefix_cache` (refused while requests run).
+    pub async fn reset_cache(&self) -> bool {
+        let (tx, rx) = oneshot::channel();
+        if self.commands.send(Command::Reset(tx)).is_err() {
+            return false;
+        }
+        rx.await.unwrap_or(false)
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        match self.stats.lock() {
+            Ok(s) => *s,
+            Err(poisoned) => *poisoned.into_inner(),
+        }
+    }
+}
+
+fn sim_now(epoch: Instant, speedup: f64) -> Duration {
+    epoch.elapsed().mul_f64(speedup)
+}
+
+fn run(
+    engine: &mut Engine,
+    commands: &std_mpsc::Receiver<Command>,
+    speedup: f64,
+    stats: &Mutex<EngineStats>,
+    sink: &mut EventSink,
+) {
+    let epoch = Instant::now();
+    let mut next_id: u64 = 1;
+    let mut waiters: HashMap<u64, mpsc::UnboundedSender<Progress>> = HashMap::new();
+    loop {
+        // Idle: block for work. Busy: take whatever arrived during the last step.
+        let first = if engine.has_work() {
+            None
+        } else {
+            match commands.recv() {
+                Ok(c) => Some(c),
+                Err(_) => return,
+            }
+        };
+        for command in first.into_iter().chain(commands.try_iter()) {
+            match command {
+                Command::Submit {
+                    prompt,
+                    max_tokens,
+                    progress,
+                } => {
+                    let id = next_id;
+                    next_id += 1;
+                    let now = sim_now(epoch, speedup);
+                    match engine.submit(
+                        EngineRequest {
+                            id,
+                            prompt,
+                            max_tokens,
+                        },
+                        now,
+                    ) {
+                        Ok(()) => {
+                            waiters.insert(id, progress);
+                        }
+                        Err(e) => {
+                            let _ = progress.send(Progress::Failed(e.to_string()));
+                        }
+                    }
+                }
+                Command::Reset(reply) => {
+                    let ok = match engine.reset_cache() {
+                        Ok(events) => {
+                            sink(events);
+                            true
+                        }
+                        Err(_) => false,
+                    };
+                    let _ = reply.send(ok);
+                }
+            }
+        }
+        if !engine.has_work() {
+            publish_stats(engine, stats);
+            continue;
+        }
+        let started = Instant::now();
+        let step = engine.step(sim_now(epoch, speedup));
+        // The step's outputs exist once its simulated time has passed.
+        let wake = started + step.duration.div_f64(speedup);
+        if let Some(wait) = wake.checked_duration_since(Instant::now()) {
+            thread::sleep(wait);
+        }
+        let mut gone = Vec::new();
+        for output in step.outputs {
+            let id = output.id;
+            let (progress, last) = match output.kind {
+                OutputKind::FirstToken { cached_tokens, .. } => (
+                    Progress::First {
+                        word: generated_word(id, 0),
+                        cached_tokens,
+                    },
+                    false,
+                ),
+                OutputKind::Token { index, .. } => (
+                    Progress::Token {
+                        word: generated_word(id, index),
+                    },
+                    false,
+                ),
+                OutputKind::Finished { usage, .. } => (
+                    Progress::Done(Usage {
+                        prompt_tokens: usage.prompt_tokens,
+                        completion_tokens: usage.completion_tokens,
+                        cached_tokens: usage.cached_tokens,
+                    }),
+                    true,
+                ),
+                OutputKind::Preempted => continue,
+            };
+            let delivered = waiters.get(&id).is_some_and(|w| w.send(progress).is_ok());
+            if last {
+                waiters.remove(&id);
+            } else if !delivered {
+                gone.push(id);
+            }
+        }
+        // Clients that went away stop consuming engine time.
+        for id in gone {
+            engine.abort(id);
+            waiters.remove(&id);
+        }
+        if !step.events.is_empty() {
+            sink(step.events);
+        }
+        publish_stats(engine, stats);
+    }
+}
+
+fn publish_stats(engine: &Engine, stats: &Mutex<EngineStats>) {
+    let fresh = engine.stats();
+    match stats.lock() {
+        Ok(mut s) => *s = fresh,
+        Err(poisoned) => *poisoned.into_inner() = fresh,
+    }
+}
