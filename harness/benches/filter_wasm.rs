@@ -10,6 +10,8 @@
 //! so each request also replays the other VM's last decision from the shared decision log, as
 //! on an Envoy with 2 workers. The index is warmed first: every request matches its full chain.
 //! `filter/native/N` is `Router::route_body` on the same body with a warmed index.
+//! `filter/wasm_passthrough/get` is the per-stream floor: a `GET /v1/models` the filter routes
+//! at the headers, with no body to parse.
 //!
 //! Needs `make wasm`. `KVOY_BENCH_WASM=path/to/filter.wasm` benches another build of the filter
 //! (e.g. one built with `-C target-feature=+simd128`); see BENCHMARKS.md.
@@ -113,6 +115,26 @@ fn bench(c: &mut Criterion) {
         .start()
         .expect("plugin starts");
     let mut g = c.benchmark_group("filter");
+
+    // The fixed cost of a stream: `GET /v1/models` is routed at the headers (least loaded, no
+    // body, no prefix), then the stream ends.
+    let get = [
+        (":method", "GET"),
+        (":path", "/v1/models"),
+        (":authority", "gateway"),
+    ];
+    let mut next_vm = 0;
+    g.bench_function(BenchmarkId::new("wasm_passthrough", "get"), |b| {
+        b.iter(|| {
+            let stream = plugin.http_stream(next_vm).expect("new stream");
+            let action = stream.send_request_headers(&get, true).expect("headers");
+            assert_eq!(action, Action::Continue, "{:?}", stream.local_reply());
+            assert!(stream.request_header(DESTINATION).is_some());
+            stream.finish().expect("finish");
+            next_vm = (next_vm + 1) % VMS;
+        })
+    });
+
     for tokens in [1_000usize, 8_000, 100_000] {
         let body = chat_body(tokens, "What is the answer?");
         let length = body.len().to_string();

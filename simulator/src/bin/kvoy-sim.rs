@@ -54,7 +54,7 @@ async fn start_one(
     let listener = TcpListener::bind(addr)
         .await
         .with_context(|| format!("cannot listen on {addr}"))?;
-    let sim = Simulator::new(engine, options.http.clone());
+    let sim = Simulator::new(engine, options.http.clone(), addr.to_string());
     Ok((addr, tokio::spawn(server::serve(listener, sim))))
 }
 

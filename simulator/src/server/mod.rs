@@ -48,6 +48,8 @@ pub struct HttpOptions {
 /// Everything the handlers share.
 pub struct Simulator {
     pub engine: EngineHandle,
+    /// Reported on every response as `x-served-by`, so tests and demos see who answered.
+    pub served_by: String,
     pub options: HttpOptions,
     pub recorder: Recorder,
     faults: Mutex<Rng>,
@@ -55,9 +57,10 @@ pub struct Simulator {
 }
 
 impl Simulator {
-    pub fn new(engine: EngineHandle, options: HttpOptions) -> Arc<Simulator> {
+    pub fn new(engine: EngineHandle, options: HttpOptions, served_by: String) -> Arc<Simulator> {
         Arc::new(Simulator {
             engine,
+            served_by,
             faults: Mutex::new(Rng::new(options.seed)),
             options,
             recorder: Recorder::default(),
@@ -90,7 +93,13 @@ pub async fn serve(listener: TcpListener, sim: Arc<Simulator>) -> std::io::Resul
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req| {
                 let sim = sim.clone();
-                async move { Ok::<_, Infallible>(handle(sim, req).await) }
+                async move {
+                    let mut response = handle(sim.clone(), req).await;
+                    if let Ok(v) = sim.served_by.parse() {
+                        response.headers_mut().insert("x-served-by", v);
+                    }
+                    Ok::<_, Infallible>(response)
+                }
             });
             if let Err(e) = hyper::server::conn::http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), service)

@@ -113,6 +113,9 @@ impl EngineHandle {
     }
 }
 
+/// How far behind schedule the engine may run before it stops trying to catch up.
+const MAX_CATCH_UP: Duration = Duration::from_millis(250);
+
 fn sim_now(epoch: Instant, speedup: f64) -> Duration {
     epoch.elapsed().mul_f64(speedup)
 }
@@ -125,11 +128,15 @@ fn run(
     sink: &mut EventSink,
 ) {
     let epoch = Instant::now();
+    // When the next step is due in real time. Steps are laid end to end on this clock, so the
+    // time spent delivering a step's outputs does not push every later step back (drift).
+    let mut due = Instant::now();
     let mut next_id: u64 = 1;
     let mut waiters: HashMap<u64, mpsc::UnboundedSender<Progress>> = HashMap::new();
     loop {
         // Idle: block for work. Busy: take whatever arrived during the last step.
-        let first = if engine.has_work() {
+        let idle = !engine.has_work();
+        let first = if !idle {
             None
         } else {
             match commands.recv() {
@@ -179,11 +186,16 @@ fn run(
             publish_stats(engine, stats);
             continue;
         }
-        let started = Instant::now();
-        let step = engine.step(sim_now(epoch, speedup));
+        let now = Instant::now();
+        // After idling, or when too far behind to catch up, the schedule restarts from now;
+        // otherwise a late step is made up by shorter sleeps.
+        if idle || now.saturating_duration_since(due) > MAX_CATCH_UP {
+            due = now;
+        }
+        let step = engine.step((due - epoch).mul_f64(speedup));
         // The step's outputs exist once its simulated time has passed.
-        let wake = started + step.duration.div_f64(speedup);
-        if let Some(wait) = wake.checked_duration_since(Instant::now()) {
+        due += step.duration.div_f64(speedup);
+        if let Some(wait) = due.checked_duration_since(Instant::now()) {
             thread::sleep(wait);
         }
         let mut gone = Vec::new();

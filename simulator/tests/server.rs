@@ -1,0 +1,434 @@
+//! The simulator over real HTTP on 127.0.0.1: API shapes, calibration in real time, and 200
+//! concurrent streams. Timings are compared with the engine's own model run in virtual time.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use kvoy_sim::engine::tokenizer::tokenize_bytes;
+use kvoy_sim::engine::{Engine, EngineRequest, OutputKind, Profile};
+use kvoy_sim::server::runtime::EngineHandle;
+use kvoy_sim::server::{self, HttpOptions, Simulator};
+
+/// The tests measure real time on a 2-core machine: one at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+async fn start(profile: Profile, speedup: f64) -> (SocketAddr, Arc<Simulator>) {
+    let engine = EngineHandle::start(profile, speedup, Box::new(|_| {})).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let options = HttpOptions {
+        models: vec!["m".into()],
+        speedup,
+        default_max_tokens: 16,
+        max_body_bytes: 1 << 24,
+        error_rate: 0.0,
+        added_latency: Duration::ZERO,
+        seed: 1,
+    };
+    let sim = Simulator::new(engine, options, addr.to_string());
+    tokio::spawn(server::serve(listener, sim.clone()));
+    (addr, sim)
+}
+
+/// A response and the arrival time of each SSE `data:` event (relative to the send).
+struct Reply {
+    status: u16,
+    head: String,
+    body: String,
+    events: Vec<Duration>,
+}
+
+async fn request(addr: SocketAddr, method: &str, path: &str, body: &str) -> Reply {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.set_nodelay(true).unwrap();
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nhost: sim\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let sent = Instant::now();
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut raw = Vec::new();
+    let mut events = Vec::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = tokio::time::timeout(Duration::from_secs(60), s.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        if n == 0 {
+            break;
+        }
+        let at = sent.elapsed();
+        let new = String::from_utf8_lossy(&buf[..n]);
+        events.extend(std::iter::repeat_n(at, new.matches("data: ").count()));
+        raw.extend_from_slice(&buf[..n]);
+    }
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    Reply {
+        status,
+        head: head.to_lowercase(),
+        body: body.to_owned(),
+        events,
+    }
+}
+
+fn chat(system: &str, user: &str, max_tokens: u32, stream: bool) -> String {
+    serde_json::json!({"model": "m", "max_tokens": max_tokens, "stream": stream,
+        "stream_options": {"include_usage": true},
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]})
+    .to_string()
+}
+
+fn usage(body: &str) -> serde_json::Value {
+    let v: serde_json::Value = serde_json::from_str(body).unwrap();
+    v["usage"].clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_api_shapes() {
+    let _serial = SERIAL.lock().await;
+    let (addr, _) = start(Profile::llama_8b_h100(), 50.0).await;
+    let r = request(addr, "GET", "/health", "").await;
+    assert_eq!(r.status, 200);
+    let r = request(addr, "GET", "/v1/models", "").await;
+    assert!(r.body.contains("\"id\":\"m\""), "{}", r.body);
+
+    let system = "A long shared system prompt. ".repeat(200);
+    let r = request(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        &chat(&system, "q1", 5, false),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(r.head.contains(&format!("x-served-by: {addr}")));
+    let u = usage(&r.body);
+    assert_eq!(u["completion_tokens"], 5);
+    assert_eq!(u["prompt_tokens_details"]["cached_tokens"], 0);
+    let r = request(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        &chat(&system, "q2", 5, false),
+    )
+    .await;
+    let cached = usage(&r.body)["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached >= 1400, "warm prefix: {cached} cached tokens");
+
+    let r = request(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        &chat(&system, "q3", 4, true),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    assert!(r.head.contains("text/event-stream"));
+    assert_eq!(
+        r.body.matches("chat.completion.chunk").count(),
+        6,
+        "{}",
+        r.body
+    ); // 4 tokens, finish, usage
+    assert!(r.body.contains("\"finish_reason\":\"length\""));
+    assert!(r.body.contains("data: [DONE]\n\n"), "{}", r.body);
+
+    let r = request(
+        addr,
+        "POST",
+        "/v1/completions",
+        r#"{"model":"other","prompt":"x"}"#,
+    )
+    .await;
+    assert_eq!(r.status, 404);
+    assert!(r.body.contains("model_not_found"));
+    let r = request(addr, "POST", "/v1/completions", r#"{"model":"m","prompt":"#).await;
+    assert_eq!(r.status, 400);
+    assert!(r.body.contains("\"error\""));
+
+    let r = request(addr, "GET", "/metrics", "").await;
+    for name in [
+        "vllm:num_requests_running{model_name=\"m\"} 0",
+        "vllm:num_requests_waiting{model_name=\"m\"} 0",
+        "vllm:kv_cache_usage_perc",
+        "vllm:cache_config_info{model_name=\"m\",block_size=\"16\",num_gpu_blocks=\"25600\"} 1",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_count",
+    ] {
+        assert!(r.body.contains(name), "missing {name}:\n{}", r.body);
+    }
+
+    // the admin reset drops the cache: the same prompt is cold again
+    let r = request(addr, "POST", "/reset_prefix_cache", "").await;
+    assert_eq!(r.status, 200);
+    let r = request(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        &chat(&system, "q2", 5, false),
+    )
+    .await;
+    assert_eq!(usage(&r.body)["prompt_tokens_details"]["cached_tokens"], 0);
+}
+
+/// The model's TTFT of `prompt` on an idle engine, cold then warm (virtual time).
+fn model_ttft(profile: &Profile, prompt: &[u32]) -> (Duration, Duration) {
+    let mut engine = Engine::new(profile).unwrap();
+    let mut now = Duration::ZERO;
+    let mut ttft = Vec::new();
+    for id in 1..=2 {
+        engine
+            .submit(
+                EngineRequest {
+                    id,
+                    prompt: prompt.to_vec(),
+                    max_tokens: 1,
+                },
+                now,
+            )
+            .unwrap();
+        while engine.has_work() {
+            let step = engine.step(now);
+            now += step.duration;
+            for o in step.outputs {
+                if let OutputKind::FirstToken { ttft: t, .. } = o.kind {
+                    ttft.push(t);
+                }
+            }
+        }
+    }
+    (ttft[0], ttft[1])
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+/// Measures cold and warm TTFT of an 8k-token prompt and the mean inter-token time at batch 1,
+/// in simulated time, against the model.
+async fn calibration(speedup: f64, tolerance: f64) {
+    let profile = Profile::llama_8b_h100();
+    let (addr, _) = start(profile.clone(), speedup).await;
+    let mut cold = Vec::new();
+    let mut warm = Vec::new();
+    let mut itl = Vec::new();
+    let mut expected = None;
+    for round in 0..3 {
+        let system =
+            format!("round {round} ").repeat(4) + &"Calibration prompt text. ".repeat(1300);
+        let body = chat(&system, "go", 1, true);
+        let prompt: Vec<u32> = {
+            let parsed = kvoy_shared::request::parse(
+                kvoy_shared::request::Api::ChatCompletions,
+                body.as_bytes(),
+                1 << 24,
+            )
+            .unwrap();
+            tokenize_bytes(&parsed.prompt.concat())
+        };
+        expected.get_or_insert_with(|| model_ttft(&profile, &prompt));
+        let r = request(addr, "POST", "/v1/chat/completions", &body).await;
+        cold.push(r.events[0].mul_f64(speedup));
+        let r = request(addr, "POST", "/v1/chat/completions", &body).await;
+        warm.push(r.events[0].mul_f64(speedup));
+        let r = request(
+            addr,
+            "POST",
+            "/v1/chat/completions",
+            &chat(&format!("decode {round}"), "x", 40, true),
+        )
+        .await;
+        let tokens = &r.events[..40];
+        itl.push((tokens[39] - tokens[0]).mul_f64(speedup) / 39);
+    }
+    let (model_cold, model_warm) = expected.unwrap();
+    let (cold, warm, itl) = (median(cold), median(warm), median(itl));
+    eprintln!(
+        "speedup {speedup}: cold {cold:?} (model {model_cold:?}), warm {warm:?} (model {model_warm:?}), decode step {itl:?} (target 7 ms)"
+    );
+    let within = |got: Duration, want: Duration| {
+        (got.as_secs_f64() / want.as_secs_f64() - 1.0).abs() <= tolerance
+    };
+    assert!(
+        within(cold, model_cold),
+        "cold TTFT {cold:?} vs model {model_cold:?}"
+    );
+    let ratio = cold.as_secs_f64() / warm.as_secs_f64();
+    let model_ratio = model_cold.as_secs_f64() / model_warm.as_secs_f64();
+    assert!(
+        (ratio / model_ratio - 1.0).abs() <= tolerance
+            || speedup == 1.0 && within(warm, model_warm),
+        "cold/warm ratio {ratio:.1} vs model {model_ratio:.1}"
+    );
+    assert!(
+        within(itl, Duration::from_millis(7)),
+        "decode step {itl:?} vs 7 ms"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calibration_at_speedup_1() {
+    let _serial = SERIAL.lock().await;
+    calibration(1.0, 0.20).await;
+}
+
+/// 200 concurrent streams: the makespan in simulated time matches the engine's virtual-time
+/// run of the same workload within 10%.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_concurrent_streams_keep_time() {
+    let _serial = SERIAL.lock().await;
+    let speedup = 1.0;
+    let profile = Profile::llama_8b_h100();
+    let (addr, _) = start(profile.clone(), speedup).await;
+    let bodies: Vec<String> = (0..200)
+        .map(|i| {
+            chat(
+                &format!("user {i} asks about topic {i}. ").repeat(8),
+                "go",
+                100,
+                true,
+            )
+        })
+        .collect();
+
+    // The model: all 200 arrive at once.
+    let mut engine = Engine::new(&profile).unwrap();
+    for (i, b) in bodies.iter().enumerate() {
+        let parsed = kvoy_shared::request::parse(
+            kvoy_shared::request::Api::ChatCompletions,
+            b.as_bytes(),
+            1 << 24,
+        )
+        .unwrap();
+        engine
+            .submit(
+                EngineRequest {
+                    id: i as u64 + 1,
+                    prompt: tokenize_bytes(&parsed.prompt.concat()),
+                    max_tokens: 100,
+                },
+                Duration::ZERO,
+            )
+            .unwrap();
+    }
+    let mut model = Duration::ZERO;
+    while engine.has_work() {
+        model += engine.step(model).duration;
+    }
+
+    let started = Instant::now();
+    let tasks: Vec<_> = bodies
+        .into_iter()
+        .map(|b| {
+            tokio::spawn(async move { request(addr, "POST", "/v1/chat/completions", &b).await })
+        })
+        .collect();
+    let mut ok = 0;
+    for t in tasks {
+        let r = t.await.unwrap();
+        assert_eq!(r.status, 200);
+        assert!(r.body.contains("[DONE]"));
+        ok += 1;
+    }
+    let measured = started.elapsed().mul_f64(speedup);
+    let drift = measured.as_secs_f64() / model.as_secs_f64() - 1.0;
+    eprintln!(
+        "200 streams: measured makespan {measured:?} (simulated), model {model:?}, drift {:.1}%",
+        drift * 100.0
+    );
+    assert_eq!(ok, 200);
+    assert!(drift.abs() <= 0.10, "drift {:.1}%", drift * 100.0);
+}
+
+/// A subscriber on the simulator's ZMQ publisher sees the prompt's blocks stored, in vLLM's
+/// framing, and the admin reset as `AllBlocksCleared`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_events_reach_a_zmq_subscriber() {
+    use kvoy_kvevents::{decode_batch, KvEvent as Wire, ZmqContext};
+    let _serial = SERIAL.lock().await;
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let args: Vec<String> =
+        format!("--kv-events-endpoint tcp://127.0.0.1:{port} --model m --speedup 50")
+            .split_whitespace()
+            .map(str::to_owned)
+            .collect();
+    let options = kvoy_sim::cli::parse(&args).unwrap().unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let sink = kvoy_sim::events::sink(&options, 0, addr).unwrap();
+    let engine = EngineHandle::start(options.profile.clone(), options.http.speedup, sink).unwrap();
+    tokio::spawn(server::serve(
+        listener,
+        Simulator::new(engine, options.http.clone(), addr.to_string()),
+    ));
+
+    let ctx = ZmqContext::new();
+    let sub = kvoy_kvevents::Subscriber::connect(&ctx, &format!("tcp://127.0.0.1:{port}"), b"kv@")
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await; // let the subscription propagate
+    let r = request(
+        addr,
+        "POST",
+        "/v1/completions",
+        &serde_json::json!({"model": "m", "prompt": "z".repeat(4 * 160), "max_tokens": 1})
+            .to_string(),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        request(addr, "POST", "/reset_prefix_cache", "")
+            .await
+            .status,
+        200
+    );
+
+    let mut stored = 0;
+    let mut cleared = false;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline && !cleared {
+        let Some(msg) =
+            tokio::task::block_in_place(|| sub.recv(Duration::from_millis(200))).unwrap()
+        else {
+            continue;
+        };
+        assert_eq!(msg.topic, format!("kv@{addr}@m").into_bytes());
+        for e in decode_batch(&msg.payload).unwrap().events {
+            match e {
+                Wire::BlockStored {
+                    block_hashes,
+                    block_size,
+                    ..
+                } => {
+                    assert_eq!(block_size, 16);
+                    stored += block_hashes.len();
+                }
+                Wire::AllBlocksCleared => cleared = true,
+                _ => {}
+            }
+        }
+    }
+    // 160 prompt tokens = 10 full blocks
+    assert_eq!(stored, 10);
+    assert!(cleared);
+}
