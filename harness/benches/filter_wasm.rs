@@ -39,34 +39,9 @@ const MATCHED: &str = "kvoy_prefix_affinity_prefix_blocks_matched_total";
 const SHARED_ERRORS: &str = "kvoy_prefix_affinity_shared_state_errors_total";
 const VMS: usize = 2;
 
-/// A chat body whose prompt is about `tokens * 4` bytes of prose with newlines and quotes,
-/// so that the JSON carries escapes like real prompts do. A copy of the builder in
-/// `shared/benches/request_path.rs`: keep the two identical so the numbers compare.
-fn chat_body(tokens: usize, question: &str) -> Vec<u8> {
-    let line = "The quick brown fox jumps over the lazy dog; \"quoted\" text, code { x: 1 }.\n";
-    let mut system = String::with_capacity(tokens * 4 + line.len());
-    while system.len() < tokens * 4 {
-        system.push_str(line);
-    }
-    serde_json::json!({
-        "model": "llama",
-        "stream": true,
-        "messages": [
-            {"role": "system", "content": system},
-            {"role": "user", "content": question}
-        ]
-    })
-    .to_string()
-    .into_bytes()
-}
-
-/// 8 endpoints serving one model, as in the native bench.
-fn config_json() -> String {
-    let endpoints: Vec<String> = (1..=8)
-        .map(|i| format!(r#"{{"address":"10.0.0.{i}:8000","models":["llama"]}}"#))
-        .collect();
-    format!(r#"{{"endpoints":[{}]}}"#, endpoints.join(","))
-}
+#[path = "../../shared/benches/support/fixtures.rs"]
+mod fixtures;
+use fixtures::{chat_body, config_json};
 
 fn load_host() -> Host {
     match std::env::var_os(WASM_ENV) {

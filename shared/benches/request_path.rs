@@ -12,32 +12,12 @@ use kvoy_shared::prefix::PrefixHasher;
 use kvoy_shared::request::{parse, Api};
 use kvoy_shared::{PluginConfig, Router};
 
-/// A chat body whose prompt is about `tokens * 4` bytes of prose with newlines and quotes,
-/// so that the JSON carries escapes like real prompts do.
-pub fn chat_body(tokens: usize, question: &str) -> Vec<u8> {
-    let line = "The quick brown fox jumps over the lazy dog; \"quoted\" text, code { x: 1 }.\n";
-    let mut system = String::with_capacity(tokens * 4 + line.len());
-    while system.len() < tokens * 4 {
-        system.push_str(line);
-    }
-    serde_json::json!({
-        "model": "llama",
-        "stream": true,
-        "messages": [
-            {"role": "system", "content": system},
-            {"role": "user", "content": question}
-        ]
-    })
-    .to_string()
-    .into_bytes()
-}
+#[path = "support/fixtures.rs"]
+mod fixtures;
+use fixtures::{chat_body, config_json};
 
 fn config() -> PluginConfig {
-    let endpoints: Vec<String> = (1..=8)
-        .map(|i| format!(r#"{{"address":"10.0.0.{i}:8000","models":["llama"]}}"#))
-        .collect();
-    let json = format!(r#"{{"endpoints":[{}]}}"#, endpoints.join(","));
-    PluginConfig::from_json(json.as_bytes()).expect("valid config")
+    PluginConfig::from_json(config_json().as_bytes()).expect("valid config")
 }
 
 fn bench(c: &mut Criterion) {

@@ -1,0 +1,30 @@
+//! Request bodies and the pool shared by the native bench (`shared/benches/request_path.rs`)
+//! and the wasm bench (`harness/benches/filter_wasm.rs`), so their numbers compare.
+
+/// A chat body whose prompt is about `tokens * 4` bytes of prose with newlines and quotes,
+/// so that the JSON carries escapes like real prompts do.
+pub fn chat_body(tokens: usize, question: &str) -> Vec<u8> {
+    let line = "The quick brown fox jumps over the lazy dog; \"quoted\" text, code { x: 1 }.\n";
+    let mut system = String::with_capacity(tokens * 4 + line.len());
+    while system.len() < tokens * 4 {
+        system.push_str(line);
+    }
+    serde_json::json!({
+        "model": "llama",
+        "stream": true,
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": question}
+        ]
+    })
+    .to_string()
+    .into_bytes()
+}
+
+/// The plugin configuration: 8 endpoints serving model `llama`.
+pub fn config_json() -> String {
+    let endpoints: Vec<String> = (1..=8)
+        .map(|i| format!(r#"{{"address":"10.0.0.{i}:8000","models":["llama"]}}"#))
+        .collect();
+    format!(r#"{{"endpoints":[{}]}}"#, endpoints.join(","))
+}
