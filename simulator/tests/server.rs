@@ -45,7 +45,12 @@ struct Reply {
 }
 
 async fn request(addr: SocketAddr, method: &str, path: &str, body: &str) -> Reply {
-    let mut s = TcpStream::connect(addr).await.unwrap();
+    let s = TcpStream::connect(addr).await.unwrap();
+    request_on(s, method, path, body).await
+}
+
+/// Sends a request on an open connection (so that a test can connect many clients first).
+async fn request_on(mut s: TcpStream, method: &str, path: &str, body: &str) -> Reply {
     s.set_nodelay(true).unwrap();
     let req = format!(
         "{method} {path} HTTP/1.1\r\nhost: sim\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
@@ -334,11 +339,18 @@ async fn two_hundred_concurrent_streams_keep_time() {
         model += engine.step(model).duration;
     }
 
+    // Connect every client first, so that the 200 requests arrive together as in the model.
+    let mut conns = Vec::new();
+    for _ in 0..bodies.len() {
+        conns.push(TcpStream::connect(addr).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await; // let the server accept them all
     let started = Instant::now();
     let tasks: Vec<_> = bodies
         .into_iter()
-        .map(|b| {
-            tokio::spawn(async move { request(addr, "POST", "/v1/chat/completions", &b).await })
+        .zip(conns)
+        .map(|(b, s)| {
+            tokio::spawn(async move { request_on(s, "POST", "/v1/chat/completions", &b).await })
         })
         .collect();
     let mut ok = 0;
