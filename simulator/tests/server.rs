@@ -444,3 +444,109 @@ async fn kv_events_reach_a_zmq_subscriber() {
     assert_eq!(stored, 10);
     assert!(cleared);
 }
+
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+/// Starts a simulator from command-line flags, as the binary does.
+async fn start_with_flags(flags: &str) -> SocketAddr {
+    let args: Vec<String> = flags.split_whitespace().map(str::to_owned).collect();
+    let options = kvoy_sim::cli::parse(&args).unwrap().unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let sink = kvoy_sim::events::sink(&options, 0, addr).unwrap();
+    let engine = EngineHandle::start(options.profile.clone(), options.http.speedup, sink).unwrap();
+    tokio::spawn(server::serve(
+        listener,
+        Simulator::new(engine, options.http.clone(), addr.to_string()),
+    ));
+    addr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fault_injection_by_flag() {
+    let _serial = SERIAL.lock().await;
+    let body = r#"{"model":"m","prompt":"hello there","max_tokens":1}"#;
+    let addr = start_with_flags("--model m --speedup 50 --error-rate 1").await;
+    let r = request(addr, "POST", "/v1/completions", body).await;
+    assert_eq!(r.status, 500);
+    assert!(r.body.contains("injected_fault"), "{}", r.body);
+    let m = request(addr, "GET", "/metrics", "").await;
+    assert!(
+        m.body
+            .contains("kvoy_sim_request_errors_total{model_name=\"m\"} 1"),
+        "{}",
+        m.body
+    );
+
+    let addr = start_with_flags("--model m --speedup 50 --error-rate 0.5 --seed 9").await;
+    let mut errors = 0;
+    for _ in 0..40 {
+        if request(addr, "POST", "/v1/completions", body).await.status == 500 {
+            errors += 1;
+        }
+    }
+    assert!(
+        (8..=32).contains(&errors),
+        "{errors} of 40 failed at rate 0.5"
+    );
+
+    // 2 s of simulated latency at speedup 10 = 200 ms of real time before the engine sees it
+    let addr = start_with_flags("--model m --speedup 10 --added-latency-ms 2000").await;
+    let t = Instant::now();
+    assert_eq!(
+        request(addr, "POST", "/v1/completions", body).await.status,
+        200
+    );
+    let took = t.elapsed();
+    assert!(
+        took >= Duration::from_millis(200) && took < Duration::from_secs(2),
+        "{took:?}"
+    );
+}
+
+/// The older array form by flag, and a late subscriber recovering through the replay socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_events_array_form_and_replay() {
+    use kvoy_kvevents::{
+        decode_batch, encode_batch, KvEvent as Wire, ReplayClient, WireForm, ZmqContext,
+    };
+    let _serial = SERIAL.lock().await;
+    let (pub_port, replay_port) = (free_port(), free_port());
+    let addr = start_with_flags(&format!(
+        "--model m --speedup 50 --kv-events-format array --kv-events-endpoint tcp://127.0.0.1:{pub_port} --kv-events-replay-endpoint tcp://127.0.0.1:{replay_port}"
+    ))
+    .await;
+    // Nobody subscribes: the live events are lost, as with ZMQ PUB.
+    for i in 0..3 {
+        let prompt = format!("{i} ").repeat(200);
+        let body = serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": 1}).to_string();
+        assert_eq!(
+            request(addr, "POST", "/v1/completions", &body).await.status,
+            200
+        );
+    }
+    let ctx = ZmqContext::new();
+    let mut client =
+        ReplayClient::connect(&ctx, &format!("tcp://127.0.0.1:{replay_port}")).unwrap();
+    let outcome =
+        tokio::task::block_in_place(|| client.replay(0, 1000, Duration::from_secs(5))).unwrap();
+    assert!(outcome.complete);
+    assert!(!outcome.batches.is_empty());
+    let mut stored = 0;
+    for (i, (seq, payload)) in outcome.batches.iter().enumerate() {
+        assert_eq!(*seq, i as u64, "replayed in order from 0");
+        let batch = decode_batch(payload).unwrap();
+        // the payload is exactly the array form of its events
+        assert_eq!(&encode_batch(&batch, WireForm::Array), payload);
+        for e in batch.events {
+            if let Wire::BlockStored { block_hashes, .. } = e {
+                stored += block_hashes.len();
+            }
+        }
+    }
+    // 3 prompts of 400 bytes = 100 tokens each = 6 full blocks each
+    assert_eq!(stored, 18);
+}
