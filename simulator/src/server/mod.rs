@@ -140,6 +140,7 @@ fn unix_now() -> u64 {
 }
 
 async fn handle(sim: Arc<Simulator>, req: Request<Incoming>) -> Response<HttpBody> {
+    let arrived = Instant::now();
     let path = req.uri().path().to_owned();
     let api = match (req.method(), path.as_str()) {
         (&Method::GET, "/health") => return full(StatusCode::OK, "text/plain", ""),
@@ -199,13 +200,12 @@ async fn handle(sim: Arc<Simulator>, req: Request<Incoming>) -> Response<HttpBod
         Ok(c) => c,
         Err(e) => return error(&e),
     };
-    if !sim.options.added_latency.is_zero() {
-        tokio::time::sleep(
-            sim.options
-                .added_latency
-                .div_f64(sim.options.speedup.max(f64::MIN_POSITIVE)),
-        )
-        .await;
+    let delay = sim
+        .options
+        .added_latency
+        .div_f64(sim.options.speedup.max(f64::MIN_POSITIVE));
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
     }
     if sim.inject_error() {
         sim.recorder.finished(false);
@@ -216,10 +216,14 @@ async fn handle(sim: Arc<Simulator>, req: Request<Incoming>) -> Response<HttpBod
             message: "injected fault (--error-rate)".into(),
         });
     }
-    let started = Instant::now();
-    let progress = sim
-        .engine
-        .submit(tokenize_bytes(&completion.prompt), completion.max_tokens);
+    // TTFT counts from arrival (as vLLM's does); the engine starts the request's simulated
+    // life at arrival plus the injected latency.
+    let started = arrived;
+    let progress = sim.engine.submit(
+        tokenize_bytes(&completion.prompt),
+        completion.max_tokens,
+        arrived + delay,
+    );
     let id = format!(
         "cmpl-kvoy-sim-{}",
         sim.next_id.fetch_add(1, Ordering::Relaxed)

@@ -35,6 +35,9 @@ enum Command {
     Submit {
         prompt: Vec<u32>,
         max_tokens: u32,
+        /// When the request reached the server: its simulated life starts there, so the real
+        /// time spent reading, parsing and tokenizing it is not stretched by the speedup.
+        arrived: Instant,
         progress: mpsc::UnboundedSender<Progress>,
     },
     Reset(oneshot::Sender<bool>),
@@ -85,12 +88,18 @@ impl EngineHandle {
 
     /// Submits a request; progress arrives on the returned channel. Dropping the receiver
     /// aborts the request at the next step.
-    pub fn submit(&self, prompt: Vec<u32>, max_tokens: u32) -> mpsc::UnboundedReceiver<Progress> {
+    pub fn submit(
+        &self,
+        prompt: Vec<u32>,
+        max_tokens: u32,
+        arrived: Instant,
+    ) -> mpsc::UnboundedReceiver<Progress> {
         let (tx, rx) = mpsc::unbounded_channel();
         // A stopped engine drops the sender: the handler sees a closed channel.
         let _ = self.commands.send(Command::Submit {
             prompt,
             max_tokens,
+            arrived,
             progress: tx,
         });
         rx
@@ -144,13 +153,16 @@ fn run(
                 Err(_) => return,
             }
         };
+        let mut earliest: Option<Instant> = None;
         for command in first.into_iter().chain(commands.try_iter()) {
             match command {
                 Command::Submit {
                     prompt,
                     max_tokens,
+                    arrived,
                     progress,
                 } => {
+                    earliest = Some(earliest.map_or(arrived, |e: Instant| e.min(arrived)));
                     let id = next_id;
                     next_id += 1;
                     let now = sim_now(epoch, speedup);
@@ -189,7 +201,11 @@ fn run(
         let now = Instant::now();
         // After idling, or when too far behind to catch up, the schedule restarts from now;
         // otherwise a late step is made up by shorter sleeps.
-        if idle || now.saturating_duration_since(due) > MAX_CATCH_UP {
+        if idle {
+            // Work resumes when the first new request arrived, not when it got here.
+            due = earliest.map_or(now, |e| e.max(due).min(now));
+        }
+        if now.saturating_duration_since(due) > MAX_CATCH_UP {
             due = now;
         }
         let step = engine.step((due - epoch).mul_f64(speedup));
