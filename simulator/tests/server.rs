@@ -566,3 +566,9 @@ async fn kv_events_array_form_and_replay() {
     // 3 prompts of 400 bytes = 100 tokens each = 6 full blocks each
     assert_eq!(stored, 18);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calibration_at_speedup_20() {
+    let _serial = SERIAL.lock().await;
+    calibration(20.0, 0.25).await;
+}

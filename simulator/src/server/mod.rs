@@ -242,8 +242,7 @@ struct Timing {
 }
 
 impl Timing {
-    fn token(&mut self, sim: &Simulator) {
-        let now = Instant::now();
+    fn token(&mut self, sim: &Simulator, now: Instant) {
         match self.last {
             None => sim.recorder.ttft(sim.simulated(now - self.started)),
             Some(prev) => sim.recorder.inter_token(sim.simulated(now - prev)),
@@ -266,8 +265,8 @@ async fn whole(
     let mut text = String::new();
     while let Some(p) = progress.recv().await {
         match p {
-            Progress::First { word, .. } | Progress::Token { word } => {
-                timing.token(&sim);
+            Progress::First { word, at, .. } | Progress::Token { word, at } => {
+                timing.token(&sim, at);
                 text.push_str(word);
             }
             Progress::Done(usage) => {
@@ -331,8 +330,8 @@ fn stream(
         let mut n = 0u32;
         while let Some(p) = progress.recv().await {
             let frame = match p {
-                Progress::First { word, .. } | Progress::Token { word } => {
-                    timing.token(&sim);
+                Progress::First { word, at, .. } | Progress::Token { word, at } => {
+                    timing.token(&sim, at);
                     let f = sse(&api::chunk(&c, &id, created, word, None, n == 0));
                     n += 1;
                     f

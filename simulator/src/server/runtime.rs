@@ -22,9 +22,12 @@ pub enum Progress {
     First {
         word: &'static str,
         cached_tokens: u32,
+        /// When the engine produced it (what the TTFT metric counts, as in vLLM's engine).
+        at: Instant,
     },
     Token {
         word: &'static str,
+        at: Instant,
     },
     Done(Usage),
     /// The engine refused the request (e.g. a prompt larger than the model's context).
@@ -122,6 +125,30 @@ impl EngineHandle {
     }
 }
 
+/// `thread::sleep` wakes late by a fairly steady amount (timer slack, scheduling); at high
+/// speedups that lateness becomes milliseconds of simulated time. This learns it (a moving
+/// average) and wakes that much earlier.
+#[derive(Debug, Default)]
+struct Oversleep {
+    average: Duration,
+}
+
+impl Oversleep {
+    const MAX: Duration = Duration::from_millis(1);
+
+    fn sleep_until(&mut self, target: Instant) {
+        let wake_at = target.checked_sub(self.average).unwrap_or(target);
+        let Some(wait) = wake_at.checked_duration_since(Instant::now()) else {
+            return;
+        };
+        thread::sleep(wait);
+        let late = Instant::now()
+            .saturating_duration_since(wake_at)
+            .min(Self::MAX);
+        self.average = (self.average * 7 + late) / 8;
+    }
+}
+
 /// How far behind schedule the engine may run before it stops trying to catch up.
 const MAX_CATCH_UP: Duration = Duration::from_millis(250);
 
@@ -141,6 +168,7 @@ fn run(
     // time spent delivering a step's outputs does not push every later step back (drift).
     let mut due = Instant::now();
     let mut next_id: u64 = 1;
+    let mut oversleep = Oversleep::default();
     let mut waiters: HashMap<u64, mpsc::UnboundedSender<Progress>> = HashMap::new();
     loop {
         // Idle: block for work. Busy: take whatever arrived during the last step.
@@ -211,9 +239,8 @@ fn run(
         let step = engine.step((due - epoch).mul_f64(speedup));
         // The step's outputs exist once its simulated time has passed.
         due += step.duration.div_f64(speedup);
-        if let Some(wait) = due.checked_duration_since(Instant::now()) {
-            thread::sleep(wait);
-        }
+        oversleep.sleep_until(due);
+        let produced = Instant::now();
         let mut gone = Vec::new();
         for output in step.outputs {
             let id = output.id;
@@ -222,12 +249,14 @@ fn run(
                     Progress::First {
                         word: generated_word(id, 0),
                         cached_tokens,
+                        at: produced,
                     },
                     false,
                 ),
                 OutputKind::Token { index, .. } => (
                     Progress::Token {
                         word: generated_word(id, index),
+                        at: produced,
                     },
                     false,
                 ),
