@@ -256,7 +256,7 @@ async fn calibration(speedup: f64, tolerance: f64) {
     let mut warm = Vec::new();
     let mut itl = Vec::new();
     let mut expected = None;
-    for round in 0..3 {
+    for round in 0..5 {
         let system =
             format!("round {round} ").repeat(4) + &"Calibration prompt text. ".repeat(1300);
         let body = chat(&system, "go", 1, true);
