@@ -3,7 +3,8 @@
 #   make deps       install the wasm target and Envoy 1.40 (scripts/install-deps.sh)
 #   make wasm       release-build every wasm filter for wasm32-wasip1
 #   make build      wasm filters + native binaries
-#   make run        a local demo: 3 echo backends behind Envoy with the filters (Ctrl-C stops it)
+#   make run        a local demo: 3 kvoy-sim simulators behind Envoy with the filters (Ctrl-C stops
+#                   it); kvoy-stack flags go in RUN_ARGS, e.g. make run RUN_ARGS='--backend echo'
 #   make test       deps, wasm, fmt check, clippy -D warnings, all tests (incl. real Envoy e2e)
 #   make bench      criterion benches
 #   make fmt        format the workspace
@@ -17,7 +18,9 @@ WASM_TARGET := wasm32-wasip1
 # One crate per proxy-wasm filter, plus the harness's SDK test guest.
 WASM_CRATES := kvoy-prefix-affinity kvoy-harness-guest
 # Crates with native binaries.
-BIN_CRATES := kvoy-e2e
+BIN_CRATES := kvoy-e2e kvoy-sim
+# Flags for kvoy-stack (`kvoy-stack --help`), e.g. RUN_ARGS='--backend echo --speedup 1'.
+RUN_ARGS ?=
 
 .PHONY: deps wasm build run test bench fmt clean-run
 
@@ -31,7 +34,7 @@ build: wasm
 	$(CARGO) build --release -j $(JOBS) $(addprefix -p ,$(BIN_CRATES)) --bins
 
 run: deps build
-	$(CARGO) run --release -j $(JOBS) -p kvoy-e2e --bin kvoy-stack
+	$(CARGO) run --release -j $(JOBS) -p kvoy-e2e --bin kvoy-stack -- $(RUN_ARGS)
 
 test: deps wasm
 	$(CARGO) fmt --all --check

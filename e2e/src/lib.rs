@@ -1,6 +1,9 @@
-//! kvoy's end-to-end kit: a real Envoy with the built filters in front of OpenAI-shaped echo
-//! backends on 127.0.0.1. The `kvoy-stack` binary (`make run`) and the tests in `tests/` use it.
+//! kvoy's end-to-end kit: a real Envoy with the built filters in front of OpenAI-shaped
+//! backends (kvoy-sim simulators or echo servers) on 127.0.0.1. The `kvoy-stack` binary
+//! (`make run`) and the tests in `tests/` use it.
 //!
+//! - [`SimFleet`]: kvoy-sim simulators (vLLM-like: prefix cache, `cached_tokens`) run
+//!   in-process on a tokio runtime of their own.
 //! - [`EchoServer`]: an HTTP/1.1 backend that answers chat/completions/responses calls with a
 //!   reply naming the address that served it (header `x-served-by`).
 //! - [`render_bootstrap`]: fills in the `envoy/kvoy.yaml` template.
@@ -26,6 +29,7 @@ mod bootstrap;
 mod echo;
 mod envoy;
 pub mod http;
+mod sim;
 mod stack;
 
 pub use bootstrap::{
@@ -39,6 +43,7 @@ pub use echo::{
 pub use envoy::{
     envoy_binary, envoy_version, free_port, validate_config, wasm_failures, EnvoyProcess,
 };
+pub use sim::SimFleet;
 pub use stack::{
     bootstrap_template, default_wasm_dir, require_filter_wasm, stale_sources, workspace_root,
     Stack, StackConfig, PREFIX_AFFINITY_WASM,

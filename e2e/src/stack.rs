@@ -53,7 +53,7 @@ pub fn require_filter_wasm(wasm_dir: &Path) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
-/// Source files (under `filters/` and `shared/`) newer than the built module at `wasm`: when
+/// Source files (under `filters/` and `shared/`, outside `benches/` and `tests/`) newer than the built module at `wasm`: when
 /// there are any, the module is stale and `make wasm` should run first. Empty if `wasm` is
 /// missing or times are unavailable.
 pub fn stale_sources(wasm: &Path) -> Vec<PathBuf> {
@@ -77,7 +77,9 @@ pub fn stale_sources(wasm: &Path) -> Vec<PathBuf> {
             let path = entry.path();
             let Ok(meta) = entry.metadata() else { continue };
             if meta.is_dir() {
-                if depth < 6 && entry.file_name() != "target" {
+                // Benches and integration tests are not compiled into the module.
+                let name = entry.file_name();
+                if depth < 6 && !["target", "benches", "tests"].iter().any(|n| name == *n) {
                     dirs.push((path, depth + 1));
                 }
             } else if path.extension().is_some_and(|e| e == "rs" || e == "toml")
