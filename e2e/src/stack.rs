@@ -147,6 +147,29 @@ pub struct Stack {
 }
 
 impl Stack {
+    /// The end-of-test check every end-to-end test makes: panics, naming the test, if Envoy's
+    /// log shows wasm panics, traps or VM failures.
+    pub fn assert_no_wasm_failures(&self, test: &str) {
+        let failures = crate::envoy::wasm_failures(&self.envoy.log_text());
+        assert!(
+            failures.is_empty(),
+            "[{test}] wasm failures in the Envoy log ({}):\n{}",
+            self.envoy.log_path().display(),
+            failures.join("\n")
+        );
+    }
+
+    /// For a test fixture's `Drop`: when the test is failing, prints the tail of Envoy's log.
+    pub fn print_log_tail_if_panicking(&self, test: &str) {
+        if std::thread::panicking() {
+            eprintln!(
+                "[{test}] --- Envoy log tail ({}) ---\n{}\n--- end of Envoy log ---",
+                self.envoy.log_path().display(),
+                self.envoy.log_tail(60)
+            );
+        }
+    }
+
     /// Renders `envoy/kvoy.yaml` into `run_dir/envoy.yaml`, starts Envoy and waits until it is
     /// ready.
     pub fn start(config: &StackConfig) -> anyhow::Result<Stack> {

@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 
 use kvoy_e2e::http::{self, Response};
 use kvoy_e2e::{
-    wasm_failures, EchoConfig, EchoServer, PoolEndpoint, Stack, StackConfig, DELAY_HEADER,
-    DESTINATION_HEADER, SERVED_BY_HEADER,
+    EchoConfig, EchoServer, PoolEndpoint, Stack, StackConfig, DELAY_HEADER, DESTINATION_HEADER,
+    SERVED_BY_HEADER,
 };
 use serde_json::{json, Value};
 
@@ -136,29 +136,14 @@ impl Fixture {
     /// Fails if the Envoy log shows wasm panics, traps or VM failures; on success removes the
     /// run directory (a failed test keeps it for inspection).
     fn finish(self) {
-        let log = self.stack.envoy.log_text();
-        let failures = wasm_failures(&log);
-        assert!(
-            failures.is_empty(),
-            "[{}] wasm failures in the Envoy log ({}):\n{}",
-            self.name,
-            self.stack.envoy.log_path().display(),
-            failures.join("\n")
-        );
+        self.stack.assert_no_wasm_failures(self.name);
         let _ = std::fs::remove_dir_all(&self.run_dir);
     }
 }
 
 impl Drop for Fixture {
     fn drop(&mut self) {
-        if thread::panicking() {
-            eprintln!(
-                "[{}] --- Envoy log tail ({}) ---\n{}\n--- end of Envoy log ---",
-                self.name,
-                self.stack.envoy.log_path().display(),
-                self.stack.envoy.log_tail(60)
-            );
-        }
+        self.stack.print_log_tail_if_panicking(self.name);
     }
 }
 

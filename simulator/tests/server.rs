@@ -392,24 +392,11 @@ async fn two_hundred_concurrent_streams_keep_time() {
 async fn kv_events_reach_a_zmq_subscriber() {
     use kvoy_kvevents::{decode_batch, KvEvent as Wire, ZmqContext};
     let _serial = SERIAL.lock().await;
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
-    let args: Vec<String> =
-        format!("--kv-events-endpoint tcp://127.0.0.1:{port} --model m --speedup 50")
-            .split_whitespace()
-            .map(str::to_owned)
-            .collect();
-    let options = kvoy_sim::cli::parse(&args).unwrap().unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let sink = kvoy_sim::events::sink(&options, 0, addr).unwrap();
-    let engine = EngineHandle::start(options.profile.clone(), options.http.speedup, sink).unwrap();
-    tokio::spawn(server::serve(
-        listener,
-        Simulator::new(engine, options.http.clone(), addr.to_string()),
-    ));
+    let port = free_port();
+    let addr = start_with_flags(&format!(
+        "--kv-events-endpoint tcp://127.0.0.1:{port} --model m --speedup 50"
+    ))
+    .await;
 
     let ctx = ZmqContext::new();
     let sub = kvoy_kvevents::Subscriber::connect(&ctx, &format!("tcp://127.0.0.1:{port}"), b"kv@")
