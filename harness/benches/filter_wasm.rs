@@ -27,8 +27,6 @@ use std::path::Path;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 
 use kvoy_harness::{testing, Action, Host, Plugin};
-use kvoy_shared::request::Api;
-use kvoy_shared::{PluginConfig, Router};
 
 /// Points the bench at another build of the filter instead of `target/wasm32-wasip1/release`.
 const WASM_ENV: &str = "KVOY_BENCH_WASM";
@@ -41,7 +39,7 @@ const VMS: usize = 2;
 
 #[path = "../../shared/benches/support/fixtures.rs"]
 mod fixtures;
-use fixtures::{chat_body, config_json};
+use fixtures::{bench_route, chat_body, config_json};
 
 fn load_host() -> Host {
     match std::env::var_os(WASM_ENV) {
@@ -144,22 +142,7 @@ fn bench(c: &mut Criterion) {
         });
         assert_eq!(counter(&plugin, SHARED_ERRORS), 0, "shared state errors");
 
-        let mut router = Router::new(
-            PluginConfig::from_json(config.as_bytes()).expect("valid config"),
-            1,
-        );
-        let inflight = [0u32; 8];
-        // Warm the index so the match walks the full chain.
-        router
-            .route_body(Api::ChatCompletions, &body, &inflight, None)
-            .expect("routes");
-        g.bench_with_input(BenchmarkId::new("native", tokens), &body, |b, body| {
-            b.iter(|| {
-                router
-                    .route_body(Api::ChatCompletions, black_box(body), &inflight, None)
-                    .map(|d| d.endpoint)
-            })
-        });
+        bench_route(&mut g, BenchmarkId::new("native", tokens), &body);
     }
     g.finish();
 }

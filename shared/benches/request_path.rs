@@ -10,15 +10,10 @@ use std::hint::black_box;
 
 use kvoy_shared::prefix::PrefixHasher;
 use kvoy_shared::request::{parse, Api};
-use kvoy_shared::{PluginConfig, Router};
 
 #[path = "support/fixtures.rs"]
 mod fixtures;
-use fixtures::{chat_body, config_json};
-
-fn config() -> PluginConfig {
-    PluginConfig::from_json(config_json().as_bytes()).expect("valid config")
-}
+use fixtures::{bench_route, chat_body};
 
 fn bench(c: &mut Criterion) {
     let sizes = [1_000usize, 8_000, 100_000];
@@ -44,19 +39,7 @@ fn bench(c: &mut Criterion) {
         g.bench_with_input(BenchmarkId::new("hash", tokens), &req, |b, req| {
             b.iter(|| hasher.hash(&req.model, None, black_box(&req.prompt)).len())
         });
-        let mut router = Router::new(config(), 1);
-        let inflight = [0u32; 8];
-        // Warm the index so the match walks the full chain.
-        router
-            .route_body(Api::ChatCompletions, &body, &inflight, None)
-            .expect("routes");
-        g.bench_with_input(BenchmarkId::new("route", tokens), &body, |b, body| {
-            b.iter(|| {
-                router
-                    .route_body(Api::ChatCompletions, black_box(body), &inflight, None)
-                    .map(|d| d.endpoint)
-            })
-        });
+        bench_route(&mut g, BenchmarkId::new("route", tokens), &body);
     }
     g.finish();
 }

@@ -28,3 +28,28 @@ pub fn config_json() -> String {
         .collect();
     format!(r#"{{"endpoints":[{}]}}"#, endpoints.join(","))
 }
+
+/// Times `Router::route_body` on `body` as `id` in `group`, with the index already holding the
+/// body's prefix so that every route walks the full chain.
+pub fn bench_route(
+    group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    id: criterion::BenchmarkId,
+    body: &[u8],
+) {
+    use kvoy_shared::request::Api;
+    use std::hint::black_box;
+    let config =
+        kvoy_shared::PluginConfig::from_json(config_json().as_bytes()).expect("valid config");
+    let mut router = kvoy_shared::Router::new(config, 1);
+    let inflight = [0u32; 8];
+    router
+        .route_body(Api::ChatCompletions, body, &inflight, None)
+        .expect("routes");
+    group.bench_with_input(id, body, |b, body| {
+        b.iter(|| {
+            router
+                .route_body(Api::ChatCompletions, black_box(body), &inflight, None)
+                .map(|d| d.endpoint)
+        })
+    });
+}
