@@ -45,6 +45,6 @@ pub use envoy::{
 };
 pub use sim::SimFleet;
 pub use stack::{
-    bootstrap_template, default_wasm_dir, require_filter_wasm, stale_sources, workspace_root,
-    Stack, StackConfig, PREFIX_AFFINITY_WASM,
+    bootstrap_template, default_wasm_dir, require_filter_wasm, served_by, stale_sources,
+    workspace_root, Stack, StackConfig, PREFIX_AFFINITY_WASM, SERVED_HEADER,
 };

@@ -146,6 +146,29 @@ pub struct Stack {
     pub envoy: EnvoyProcess,
 }
 
+/// The filter's report, on the response, of the endpoint that served the request.
+pub const SERVED_HEADER: &str = "x-gateway-destination-endpoint-served";
+
+/// The backend that answered `r` through the proxy (its `x-served-by`), checked to be a member
+/// of `pool` and to be what the filter reported in [`SERVED_HEADER`]; panics, naming `test` and
+/// `what`, otherwise.
+pub fn served_by(r: &crate::http::Response, pool: &[String], test: &str, what: &str) -> String {
+    let served = r
+        .header(crate::SERVED_BY_HEADER)
+        .unwrap_or_else(|| panic!("[{test}] {what}: no {} header", crate::SERVED_BY_HEADER))
+        .to_string();
+    assert!(
+        pool.contains(&served),
+        "[{test}] {what}: served by {served}, not a pool member {pool:?}"
+    );
+    assert_eq!(
+        r.header(SERVED_HEADER),
+        Some(served.as_str()),
+        "[{test}] {what}: {SERVED_HEADER} should name the backend that served"
+    );
+    served
+}
+
 impl Stack {
     /// The end-of-test check every end-to-end test makes: panics, naming the test, if Envoy's
     /// log shows wasm panics, traps or VM failures.

@@ -17,12 +17,11 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kvoy_e2e::http::{self, Response};
-use kvoy_e2e::{PoolEndpoint, SimFleet, Stack, StackConfig, SERVED_BY_HEADER};
+use kvoy_e2e::{PoolEndpoint, SimFleet, Stack, StackConfig};
 use serde_json::{json, Value};
 
 const MODEL: &str = "kvoy-demo";
 const SPEEDUP: &str = "20";
-const SERVED_HEADER: &str = "x-gateway-destination-endpoint-served";
 const TIMEOUT: Duration = Duration::from_secs(30);
 const GROUPS: usize = 6;
 const TURNS: usize = 5;
@@ -104,23 +103,7 @@ impl Fixture {
 
     /// The simulator that served `r` through Envoy; checks that the filter reported it too.
     fn served_by(&self, r: &Response, what: &str) -> String {
-        let served = r
-            .header(SERVED_BY_HEADER)
-            .unwrap_or_else(|| panic!("[{}] {what}: no {SERVED_BY_HEADER} header", self.name))
-            .to_string();
-        assert!(
-            self.sim_addrs().contains(&served),
-            "[{}] {what}: served by {served}, not a pool member {:?}",
-            self.name,
-            self.sim_addrs()
-        );
-        assert_eq!(
-            r.header(SERVED_HEADER),
-            Some(served.as_str()),
-            "[{}] {what}: {SERVED_HEADER} should name the simulator that served",
-            self.name
-        );
-        served
+        kvoy_e2e::served_by(r, &self.sim_addrs(), self.name, what)
     }
 
     /// Fails if the Envoy log shows wasm panics, traps or VM failures; on success removes the

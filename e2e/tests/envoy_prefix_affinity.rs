@@ -23,7 +23,6 @@ use kvoy_e2e::{
 use serde_json::{json, Value};
 
 const MODEL: &str = "kvoy-demo";
-const SERVED_HEADER: &str = "x-gateway-destination-endpoint-served";
 const TIMEOUT: Duration = Duration::from_secs(30);
 
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -106,22 +105,7 @@ impl Fixture {
             r.status,
             r.text()
         );
-        let served = r
-            .header(SERVED_BY_HEADER)
-            .unwrap_or_else(|| panic!("[{}] {what}: no {SERVED_BY_HEADER} header", self.name))
-            .to_string();
-        assert!(
-            self.pool_addrs().contains(&served),
-            "[{}] {what}: served by {served}, not a pool member {:?}",
-            self.name,
-            self.pool_addrs()
-        );
-        assert_eq!(
-            r.header(SERVED_HEADER),
-            Some(served.as_str()),
-            "[{}] {what}: {SERVED_HEADER} should name the backend that served",
-            self.name
-        );
+        let served = kvoy_e2e::served_by(r, &self.pool_addrs(), self.name, what);
         if let Ok(v) = r.json() {
             assert_eq!(
                 v["kvoy_echo"]["destination_header"],
