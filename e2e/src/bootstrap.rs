@@ -20,6 +20,9 @@ pub struct BootstrapParams {
     pub wasm_dir: PathBuf,
     /// The prefix-affinity filter's JSON configuration.
     pub prefix_affinity_config: String,
+    /// Port of kvoy-aggregator on 127.0.0.1 (cluster `kvoy_aggregator`; unused when the
+    /// filter has no `aggregator` section).
+    pub aggregator_port: u16,
 }
 
 /// A template that cannot be rendered.
@@ -41,11 +44,12 @@ pub fn quoted_contents(s: &str) -> String {
     quoted[1..quoted.len() - 1].to_string()
 }
 
-const PLACEHOLDERS: [&str; 4] = [
+const PLACEHOLDERS: [&str; 5] = [
     "LISTEN_PORT",
     "ADMIN_PORT",
     "WASM_DIR",
     "PREFIX_AFFINITY_CONFIG",
+    "AGGREGATOR_PORT",
 ];
 
 /// Renders `template` (the text of `envoy/kvoy.yaml`). Every placeholder must be known and every
@@ -62,6 +66,7 @@ pub fn render_bootstrap(template: &str, params: &BootstrapParams) -> Result<Stri
             "ADMIN_PORT" => Some(params.admin_port.to_string()),
             "WASM_DIR" => Some(quoted_contents(wasm_dir)),
             "PREFIX_AFFINITY_CONFIG" => Some(quoted_contents(&params.prefix_affinity_config)),
+            "AGGREGATOR_PORT" => Some(params.aggregator_port.to_string()),
             _ => None,
         }
     };
@@ -150,10 +155,11 @@ mod tests {
             admin_port: 9901,
             wasm_dir: PathBuf::from("/opt/kvoy wasm/"),
             prefix_affinity_config: config.to_string(),
+            aggregator_port: 9090,
         }
     }
 
-    const T: &str = "l: {{LISTEN_PORT}}\na: {{ ADMIN_PORT }}\nf: \"{{WASM_DIR}}/x.wasm\"\nv: \"{{PREFIX_AFFINITY_CONFIG}}\"\n";
+    const T: &str = "l: {{LISTEN_PORT}}\na: {{ ADMIN_PORT }}\nf: \"{{WASM_DIR}}/x.wasm\"\nv: \"{{PREFIX_AFFINITY_CONFIG}}\"\ng: {{AGGREGATOR_PORT}}\n";
 
     #[test]
     fn substitutes_and_escapes() {
@@ -161,6 +167,7 @@ mod tests {
         let out = render_bootstrap(T, &params(config)).unwrap();
         assert!(out.contains("l: 10000\n"));
         assert!(out.contains("a: 9901\n"));
+        assert!(out.contains("g: 9090\n"));
         assert!(out.contains("f: \"/opt/kvoy wasm/x.wasm\""));
         // The value line is a JSON string literal that decodes back to the config.
         let line = out.lines().find(|l| l.starts_with("v: ")).unwrap();

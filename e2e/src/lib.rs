@@ -4,6 +4,7 @@
 //!
 //! - [`SimFleet`]: kvoy-sim simulators (vLLM-like: prefix cache, `cached_tokens`) run
 //!   in-process on a tokio runtime of their own.
+//! - [`LocalAggregator`]: kvoy-aggregator in-process, following the simulators.
 //! - [`EchoServer`]: an HTTP/1.1 backend that answers chat/completions/responses calls with a
 //!   reply naming the address that served it (header `x-served-by`).
 //! - [`render_bootstrap`]: fills in the `envoy/kvoy.yaml` template.
@@ -25,6 +26,7 @@
 //! # anyhow::Ok(())
 //! ```
 
+mod aggregator;
 mod bootstrap;
 mod echo;
 mod envoy;
@@ -32,6 +34,7 @@ pub mod http;
 mod sim;
 mod stack;
 
+pub use aggregator::{aggregator_yaml, AggregatedEndpoint, LocalAggregator};
 pub use bootstrap::{
     prefix_affinity_config, quoted_contents, render_bootstrap, render_bootstrap_file,
     BootstrapParams, PoolEndpoint, RenderError,
@@ -46,5 +49,5 @@ pub use envoy::{
 pub use sim::SimFleet;
 pub use stack::{
     bootstrap_template, default_wasm_dir, require_filter_wasm, served_by, stale_sources,
-    workspace_root, Stack, StackConfig, PREFIX_AFFINITY_WASM, SERVED_HEADER,
+    workspace_root, Stack, StackConfig, AGGREGATOR_CLUSTER, PREFIX_AFFINITY_WASM, SERVED_HEADER,
 };

@@ -14,6 +14,9 @@ use crate::bootstrap::{
 };
 use crate::envoy::{free_port, EnvoyProcess};
 
+/// The bootstrap's cluster for kvoy-aggregator.
+pub const AGGREGATOR_CLUSTER: &str = "kvoy_aggregator";
+
 /// File name of the prefix-affinity filter module.
 pub const PREFIX_AFFINITY_WASM: &str = "kvoy_prefix_affinity.wasm";
 
@@ -101,6 +104,10 @@ pub struct StackConfig {
     pub max_body_bytes: Option<u64>,
     /// Further top-level fields of the filter configuration (a JSON object).
     pub extra_config: Option<Value>,
+    /// kvoy-aggregator's API: when set, the filter polls it through the `kvoy_aggregator`
+    /// cluster (its `aggregator` section, unless `extra_config` has one) and `pool` is only the
+    /// static fallback.
+    pub aggregator: Option<SocketAddr>,
     /// Listener port on 127.0.0.1; 0 picks a free one.
     pub listen_port: u16,
     /// Admin port on 127.0.0.1; 0 picks a free one.
@@ -122,6 +129,7 @@ impl StackConfig {
             pool,
             max_body_bytes: None,
             extra_config: None,
+            aggregator: None,
             listen_port: 0,
             admin_port: 0,
             run_dir,
@@ -211,11 +219,18 @@ impl Stack {
             .with_context(|| format!("creating {}", config.run_dir.display()))?;
         let listen_port = pick(config.listen_port)?;
         let admin_port = pick(config.admin_port)?;
-        let filter_config = prefix_affinity_config(
-            &config.pool,
-            config.max_body_bytes,
-            config.extra_config.as_ref(),
-        );
+        let mut extra = config
+            .extra_config
+            .clone()
+            .unwrap_or_else(|| Value::Object(Default::default()));
+        if config.aggregator.is_some() {
+            if let Value::Object(map) = &mut extra {
+                map.entry("aggregator")
+                    .or_insert_with(|| serde_json::json!({"cluster": AGGREGATOR_CLUSTER}));
+            }
+        }
+        let filter_config =
+            prefix_affinity_config(&config.pool, config.max_body_bytes, Some(&extra));
         let wasm_dir = config
             .wasm_dir
             .canonicalize()
@@ -225,6 +240,8 @@ impl Stack {
             admin_port,
             wasm_dir,
             prefix_affinity_config: filter_config.clone(),
+            // Without an aggregator the cluster is unused; any port will do.
+            aggregator_port: config.aggregator.map_or(9, |a| a.port()),
         };
         let rendered = render_bootstrap_file(&bootstrap_template(), &params)?;
         let config_path = config.run_dir.join("envoy.yaml");

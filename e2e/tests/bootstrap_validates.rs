@@ -25,13 +25,14 @@ fn rendered_bootstrap_passes_envoy_validate() {
         ),
     ];
     // Quotes, backslashes and newlines in the config must survive YAML escaping.
-    let extra = json!({"on_invalid_body": "reject"});
+    let extra = json!({"on_invalid_body": "reject", "aggregator": {"cluster": "kvoy_aggregator"}});
     let config = prefix_affinity_config(&pool, Some(1 << 20), Some(&extra));
     let params = BootstrapParams {
         listen_port: 18000,
         admin_port: 18900,
         wasm_dir: wasm_dir.canonicalize().expect("wasm dir"),
         prefix_affinity_config: config,
+        aggregator_port: 18090,
     };
     let rendered = render_bootstrap_file(&bootstrap_template(), &params).expect("render");
     assert!(rendered.contains("allow_on_headers_stop_iteration: true"));

@@ -73,10 +73,39 @@ struct RawEndpoint {
     kv_cache_usage: Option<f64>,
 }
 
+/// Where the filter gets the live pool: `kvoy-aggregator`'s snapshot API, reached through an
+/// Envoy cluster. One VM per proxy polls it (a shared-data lease) and shares the result.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AggregatorSettings {
+    /// The Envoy cluster of the aggregator (`dispatch_http_call` needs one in the bootstrap).
+    pub cluster: String,
+    /// `:authority` of the poll (default: the cluster name).
+    #[serde(default)]
+    pub authority: Option<String>,
+    #[serde(default = "defaults::snapshot_path")]
+    pub path: String,
+    #[serde(default = "defaults::poll_interval_ms")]
+    pub poll_interval_ms: u64,
+    /// Timeout of one poll; a slow aggregator never holds requests up.
+    #[serde(default = "defaults::poll_timeout_ms")]
+    pub timeout_ms: u64,
+    /// Load figures (queue, KV use) from a snapshot older than this are ignored: the filter
+    /// routes on prefix and its own in-flight counts.
+    #[serde(default = "defaults::load_max_age_ms")]
+    pub load_max_age_ms: u64,
+    /// A snapshot older than this is dropped for the static `endpoints` (when there are any).
+    #[serde(default = "defaults::snapshot_max_age_ms")]
+    pub snapshot_max_age_ms: u64,
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawConfig {
+    #[serde(default)]
     endpoints: Vec<RawEndpoint>,
+    #[serde(default)]
+    aggregator: Option<AggregatorSettings>,
     #[serde(default)]
     weights: Weights,
     #[serde(default)]
@@ -115,6 +144,21 @@ mod defaults {
     pub fn decision_log_slots() -> u32 {
         1024
     }
+    pub fn snapshot_path() -> String {
+        "/v1/snapshot".to_owned()
+    }
+    pub fn poll_interval_ms() -> u64 {
+        100
+    }
+    pub fn poll_timeout_ms() -> u64 {
+        250
+    }
+    pub fn load_max_age_ms() -> u64 {
+        2_000
+    }
+    pub fn snapshot_max_age_ms() -> u64 {
+        30_000
+    }
 }
 
 /// Largest pool one filter instance accepts; endpoint ids are `u16` and the in-flight table is
@@ -137,13 +181,15 @@ pub struct PluginConfig {
     pub on_invalid_body: InvalidBodyPolicy,
     /// Slots of the cross-worker decision log.
     pub decision_log_slots: u32,
+    /// The aggregator, when the live pool comes from one.
+    pub aggregator: Option<AggregatorSettings>,
 }
 
 #[derive(Debug, Error, PartialEq)]
 pub enum ConfigError {
     #[error("invalid configuration JSON: {0}")]
     Json(String),
-    #[error("`endpoints` must list at least one endpoint")]
+    #[error("`endpoints` must list at least one endpoint (or set `aggregator`)")]
     NoEndpoints,
     #[error("`endpoints` lists {0} endpoints; at most {MAX_ENDPOINTS} are supported")]
     TooManyEndpoints(usize),
@@ -185,8 +231,11 @@ impl TryFrom<RawConfig> for PluginConfig {
     type Error = ConfigError;
 
     fn try_from(raw: RawConfig) -> Result<Self, ConfigError> {
-        if raw.endpoints.is_empty() {
+        if raw.endpoints.is_empty() && raw.aggregator.is_none() {
             return Err(ConfigError::NoEndpoints);
+        }
+        if let Some(a) = &raw.aggregator {
+            check_aggregator(a)?;
         }
         if raw.endpoints.len() > MAX_ENDPOINTS {
             return Err(ConfigError::TooManyEndpoints(raw.endpoints.len()));
@@ -217,13 +266,11 @@ impl TryFrom<RawConfig> for PluginConfig {
                 }
             }
             endpoints.push(Endpoint {
-                address,
-                address_text: address.to_string(),
-                models: e.models,
-                static_load: EndpointLoad {
+                load: EndpointLoad {
                     waiting: e.waiting,
                     kv_cache_usage: e.kv_cache_usage,
                 },
+                ..Endpoint::new(address, e.models)
             });
         }
         let w = raw.weights;
@@ -285,8 +332,53 @@ impl TryFrom<RawConfig> for PluginConfig {
             max_body_bytes: raw.max_body_bytes,
             on_invalid_body: raw.on_invalid_body,
             decision_log_slots: raw.decision_log_slots,
+            aggregator: raw.aggregator,
         })
     }
+}
+
+fn check_aggregator(a: &AggregatorSettings) -> Result<(), ConfigError> {
+    if a.cluster.trim().is_empty() {
+        return Err(out_of_range("aggregator.cluster", "a cluster name", "\"\""));
+    }
+    if !a.path.starts_with('/') {
+        return Err(out_of_range(
+            "aggregator.path",
+            "a path starting with /",
+            &a.path,
+        ));
+    }
+    for (field, value, min, max) in [
+        (
+            "aggregator.poll_interval_ms",
+            a.poll_interval_ms,
+            10,
+            60_000,
+        ),
+        ("aggregator.timeout_ms", a.timeout_ms, 10, 60_000),
+        (
+            "aggregator.load_max_age_ms",
+            a.load_max_age_ms,
+            10,
+            3_600_000,
+        ),
+        (
+            "aggregator.snapshot_max_age_ms",
+            a.snapshot_max_age_ms,
+            10,
+            86_400_000,
+        ),
+    ] {
+        if !(min..=max).contains(&value) {
+            let expected = match field {
+                "aggregator.poll_interval_ms" | "aggregator.timeout_ms" => "within 10..=60000",
+                "aggregator.load_max_age_ms" => "within 10..=3600000",
+                _ => "within 10..=86400000",
+            };
+            return Err(out_of_range(field, expected, value));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -347,5 +439,25 @@ mod tests {
             r#"{"endpoints":[{"address":"127.0.0.1:1","models":["m"]}],"weights":{"prefix":-1}}"#,
         );
         assert!(e.contains("weights.prefix"), "{e}");
+    }
+
+    #[test]
+    fn aggregator_section() {
+        let cfg =
+            PluginConfig::from_json(br#"{"aggregator":{"cluster":"kvoy_aggregator"}}"#).unwrap();
+        assert!(cfg.pool.is_empty());
+        let a = cfg.aggregator.unwrap();
+        assert_eq!(
+            (a.path.as_str(), a.poll_interval_ms, a.timeout_ms),
+            ("/v1/snapshot", 100, 250)
+        );
+        let e = err(r#"{"aggregator":{"cluster":"c","poll_interval_ms":0}}"#);
+        assert!(e.contains("aggregator.poll_interval_ms"), "{e}");
+        let e = err(r#"{"aggregator":{"cluster":"c","path":"v1"}}"#);
+        assert!(e.contains("aggregator.path"), "{e}");
+        let e = err(r#"{"aggregator":{"cluster":"c","interval":5}}"#);
+        assert!(e.contains("unknown field `interval`"), "{e}");
+        let e = err(r#"{}"#);
+        assert!(e.contains("aggregator"), "{e}");
     }
 }

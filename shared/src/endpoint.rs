@@ -27,14 +27,44 @@ pub struct Endpoint {
     /// `address` as written in the destination header (`ip:port`), rendered once.
     pub address_text: String,
     pub models: Vec<String>,
-    /// Static load figures; the aggregator replaces them with live ones.
-    pub static_load: EndpointLoad,
+    /// Load figures: static ones from the configuration, or live ones from the aggregator.
+    pub load: EndpointLoad,
+    pub health: Health,
+    /// Changes whenever the server's cache was dropped (from the aggregator; 0 otherwise):
+    /// what the prefix index believes of the endpoint is then void.
+    pub cache_generation: u32,
 }
 
 impl Endpoint {
+    /// An endpoint with no load figures, ready.
+    pub fn new(address: SocketAddr, models: Vec<String>) -> Self {
+        Endpoint {
+            address,
+            address_text: address.to_string(),
+            models,
+            load: EndpointLoad::default(),
+            health: Health::Ready,
+            cache_generation: 0,
+        }
+    }
+
     pub fn serves(&self, model: &str) -> bool {
         self.models.iter().any(|m| m == model)
     }
+}
+
+/// Whether an endpoint should get new work, as the aggregator sees it. Candidates are taken
+/// from the best tier that has any: ready, then stale, then not ready. So stale and failing
+/// endpoints are avoided, yet a pool whose aggregator cannot see anything still routes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Health {
+    /// Scraped recently and successfully (static endpoints are always ready).
+    #[default]
+    Ready,
+    /// Scrapes succeed but the metrics are older than the aggregator's threshold.
+    Stale,
+    /// Scrapes fail.
+    NotReady,
 }
 
 /// What is known of an endpoint's load, besides this proxy's own in-flight count.
@@ -46,59 +76,139 @@ pub struct EndpointLoad {
     pub kv_cache_usage: Option<f64>,
 }
 
-/// The endpoints a proxy may route to; nothing outside it is ever chosen.
-#[derive(Clone, Debug, PartialEq)]
+/// The endpoints a proxy may route to; nothing outside it is ever chosen. Ids may have holes
+/// (the aggregator's slots of removed endpoints).
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Pool {
-    endpoints: Vec<Endpoint>,
+    slots: Vec<Option<Endpoint>>,
+    count: usize,
 }
 
 impl Pool {
-    pub(crate) fn new(endpoints: Vec<Endpoint>) -> Self {
-        Pool { endpoints }
+    /// A pool with ids `0..endpoints.len()` in order.
+    pub fn new(endpoints: Vec<Endpoint>) -> Self {
+        let count = endpoints.len();
+        Pool {
+            slots: endpoints.into_iter().map(Some).collect(),
+            count,
+        }
     }
 
+    /// A pool with the given ids; on a repeated id the last entry wins. Ids beyond
+    /// [`crate::MAX_ENDPOINTS`] are dropped.
+    pub fn with_ids(endpoints: impl IntoIterator<Item = (EndpointId, Endpoint)>) -> Self {
+        let mut slots: Vec<Option<Endpoint>> = Vec::new();
+        for (id, e) in endpoints {
+            if id.index() >= crate::MAX_ENDPOINTS {
+                continue;
+            }
+            if slots.len() <= id.index() {
+                slots.resize(id.index() + 1, None);
+            }
+            slots[id.index()] = Some(e);
+        }
+        let count = slots.iter().flatten().count();
+        Pool { slots, count }
+    }
+
+    /// Number of endpoints.
     pub fn len(&self) -> usize {
-        self.endpoints.len()
+        self.count
     }
 
     pub fn is_empty(&self) -> bool {
-        self.endpoints.is_empty()
+        self.count == 0
+    }
+
+    /// One more than the largest id (the size of per-id tables).
+    pub fn id_bound(&self) -> usize {
+        self.slots.len()
     }
 
     pub fn get(&self, id: EndpointId) -> Option<&Endpoint> {
-        self.endpoints.get(id.index())
+        self.slots.get(id.index()).and_then(Option::as_ref)
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (EndpointId, &Endpoint)> {
-        self.endpoints
+        self.slots
             .iter()
             .enumerate()
-            .map(|(i, e)| (EndpointId(i as u16), e))
+            .filter_map(|(i, e)| e.as_ref().map(|e| (EndpointId(i as u16), e)))
     }
 
     /// The pool member with this `ip:port`, if any. Used to validate addresses that come
     /// from outside (upstream properties, session tokens): anything else is not ours.
     pub fn find(&self, address: &str) -> Option<EndpointId> {
         let addr: SocketAddr = address.trim().parse().ok()?;
-        self.endpoints
-            .iter()
-            .position(|e| e.address == addr)
-            .map(|i| EndpointId(i as u16))
+        self.iter()
+            .find(|(_, e)| e.address == addr)
+            .map(|(id, _)| id)
     }
 
-    /// Ids of the endpoints serving `model`, written into `out` (cleared first).
-    pub fn serving(&self, model: &str, out: &mut Vec<EndpointId>) {
+    /// Ids of the healthiest endpoints (see [`Health`]) that match, into `out` (cleared).
+    fn best(&self, matches: impl Fn(&Endpoint) -> bool, out: &mut Vec<EndpointId>) {
         out.clear();
+        let Some(best) = self
+            .iter()
+            .filter(|(_, e)| matches(e))
+            .map(|(_, e)| e.health)
+            .min()
+        else {
+            return;
+        };
         out.extend(
             self.iter()
-                .filter(|(_, e)| e.serves(model))
+                .filter(|(_, e)| e.health == best && matches(e))
                 .map(|(id, _)| id),
         );
     }
 
-    /// Ids of every endpoint, written into `out` (cleared first).
+    /// Ids of the healthiest endpoints serving `model`, written into `out` (cleared first).
+    pub fn serving(&self, model: &str, out: &mut Vec<EndpointId>) {
+        self.best(|e| e.serves(model), out);
+    }
+
+    /// Ids of the healthiest endpoints, written into `out` (cleared first).
     pub fn all(&self, out: &mut Vec<EndpointId>) {
-        out.clear();
-        out.extend((0..self.endpoints.len()).map(|i| EndpointId(i as u16)));
+        self.best(|_| true, out);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ep(port: u16, model: &str, health: Health) -> Endpoint {
+        Endpoint {
+            health,
+            ..Endpoint::new(SocketAddr::from(([10, 0, 0, 1], port)), vec![model.into()])
+        }
+    }
+
+    #[test]
+    fn sparse_ids_and_health_tiers() {
+        let pool = Pool::with_ids([
+            (EndpointId(4), ep(4, "a", Health::Stale)),
+            (EndpointId(1), ep(1, "a", Health::NotReady)),
+            (EndpointId(2), ep(2, "b", Health::NotReady)),
+            (EndpointId(9999), ep(9, "a", Health::Ready)),
+        ]);
+        assert_eq!((pool.len(), pool.id_bound()), (3, 5));
+        assert!(pool.get(EndpointId(0)).is_none());
+        assert_eq!(pool.find("10.0.0.1:4"), Some(EndpointId(4)));
+        assert_eq!(pool.find("10.0.0.1:9"), None, "dropped: id out of range");
+        let mut out = Vec::new();
+        pool.serving("a", &mut out);
+        assert_eq!(out, [EndpointId(4)], "stale beats not ready");
+        pool.serving("b", &mut out);
+        assert_eq!(
+            out,
+            [EndpointId(2)],
+            "not ready is still better than nothing"
+        );
+        pool.serving("c", &mut out);
+        assert!(out.is_empty());
+        pool.all(&mut out);
+        assert_eq!(out, [EndpointId(4)]);
     }
 }

@@ -11,15 +11,30 @@ use crate::prefix::BlockKey;
 #[derive(Clone, Debug)]
 pub struct PrefixIndex {
     endpoints: Vec<LruSet>,
+    capacity: usize,
+    seed: u64,
 }
 
 impl PrefixIndex {
     /// `seed` keys the index's hash maps; pass something the client does not know.
     pub fn new(endpoints: usize, capacity_per_endpoint: usize, seed: u64) -> Self {
-        PrefixIndex {
-            endpoints: (0..endpoints)
-                .map(|i| LruSet::new(capacity_per_endpoint, seed ^ (i as u64)))
-                .collect(),
+        let mut index = PrefixIndex {
+            endpoints: Vec::new(),
+            capacity: capacity_per_endpoint,
+            seed,
+        };
+        index.resize(endpoints);
+        index
+    }
+
+    /// Grows or shrinks the id space to `endpoints` (the pool changed). New endpoints start
+    /// empty; those cut off are forgotten.
+    pub fn resize(&mut self, endpoints: usize) {
+        self.endpoints.truncate(endpoints);
+        let (capacity, seed) = (self.capacity, self.seed);
+        for i in self.endpoints.len()..endpoints {
+            self.endpoints
+                .push(LruSet::new(capacity, seed ^ (i as u64)));
         }
     }
 

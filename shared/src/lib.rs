@@ -10,14 +10,15 @@
 //!     {"address":"10.0.0.2:8000","models":["m"]}]}"#).unwrap();
 //! let mut router = Router::new(cfg, 7);
 //! let body = br#"{"model":"m","messages":[{"role":"user","content":"hello"}]}"#;
-//! let decision = router.route_body(Api::ChatCompletions, body, &[0, 0], None).unwrap();
-//! let address = &router.config().pool.get(decision.endpoint).unwrap().address_text;
+//! let decision = router.route_body(Api::ChatCompletions, body, &[0, 0]).unwrap();
+//! let address = &router.pool().get(decision.endpoint).unwrap().address_text;
 //! assert!(address.starts_with("10.0.0."));
 //! ```
 
 mod config;
 mod endpoint;
 mod index;
+pub mod live;
 mod lru;
 pub mod prefix;
 pub mod replica;
@@ -25,11 +26,13 @@ pub mod request;
 mod rng;
 mod router;
 mod score;
+pub mod snapshot;
 
 pub use config::{
-    ConfigError, HotspotGuard, InvalidBodyPolicy, PluginConfig, Weights, MAX_ENDPOINTS,
+    AggregatorSettings, ConfigError, HotspotGuard, InvalidBodyPolicy, PluginConfig, Weights,
+    MAX_ENDPOINTS,
 };
-pub use endpoint::{Endpoint, EndpointId, EndpointLoad, Pool};
+pub use endpoint::{Endpoint, EndpointId, EndpointLoad, Health, Pool};
 pub use index::PrefixIndex;
 pub use lru::LruSet;
 pub use request::RequestError;

@@ -79,31 +79,42 @@ impl InflightTable {
         }
     }
 
-    /// Adds `delta` to `endpoint`'s count (saturating at 0 and `u32::MAX`).
+    /// Sizes reads to `endpoints` ids (the pool changed).
+    pub fn set_endpoints(&mut self, endpoints: usize) {
+        self.endpoints = endpoints;
+    }
+
+    /// Adds `delta` to `endpoint`'s count (saturating at 0 and `u32::MAX`). Counts of ids
+    /// beyond this VM's pool are kept: another VM may already route to them.
     pub fn add(
         &self,
         store: &impl SharedStore,
         endpoint: EndpointId,
         delta: i32,
     ) -> Result<(), StoreError> {
-        let mut counts = Vec::with_capacity(self.endpoints);
+        if endpoint.index() >= crate::MAX_ENDPOINTS {
+            return Ok(());
+        }
+        let mut counts: Vec<u32> = Vec::with_capacity(self.endpoints);
         let mut bytes = Vec::with_capacity(self.endpoints * 4);
         let mut last = StoreError::CasMismatch;
         for _ in 0..CAS_RETRIES {
+            counts.clear();
             let cas = match store.get(&self.key) {
                 Some((b, cas)) => {
-                    self.decode(&b, &mut counts);
+                    counts.extend(
+                        b.chunks_exact(4)
+                            .take(crate::MAX_ENDPOINTS)
+                            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+                    );
                     cas
                 }
-                None => {
-                    counts.clear();
-                    counts.resize(self.endpoints, 0);
-                    0
-                }
+                None => 0,
             };
-            let Some(c) = counts.get_mut(endpoint.index()) else {
-                return Ok(());
-            };
+            if counts.len() <= endpoint.index() {
+                counts.resize(endpoint.index() + 1, 0);
+            }
+            let c = &mut counts[endpoint.index()];
             *c = c.saturating_add_signed(delta);
             bytes.clear();
             for c in &counts {
@@ -368,10 +379,19 @@ mod tests {
         t.add(&store, EndpointId(0), -1).unwrap();
         InflightTable::new("ns", 3).read(&store, &mut out);
         assert_eq!(out, vec![0, 2, 1]);
-        // out-of-range ids are ignored
+        // an id beyond this VM's pool is kept for VMs that know it, and not lost when a VM
+        // with a smaller pool writes
         t.add(&store, EndpointId(9), 1).unwrap();
+        t.add(&store, EndpointId(1), -1).unwrap();
         t.read(&store, &mut out);
-        assert_eq!(out, vec![0, 2, 1]);
+        assert_eq!(out, vec![0, 1, 1]);
+        let mut wide = InflightTable::new("ns", 3);
+        wide.set_endpoints(10);
+        wide.read(&store, &mut out);
+        assert_eq!(out, vec![0, 1, 1, 0, 0, 0, 0, 0, 0, 1]);
+        t.add(&store, EndpointId(u16::MAX), 1).unwrap();
+        wide.read(&store, &mut out);
+        assert_eq!(out.len(), 10, "ids beyond MAX_ENDPOINTS are ignored");
     }
 
     /// A store that fails the first `n` CAS writes, as if another VM raced each one.

@@ -3,7 +3,7 @@
 use thiserror::Error;
 
 use crate::config::{InvalidBodyPolicy, PluginConfig};
-use crate::endpoint::{EndpointId, EndpointLoad};
+use crate::endpoint::{EndpointId, Pool};
 use crate::index::PrefixIndex;
 use crate::prefix::{BlockKey, PrefixHasher};
 use crate::request::{self, Api, RequestError};
@@ -87,6 +87,8 @@ impl RouteError {
 #[derive(Debug)]
 pub struct Router {
     config: PluginConfig,
+    /// The pool routed to: the configured one, or the aggregator's (see [`Router::set_pool`]).
+    pool: Pool,
     index: PrefixIndex,
     hasher: PrefixHasher,
     rng: Rng,
@@ -100,12 +102,13 @@ impl Router {
     /// `seed` drives tie-breaks and keys the index's hash maps.
     pub fn new(config: PluginConfig, seed: u64) -> Self {
         let index = PrefixIndex::new(
-            config.pool.len(),
+            config.pool.id_bound(),
             config.lru_blocks_per_endpoint,
             seed.rotate_left(17),
         );
         let hasher = PrefixHasher::new(config.block_size, config.max_blocks);
         Router {
+            pool: config.pool.clone(),
             config,
             index,
             hasher,
@@ -123,6 +126,32 @@ impl Router {
 
     pub fn index(&self) -> &PrefixIndex {
         &self.index
+    }
+
+    /// The pool currently routed to.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    /// Switches to another pool (a new aggregator snapshot, or back to the configured one).
+    /// What the prefix index knows of an id is dropped when the id now names another address
+    /// or its cache generation changed (the server dropped its cache).
+    pub fn set_pool(&mut self, pool: Pool) {
+        let bound = self.pool.id_bound().max(pool.id_bound());
+        for i in 0..bound {
+            let id = EndpointId(i as u16);
+            let same = match (self.pool.get(id), pool.get(id)) {
+                (Some(a), Some(b)) => {
+                    a.address == b.address && a.cache_generation == b.cache_generation
+                }
+                _ => false,
+            };
+            if !same {
+                self.index.clear_endpoint(id);
+            }
+        }
+        self.index.resize(pool.id_bound());
+        self.pool = pool;
     }
 
     /// Prefix keys of the last request routed by [`Router::route_body`] (empty otherwise).
@@ -144,13 +173,10 @@ impl Router {
         self.index.record(endpoint, keys);
     }
 
-    fn fill_candidates(&mut self, inflight: &[u32], loads: Option<&[EndpointLoad]>) {
+    fn fill_candidates(&mut self, inflight: &[u32]) {
         self.candidates.clear();
         for &id in &self.ids {
-            let load = loads
-                .and_then(|l| l.get(id.index()).copied())
-                .or_else(|| self.config.pool.get(id).map(|e| e.static_load))
-                .unwrap_or_default();
+            let load = self.pool.get(id).map(|e| e.load).unwrap_or_default();
             self.candidates.push(Candidate {
                 id,
                 matched: self.index.matched(id, &self.keys) as u32,
@@ -161,13 +187,12 @@ impl Router {
     }
 
     /// Routes an OpenAI request body. `inflight` is this proxy's open-request count per
-    /// endpoint (by id); `loads`, when given, replaces the configured static loads.
+    /// endpoint (by id); server loads come from the pool.
     pub fn route_body(
         &mut self,
         api: Api,
         body: &[u8],
         inflight: &[u32],
-        loads: Option<&[EndpointLoad]>,
     ) -> Result<Decision, RouteError> {
         self.keys.clear();
         let req = match request::parse(api, body, self.config.max_body_bytes) {
@@ -177,12 +202,12 @@ impl Router {
                 return match self.config.on_invalid_body {
                     InvalidBodyPolicy::Reject => Err(RouteError::BadRequest(e)),
                     InvalidBodyPolicy::Fallback => {
-                        self.least_loaded(inflight, loads, DecisionKind::Fallback)
+                        self.least_loaded(inflight, DecisionKind::Fallback)
                     }
                 }
             }
         };
-        self.config.pool.serving(&req.model, &mut self.ids);
+        self.pool.serving(&req.model, &mut self.ids);
         if self.ids.is_empty() {
             return Err(RouteError::UnknownModel(req.model.into_owned()));
         }
@@ -190,7 +215,7 @@ impl Router {
             .hasher
             .hash(&req.model, req.cache_salt.as_deref(), &req.prompt);
         self.keys.extend_from_slice(keys);
-        self.fill_candidates(inflight, loads);
+        self.fill_candidates(inflight);
         let chosen = score::pick(
             &self.candidates,
             self.keys.len(),
@@ -211,23 +236,18 @@ impl Router {
     }
 
     /// Routes a request whose body kvoy does not read (any endpoint of the pool will do).
-    pub fn route_passthrough(
-        &mut self,
-        inflight: &[u32],
-        loads: Option<&[EndpointLoad]>,
-    ) -> Result<Decision, RouteError> {
+    pub fn route_passthrough(&mut self, inflight: &[u32]) -> Result<Decision, RouteError> {
         self.keys.clear();
-        self.least_loaded(inflight, loads, DecisionKind::Passthrough)
+        self.least_loaded(inflight, DecisionKind::Passthrough)
     }
 
     fn least_loaded(
         &mut self,
         inflight: &[u32],
-        loads: Option<&[EndpointLoad]>,
         kind: DecisionKind,
     ) -> Result<Decision, RouteError> {
-        self.config.pool.all(&mut self.ids);
-        self.fill_candidates(inflight, loads);
+        self.pool.all(&mut self.ids);
+        self.fill_candidates(inflight);
         self.scores.clear();
         let chosen =
             score::least_loaded(&self.candidates, &mut self.rng).ok_or(RouteError::NoEndpoint)?;
@@ -266,12 +286,7 @@ mod tests {
         let mut r = router("");
         let system = "You are a helpful assistant. ".repeat(40);
         let first = r
-            .route_body(
-                Api::ChatCompletions,
-                &chat("a", &system, "q0"),
-                &[0; 3],
-                None,
-            )
+            .route_body(Api::ChatCompletions, &chat("a", &system, "q0"), &[0; 3])
             .unwrap();
         for i in 1..20 {
             let d = r
@@ -279,7 +294,6 @@ mod tests {
                     Api::ChatCompletions,
                     &chat("a", &system, &format!("q{i}")),
                     &[0; 3],
-                    None,
                 )
                 .unwrap();
             assert_eq!(d.endpoint, first.endpoint);
@@ -296,13 +310,12 @@ mod tests {
                     Api::ChatCompletions,
                     &chat("b", "s", &format!("{i}")),
                     &[0; 3],
-                    None,
                 )
                 .unwrap();
             assert_eq!(d.endpoint, EndpointId(1));
         }
         let e = r
-            .route_body(Api::ChatCompletions, &chat("zzz", "s", "u"), &[0; 3], None)
+            .route_body(Api::ChatCompletions, &chat("zzz", "s", "u"), &[0; 3])
             .unwrap_err();
         assert_eq!(e.status(), 404);
         assert!(e.body().contains("model_not_found"));
@@ -312,20 +325,20 @@ mod tests {
     fn bad_bodies_per_policy() {
         let mut r = router("");
         let e = r
-            .route_body(Api::ChatCompletions, b"{nope", &[0; 3], None)
+            .route_body(Api::ChatCompletions, b"{nope", &[0; 3])
             .unwrap_err();
         assert_eq!(e.status(), 400);
         let v: serde_json::Value = serde_json::from_str(&e.body()).unwrap();
         assert_eq!(v["error"]["type"], "invalid_request_error");
         let mut r = router(r#","on_invalid_body":"fallback","max_body_bytes":100"#);
         let d = r
-            .route_body(Api::ChatCompletions, b"{nope", &[3, 0, 5], None)
+            .route_body(Api::ChatCompletions, b"{nope", &[3, 0, 5])
             .unwrap();
         assert_eq!(d.kind, DecisionKind::Fallback);
         assert_eq!(d.endpoint, EndpointId(1));
         // too large is never a fallback
         let e = r
-            .route_body(Api::ChatCompletions, &[b' '; 101], &[0; 3], None)
+            .route_body(Api::ChatCompletions, &[b' '; 101], &[0; 3])
             .unwrap_err();
         assert_eq!(e.status(), 413);
     }
@@ -333,7 +346,7 @@ mod tests {
     #[test]
     fn passthrough_is_least_loaded() {
         let mut r = router("");
-        let d = r.route_passthrough(&[4, 2, 9], None).unwrap();
+        let d = r.route_passthrough(&[4, 2, 9]).unwrap();
         assert_eq!(
             (d.endpoint, d.kind),
             (EndpointId(1), DecisionKind::Passthrough)
@@ -345,14 +358,10 @@ mod tests {
         let mut a = router("");
         let mut b = router("");
         let body = chat("a", &"x".repeat(2000), "u");
-        let d = a
-            .route_body(Api::ChatCompletions, &body, &[0; 3], None)
-            .unwrap();
+        let d = a.route_body(Api::ChatCompletions, &body, &[0; 3]).unwrap();
         b.apply_remote(d.endpoint, a.last_keys());
         for _ in 0..5 {
-            let e = b
-                .route_body(Api::ChatCompletions, &body, &[0; 3], None)
-                .unwrap();
+            let e = b.route_body(Api::ChatCompletions, &body, &[0; 3]).unwrap();
             assert_eq!(e.endpoint, d.endpoint);
             assert_eq!(e.matched_blocks, e.request_blocks);
         }

@@ -1,17 +1,21 @@
 //! kvoy-stack: a local kvoy demo (`make run`). Starts three kvoy-sim simulators in-process
-//! (vLLM-like servers with a prefix cache; `--backend echo` starts echo backends instead),
-//! renders `envoy/kvoy.yaml` into `.run/envoy.yaml` with them as the prefix-affinity pool, runs
-//! Envoy in front of them and stays up until Ctrl-C or SIGTERM.
+//! (vLLM-like servers with a prefix cache; `--backend echo` starts echo backends instead) and
+//! kvoy-aggregator following them, renders `envoy/kvoy.yaml` into `.run/envoy.yaml` with the
+//! filter polling the aggregator (the simulators are also its static fallback pool), runs Envoy
+//! in front of them and stays up until Ctrl-C or SIGTERM.
 //!
 //! ```text
 //! kvoy-stack [--backend sim|echo] [--backends 127.0.0.1:18001,127.0.0.1:18002,127.0.0.1:18003]
 //!            [--model kvoy-demo] [--speedup 10] [--kv-events-port 5557]
-//!            [--listen-port 18000] [--admin-port 18900] [--run-dir .run] [--wasm-dir DIR]
-//!            [--concurrency 2]
+//!            [--aggregator-port 18090] [--listen-port 18000] [--admin-port 18900]
+//!            [--run-dir .run] [--wasm-dir DIR] [--concurrency 2]
 //! ```
 //!
 //! Simulator `i` publishes its KV events (vLLM's ZMQ wire format) on
-//! `tcp://127.0.0.1:<kv-events-port + i>`; `--kv-events-port 0` turns them off.
+//! `tcp://127.0.0.1:<kv-events-port + i>` and replays missed ones on
+//! `tcp://127.0.0.1:<kv-events-port + 10 + i>`; `--kv-events-port 0` turns them off.
+//! `--aggregator-port 0` runs without the aggregator (the filter uses the static pool); echo
+//! backends never get one (they have no metrics).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -19,11 +23,17 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use anyhow::{bail, Context as _};
-use kvoy_e2e::{EchoConfig, EchoServer, PoolEndpoint, SimFleet, Stack, StackConfig};
+use kvoy_e2e::{
+    aggregator_yaml, AggregatedEndpoint, EchoConfig, EchoServer, LocalAggregator, PoolEndpoint,
+    SimFleet, Stack, StackConfig,
+};
 
 const USAGE: &str = "usage: kvoy-stack [--backend sim|echo] [--backends ip:port,...] \
-    [--model NAME] [--speedup F] [--kv-events-port N] [--listen-port N] [--admin-port N] \
-    [--run-dir DIR] [--wasm-dir DIR] [--concurrency N]";
+    [--model NAME] [--speedup F] [--kv-events-port N] [--aggregator-port N] [--listen-port N] \
+    [--admin-port N] [--run-dir DIR] [--wasm-dir DIR] [--concurrency N]";
+
+/// Offset of the simulators' replay sockets from their KV-event ports.
+const REPLAY_PORT_OFFSET: u16 = 10;
 
 /// The curl example's system prompt: several 16-token KV blocks long (kvoy-sim's tokenizer
 /// makes about 4 bytes a token), so that a repeated request shows cached tokens.
@@ -45,6 +55,7 @@ struct Args {
     backends: Vec<SocketAddr>,
     speedup: String,
     kv_events_port: u16,
+    aggregator_port: u16,
     model: String,
     listen_port: u16,
     admin_port: u16,
@@ -58,6 +69,7 @@ fn parse_args(args: &[String]) -> anyhow::Result<Args> {
         backend: Backend::Sim,
         speedup: "10".into(),
         kv_events_port: 5557,
+        aggregator_port: 18090,
         backends: ["127.0.0.1:18001", "127.0.0.1:18002", "127.0.0.1:18003"]
             .iter()
             .map(|a| a.parse())
@@ -89,6 +101,11 @@ fn parse_args(args: &[String]) -> anyhow::Result<Args> {
                 parsed.kv_events_port = value("--kv-events-port")?
                     .parse()
                     .context("--kv-events-port")?
+            }
+            "--aggregator-port" => {
+                parsed.aggregator_port = value("--aggregator-port")?
+                    .parse()
+                    .context("--aggregator-port")?
             }
             "--backends" => {
                 parsed.backends = value("--backends")?
@@ -139,7 +156,11 @@ fn main() -> anyhow::Result<()> {
         .into_iter()
         .map(|a| PoolEndpoint::new(a, &[args.model.as_str()]))
         .collect();
+    std::fs::create_dir_all(&args.run_dir)
+        .with_context(|| format!("creating {}", args.run_dir.display()))?;
+    let aggregator = start_aggregator(&args, &backends)?;
     let mut config = StackConfig::new(pool, args.run_dir.clone());
+    config.aggregator = aggregator.as_ref().map(LocalAggregator::addr);
     config.listen_port = args.listen_port;
     config.admin_port = args.admin_port;
     config.concurrency = args.concurrency;
@@ -154,6 +175,13 @@ fn main() -> anyhow::Result<()> {
         stack.envoy.log_path().display()
     );
     println!("admin         http://{}", stack.admin);
+    if let Some(agg) = &aggregator {
+        println!(
+            "aggregator    http://{}/v1/endpoints (also /metrics, /v1/snapshot), config {}",
+            agg.addr(),
+            args.run_dir.join("aggregator.yaml").display()
+        );
+    }
     println!("kvoy proxy    http://{}", stack.listen);
     println!();
     println!("Try it twice: the same prompt prefix lands on the same backend (x-served-by).");
@@ -184,8 +212,42 @@ fn main() -> anyhow::Result<()> {
     }
     println!("stopping");
     stack.envoy.stop();
+    drop(aggregator);
     drop(backends);
     Ok(())
+}
+
+/// kvoy-aggregator following the simulators (none for echo backends or port 0).
+fn start_aggregator(args: &Args, backends: &Backends) -> anyhow::Result<Option<LocalAggregator>> {
+    if args.aggregator_port == 0 || args.backend == Backend::Echo {
+        return Ok(None);
+    }
+    let endpoints: Vec<AggregatedEndpoint> = backends
+        .addrs()
+        .into_iter()
+        .enumerate()
+        .map(|(i, address)| {
+            let kv_events = (args.kv_events_port != 0).then(|| {
+                let port = u32::from(args.kv_events_port) + i as u32;
+                (
+                    format!("tcp://127.0.0.1:{port}"),
+                    Some(format!(
+                        "tcp://127.0.0.1:{}",
+                        port + u32::from(REPLAY_PORT_OFFSET)
+                    )),
+                )
+            });
+            AggregatedEndpoint {
+                address,
+                models: vec![args.model.clone()],
+                kv_events,
+            }
+        })
+        .collect();
+    let yaml = aggregator_yaml("scrape_interval_ms: 50\nstale_after_ms: 500\n", &endpoints);
+    let path = args.run_dir.join("aggregator.yaml");
+    let listen = SocketAddr::from(([127, 0, 0, 1], args.aggregator_port));
+    Ok(Some(LocalAggregator::start(&path, &yaml, listen)?))
 }
 
 /// The running pool backends; dropped after Envoy stops.
@@ -217,9 +279,18 @@ fn start_backends(args: &Args) -> anyhow::Result<Backends> {
         }
         Backend::Sim => {
             let endpoint = format!("tcp://127.0.0.1:{}", args.kv_events_port);
+            let replay = format!(
+                "tcp://127.0.0.1:{}",
+                args.kv_events_port.saturating_add(REPLAY_PORT_OFFSET)
+            );
             let mut sim_args = vec!["--model", args.model.as_str(), "--speedup", &args.speedup];
             if args.kv_events_port != 0 {
-                sim_args.extend(["--kv-events-endpoint", endpoint.as_str()]);
+                sim_args.extend([
+                    "--kv-events-endpoint",
+                    endpoint.as_str(),
+                    "--kv-events-replay-endpoint",
+                    replay.as_str(),
+                ]);
             }
             let fleet = SimFleet::start(&args.backends, &sim_args)?;
             fleet.wait_healthy(HEALTH_TIMEOUT)?;

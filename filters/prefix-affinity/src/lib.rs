@@ -10,6 +10,7 @@
 //! Plugin configuration: the JSON of [`kvoy_shared::PluginConfig`], e.g.
 //! `{"endpoints":[{"address":"10.0.0.1:8000","models":["llama"]}]}`.
 
+mod live;
 mod metrics;
 mod store;
 mod stream;
@@ -44,6 +45,8 @@ pub(crate) struct VmState {
     pub metrics: Metrics,
     /// Scratch for in-flight counts read per request.
     pub counts: Vec<u32>,
+    /// The aggregator's pool, when configured.
+    pub live: Option<live::LivePool>,
 }
 
 pub(crate) type SharedState = Rc<RefCell<Option<VmState>>>;
@@ -53,7 +56,33 @@ struct PrefixAffinityRoot {
     state: SharedState,
 }
 
-impl Context for PrefixAffinityRoot {}
+impl Context for PrefixAffinityRoot {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        // A failed call (reset, timeout) has no header map: Envoy answers BadArgument, on
+        // which the SDK panics, so the maps are only read when there are any.
+        let status = if num_headers > 0 {
+            self.get_http_call_response_header(":status")
+                .and_then(|s| s.trim().parse::<u32>().ok())
+        } else {
+            None
+        };
+        let body = if status.is_some() && body_size > 0 {
+            self.get_http_call_response_body(0, body_size)
+                .unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        if let Some(vm) = self.state.borrow_mut().as_mut() {
+            live::on_poll_response(vm, token_id, status, &body);
+        }
+    }
+}
 
 /// A per-VM random value: the host's random source (WASI `random_get`, through std's hash
 /// keys) mixed with the clock, so that VMs differ in tie-breaks and log origin ids.
@@ -86,7 +115,21 @@ impl RootContext for PrefixAffinityRoot {
         // (new endpoint order) never reads the previous one's counters.
         let namespace = replica::namespace("kvoy.pa", &raw);
         let seed = vm_seed(self.context_id);
-        let endpoints = config.pool.len();
+        let endpoints = config.pool.id_bound();
+        let live = config
+            .aggregator
+            .clone()
+            .map(|a| live::LivePool::new(a, &namespace, seed));
+        if let Some(l) = &live {
+            // Every VM ticks: each follows the board, and the lease holder polls.
+            if hostcalls::set_tick_period(l.tick_period()).is_err() {
+                error!("kvoy_prefix_affinity: cannot set the tick period; the aggregator is not polled");
+            }
+            info!(
+                "kvoy_prefix_affinity: live pool from the aggregator cluster {:?} every {} ms",
+                l.settings.cluster, l.settings.poll_interval_ms
+            );
+        }
         let mut log = DecisionLog::new(&namespace, config.decision_log_slots, seed);
         log.start_at_head(&HostStore);
         info!(
@@ -99,8 +142,15 @@ impl RootContext for PrefixAffinityRoot {
             log,
             metrics: Metrics::define(),
             counts: Vec::with_capacity(endpoints),
+            live,
         });
         true
+    }
+
+    fn on_tick(&mut self) {
+        if let Some(vm) = self.state.borrow_mut().as_mut() {
+            live::on_tick(vm);
+        }
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {

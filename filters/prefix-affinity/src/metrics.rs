@@ -16,10 +16,20 @@ pub(crate) struct Metrics {
     pub rejected_body_too_large: Option<u32>,
     pub rejected_unknown_model: Option<u32>,
     pub rejected_no_endpoint: Option<u32>,
+    pub snapshot_polls: Option<u32>,
+    pub snapshot_poll_failures: Option<u32>,
+    pub pool_updates: Option<u32>,
+    /// Endpoints in the pool routed to, and whether it is the aggregator's (1) or static (0).
+    pub pool_endpoints: Option<u32>,
+    pub pool_live: Option<u32>,
 }
 
 fn counter(name: &str) -> Option<u32> {
     hostcalls::define_metric(MetricType::Counter, name).ok()
+}
+
+fn gauge(name: &str) -> Option<u32> {
+    hostcalls::define_metric(MetricType::Gauge, name).ok()
 }
 
 impl Metrics {
@@ -36,6 +46,17 @@ impl Metrics {
             rejected_body_too_large: counter("kvoy_prefix_affinity_errors_body_too_large_total"),
             rejected_unknown_model: counter("kvoy_prefix_affinity_errors_unknown_model_total"),
             rejected_no_endpoint: counter("kvoy_prefix_affinity_errors_no_endpoint_total"),
+            snapshot_polls: counter("kvoy_prefix_affinity_snapshot_polls_total"),
+            snapshot_poll_failures: counter("kvoy_prefix_affinity_snapshot_poll_failures_total"),
+            pool_updates: counter("kvoy_prefix_affinity_pool_updates_total"),
+            pool_endpoints: gauge("kvoy_prefix_affinity_pool_endpoints"),
+            pool_live: gauge("kvoy_prefix_affinity_pool_live"),
+        }
+    }
+
+    pub fn set(id: Option<u32>, value: u64) {
+        if let Some(id) = id {
+            let _ = hostcalls::record_metric(id, value);
         }
     }
 

@@ -56,7 +56,7 @@ impl RequestStream {
 
     /// Sets the destination, counts the request in flight, shares the decision.
     fn commit(&mut self, vm: &mut VmState, decision: Decision) -> Action {
-        let Some(endpoint) = vm.router.config().pool.get(decision.endpoint) else {
+        let Some(endpoint) = vm.router.pool().get(decision.endpoint) else {
             return self.reply_error(vm, &RouteError::NoEndpoint);
         };
         if hostcalls::set_map_value(
@@ -96,8 +96,12 @@ impl RequestStream {
         Action::Continue
     }
 
-    /// Brings this VM's view up to date: other workers' decisions and the in-flight counts.
+    /// Brings this VM's view up to date: the live pool, other workers' decisions and the
+    /// in-flight counts.
     fn refresh(vm: &mut VmState) {
+        if vm.live.is_some() {
+            crate::live::refresh(vm, crate::live::now_ms());
+        }
         let VmState {
             router,
             log,
@@ -123,7 +127,7 @@ impl RequestStream {
         };
         Self::refresh(vm);
         let counts = std::mem::take(&mut vm.counts);
-        let result = vm.router.route_body(api, body, &counts, None);
+        let result = vm.router.route_body(api, body, &counts);
         vm.counts = counts;
         match result {
             Ok(decision) => self.commit(vm, decision),
@@ -152,7 +156,7 @@ impl HttpContext for RequestStream {
         let Some(api) = api else {
             Self::refresh(vm);
             let counts = std::mem::take(&mut vm.counts);
-            let result = vm.router.route_passthrough(&counts, None);
+            let result = vm.router.route_passthrough(&counts);
             vm.counts = counts;
             return match result {
                 Ok(decision) => self.commit(vm, decision),
@@ -229,7 +233,7 @@ impl HttpContext for RequestStream {
         let Some(vm) = guard.as_ref() else {
             return Action::Continue;
         };
-        let pool = &vm.router.config().pool;
+        let pool = vm.router.pool();
         // The upstream Envoy actually used; only a pool member is reported.
         let served = hostcalls::get_property(vec!["upstream", "address"])
             .ok()

@@ -43,12 +43,12 @@ pub fn bench_route(
     let mut router = kvoy_shared::Router::new(config, 1);
     let inflight = [0u32; 8];
     router
-        .route_body(Api::ChatCompletions, body, &inflight, None)
+        .route_body(Api::ChatCompletions, body, &inflight)
         .expect("routes");
     group.bench_with_input(id, body, |b, body| {
         b.iter(|| {
             router
-                .route_body(Api::ChatCompletions, black_box(body), &inflight, None)
+                .route_body(Api::ChatCompletions, black_box(body), &inflight)
                 .map(|d| d.endpoint)
         })
     });

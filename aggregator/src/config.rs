@@ -1,0 +1,396 @@
+//! The aggregator's configuration file (YAML, or JSON when the name ends in `.json`): settings
+//! plus the endpoint list. A raw serde shape (unknown fields rejected) is checked into
+//! [`AggregatorConfig`]; every error names the field.
+//!
+//! ```
+//! let cfg = kvoy_aggregator::config::AggregatorConfig::from_yaml("
+//! endpoints:
+//!   - address: 10.0.0.1:8000
+//!     models: [llama]
+//!     kv_events_endpoint: tcp://10.0.0.1:5557
+//! ").unwrap();
+//! assert_eq!(cfg.scrape_interval.as_millis(), 50);
+//! assert_eq!(cfg.endpoints[0].kv_events.as_ref().unwrap().endpoint, "tcp://10.0.0.1:5557");
+//! ```
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use serde::Deserialize;
+use thiserror::Error;
+
+use kvoy_shared::snapshot::{MAX_MODELS, MAX_MODEL_NAME_BYTES};
+use kvoy_shared::MAX_ENDPOINTS;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEndpoint {
+    address: String,
+    models: Vec<String>,
+    #[serde(default)]
+    metrics_path: Option<String>,
+    #[serde(default)]
+    kv_events_endpoint: Option<String>,
+    #[serde(default)]
+    kv_events_replay_endpoint: Option<String>,
+    #[serde(default)]
+    kv_events_topic: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    #[serde(default)]
+    listen: Option<String>,
+    #[serde(default = "defaults::scrape_interval_ms")]
+    scrape_interval_ms: u64,
+    #[serde(default = "defaults::scrape_timeout_ms")]
+    scrape_timeout_ms: u64,
+    #[serde(default = "defaults::stale_after_ms")]
+    stale_after_ms: u64,
+    #[serde(default = "defaults::unready_after_failures")]
+    unready_after_failures: u32,
+    #[serde(default = "defaults::reload_interval_ms")]
+    reload_interval_ms: u64,
+    #[serde(default)]
+    endpoints: Vec<RawEndpoint>,
+}
+
+mod defaults {
+    pub fn scrape_interval_ms() -> u64 {
+        50
+    }
+    pub fn scrape_timeout_ms() -> u64 {
+        100
+    }
+    pub fn stale_after_ms() -> u64 {
+        200
+    }
+    pub fn unready_after_failures() -> u32 {
+        2
+    }
+    pub fn reload_interval_ms() -> u64 {
+        1000
+    }
+}
+
+/// Where one model server publishes its KV events.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvEventsSource {
+    /// The ZMQ PUB endpoint, e.g. `tcp://10.0.0.1:5557`.
+    pub endpoint: String,
+    /// The ZMQ ROUTER endpoint that replays missed batches, when the server has one.
+    pub replay_endpoint: Option<String>,
+    /// Topic prefix to subscribe to (empty: every topic).
+    pub topic: String,
+}
+
+/// One model server.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EndpointSpec {
+    pub address: SocketAddr,
+    pub models: Vec<String>,
+    /// Path of the Prometheus metrics (default `/metrics`).
+    pub metrics_path: String,
+    pub kv_events: Option<KvEventsSource>,
+}
+
+/// A checked configuration.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AggregatorConfig {
+    /// Where the HTTP API listens, when the file says (the command line may override it).
+    pub listen: Option<SocketAddr>,
+    pub scrape_interval: Duration,
+    pub scrape_timeout: Duration,
+    /// Metrics older than this mark the endpoint stale.
+    pub stale_after: Duration,
+    /// Consecutive failed scrapes after which the endpoint is not ready.
+    pub unready_after_failures: u32,
+    /// How often the endpoint source is checked for changes.
+    pub reload_interval: Duration,
+    pub endpoints: Vec<EndpointSpec>,
+}
+
+#[derive(Debug, Error, PartialEq)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {reason}")]
+    Read { path: String, reason: String },
+    #[error("invalid configuration: {0}")]
+    Syntax(String),
+    #[error("`listen` {0:?} is not an ip:port address")]
+    BadListen(String),
+    #[error("`{field}` must be {expected}, got {value}")]
+    OutOfRange {
+        field: &'static str,
+        expected: &'static str,
+        value: u64,
+    },
+    #[error("`endpoints` lists {0} endpoints; at most {MAX_ENDPOINTS} are supported")]
+    TooManyEndpoints(usize),
+    #[error("`endpoints[{index}].address` {value:?} is not an ip:port address")]
+    BadAddress { index: usize, value: String },
+    #[error("`endpoints[{index}].address` {value:?} is listed twice")]
+    DuplicateAddress { index: usize, value: String },
+    #[error("`endpoints[{index}].models` must name 1 to {MAX_MODELS} models of 1 to {MAX_MODEL_NAME_BYTES} bytes")]
+    BadModels { index: usize },
+    #[error("`endpoints[{index}].metrics_path` {value:?} must start with `/`")]
+    BadMetricsPath { index: usize, value: String },
+    #[error("`endpoints[{index}].{field}` {value:?} is not a ZMQ endpoint (tcp://host:port, ipc://path or inproc://name)")]
+    BadZmqEndpoint {
+        index: usize,
+        field: &'static str,
+        value: String,
+    },
+    #[error("`endpoints[{index}].{field}` is set without `kv_events_endpoint`")]
+    ReplayWithoutEvents { index: usize, field: &'static str },
+}
+
+impl AggregatorConfig {
+    /// Parses YAML (JSON is YAML too, but [`AggregatorConfig::from_json`] gives JSON's errors).
+    pub fn from_yaml(text: &str) -> Result<Self, ConfigError> {
+        let raw: RawConfig =
+            serde_yaml_ng::from_str(text).map_err(|e| ConfigError::Syntax(e.to_string()))?;
+        Self::try_from(raw)
+    }
+
+    pub fn from_json(text: &str) -> Result<Self, ConfigError> {
+        let raw: RawConfig =
+            serde_json::from_str(text).map_err(|e| ConfigError::Syntax(e.to_string()))?;
+        Self::try_from(raw)
+    }
+
+    /// Reads a file: JSON when its name ends in `.json`, YAML otherwise.
+    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        if path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("json"))
+        {
+            Self::from_json(&text)
+        } else {
+            Self::from_yaml(&text)
+        }
+    }
+}
+
+fn ms_in(field: &'static str, value: u64, min: u64, max: u64) -> Result<Duration, ConfigError> {
+    if (min..=max).contains(&value) {
+        Ok(Duration::from_millis(value))
+    } else {
+        Err(ConfigError::OutOfRange {
+            field,
+            expected: match field {
+                "scrape_interval_ms" => "within 10..=60000",
+                "scrape_timeout_ms" => "within 10..=60000",
+                "stale_after_ms" => "within 10..=600000",
+                _ => "within 100..=600000",
+            },
+            value,
+        })
+    }
+}
+
+fn zmq_endpoint(index: usize, field: &'static str, value: String) -> Result<String, ConfigError> {
+    let value = value.trim().to_owned();
+    let ok = ["tcp://", "ipc://", "inproc://"]
+        .iter()
+        .any(|scheme| value.len() > scheme.len() && value.starts_with(scheme));
+    if ok {
+        Ok(value)
+    } else {
+        Err(ConfigError::BadZmqEndpoint {
+            index,
+            field,
+            value,
+        })
+    }
+}
+
+fn endpoint(index: usize, e: RawEndpoint) -> Result<EndpointSpec, ConfigError> {
+    let address: SocketAddr = e
+        .address
+        .trim()
+        .parse()
+        .map_err(|_| ConfigError::BadAddress {
+            index,
+            value: e.address.clone(),
+        })?;
+    let models_ok = !e.models.is_empty()
+        && e.models.len() <= MAX_MODELS
+        && e.models
+            .iter()
+            .all(|m| !m.is_empty() && m.len() <= MAX_MODEL_NAME_BYTES);
+    if !models_ok {
+        return Err(ConfigError::BadModels { index });
+    }
+    let metrics_path = e.metrics_path.unwrap_or_else(|| "/metrics".to_owned());
+    if !metrics_path.starts_with('/') || metrics_path.contains(char::is_whitespace) {
+        return Err(ConfigError::BadMetricsPath {
+            index,
+            value: metrics_path,
+        });
+    }
+    let kv_events = match e.kv_events_endpoint {
+        Some(ep) => Some(KvEventsSource {
+            endpoint: zmq_endpoint(index, "kv_events_endpoint", ep)?,
+            replay_endpoint: e
+                .kv_events_replay_endpoint
+                .map(|r| zmq_endpoint(index, "kv_events_replay_endpoint", r))
+                .transpose()?,
+            topic: e.kv_events_topic.unwrap_or_default(),
+        }),
+        None => {
+            for (field, set) in [
+                (
+                    "kv_events_replay_endpoint",
+                    e.kv_events_replay_endpoint.is_some(),
+                ),
+                ("kv_events_topic", e.kv_events_topic.is_some()),
+            ] {
+                if set {
+                    return Err(ConfigError::ReplayWithoutEvents { index, field });
+                }
+            }
+            None
+        }
+    };
+    Ok(EndpointSpec {
+        address,
+        models: e.models,
+        metrics_path,
+        kv_events,
+    })
+}
+
+impl TryFrom<RawConfig> for AggregatorConfig {
+    type Error = ConfigError;
+
+    fn try_from(raw: RawConfig) -> Result<Self, ConfigError> {
+        let listen = raw
+            .listen
+            .map(|l| l.trim().parse().map_err(|_| ConfigError::BadListen(l)))
+            .transpose()?;
+        let scrape_interval = ms_in("scrape_interval_ms", raw.scrape_interval_ms, 10, 60_000)?;
+        let scrape_timeout = ms_in("scrape_timeout_ms", raw.scrape_timeout_ms, 10, 60_000)?;
+        let stale_after = ms_in("stale_after_ms", raw.stale_after_ms, 10, 600_000)?;
+        let reload_interval = ms_in("reload_interval_ms", raw.reload_interval_ms, 100, 600_000)?;
+        if !(1..=1000).contains(&raw.unready_after_failures) {
+            return Err(ConfigError::OutOfRange {
+                field: "unready_after_failures",
+                expected: "within 1..=1000",
+                value: u64::from(raw.unready_after_failures),
+            });
+        }
+        if raw.endpoints.len() > MAX_ENDPOINTS {
+            return Err(ConfigError::TooManyEndpoints(raw.endpoints.len()));
+        }
+        let mut seen = HashSet::new();
+        let mut endpoints = Vec::with_capacity(raw.endpoints.len());
+        for (index, e) in raw.endpoints.into_iter().enumerate() {
+            let value = e.address.clone();
+            let spec = endpoint(index, e)?;
+            if !seen.insert(spec.address) {
+                return Err(ConfigError::DuplicateAddress { index, value });
+            }
+            endpoints.push(spec);
+        }
+        Ok(AggregatorConfig {
+            listen,
+            scrape_interval,
+            scrape_timeout,
+            stale_after,
+            unready_after_failures: raw.unready_after_failures,
+            reload_interval,
+            endpoints,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn full_yaml() {
+        let cfg = AggregatorConfig::from_yaml(
+            "listen: 127.0.0.1:9090
+scrape_interval_ms: 75
+scrape_timeout_ms: 60
+stale_after_ms: 300
+unready_after_failures: 3
+endpoints:
+  - address: 10.0.0.1:8000
+    models: [a, b]
+    metrics_path: /custom
+    kv_events_endpoint: tcp://10.0.0.1:5557
+    kv_events_replay_endpoint: tcp://10.0.0.1:5558
+    kv_events_topic: kv@
+  - address: '[::1]:8001'
+    models: [a]
+",
+        )
+        .unwrap();
+        assert_eq!(cfg.listen, Some("127.0.0.1:9090".parse().unwrap()));
+        assert_eq!(cfg.scrape_interval, Duration::from_millis(75));
+        assert_eq!(cfg.unready_after_failures, 3);
+        assert_eq!(cfg.endpoints.len(), 2);
+        let kv = cfg.endpoints[0].kv_events.as_ref().unwrap();
+        assert_eq!(kv.replay_endpoint.as_deref(), Some("tcp://10.0.0.1:5558"));
+        assert_eq!(kv.topic, "kv@");
+        assert_eq!(cfg.endpoints[0].metrics_path, "/custom");
+        assert_eq!(cfg.endpoints[1].metrics_path, "/metrics");
+        assert!(cfg.endpoints[1].kv_events.is_none());
+    }
+
+    #[test]
+    fn json_and_empty() {
+        let cfg = AggregatorConfig::from_json(
+            r#"{"endpoints":[{"address":"10.0.0.1:8000","models":["m"]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(cfg.endpoints.len(), 1);
+        // An empty pool is allowed: a source may fill it later.
+        assert!(AggregatorConfig::from_yaml("{}")
+            .unwrap()
+            .endpoints
+            .is_empty());
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let cases = [
+            ("endpoints: [{address: x, models: [m]}]", "endpoints[0].address"),
+            ("endpoints: [{address: '1.2.3.4:1', models: []}]", "endpoints[0].models"),
+            (
+                "endpoints: [{address: '1.2.3.4:1', models: [m]}, {address: '1.2.3.4:1', models: [m]}]",
+                "endpoints[1].address",
+            ),
+            (
+                "endpoints: [{address: '1.2.3.4:1', models: [m], kv_events_endpoint: '5557'}]",
+                "endpoints[0].kv_events_endpoint",
+            ),
+            (
+                "endpoints: [{address: '1.2.3.4:1', models: [m], kv_events_topic: t}]",
+                "endpoints[0].kv_events_topic",
+            ),
+            (
+                "endpoints: [{address: '1.2.3.4:1', models: [m], metrics_path: metrics}]",
+                "endpoints[0].metrics_path",
+            ),
+            ("scrape_interval_ms: 1", "scrape_interval_ms"),
+            ("unready_after_failures: 0", "unready_after_failures"),
+            ("listen: nowhere", "listen"),
+            ("scrape_every: 5", "scrape_every"),
+            ("endpoints: [{address: '1.2.3.4:1', models: [m], weight: 2}]", "weight"),
+        ];
+        for (text, field) in cases {
+            let err = AggregatorConfig::from_yaml(text).unwrap_err().to_string();
+            assert!(err.contains(field), "{text}: {err}");
+        }
+    }
+}

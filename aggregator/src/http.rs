@@ -1,0 +1,540 @@
+//! The HTTP API: the snapshot for the filters, a JSON view for people, Prometheus metrics and
+//! health. Every handler reads the latest [`PoolView`]; none waits on the pool actor.
+
+use std::convert::Infallible;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde_json::json;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use kvoy_shared::snapshot::CONTENT_TYPE;
+
+use crate::follow::KvCounters;
+use crate::pool::PoolView;
+
+/// Counters of the API itself.
+#[derive(Debug, Default)]
+pub struct ApiCounters {
+    pub snapshots_full: AtomicU64,
+    pub snapshots_incremental: AtomicU64,
+    pub snapshot_bytes: AtomicU64,
+}
+
+#[derive(Clone)]
+pub struct Api {
+    pub views: watch::Receiver<Arc<PoolView>>,
+    pub counters: Arc<ApiCounters>,
+}
+
+/// Serves connections until `shutdown` turns true.
+pub async fn serve(listener: TcpListener, api: Api, mut shutdown: watch::Receiver<bool>) {
+    loop {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = shutdown.changed() => break,
+        };
+        let Ok((stream, _)) = accepted else {
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let api = api.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req| {
+                let api = api.clone();
+                async move { Ok::<_, Infallible>(api.handle(&req)) }
+            });
+            if let Err(e) = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .await
+            {
+                log::debug!("kvoy-aggregator: connection ended: {e}");
+            }
+        });
+    }
+}
+
+fn reply(status: StatusCode, content_type: &str, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(body.into()));
+    *r.status_mut() = status;
+    if let Ok(v) = content_type.parse() {
+        r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
+    }
+    r
+}
+
+fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
+    reply(status, "text/plain; charset=utf-8", body)
+}
+
+/// `epoch` and `since` from a query string; anything unparsable counts as absent (which
+/// yields a full snapshot, always a correct answer).
+fn snapshot_query(query: &str) -> (Option<u64>, Option<u64>) {
+    let mut epoch = None;
+    let mut since = None;
+    for pair in query.split('&') {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        match k {
+            "epoch" => epoch = v.parse().ok(),
+            "since" => since = v.parse().ok(),
+            _ => {}
+        }
+    }
+    (epoch, since)
+}
+
+impl Api {
+    fn handle<B>(&self, req: &Request<B>) -> Response<Full<Bytes>> {
+        if req.method() != Method::GET && req.method() != Method::HEAD {
+            return text(StatusCode::METHOD_NOT_ALLOWED, "only GET\n");
+        }
+        let view = self.views.borrow().clone();
+        match req.uri().path() {
+            "/v1/snapshot" => self.snapshot(&view, req.uri().query().unwrap_or("")),
+            "/v1/endpoints" => reply(
+                StatusCode::OK,
+                "application/json",
+                serde_json::to_vec_pretty(&endpoints_json(&view)).unwrap_or_default(),
+            ),
+            "/metrics" => reply(
+                StatusCode::OK,
+                "text/plain; version=0.0.4; charset=utf-8",
+                render_metrics(&view, &self.counters),
+            ),
+            "/healthz" => text(StatusCode::OK, "ok\n"),
+            "/readyz" => {
+                if !view.loaded {
+                    text(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "endpoints not loaded yet\n",
+                    )
+                } else if view.gauges.ready == 0 {
+                    text(StatusCode::SERVICE_UNAVAILABLE, "no endpoint is ready\n")
+                } else {
+                    text(StatusCode::OK, "ready\n")
+                }
+            }
+            _ => text(
+                StatusCode::NOT_FOUND,
+                "not found; try /v1/snapshot, /v1/endpoints, /metrics, /healthz, /readyz\n",
+            ),
+        }
+    }
+
+    fn snapshot(&self, view: &PoolView, query: &str) -> Response<Full<Bytes>> {
+        let (epoch, since) = snapshot_query(query);
+        let delta = view.history.delta_since(epoch, since);
+        let mut body = Vec::with_capacity(256);
+        delta.encode(&mut body);
+        let kind = if delta.is_full() {
+            &self.counters.snapshots_full
+        } else {
+            &self.counters.snapshots_incremental
+        };
+        kind.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .snapshot_bytes
+            .fetch_add(body.len() as u64, Ordering::Relaxed);
+        reply(StatusCode::OK, CONTENT_TYPE, body)
+    }
+}
+
+fn kv_json(c: &KvCounters) -> serde_json::Value {
+    let g = KvCounters::get;
+    json!({
+        "batches": g(&c.batches),
+        "blocks_stored": g(&c.blocks_stored),
+        "blocks_removed": g(&c.blocks_removed),
+        "cleared": g(&c.cleared),
+        "unknown_events": g(&c.unknown_events),
+        "orphan_blocks": g(&c.orphan_blocks),
+        "unknown_removals": g(&c.unknown_removals),
+        "malformed_events": g(&c.malformed_events),
+        "decode_errors": g(&c.decode_errors),
+        "seq_gaps": g(&c.seq_gaps),
+        "publisher_restarts": g(&c.publisher_restarts),
+        "replayed_batches": g(&c.replayed_batches),
+        "replay_failures": g(&c.replay_failures),
+        "batches_lost": g(&c.batches_lost),
+    })
+}
+
+/// The JSON of `GET /v1/endpoints`.
+pub fn endpoints_json(view: &PoolView) -> serde_json::Value {
+    let endpoints: Vec<_> = view
+        .endpoints
+        .iter()
+        .map(|e| {
+            let s = &e.status;
+            json!({
+                "slot": s.slot,
+                "address": s.address.to_string(),
+                "models": s.models,
+                "ready": s.ready,
+                "stale": s.stale,
+                "waiting": s.waiting,
+                "running": s.running,
+                "kv_cache_usage": s.kv_cache_usage,
+                "block_size": s.block_size,
+                "capacity_blocks": s.capacity_blocks,
+                "cached_blocks": {"gpu": s.cached_blocks[0], "cpu": s.cached_blocks[1], "storage": s.cached_blocks[2]},
+                "cache_generation": s.cache_generation,
+                "prefix_hit_rate": s.prefix_hit_rate,
+                "metrics_age_ms": e.metrics_age_ms,
+                "last_error": e.last_error,
+                "scrapes": e.scrape_counters.scrapes.load(Ordering::Relaxed),
+                "scrape_failures": e.scrape_counters.failures.load(Ordering::Relaxed),
+                "kv_events": e.kv.as_ref().map(|(summary, counters)| {
+                    let mut v = kv_json(counters);
+                    if let Some(o) = v.as_object_mut() {
+                        o.insert("endpoint".into(), json!(e.spec.kv_events.as_ref().map(|k| k.endpoint.clone())));
+                        o.insert("receiving".into(), json!(summary.receiving));
+                    }
+                    v
+                }),
+            })
+        })
+        .collect();
+    let g = &view.gauges;
+    json!({
+        "epoch": view.history.epoch(),
+        "version": view.history.version(),
+        "pool": {
+            "endpoints": g.endpoints,
+            "ready": g.ready,
+            "stale": g.stale,
+            "waiting": g.waiting,
+            "running": g.running,
+            "kv_cache_usage": g.kv_cache_usage,
+            "saturation": g.saturation,
+        },
+        "endpoints": endpoints,
+    })
+}
+
+/// Escapes a label value (`\`, `"`, newline).
+fn label(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+struct Family<'a> {
+    out: &'a mut String,
+}
+
+impl Family<'_> {
+    fn head(&mut self, name: &str, kind: &str, help: &str) {
+        let _ = writeln!(self.out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    }
+
+    fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: f64) {
+        self.out.push_str(name);
+        if !labels.is_empty() {
+            self.out.push('{');
+            for (i, (k, v)) in labels.iter().enumerate() {
+                if i > 0 {
+                    self.out.push(',');
+                }
+                let _ = write!(self.out, "{k}=\"{}\"", label(v));
+            }
+            self.out.push('}');
+        }
+        let _ = writeln!(self.out, " {value}");
+    }
+}
+
+/// The Prometheus text of `GET /metrics`.
+pub fn render_metrics(view: &PoolView, api: &ApiCounters) -> String {
+    let mut out = String::with_capacity(4096);
+    let mut f = Family { out: &mut out };
+    let g = &view.gauges;
+    let pool: [(&str, &str, f64); 7] = [
+        (
+            "kvoy_aggregator_pool_endpoints",
+            "Endpoints in the pool.",
+            g.endpoints as f64,
+        ),
+        (
+            "kvoy_aggregator_pool_ready_endpoints",
+            "Endpoints whose scrapes succeed.",
+            g.ready as f64,
+        ),
+        (
+            "kvoy_aggregator_pool_stale_endpoints",
+            "Endpoints whose metrics are older than the staleness threshold.",
+            g.stale as f64,
+        ),
+        (
+            "kvoy_aggregator_pool_queue_depth",
+            "Requests waiting in the servers' queues, over ready endpoints.",
+            g.waiting as f64,
+        ),
+        (
+            "kvoy_aggregator_pool_running_requests",
+            "Requests running on ready endpoints.",
+            g.running as f64,
+        ),
+        (
+            "kvoy_aggregator_pool_kv_cache_usage",
+            "Mean KV-cache use (0-1) of ready, fresh endpoints.",
+            g.kv_cache_usage,
+        ),
+        (
+            "kvoy_aggregator_pool_saturation",
+            "Mean over endpoints of max(waiting/5, kv/0.8); stale or not-ready endpoints count 1.",
+            g.saturation,
+        ),
+    ];
+    for (name, help, value) in pool {
+        f.head(name, "gauge", help);
+        f.sample(name, &[], value);
+    }
+    f.head(
+        "kvoy_aggregator_snapshot_version",
+        "gauge",
+        "Current snapshot version.",
+    );
+    f.sample(
+        "kvoy_aggregator_snapshot_version",
+        &[],
+        view.history.version() as f64,
+    );
+    f.head(
+        "kvoy_aggregator_snapshot_requests_total",
+        "counter",
+        "Snapshot requests served, by kind.",
+    );
+    for (kind, c) in [
+        ("full", &api.snapshots_full),
+        ("incremental", &api.snapshots_incremental),
+    ] {
+        f.sample(
+            "kvoy_aggregator_snapshot_requests_total",
+            &[("kind", kind)],
+            c.load(Ordering::Relaxed) as f64,
+        );
+    }
+    f.head(
+        "kvoy_aggregator_snapshot_bytes_total",
+        "counter",
+        "Bytes of snapshots served.",
+    );
+    f.sample(
+        "kvoy_aggregator_snapshot_bytes_total",
+        &[],
+        api.snapshot_bytes.load(Ordering::Relaxed) as f64,
+    );
+    f.head(
+        "kvoy_aggregator_source_reloads_total",
+        "counter",
+        "Endpoint lists loaded from the source.",
+    );
+    f.sample(
+        "kvoy_aggregator_source_reloads_total",
+        &[],
+        view.source_reloads as f64,
+    );
+    f.head(
+        "kvoy_aggregator_source_errors_total",
+        "counter",
+        "Endpoint source reads that failed (the previous list was kept).",
+    );
+    f.sample(
+        "kvoy_aggregator_source_errors_total",
+        &[],
+        view.source_errors as f64,
+    );
+
+    type Getter = fn(&crate::pool::EndpointView) -> Option<f64>;
+    let per_endpoint: [(&str, &str, &str, Getter); 9] = [
+        (
+            "kvoy_aggregator_endpoint_ready",
+            "gauge",
+            "1 when the endpoint's scrapes succeed.",
+            |e| Some(f64::from(u8::from(e.status.ready))),
+        ),
+        (
+            "kvoy_aggregator_endpoint_stale",
+            "gauge",
+            "1 when the endpoint's metrics are stale.",
+            |e| Some(f64::from(u8::from(e.status.stale))),
+        ),
+        (
+            "kvoy_aggregator_endpoint_waiting_requests",
+            "gauge",
+            "Requests waiting, as last scraped.",
+            |e| Some(f64::from(e.status.waiting)),
+        ),
+        (
+            "kvoy_aggregator_endpoint_running_requests",
+            "gauge",
+            "Requests running, as last scraped.",
+            |e| Some(f64::from(e.status.running)),
+        ),
+        (
+            "kvoy_aggregator_endpoint_kv_cache_usage",
+            "gauge",
+            "KV-cache use (0-1), as last scraped.",
+            |e| Some(f64::from(e.status.kv_cache_usage)),
+        ),
+        (
+            "kvoy_aggregator_endpoint_cache_generation",
+            "gauge",
+            "Times the endpoint's cache was cleared or its publisher restarted.",
+            |e| Some(f64::from(e.status.cache_generation)),
+        ),
+        (
+            "kvoy_aggregator_endpoint_metrics_age_seconds",
+            "gauge",
+            "Age of the last successful scrape.",
+            |e| e.metrics_age_ms.map(|ms| ms as f64 / 1000.0),
+        ),
+        (
+            "kvoy_aggregator_scrapes_total",
+            "counter",
+            "Scrapes attempted.",
+            |e| Some(e.scrape_counters.scrapes.load(Ordering::Relaxed) as f64),
+        ),
+        (
+            "kvoy_aggregator_scrape_failures_total",
+            "counter",
+            "Scrapes that failed.",
+            |e| Some(e.scrape_counters.failures.load(Ordering::Relaxed) as f64),
+        ),
+    ];
+    let addresses: Vec<String> = view
+        .endpoints
+        .iter()
+        .map(|e| e.status.address.to_string())
+        .collect();
+    for (name, kind, help, get) in per_endpoint {
+        f.head(name, kind, help);
+        for (e, addr) in view.endpoints.iter().zip(&addresses) {
+            if let Some(v) = get(e) {
+                f.sample(name, &[("endpoint", addr)], v);
+            }
+        }
+    }
+    f.head(
+        "kvoy_aggregator_cached_blocks",
+        "gauge",
+        "Blocks known cached from KV events, by medium.",
+    );
+    for (e, addr) in view.endpoints.iter().zip(&addresses) {
+        if e.kv.is_some() {
+            for (medium, n) in ["GPU", "CPU", "STORAGE"].iter().zip(e.status.cached_blocks) {
+                f.sample(
+                    "kvoy_aggregator_cached_blocks",
+                    &[("endpoint", addr), ("medium", medium)],
+                    f64::from(n),
+                );
+            }
+        }
+    }
+    type KvGetter = fn(&KvCounters) -> &AtomicU64;
+    let kv: [(&str, &str, KvGetter); 14] = [
+        (
+            "kvoy_aggregator_kv_event_batches_total",
+            "KV-event batches applied.",
+            |c| &c.batches,
+        ),
+        (
+            "kvoy_aggregator_kv_blocks_stored_total",
+            "Blocks stored by BlockStored events.",
+            |c| &c.blocks_stored,
+        ),
+        (
+            "kvoy_aggregator_kv_blocks_removed_total",
+            "Blocks removed by BlockRemoved events.",
+            |c| &c.blocks_removed,
+        ),
+        (
+            "kvoy_aggregator_kv_cleared_total",
+            "AllBlocksCleared events.",
+            |c| &c.cleared,
+        ),
+        (
+            "kvoy_aggregator_kv_unknown_events_total",
+            "Events of an unknown type, counted and skipped.",
+            |c| &c.unknown_events,
+        ),
+        (
+            "kvoy_aggregator_kv_orphan_blocks_total",
+            "Blocks stored under a parent the aggregator does not hold.",
+            |c| &c.orphan_blocks,
+        ),
+        (
+            "kvoy_aggregator_kv_unknown_removals_total",
+            "Removals of blocks the aggregator does not hold.",
+            |c| &c.unknown_removals,
+        ),
+        (
+            "kvoy_aggregator_kv_malformed_events_total",
+            "Events with inconsistent fields, skipped.",
+            |c| &c.malformed_events,
+        ),
+        (
+            "kvoy_aggregator_kv_decode_errors_total",
+            "Messages or payloads that did not decode.",
+            |c| &c.decode_errors,
+        ),
+        (
+            "kvoy_aggregator_kv_seq_gaps_total",
+            "Sequence gaps seen on the live stream.",
+            |c| &c.seq_gaps,
+        ),
+        (
+            "kvoy_aggregator_kv_publisher_restarts_total",
+            "Publisher restarts (sequence went back).",
+            |c| &c.publisher_restarts,
+        ),
+        (
+            "kvoy_aggregator_kv_replayed_batches_total",
+            "Missed batches recovered through the replay socket.",
+            |c| &c.replayed_batches,
+        ),
+        (
+            "kvoy_aggregator_kv_replay_failures_total",
+            "Replay requests that failed.",
+            |c| &c.replay_failures,
+        ),
+        (
+            "kvoy_aggregator_kv_batches_lost_total",
+            "Missed batches that could not be recovered.",
+            |c| &c.batches_lost,
+        ),
+    ];
+    for (name, help, get) in kv {
+        f.head(name, "counter", help);
+        for (e, addr) in view.endpoints.iter().zip(&addresses) {
+            if let Some((_, counters)) = &e.kv {
+                f.sample(
+                    name,
+                    &[("endpoint", addr)],
+                    get(counters).load(Ordering::Relaxed) as f64,
+                );
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn query_parsing_is_lenient() {
+        assert_eq!(snapshot_query("epoch=5&since=7"), (Some(5), Some(7)));
+        assert_eq!(snapshot_query("since=x&epoch="), (None, None));
+        assert_eq!(snapshot_query(""), (None, None));
+        assert_eq!(label("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+    }
+}

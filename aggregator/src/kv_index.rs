@@ -1,0 +1,1224 @@
+//! The per-endpoint KV block index: which blocks one model server holds, per medium, under keys
+//! the aggregator computes itself.
+//!
+//! A server names its blocks by *engine hashes* seeded per process (vLLM's `NONE_HASH`, SGLang's
+//! Python `hash`), so equal content on two servers usually gets different engine hashes. The
+//! index therefore keys every block by its own chained hash of the token ids ([`block_key`],
+//! starting from [`root_key`]), which equal content gets on every server, and keeps the
+//! engine-hash → key map that `BlockRemoved` (engine hashes only) needs.
+//!
+//! ```
+//! use kvoy_aggregator::kv_index::{block_key, root_key, EndpointCache, Tier};
+//! use kvoy_kvevents::{BlockHash, EventBatch, KvEvent, Medium};
+//!
+//! let stored = KvEvent::BlockStored {
+//!     block_hashes: vec![BlockHash::from_u64(7), BlockHash::from_u64(8)],
+//!     parent_block_hash: None,
+//!     token_ids: (0..32).collect(),
+//!     block_size: 16,
+//!     lora_id: None,
+//!     medium: Medium::Gpu,
+//!     lora_name: None,
+//!     group_idx: None,
+//! };
+//! let mut cache = EndpointCache::new();
+//! let batch = EventBatch { ts: 0.0, events: vec![stored], data_parallel_rank: None };
+//! let stats = cache.apply_batch(&batch);
+//! assert_eq!((stats.stored, cache.blocks(Tier::Gpu)), (2, 2));
+//! let first = block_key(root_key(None), &(0..16).collect::<Vec<u32>>());
+//! let second = block_key(first, &(16..32).collect::<Vec<u32>>());
+//! assert_eq!(cache.key_of(&BlockHash::from_u64(8)), Some(second));
+//! assert!(cache.contains_key(second, Tier::Gpu));
+//! ```
+//!
+//! # Semantics
+//! - **Residency is counted** per (tier, engine hash): vLLM can cache two physical blocks with
+//!   one hash (and announces and evicts each), hybrid models store a hash once per KV-cache
+//!   group (`group_idx` is not told apart), and vLLM's snapshot program stores a block several
+//!   times and then removes the teaching store. A block is in a tier while its count there is
+//!   above zero (counts saturate at 65,535); removing from one tier keeps the others.
+//! - **Keys.** A new block of a `BlockStored` chain with one token span per block
+//!   (`token_ids.len() == block_hashes.len() * block_size`) gets
+//!   `block_key(parent, span)`; the first block's parent is the key held for
+//!   `parent_block_hash`, or [`root_key`] of the event's LoRA adapter when there is none (by
+//!   name; a nameless `lora_id` gets its own root, so that adapter blocks never share keys with
+//!   base-model blocks). An engine hash the index already holds keeps the key it has, and the
+//!   chain continues from that key, so a chain keys the same however it is split into events.
+//! - **Unknown parent** (an orphan chain): the parent key is [`hash_key`] of the parent's
+//!   engine hash and the chain's newly keyed blocks count in [`ApplyStats::orphan_blocks`]. Such
+//!   keys match no prompt, but stay consistent with later events about the same blocks (a parent
+//!   that turns up later without tokens is keyed by that same `hash_key`).
+//! - **No token spans.** vLLM's offloading connector announces CPU blocks with
+//!   `token_ids: []` (and `block_size` 0 in its placeholder stores): a known hash keeps its key,
+//!   an unknown one is keyed by [`hash_key`] ([`ApplyStats::hash_keyed`]); this is not counted as
+//!   malformed. Non-empty `token_ids` that do not give each block exactly `block_size` tokens
+//!   (including `block_size` 0) are counted in [`ApplyStats::malformed`] and keyed the same way,
+//!   without tokens: vLLM's own reader treats such stores (hybrid models skipping null or masked
+//!   blocks) as giving no per-block span, so slicing them would only produce wrong keys. The
+//!   engine hashes are recorded in every case, so removals and residency stay exact.
+//! - **Recently removed blocks are remembered** (their key, by default the last
+//!   [`DEFAULT_RECENT_REMOVED`] per hash width): an offload store can arrive after its GPU copy
+//!   was evicted, and a running sequence can extend a chain whose parent was just evicted (the
+//!   simulator does this when its own copy of the parent stayed uncached as a duplicate); both
+//!   then find the right key instead of falling back to `hash_key`. They are not resident:
+//!   [`EndpointCache::key_of`] and the tier queries do not see them.
+//! - **Media.** GPU, CPU and STORAGE map to [`Tier`]s; any other medium name counts as
+//!   [`Tier::Storage`] (whatever else a server offloads to is slower than host memory), counted
+//!   in [`ApplyStats::other_medium`]. Per-tier counts keep two such names from overwriting each
+//!   other.
+//! - **`AllBlocksCleared`** drops every tier and bumps the generation. vLLM's
+//!   `reset_prefix_cache` clears its GPU cache only, but the event names no medium and some
+//!   bridges send it for host caches; forgetting too much heals as blocks are stored again
+//!   (removals of forgotten blocks just count as [`ApplyStats::unknown_removals`]), while
+//!   keeping too much could leave stale CPU blocks forever. [`EndpointCache::clear`] (a
+//!   publisher restart, when engine hashes may change meaning) also forgets removed blocks.
+//! - Not seen by the index: vLLM's `extra_keys` (multimodal content, cache salt; the decoder
+//!   drops them, so such blocks key by token ids alone) and `data_parallel_rank` (keep one cache
+//!   per rank if a server publishes several).
+//!
+//! # Cost
+//! Applying an event allocates nothing but table growth ([`EndpointCache::with_capacity`]
+//! avoids most of it). A block costs one probe of the engine-hash table and one of the key
+//! table, both hashed by one folded multiply from a per-table random seed (the keys are hashes
+//! already). Engine hashes that fit a `u64` (vLLM's default integer form, SGLang's) are held in
+//! 8 bytes rather than 32, which keeps a 25k-block table about half the size: the work is
+//! memory-bound, so that is worth about half again in throughput.
+
+use std::collections::hash_map::{Entry, RandomState};
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::hash::{BuildHasher, Hash, Hasher};
+
+use kvoy_kvevents::{BlockHash, EventBatch, KvEvent, Medium};
+use xxhash_rust::xxh3::{xxh3_64_with_seed, Xxh3};
+
+/// Seeds of the key derivations (distinct, so that the derivations cannot meet by design).
+const ROOT_SEED: u64 = 0x6b76_6f79_5f72_6f6f;
+const LORA_NAME_SEED: u64 = 0x6b76_6f79_5f6c_6e6d;
+const LORA_ID_SEED: u64 = 0x6b76_6f79_5f6c_6964;
+const HASH_KEY_SEED: u64 = 0x6b76_6f79_5f65_6e67;
+
+/// Token ids hashed from a stack buffer; longer blocks go through the streaming hasher.
+const STACK_TOKENS: usize = 64;
+
+/// How many removed blocks (per hash width) an [`EndpointCache`] remembers the key of, unless
+/// told otherwise.
+pub const DEFAULT_RECENT_REMOVED: usize = 4096;
+
+/// Our key of a block: xxh3-64 of the block's token ids (little-endian `u32`s), seeded by the
+/// parent block's key.
+pub fn block_key(parent: u64, tokens: &[u32]) -> u64 {
+    let mut buf = [0u8; STACK_TOKENS * 4];
+    if tokens.len() <= STACK_TOKENS {
+        let n = le_bytes(&mut buf, tokens);
+        return xxh3_64_with_seed(&buf[..n], parent);
+    }
+    let mut hasher = Xxh3::with_seed(parent);
+    for chunk in tokens.chunks(STACK_TOKENS) {
+        let n = le_bytes(&mut buf, chunk);
+        hasher.update(&buf[..n]);
+    }
+    hasher.digest()
+}
+
+/// Writes `tokens` (at most [`STACK_TOKENS`]) little-endian into `buf`; returns the byte count.
+fn le_bytes(buf: &mut [u8; STACK_TOKENS * 4], tokens: &[u32]) -> usize {
+    for (dst, t) in buf.chunks_exact_mut(4).zip(tokens) {
+        dst.copy_from_slice(&t.to_le_bytes());
+    }
+    tokens.len().min(STACK_TOKENS) * 4
+}
+
+/// The parent key of a chain's first block (a prompt start): one per LoRA adapter name, and one
+/// for the base model (`None`, distinct from every name, the empty one included).
+pub fn root_key(lora_name: Option<&str>) -> u64 {
+    match lora_name {
+        None => xxh3_64_with_seed(&[], ROOT_SEED),
+        Some(name) => xxh3_64_with_seed(name.as_bytes(), LORA_NAME_SEED),
+    }
+}
+
+/// The root of a chain stored under `lora_name`, or only `lora_id` (older servers): ids are
+/// local to one server, but still keep its adapter blocks apart from its base-model blocks.
+fn event_root(lora_name: Option<&str>, lora_id: Option<i64>) -> u64 {
+    match (lora_name, lora_id) {
+        (None, Some(id)) => xxh3_64_with_seed(&id.to_le_bytes(), LORA_ID_SEED),
+        _ => root_key(lora_name),
+    }
+}
+
+/// The key of a block known only by its engine hash: a block stored without token ids, or the
+/// stand-in parent of an orphan chain. Equal for every width the hash arrived in.
+pub fn hash_key(hash: &BlockHash) -> u64 {
+    xxh3_64_with_seed(hash.as_bytes(), HASH_KEY_SEED)
+}
+
+/// Where a block is cached: vLLM's `medium`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Tier {
+    /// Accelerator memory (`GPU`, or no medium at all).
+    Gpu = 0,
+    /// Host memory (`CPU`).
+    Cpu = 1,
+    /// Disk or remote storage (`STORAGE`, and any medium name kvoy does not know).
+    Storage = 2,
+}
+
+impl Tier {
+    /// Every tier, in index order.
+    pub const ALL: [Tier; 3] = [Tier::Gpu, Tier::Cpu, Tier::Storage];
+
+    /// The tier of a wire medium; unknown names are [`Tier::Storage`].
+    pub fn from_medium(medium: &Medium) -> Tier {
+        match medium {
+            Medium::Gpu => Tier::Gpu,
+            Medium::Cpu => Tier::Cpu,
+            Medium::Storage | Medium::Other(_) => Tier::Storage,
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// What applying events did, for counters. Blocks are counted per block hash in an event.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ApplyStats {
+    /// `BlockStored` events.
+    pub store_events: u64,
+    /// `BlockRemoved` events.
+    pub remove_events: u64,
+    /// Blocks stored (residencies added).
+    pub stored: u64,
+    /// Blocks removed (residencies dropped).
+    pub removed: u64,
+    /// `AllBlocksCleared` events.
+    pub cleared: u64,
+    /// Events of a type the decoder did not know (skipped).
+    pub unknown_events: u64,
+    /// Newly keyed blocks whose chain hangs under a parent hash the index does not know.
+    pub orphan_blocks: u64,
+    /// Removals of a hash the tier does not hold.
+    pub unknown_removals: u64,
+    /// `BlockStored` events whose non-empty `token_ids` do not give each block `block_size`
+    /// tokens (`block_size` 0 included); their blocks are recorded, keyed without tokens.
+    pub malformed: u64,
+    /// Newly keyed blocks that had no token span, keyed by [`hash_key`].
+    pub hash_keyed: u64,
+    /// Store and remove events under a medium name kvoy does not know (applied to
+    /// [`Tier::Storage`]).
+    pub other_medium: u64,
+}
+
+impl ApplyStats {
+    /// Adds `other` field by field.
+    pub fn add(&mut self, other: &ApplyStats) {
+        self.store_events += other.store_events;
+        self.remove_events += other.remove_events;
+        self.stored += other.stored;
+        self.removed += other.removed;
+        self.cleared += other.cleared;
+        self.unknown_events += other.unknown_events;
+        self.orphan_blocks += other.orphan_blocks;
+        self.unknown_removals += other.unknown_removals;
+        self.malformed += other.malformed;
+        self.hash_keyed += other.hash_keyed;
+        self.other_medium += other.other_medium;
+    }
+
+    /// Events applied, of every type.
+    pub fn events(&self) -> u64 {
+        self.store_events + self.remove_events + self.cleared + self.unknown_events
+    }
+}
+
+/// Folded multiply: the high and low halves of the 128-bit product, xored.
+fn fold_mul(a: u64, b: u64) -> u64 {
+    let p = u128::from(a) * u128::from(b);
+    (p as u64) ^ ((p >> 64) as u64)
+}
+
+const MIX: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// Hashes keys that are hashes already: one folded multiply per word, from a per-map random
+/// seed (so that crafted prompts cannot aim keys at one bucket without knowing it).
+#[derive(Clone, Copy, Debug)]
+struct Mixer {
+    seed: u64,
+}
+
+impl Mixer {
+    fn random() -> Self {
+        Mixer {
+            seed: RandomState::new().build_hasher().finish(),
+        }
+    }
+}
+
+struct MixHasher(u64);
+
+impl Hasher for MixHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.write_u64(u64::from_le_bytes(word));
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = fold_mul(self.0 ^ n, MIX);
+    }
+}
+
+impl BuildHasher for Mixer {
+    type Hasher = MixHasher;
+
+    fn build_hasher(&self) -> MixHasher {
+        MixHasher(self.seed)
+    }
+}
+
+/// An engine hash that fits a `u64` (vLLM's integer form, SGLang's): held in 8 bytes, which
+/// keeps the map small enough for the CPU cache to matter.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct Narrow(u64);
+
+/// A wider engine hash (vLLM's byte form): held whole, hashed as one pre-mixed word.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Wide(BlockHash);
+
+impl Hash for Wide {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        let mut w = [0u64; 4];
+        for (dst, chunk) in w.iter_mut().zip(self.0.as_bytes().chunks_exact(8)) {
+            let mut word = [0u8; 8];
+            word.copy_from_slice(chunk);
+            *dst = u64::from_le_bytes(word);
+        }
+        let [a, b, c, d] = w;
+        state.write_u64(
+            fold_mul(a ^ 0x243f_6a88_85a3_08d3, b ^ 0x1319_8a2e_0370_7344)
+                ^ fold_mul(c ^ MIX, d ^ 0xa409_3822_299f_31d0),
+        );
+    }
+}
+
+/// How one table holds engine hashes.
+trait Held: Copy + Eq + Hash {
+    fn block_hash(self) -> BlockHash;
+}
+
+impl Held for Narrow {
+    fn block_hash(self) -> BlockHash {
+        BlockHash::from_u64(self.0)
+    }
+}
+
+impl Held for Wide {
+    fn block_hash(self) -> BlockHash {
+        self.0
+    }
+}
+
+/// The table an engine hash belongs in.
+enum Slot {
+    Narrow(Narrow),
+    Wide(Wide),
+}
+
+fn slot(hash: &BlockHash) -> Slot {
+    match hash.as_u64() {
+        Some(v) => Slot::Narrow(Narrow(v)),
+        None => Slot::Wide(Wide(*hash)),
+    }
+}
+
+/// One resident engine hash: its key and its residency count per tier.
+#[derive(Clone, Copy, Debug)]
+struct Block {
+    key: u64,
+    refs: [u16; 3],
+}
+
+/// Recently removed blocks: their keys, the oldest forgotten beyond `cap`. Small, so that it
+/// stays in the CPU cache; none of its blocks is resident.
+#[derive(Clone)]
+struct Recent<K> {
+    /// Engine hash -> (key, stamp of its ring entry).
+    keys: HashMap<K, (u64, u32), Mixer>,
+    /// Oldest first; an entry whose stamp no longer matches is stale (stored or removed again).
+    ring: VecDeque<(K, u32)>,
+    cap: usize,
+    next_stamp: u32,
+}
+
+impl<K: Held> Recent<K> {
+    fn new(cap: usize) -> Self {
+        Recent {
+            keys: HashMap::with_hasher(Mixer::random()),
+            ring: VecDeque::new(),
+            cap,
+            next_stamp: 0,
+        }
+    }
+
+    /// Takes a block back out (it is stored again).
+    fn take(&mut self, k: &K) -> Option<u64> {
+        if self.keys.is_empty() {
+            return None;
+        }
+        self.keys.remove(k).map(|(key, _)| key)
+    }
+
+    fn remember(&mut self, k: K, key: u64) {
+        if self.cap == 0 {
+            return;
+        }
+        let stamp = self.next_stamp;
+        self.next_stamp = stamp.wrapping_add(1);
+        self.keys.insert(k, (key, stamp));
+        self.ring.push_back((k, stamp));
+        self.prune();
+    }
+
+    fn prune(&mut self) {
+        while self.ring.len() > self.cap {
+            let Some((k, stamp)) = self.ring.pop_front() else {
+                break;
+            };
+            if self.keys.get(&k).is_some_and(|&(_, s)| s == stamp) {
+                self.keys.remove(&k);
+            }
+        }
+    }
+}
+
+/// Per key, how many resident engine hashes with that key each tier holds; and per tier, how
+/// many engine hashes it holds.
+#[derive(Clone)]
+struct Residency {
+    keys: HashMap<u64, [u32; 3], Mixer>,
+    held: [usize; 3],
+}
+
+impl Residency {
+    fn enter(&mut self, key: u64, t: usize) {
+        self.held[t] += 1;
+        let c = self.keys.entry(key).or_default();
+        c[t] = c[t].saturating_add(1);
+    }
+
+    fn leave(&mut self, key: u64, t: usize) {
+        self.held[t] = self.held[t].saturating_sub(1);
+        if let Entry::Occupied(mut e) = self.keys.entry(key) {
+            let c = e.get_mut();
+            c[t] = c[t].saturating_sub(1);
+            if *c == [0; 3] {
+                e.remove();
+            }
+        }
+    }
+
+    fn clear(&mut self) {
+        self.keys.clear();
+        self.held = [0; 3];
+    }
+}
+
+/// How the blocks of one `BlockStored` get their keys.
+struct Keying<'a> {
+    /// The tier index the blocks go to.
+    tier: usize,
+    /// The key the next new block chains from.
+    parent: u64,
+    /// Whether that parent is a stand-in for an unknown hash.
+    orphan: bool,
+    /// One span per block, when the event gives them.
+    spans: Option<std::slice::ChunksExact<'a, u32>>,
+}
+
+/// The engine hashes of one width: resident blocks and recently removed ones.
+#[derive(Clone)]
+struct Table<K> {
+    blocks: HashMap<K, Block, Mixer>,
+    removed: Recent<K>,
+}
+
+impl<K: Held> Table<K> {
+    fn new(capacity: usize) -> Self {
+        Table {
+            blocks: HashMap::with_capacity_and_hasher(capacity, Mixer::random()),
+            removed: Recent::new(DEFAULT_RECENT_REMOVED),
+        }
+    }
+
+    /// The key of a resident or recently removed block.
+    fn known_key(&self, k: &K) -> Option<u64> {
+        match self.blocks.get(k) {
+            Some(b) => Some(b.key),
+            None => self.removed.keys.get(k).map(|&(key, _)| key),
+        }
+    }
+
+    /// Stores the next block of a chain; moves the chain on to its key.
+    fn store(&mut self, k: K, c: &mut Keying<'_>, res: &mut Residency, s: &mut ApplyStats) {
+        let span = c.spans.as_mut().and_then(Iterator::next);
+        let t = c.tier;
+        s.stored += 1;
+        let (key, entered) = match self.blocks.entry(k) {
+            Entry::Occupied(e) => {
+                let b = e.into_mut();
+                let was = b.refs[t];
+                b.refs[t] = was.saturating_add(1);
+                c.orphan = false;
+                (b.key, was == 0)
+            }
+            Entry::Vacant(e) => {
+                let key = match (self.removed.take(&k), span) {
+                    (Some(key), _) => {
+                        c.orphan = false;
+                        key
+                    }
+                    (None, Some(tokens)) => {
+                        s.orphan_blocks += u64::from(c.orphan);
+                        block_key(c.parent, tokens)
+                    }
+                    (None, None) => {
+                        s.hash_keyed += 1;
+                        hash_key(&k.block_hash())
+                    }
+                };
+                let mut refs = [0; 3];
+                refs[t] = 1;
+                e.insert(Block { key, refs });
+                (key, true)
+            }
+        };
+        if entered {
+            res.enter(key, t);
+        }
+        c.parent = key;
+    }
+
+    fn remove(&mut self, k: K, t: usize, res: &mut Residency, s: &mut ApplyStats) {
+        // Not `entry`: it reserves room even when the hash is unknown.
+        let Some(b) = self.blocks.get_mut(&k).filter(|b| b.refs[t] > 0) else {
+            s.unknown_removals += 1;
+            return;
+        };
+        s.removed += 1;
+        b.refs[t] -= 1;
+        if b.refs[t] > 0 {
+            return;
+        }
+        let key = b.key;
+        if b.refs == [0; 3] {
+            self.blocks.remove(&k);
+            self.removed.remember(k, key);
+        }
+        res.leave(key, t);
+    }
+
+    /// Every resident block becomes a removed one.
+    fn remove_all(&mut self) {
+        for (k, b) in self.blocks.drain() {
+            self.removed.remember(k, b.key);
+        }
+    }
+
+    fn clear(&mut self) {
+        self.blocks.clear();
+        self.removed.keys.clear();
+        self.removed.ring.clear();
+    }
+
+    fn hashes(&self, t: usize) -> impl Iterator<Item = BlockHash> + '_ {
+        self.blocks
+            .iter()
+            .filter(move |(_, b)| b.refs[t] > 0)
+            .map(|(k, _)| k.block_hash())
+    }
+}
+
+/// The blocks one endpoint caches, per tier, under the aggregator's keys. See the module doc.
+#[derive(Clone)]
+pub struct EndpointCache {
+    narrow: Table<Narrow>,
+    wide: Table<Wide>,
+    res: Residency,
+    generation: u32,
+}
+
+impl Default for EndpointCache {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl fmt::Debug for EndpointCache {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EndpointCache")
+            .field("blocks", &self.res.held)
+            .field("keys", &self.res.keys.len())
+            .field(
+                "recent_removed",
+                &(self.narrow.removed.keys.len() + self.wide.removed.keys.len()),
+            )
+            .field("generation", &self.generation)
+            .finish()
+    }
+}
+
+impl EndpointCache {
+    /// An empty cache.
+    pub fn new() -> Self {
+        Self::with_capacity(0)
+    }
+
+    /// An empty cache with room for `blocks` resident blocks (size it from the server's
+    /// `num_gpu_blocks`, plus its CPU blocks when it offloads) before it reallocates. The room
+    /// is for integer hashes (vLLM's default form, SGLang's); byte hashes get theirs as they
+    /// come.
+    pub fn with_capacity(blocks: usize) -> Self {
+        EndpointCache {
+            narrow: Table::new(blocks),
+            wide: Table::new(0),
+            res: Residency {
+                keys: HashMap::with_capacity_and_hasher(blocks, Mixer::random()),
+                held: [0; 3],
+            },
+            generation: 0,
+        }
+    }
+
+    /// Remember the keys of the last `n` removed blocks, per hash width (integer and byte
+    /// hashes; default [`DEFAULT_RECENT_REMOVED`]).
+    pub fn with_recent_removed(mut self, n: usize) -> Self {
+        self.narrow.removed.cap = n;
+        self.narrow.removed.prune();
+        self.wide.removed.cap = n;
+        self.wide.removed.prune();
+        self
+    }
+
+    /// Applies one event, adding to `stats`.
+    pub fn apply(&mut self, event: &KvEvent, stats: &mut ApplyStats) {
+        match event {
+            KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                lora_id,
+                medium,
+                lora_name,
+                group_idx: _,
+            } => {
+                stats.store_events += 1;
+                let tier = tier_of(medium, stats).index();
+                let bs = *block_size as usize;
+                let spans = !token_ids.is_empty()
+                    && bs > 0
+                    && block_hashes.len().checked_mul(bs) == Some(token_ids.len());
+                if !token_ids.is_empty() && !spans {
+                    stats.malformed += 1;
+                }
+                let (parent, orphan) = match parent_block_hash {
+                    _ if !spans => (0, false),
+                    None => (event_root(lora_name.as_deref(), *lora_id), false),
+                    Some(p) => match self.known_key(p) {
+                        Some(key) => (key, false),
+                        None => (hash_key(p), true),
+                    },
+                };
+                let mut keying = Keying {
+                    tier,
+                    parent,
+                    orphan,
+                    spans: spans.then(|| token_ids.chunks_exact(bs)),
+                };
+                for hash in block_hashes {
+                    match slot(hash) {
+                        Slot::Narrow(k) => self.narrow.store(k, &mut keying, &mut self.res, stats),
+                        Slot::Wide(k) => self.wide.store(k, &mut keying, &mut self.res, stats),
+                    }
+                }
+            }
+            KvEvent::BlockRemoved {
+                block_hashes,
+                medium,
+                group_idx: _,
+            } => {
+                stats.remove_events += 1;
+                let t = tier_of(medium, stats).index();
+                for hash in block_hashes {
+                    match slot(hash) {
+                        Slot::Narrow(k) => self.narrow.remove(k, t, &mut self.res, stats),
+                        Slot::Wide(k) => self.wide.remove(k, t, &mut self.res, stats),
+                    }
+                }
+            }
+            KvEvent::AllBlocksCleared => {
+                stats.cleared += 1;
+                self.generation = self.generation.wrapping_add(1);
+                self.narrow.remove_all();
+                self.wide.remove_all();
+                self.res.clear();
+            }
+            KvEvent::Unknown { .. } => stats.unknown_events += 1,
+        }
+    }
+
+    /// Applies a batch's events in order. `data_parallel_rank` is not looked at.
+    #[must_use]
+    pub fn apply_batch(&mut self, batch: &EventBatch) -> ApplyStats {
+        let mut stats = ApplyStats::default();
+        for event in &batch.events {
+            self.apply(event, &mut stats);
+        }
+        stats
+    }
+
+    /// Forgets everything, removed blocks included, and bumps the generation: for a publisher
+    /// restart, after which engine hashes may mean other blocks.
+    pub fn clear(&mut self) {
+        self.narrow.clear();
+        self.wide.clear();
+        self.res.clear();
+        self.generation = self.generation.wrapping_add(1);
+    }
+
+    /// Starts at 0; bumped by every `AllBlocksCleared` and every [`EndpointCache::clear`].
+    pub fn generation(&self) -> u32 {
+        self.generation
+    }
+
+    /// Blocks (distinct engine hashes) resident in `tier`.
+    pub fn blocks(&self, tier: Tier) -> usize {
+        self.res.held[tier.index()]
+    }
+
+    /// Whether `tier` holds the block with engine hash `hash`.
+    pub fn contains_engine_hash(&self, hash: &BlockHash, tier: Tier) -> bool {
+        let b = match slot(hash) {
+            Slot::Narrow(k) => self.narrow.blocks.get(&k),
+            Slot::Wide(k) => self.wide.blocks.get(&k),
+        };
+        b.is_some_and(|b| b.refs[tier.index()] > 0)
+    }
+
+    /// The engine hashes resident in `tier`, in no particular order.
+    pub fn engine_hashes(&self, tier: Tier) -> impl Iterator<Item = BlockHash> + '_ {
+        let t = tier.index();
+        self.narrow.hashes(t).chain(self.wide.hashes(t))
+    }
+
+    /// Our key of a resident block (in any tier).
+    pub fn key_of(&self, hash: &BlockHash) -> Option<u64> {
+        let b = match slot(hash) {
+            Slot::Narrow(k) => self.narrow.blocks.get(&k),
+            Slot::Wide(k) => self.wide.blocks.get(&k),
+        };
+        b.map(|b| b.key)
+    }
+
+    /// Whether `tier` holds a block with key `key`.
+    pub fn contains_key(&self, key: u64, tier: Tier) -> bool {
+        self.res.keys.get(&key).is_some_and(|c| c[tier.index()] > 0)
+    }
+
+    /// The distinct keys resident in `tier`, in no particular order.
+    pub fn keys(&self, tier: Tier) -> impl Iterator<Item = u64> + '_ {
+        let t = tier.index();
+        self.res
+            .keys
+            .iter()
+            .filter(move |(_, c)| c[t] > 0)
+            .map(|(k, _)| *k)
+    }
+
+    /// The key of a resident or recently removed block.
+    fn known_key(&self, hash: &BlockHash) -> Option<u64> {
+        match slot(hash) {
+            Slot::Narrow(k) => self.narrow.known_key(&k),
+            Slot::Wide(k) => self.wide.known_key(&k),
+        }
+    }
+
+    /// Recently removed blocks remembered (both widths).
+    #[cfg(test)]
+    fn remembered(&self) -> usize {
+        self.narrow.removed.keys.len() + self.wide.removed.keys.len()
+    }
+
+    /// Resident engine hashes (both widths).
+    #[cfg(test)]
+    fn resident(&self) -> usize {
+        self.narrow.blocks.len() + self.wide.blocks.len()
+    }
+}
+
+fn tier_of(medium: &Medium, stats: &mut ApplyStats) -> Tier {
+    if let Medium::Other(_) = medium {
+        stats.other_medium += 1;
+    }
+    Tier::from_medium(medium)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(v: u64) -> BlockHash {
+        BlockHash::from_u64(v)
+    }
+
+    fn wide(v: u8) -> BlockHash {
+        BlockHash::from_canonical([v; 32])
+    }
+
+    fn stored(hashes: &[BlockHash], parent: Option<BlockHash>, tokens: Vec<u32>) -> KvEvent {
+        stored_in(hashes, parent, tokens, 4, Medium::Gpu, None)
+    }
+
+    fn stored_in(
+        hashes: &[BlockHash],
+        parent: Option<BlockHash>,
+        tokens: Vec<u32>,
+        block_size: u32,
+        medium: Medium,
+        lora_name: Option<&str>,
+    ) -> KvEvent {
+        KvEvent::BlockStored {
+            block_hashes: hashes.to_vec(),
+            parent_block_hash: parent,
+            token_ids: tokens,
+            block_size,
+            lora_id: None,
+            medium,
+            lora_name: lora_name.map(str::to_owned),
+            group_idx: None,
+        }
+    }
+
+    fn removed(hashes: &[BlockHash], medium: Medium) -> KvEvent {
+        KvEvent::BlockRemoved {
+            block_hashes: hashes.to_vec(),
+            medium,
+            group_idx: None,
+        }
+    }
+
+    fn apply(cache: &mut EndpointCache, events: &[KvEvent]) -> ApplyStats {
+        let mut stats = ApplyStats::default();
+        for e in events {
+            cache.apply(e, &mut stats);
+        }
+        stats
+    }
+
+    fn toks(range: std::ops::Range<u32>) -> Vec<u32> {
+        range.collect()
+    }
+
+    /// Keys of consecutive 4-token blocks of `tokens`, from `parent`.
+    fn chain(parent: u64, tokens: &[u32]) -> Vec<u64> {
+        let mut out = Vec::new();
+        let mut p = parent;
+        for span in tokens.chunks_exact(4) {
+            p = block_key(p, span);
+            out.push(p);
+        }
+        out
+    }
+
+    #[test]
+    fn block_key_is_seeded_xxh3_of_le_tokens() {
+        for n in [0usize, 1, 16, 64, 65, 100, 300] {
+            let tokens: Vec<u32> = (0..n as u32)
+                .map(|i| i.wrapping_mul(2_654_435_761))
+                .collect();
+            let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+            assert_eq!(
+                block_key(42, &tokens),
+                xxh3_64_with_seed(&bytes, 42),
+                "{n} tokens"
+            );
+        }
+        assert_ne!(block_key(1, &[5]), block_key(2, &[5]));
+    }
+
+    #[test]
+    fn roots_differ_per_adapter() {
+        let roots = [
+            root_key(None),
+            root_key(Some("")),
+            root_key(Some("a")),
+            root_key(Some("b")),
+            event_root(None, Some(1)),
+            event_root(None, Some(2)),
+        ];
+        for (i, a) in roots.iter().enumerate() {
+            for b in &roots[i + 1..] {
+                assert_ne!(a, b);
+            }
+        }
+        assert_eq!(event_root(Some("a"), Some(9)), root_key(Some("a")));
+        assert_eq!(event_root(None, None), root_key(None));
+    }
+
+    #[test]
+    fn chains_continue_from_parents_across_events() {
+        let mut cache = EndpointCache::new();
+        let t = toks(0..16);
+        let keys = chain(root_key(None), &t);
+        let stats = apply(
+            &mut cache,
+            &[
+                stored(&[h(1), h(2)], None, t[..8].to_vec()),
+                stored(&[h(3)], Some(h(2)), t[8..12].to_vec()),
+                stored(&[h(4)], Some(h(3)), t[12..].to_vec()),
+            ],
+        );
+        assert_eq!(stats.stored, 4);
+        assert_eq!(stats.store_events, 3);
+        assert_eq!(stats.events(), 3);
+        assert_eq!(stats.orphan_blocks + stats.malformed + stats.hash_keyed, 0);
+        for (i, key) in keys.iter().enumerate() {
+            assert_eq!(cache.key_of(&h(i as u64 + 1)), Some(*key));
+            assert!(cache.contains_key(*key, Tier::Gpu));
+            assert!(!cache.contains_key(*key, Tier::Cpu));
+        }
+        assert_eq!(cache.blocks(Tier::Gpu), 4);
+        let mut held: Vec<u64> = cache
+            .engine_hashes(Tier::Gpu)
+            .filter_map(|h| h.as_u64())
+            .collect();
+        held.sort_unstable();
+        assert_eq!(held, vec![1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn equal_content_gets_equal_keys_on_two_servers() {
+        let t = toks(100..112);
+        let (mut a, mut b) = (EndpointCache::new(), EndpointCache::new());
+        let _ = apply(&mut a, &[stored(&[h(1), h(2), h(3)], None, t.clone())]);
+        let _ = apply(
+            &mut b,
+            &[
+                stored(&[wide(9)], None, t[..4].to_vec()),
+                stored(&[h(u64::MAX), h(77)], Some(wide(9)), t[4..].to_vec()),
+            ],
+        );
+        for (x, y) in [(h(1), wide(9)), (h(2), h(u64::MAX)), (h(3), h(77))] {
+            assert!(a.key_of(&x).is_some());
+            assert_eq!(a.key_of(&x), b.key_of(&y));
+        }
+        // A LoRA adapter's blocks with the same tokens key differently.
+        let mut c = EndpointCache::new();
+        let _ = apply(
+            &mut c,
+            &[stored_in(
+                &[h(1)],
+                None,
+                t[..4].to_vec(),
+                4,
+                Medium::Gpu,
+                Some("ad"),
+            )],
+        );
+        assert_ne!(c.key_of(&h(1)), a.key_of(&h(1)));
+        assert_eq!(
+            c.key_of(&h(1)),
+            Some(block_key(root_key(Some("ad")), &t[..4]))
+        );
+    }
+
+    #[test]
+    fn tiers_are_counted_separately() {
+        let mut cache = EndpointCache::new();
+        let t = toks(0..8);
+        let keys = chain(root_key(None), &t);
+        // GPU with tokens, then CPU the way vLLM's offloading connector says it: no tokens.
+        let stats = apply(
+            &mut cache,
+            &[
+                stored(&[h(1), h(2)], None, t.clone()),
+                stored_in(&[h(1), h(2)], None, vec![], 0, Medium::Cpu, None),
+            ],
+        );
+        assert_eq!((stats.malformed, stats.hash_keyed), (0, 0));
+        assert_eq!(cache.blocks(Tier::Gpu), 2);
+        assert_eq!(cache.blocks(Tier::Cpu), 2);
+        assert_eq!(cache.key_of(&h(2)), Some(keys[1]));
+        assert!(cache.contains_key(keys[1], Tier::Cpu));
+        // GPU eviction keeps the CPU copy and its key.
+        let stats = apply(&mut cache, &[removed(&[h(2)], Medium::Gpu)]);
+        assert_eq!(stats.removed, 1);
+        assert!(!cache.contains_engine_hash(&h(2), Tier::Gpu));
+        assert!(cache.contains_engine_hash(&h(2), Tier::Cpu));
+        assert!(!cache.contains_key(keys[1], Tier::Gpu));
+        assert!(cache.contains_key(keys[1], Tier::Cpu));
+        assert_eq!(cache.key_of(&h(2)), Some(keys[1]));
+        // Gone from every tier: no key any more.
+        let _ = apply(&mut cache, &[removed(&[h(2)], Medium::Cpu)]);
+        assert_eq!(cache.key_of(&h(2)), None);
+        assert!(!cache.contains_key(keys[1], Tier::Cpu));
+        assert_eq!((cache.blocks(Tier::Gpu), cache.blocks(Tier::Cpu)), (1, 1));
+        assert_eq!(cache.keys(Tier::Gpu).collect::<Vec<_>>(), vec![keys[0]]);
+    }
+
+    #[test]
+    fn other_media_count_as_storage() {
+        let mut cache = EndpointCache::new();
+        let stats = apply(
+            &mut cache,
+            &[
+                stored_in(
+                    &[h(5)],
+                    None,
+                    toks(0..4),
+                    4,
+                    Medium::Other("NVME".into()),
+                    None,
+                ),
+                stored_in(&[h(5)], None, toks(0..4), 4, Medium::Storage, None),
+                removed(&[h(5)], Medium::Other("REMOTE".into())),
+            ],
+        );
+        assert_eq!(stats.other_medium, 2);
+        assert!(cache.contains_engine_hash(&h(5), Tier::Storage));
+        let _ = apply(&mut cache, &[removed(&[h(5)], Medium::Storage)]);
+        assert_eq!(cache.blocks(Tier::Storage), 0);
+    }
+
+    #[test]
+    fn residency_is_counted_per_tier() {
+        let mut cache = EndpointCache::new();
+        let twice = stored(&[h(1)], None, toks(0..4));
+        let _ = apply(&mut cache, &[twice.clone(), twice]);
+        assert_eq!(cache.blocks(Tier::Gpu), 1);
+        let _ = apply(&mut cache, &[removed(&[h(1)], Medium::Gpu)]);
+        assert!(cache.contains_engine_hash(&h(1), Tier::Gpu));
+        let stats = apply(
+            &mut cache,
+            &[removed(&[h(1)], Medium::Gpu), removed(&[h(1)], Medium::Gpu)],
+        );
+        assert_eq!((stats.removed, stats.unknown_removals), (1, 1));
+        assert_eq!(cache.blocks(Tier::Gpu), 0);
+    }
+
+    #[test]
+    fn unknown_removals_change_nothing() {
+        let mut cache = EndpointCache::new();
+        let _ = apply(&mut cache, &[stored(&[h(1)], None, toks(0..4))]);
+        let stats = apply(
+            &mut cache,
+            &[
+                removed(&[h(2), wide(3)], Medium::Gpu),
+                removed(&[h(1)], Medium::Cpu),
+            ],
+        );
+        assert_eq!(
+            (stats.removed, stats.unknown_removals, stats.remove_events),
+            (0, 3, 2)
+        );
+        assert_eq!(cache.blocks(Tier::Gpu), 1);
+        assert!(cache.key_of(&h(1)).is_some());
+    }
+
+    #[test]
+    fn orphan_chains_use_a_stand_in_parent() {
+        let mut cache = EndpointCache::new();
+        let t = toks(0..8);
+        let stats = apply(
+            &mut cache,
+            &[stored(&[h(11), h(12)], Some(h(10)), t.clone())],
+        );
+        assert_eq!(stats.orphan_blocks, 2);
+        let keys = chain(hash_key(&h(10)), &t);
+        assert_eq!(cache.key_of(&h(12)), Some(keys[1]));
+        // The parent turning up later without tokens gets the stand-in key: consistent.
+        let stats = apply(
+            &mut cache,
+            &[stored_in(&[h(10)], None, vec![], 0, Medium::Cpu, None)],
+        );
+        assert_eq!(stats.hash_keyed, 1);
+        assert_eq!(cache.key_of(&h(10)), Some(hash_key(&h(10))));
+        // An orphan chain through an already held block continues from its key, not an orphan.
+        let stats = apply(
+            &mut cache,
+            &[stored(&[h(11), h(13)], Some(h(99)), toks(0..8))],
+        );
+        assert_eq!(stats.orphan_blocks, 0);
+        assert_eq!(cache.key_of(&h(13)), Some(block_key(keys[0], &t[4..])));
+    }
+
+    #[test]
+    fn recently_removed_blocks_still_give_their_key() {
+        let mut cache = EndpointCache::new().with_recent_removed(2);
+        let t = toks(0..12);
+        let keys = chain(root_key(None), &t);
+        let _ = apply(&mut cache, &[stored(&[h(1), h(2)], None, t[..8].to_vec())]);
+        let _ = apply(&mut cache, &[removed(&[h(2)], Medium::Gpu)]);
+        assert_eq!(cache.key_of(&h(2)), None);
+        // A sequence extending the evicted block's chain, and a late token-less offload store.
+        let stats = apply(
+            &mut cache,
+            &[
+                stored(&[h(3)], Some(h(2)), t[8..].to_vec()),
+                stored_in(&[h(2)], None, vec![], 0, Medium::Cpu, None),
+            ],
+        );
+        assert_eq!((stats.orphan_blocks, stats.hash_keyed), (0, 0));
+        assert_eq!(cache.key_of(&h(3)), Some(keys[2]));
+        assert_eq!(cache.key_of(&h(2)), Some(keys[1]));
+        assert!(cache.contains_key(keys[1], Tier::Cpu));
+        // Beyond the cap the oldest removed block is forgotten.
+        let _ = apply(
+            &mut cache,
+            &[
+                removed(&[h(1), h(3)], Medium::Gpu),
+                removed(&[h(2)], Medium::Cpu),
+            ],
+        );
+        let stats = apply(&mut cache, &[stored(&[h(4)], Some(h(1)), t[4..8].to_vec())]);
+        assert_eq!(stats.orphan_blocks, 1);
+        let stats = apply(&mut cache, &[stored(&[h(5)], Some(h(3)), t[4..8].to_vec())]);
+        assert_eq!(stats.orphan_blocks, 0);
+        assert_eq!((cache.resident(), cache.remembered()), (2, 2));
+    }
+
+    #[test]
+    fn clears_bump_the_generation() {
+        let mut cache = EndpointCache::new();
+        assert_eq!(cache.generation(), 0);
+        let t = toks(0..4);
+        let _ = apply(
+            &mut cache,
+            &[
+                stored(&[h(1)], None, t.clone()),
+                stored_in(&[h(1)], None, vec![], 0, Medium::Cpu, None),
+            ],
+        );
+        let stats = apply(&mut cache, &[KvEvent::AllBlocksCleared]);
+        assert_eq!((stats.cleared, stats.events()), (1, 1));
+        assert_eq!(cache.generation(), 1);
+        for tier in Tier::ALL {
+            assert_eq!(cache.blocks(tier), 0);
+            assert_eq!(cache.engine_hashes(tier).count(), 0);
+            assert_eq!(cache.keys(tier).count(), 0);
+        }
+        assert_eq!(cache.key_of(&h(1)), None);
+        // Stored again after the reset: same key (remembered), removable again.
+        let _ = apply(
+            &mut cache,
+            &[stored_in(&[h(1)], None, vec![], 0, Medium::Cpu, None)],
+        );
+        assert_eq!(cache.key_of(&h(1)), Some(block_key(root_key(None), &t)));
+        // A publisher restart forgets removed blocks too.
+        let _ = apply(&mut cache, &[removed(&[h(1)], Medium::Cpu)]);
+        cache.clear();
+        assert_eq!(cache.generation(), 2);
+        let stats = apply(
+            &mut cache,
+            &[stored_in(&[h(1)], None, vec![], 0, Medium::Cpu, None)],
+        );
+        assert_eq!(stats.hash_keyed, 1);
+        assert_eq!(cache.key_of(&h(1)), Some(hash_key(&h(1))));
+    }
+
+    #[test]
+    fn inconsistent_token_counts_are_malformed_but_recorded() {
+        let mut cache = EndpointCache::new();
+        let stats = apply(
+            &mut cache,
+            &[
+                stored(&[h(1), h(2)], None, toks(0..7)),
+                stored(&[h(3)], None, toks(0..9)),
+                stored_in(&[h(4)], None, toks(0..4), 0, Medium::Gpu, None),
+                stored(&[], None, toks(0..4)),
+                stored(&[], None, vec![]),
+            ],
+        );
+        assert_eq!(stats.malformed, 4);
+        assert_eq!(stats.hash_keyed, 4);
+        assert_eq!(cache.blocks(Tier::Gpu), 4);
+        assert_eq!(cache.key_of(&h(2)), Some(hash_key(&h(2))));
+        let stats = apply(
+            &mut cache,
+            &[removed(&[h(1), h(2), h(3), h(4)], Medium::Gpu)],
+        );
+        assert_eq!(stats.removed, 4);
+        assert_eq!(cache.blocks(Tier::Gpu), 0);
+    }
+
+    #[test]
+    fn odd_inputs_never_panic() {
+        let mut cache = EndpointCache::new().with_recent_removed(0);
+        let huge = KvEvent::BlockStored {
+            block_hashes: vec![h(1); 3],
+            parent_block_hash: Some(h(1)),
+            token_ids: vec![u32::MAX; 5],
+            block_size: u32::MAX,
+            lora_id: Some(i64::MIN),
+            medium: Medium::Other(String::new()),
+            lora_name: Some(String::new()),
+            group_idx: Some(-1),
+        };
+        let unknown = KvEvent::Unknown {
+            type_name: "Foo".into(),
+        };
+        let stats = apply(
+            &mut cache,
+            &[
+                huge.clone(),
+                unknown,
+                huge,
+                removed(&[], Medium::Gpu),
+                KvEvent::AllBlocksCleared,
+            ],
+        );
+        assert_eq!(stats.unknown_events, 1);
+        assert_eq!(stats.events(), 5);
+        assert_eq!(cache.blocks(Tier::Storage), 0);
+        assert_eq!(cache.resident() + cache.remembered(), 0);
+        // A parent that is the block itself, with long blocks (streamed hashing).
+        let _ = apply(
+            &mut cache,
+            &[stored_in(
+                &[h(1), h(1)],
+                Some(h(1)),
+                toks(0..200),
+                100,
+                Medium::Gpu,
+                None,
+            )],
+        );
+        assert_eq!(cache.blocks(Tier::Gpu), 1);
+    }
+
+    #[test]
+    fn stats_add_up() {
+        let mut a = ApplyStats {
+            stored: 1,
+            store_events: 1,
+            ..ApplyStats::default()
+        };
+        let b = ApplyStats {
+            removed: 2,
+            remove_events: 2,
+            unknown_events: 1,
+            malformed: 3,
+            ..ApplyStats::default()
+        };
+        a.add(&b);
+        assert_eq!((a.stored, a.removed, a.malformed, a.events()), (1, 2, 3, 4));
+    }
+}

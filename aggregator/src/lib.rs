@@ -1,0 +1,116 @@
+//! kvoy-aggregator: one process per pool that follows every model server's KV events (ZMQ)
+//! and metrics (`/metrics`), and serves what the filters need as a small, versioned,
+//! incremental snapshot.
+//!
+//! - [`config`]: the configuration file; [`source`]: where endpoints come from (a file now,
+//!   reloaded when it changes; the trait is what a Kubernetes source implements).
+//! - [`prom`]: Prometheus text and the vLLM / SGLang metric names; [`scrape`]: the scraper.
+//! - [`kv_index`]: per endpoint and medium, the blocks cached, keyed by the aggregator's own
+//!   hash of token ids; [`follow`]: the thread that feeds it from the ZMQ stream, with gap
+//!   recovery through the replay socket.
+//! - [`status`]: statuses and pool gauges (pure); [`pool`]: the actor that owns the endpoints
+//!   and the snapshot history; [`http`]: the API.
+//!
+//! ```no_run
+//! # async fn demo() -> std::io::Result<()> {
+//! use kvoy_aggregator::{config::AggregatorConfig, source::StaticSource, Aggregator};
+//! let cfg = AggregatorConfig::from_yaml("endpoints: [{address: '127.0.0.1:8000', models: [m]}]")
+//!     .map_err(std::io::Error::other)?;
+//! let source = StaticSource::new(cfg.endpoints.clone());
+//! let running = Aggregator::start(&cfg, Box::new(source), "127.0.0.1:0".parse().unwrap()).await?;
+//! println!("snapshot at http://{}/v1/snapshot", running.local_addr());
+//! running.shutdown().await;
+//! # Ok(()) }
+//! ```
+
+pub mod config;
+pub mod follow;
+pub mod http;
+pub mod kv_index;
+pub mod pool;
+pub mod prom;
+pub mod scrape;
+pub mod source;
+pub mod status;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::config::AggregatorConfig;
+use crate::pool::{Pool, PoolSettings, PoolView};
+use crate::source::EndpointSource;
+use crate::status::Thresholds;
+
+/// A running aggregator (pool actor + HTTP API) on the current tokio runtime.
+pub struct Aggregator {
+    addr: SocketAddr,
+    shutdown: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+/// A random epoch: a restarted aggregator numbers its versions afresh, and a filter that
+/// sends the old epoch gets a full snapshot.
+fn new_epoch() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    h.write_u64(nanos);
+    // Never 0, so that a filter's "no snapshot yet" can be 0.
+    h.finish().max(1)
+}
+
+impl Aggregator {
+    /// Binds `listen` and starts the pool actor and the API.
+    pub async fn start(
+        config: &AggregatorConfig,
+        source: Box<dyn EndpointSource>,
+        listen: SocketAddr,
+    ) -> std::io::Result<Aggregator> {
+        let listener = tokio::net::TcpListener::bind(listen).await?;
+        let addr = listener.local_addr()?;
+        let settings = PoolSettings {
+            scrape_interval: config.scrape_interval,
+            scrape_timeout: config.scrape_timeout,
+            reload_interval: config.reload_interval,
+            thresholds: Thresholds {
+                stale_after: config.stale_after,
+                unready_after_failures: config.unready_after_failures,
+            },
+        };
+        let epoch = new_epoch();
+        let (shutdown, stop) = watch::channel(false);
+        let (views_tx, views) = watch::channel(Arc::new(PoolView::new(epoch)));
+        let pool = Pool::new(settings, source, kvoy_kvevents::ZmqContext::new(), epoch);
+        let api = http::Api {
+            views,
+            counters: Arc::default(),
+        };
+        let tasks = vec![
+            tokio::spawn(pool.run(views_tx, stop.clone())),
+            tokio::spawn(http::serve(listener, api, stop)),
+        ];
+        Ok(Aggregator {
+            addr,
+            shutdown,
+            tasks,
+        })
+    }
+
+    /// Where the API listens.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Stops the API and the pool (endpoint tasks and followers stop with it).
+    pub async fn shutdown(self) {
+        let _ = self.shutdown.send(true);
+        for t in self.tasks {
+            let _ = t.await;
+        }
+    }
+}

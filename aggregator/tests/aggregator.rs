@@ -1,0 +1,328 @@
+//! The aggregator against real kvoy-sim simulators on 127.0.0.1: metrics scraping, KV events
+//! over ZMQ (live, replayed for a late join, after a reset and a publisher restart), the
+//! snapshot API (full and incremental), `/v1/endpoints`, `/metrics`, health, and a killed
+//! simulator going not-ready.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use kvoy_aggregator::config::{AggregatorConfig, EndpointSpec, KvEventsSource};
+use kvoy_aggregator::prom;
+use kvoy_aggregator::source::StaticSource;
+use kvoy_aggregator::Aggregator;
+use kvoy_shared::snapshot::{Snapshot, SnapshotDelta, CONTENT_TYPE};
+use kvoy_sim::server::runtime::EngineHandle;
+use kvoy_sim::server::{self, Simulator};
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// One simulator with its own runtime, so that dropping it kills just this one.
+struct Sim {
+    addr: SocketAddr,
+    kv: String,
+    replay: String,
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+impl Sim {
+    fn start(addr: SocketAddr, kv: &str, replay: &str) -> Sim {
+        Self::try_start(addr, kv, replay).unwrap()
+    }
+
+    /// Starts a simulator; the ports may still be held by one just killed, so callers retry.
+    fn try_start(addr: SocketAddr, kv: &str, replay: &str) -> Result<Sim, String> {
+        let args: Vec<String> = [
+            "--model",
+            "m",
+            "--speedup",
+            "20",
+            "--kv-events-endpoint",
+            kv,
+            "--kv-events-replay-endpoint",
+            replay,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let options = kvoy_sim::cli::parse(&args).unwrap().unwrap();
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let listener = runtime
+            .block_on(tokio::net::TcpListener::bind(addr))
+            .map_err(|e| e.to_string())?;
+        let sink = kvoy_sim::events::sink(&options, 0, addr).map_err(|e| e.to_string())?;
+        let engine = EngineHandle::start(options.profile.clone(), options.http.speedup, sink)
+            .map_err(|e| e.to_string())?;
+        let sim = Simulator::new(engine, options.http.clone(), addr.to_string());
+        runtime.spawn(server::serve(listener, sim));
+        Ok(Sim {
+            addr,
+            kv: kv.to_owned(),
+            replay: replay.to_owned(),
+            runtime: Some(runtime),
+        })
+    }
+
+    fn new_on_free_ports() -> Sim {
+        let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let kv = format!("tcp://127.0.0.1:{}", free_port());
+        let replay = format!("tcp://127.0.0.1:{}", free_port());
+        Sim::start(addr, &kv, &replay)
+    }
+
+    fn spec(&self) -> EndpointSpec {
+        EndpointSpec {
+            address: self.addr,
+            models: vec!["m".into()],
+            metrics_path: "/metrics".into(),
+            kv_events: Some(KvEventsSource {
+                endpoint: self.kv.clone(),
+                replay_endpoint: Some(self.replay.clone()),
+                topic: String::new(),
+            }),
+        }
+    }
+
+    fn kill(&mut self) {
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_timeout(Duration::from_secs(2));
+        }
+    }
+}
+
+impl Drop for Sim {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A minimal HTTP/1.1 exchange (`Connection: close`): status, headers, body.
+fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String, Vec<u8>) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nhost: t\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
+    let head = String::from_utf8_lossy(&raw[..split]).to_string();
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    let mut body = raw[split + 4..].to_vec();
+    if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        body = dechunk(&body);
+    }
+    (status, head, body)
+}
+
+fn dechunk(mut b: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let eol = b.windows(2).position(|w| w == b"\r\n").unwrap();
+        let n = usize::from_str_radix(std::str::from_utf8(&b[..eol]).unwrap().trim(), 16).unwrap();
+        if n == 0 {
+            return out;
+        }
+        out.extend_from_slice(&b[eol + 2..eol + 2 + n]);
+        b = &b[eol + 4 + n..];
+    }
+}
+
+fn snapshot(agg: SocketAddr, query: &str) -> (SnapshotDelta, usize) {
+    let (status, head, body) = http(agg, "GET", &format!("/v1/snapshot{query}"), "");
+    assert_eq!(status, 200);
+    assert!(head.contains(CONTENT_TYPE), "{head}");
+    (SnapshotDelta::decode(&body).unwrap(), body.len())
+}
+
+fn current(agg: SocketAddr) -> Snapshot {
+    let mut s = Snapshot::default();
+    s.apply(snapshot(agg, "").0).unwrap();
+    s
+}
+
+fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) -> Duration {
+    let start = Instant::now();
+    while !f() {
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    start.elapsed()
+}
+
+fn complete(sim: SocketAddr, prompt: &str) {
+    let body = serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": 2}).to_string();
+    let (status, _, _) = http(sim, "POST", "/v1/completions", &body);
+    assert_eq!(status, 200);
+}
+
+fn config() -> AggregatorConfig {
+    AggregatorConfig::from_yaml("scrape_interval_ms: 50\nstale_after_ms: 500\n").unwrap()
+}
+
+#[test]
+fn follows_simulators_and_serves_snapshots() {
+    let mut sims = [Sim::new_on_free_ports(), Sim::new_on_free_ports()];
+    // Work done before the aggregator exists is learned through the replay socket.
+    let prompt = "alpha beta gamma delta ".repeat(40);
+    complete(sims[0].addr, &prompt);
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let cfg = config();
+    let source = StaticSource::new(sims.iter().map(Sim::spec).collect());
+    let agg = rt
+        .block_on(Aggregator::start(
+            &cfg,
+            Box::new(source),
+            "127.0.0.1:0".parse().unwrap(),
+        ))
+        .unwrap();
+    let api = agg.local_addr();
+    assert_eq!(http(api, "GET", "/healthz", "").0, 200);
+    wait_for("readyz", Duration::from_secs(10), || {
+        http(api, "GET", "/readyz", "").0 == 200
+    });
+    wait_for("both endpoints ready", Duration::from_secs(10), || {
+        let s = current(api);
+        s.endpoints.len() == 2 && s.endpoints.iter().all(|e| e.ready && !e.stale)
+    });
+    // A message on the live stream makes the follower notice it missed seq 0.. and replay.
+    complete(
+        sims[0].addr,
+        "a fresh prompt to publish one more batch "
+            .repeat(8)
+            .as_str(),
+    );
+    wait_for("replayed history", Duration::from_secs(10), || {
+        current(api).endpoints[0].cached_blocks[0] >= 10
+    });
+
+    let s = current(api);
+    let e0 = &s.endpoints[0];
+    assert_eq!((e0.slot, e0.address), (0, sims[0].addr));
+    assert_eq!(e0.models, ["m"]);
+    assert!(e0.block_size > 0 && e0.capacity_blocks > 0, "{e0:?}");
+    assert_eq!(s.endpoints[1].cached_blocks, [0, 0, 0]);
+
+    // Incremental polls: nothing changed -> an empty delta; a change -> only that endpoint.
+    let (full, full_bytes) = snapshot(api, "");
+    assert!(full.is_full());
+    let (idle, idle_bytes) = snapshot(api, &format!("?epoch={}&since={}", s.epoch, s.version));
+    if idle.version == s.version {
+        assert!(idle.upserts.is_empty() && idle.removed.is_empty());
+        assert!(idle_bytes < full_bytes, "{idle_bytes} vs {full_bytes}");
+    }
+    let before = current(api);
+    complete(sims[1].addr, &"another prompt entirely ".repeat(30));
+    wait_for("sim 1 cache", Duration::from_secs(10), || {
+        current(api).endpoints[1].cached_blocks[0] > 0
+    });
+    let (delta, _) = snapshot(
+        api,
+        &format!("?epoch={}&since={}", before.epoch, before.version),
+    );
+    assert!(!delta.is_full());
+    assert!(delta.upserts.iter().any(|e| e.slot == 1));
+    let mut applied = before.clone();
+    applied.apply(delta).unwrap();
+    assert!(applied.endpoints[1].cached_blocks[0] > 0);
+    let (stale_epoch, _) = snapshot(
+        api,
+        &format!("?epoch={}&since={}", before.epoch + 1, before.version),
+    );
+    assert!(stale_epoch.is_full(), "another epoch gets a full snapshot");
+
+    // The JSON view and the metrics.
+    let (status, _, body) = http(api, "GET", "/v1/endpoints", "");
+    assert_eq!(status, 200);
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["endpoints"].as_array().unwrap().len(), 2);
+    assert_eq!(v["endpoints"][0]["address"], sims[0].addr.to_string());
+    assert!(v["endpoints"][0]["kv_events"]["batches"].as_u64().unwrap() > 0);
+    assert!(
+        v["endpoints"][0]["kv_events"]["replayed_batches"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+    assert_eq!(v["pool"]["ready"], 2);
+    let (status, _, body) = http(api, "GET", "/metrics", "");
+    assert_eq!(status, 200);
+    let text = String::from_utf8(body).unwrap();
+    let names: Vec<String> = prom::samples(&text)
+        .map(|s| s.unwrap().name.to_owned())
+        .collect();
+    for name in [
+        "kvoy_aggregator_pool_queue_depth",
+        "kvoy_aggregator_pool_saturation",
+        "kvoy_aggregator_cached_blocks",
+        "kvoy_aggregator_kv_event_batches_total",
+        "kvoy_aggregator_scrapes_total",
+        "kvoy_aggregator_snapshot_requests_total",
+    ] {
+        assert!(names.iter().any(|n| n == name), "{name} missing");
+    }
+
+    // vLLM's reset_prefix_cache: AllBlocksCleared empties the view and bumps the generation.
+    let generation = current(api).endpoints[0].cache_generation;
+    assert_eq!(http(sims[0].addr, "POST", "/reset_prefix_cache", "").0, 200);
+    wait_for("cleared", Duration::from_secs(10), || {
+        let e = &current(api).endpoints[0];
+        e.cached_blocks[0] == 0 && e.cache_generation > generation
+    });
+
+    // A publisher restart (sequence back at 0) drops what was learned from it.
+    let generation = current(api).endpoints[1].cache_generation;
+    let (addr, kv, replay) = (sims[1].addr, sims[1].kv.clone(), sims[1].replay.clone());
+    sims[1].kill();
+    // Killed: not ready within a second.
+    let took = wait_for("killed simulator not ready", Duration::from_secs(5), || {
+        !current(api).endpoints[1].ready
+    });
+    assert!(took < Duration::from_secs(1), "took {took:?}");
+    assert!(current(api).endpoints[0].ready);
+    let mut restarted = None;
+    wait_for(
+        "ports free for the restart",
+        Duration::from_secs(10),
+        || {
+            restarted = Sim::try_start(addr, &kv, &replay).ok();
+            restarted.is_some()
+        },
+    );
+    sims[1] = restarted.unwrap();
+    wait_for("restarted simulator ready", Duration::from_secs(10), || {
+        current(api).endpoints[1].ready
+    });
+    // ZMQ reconnects on its own; publish until the follower sees the new stream.
+    wait_for("restart detected", Duration::from_secs(15), || {
+        complete(addr, "post restart prompt ".repeat(20).as_str());
+        current(api).endpoints[1].cache_generation > generation
+    });
+
+    rt.block_on(agg.shutdown());
+}

@@ -1,0 +1,98 @@
+//! kvoy-aggregator in-process (crate `kvoy-aggregator`, through its library API) on a tokio
+//! runtime of its own, for `kvoy-stack` and the end-to-end tests. [`LocalAggregator::kill`]
+//! drops the runtime at once, as a crash would: the port closes and open connections reset.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::Context as _;
+
+use kvoy_aggregator::config::AggregatorConfig;
+use kvoy_aggregator::source::FileSource;
+use kvoy_aggregator::Aggregator;
+
+/// One endpoint of the aggregator's configuration file.
+#[derive(Clone, Debug)]
+pub struct AggregatedEndpoint {
+    pub address: SocketAddr,
+    pub models: Vec<String>,
+    /// `tcp://...` of the server's KV-event publisher, and of its replay socket.
+    pub kv_events: Option<(String, Option<String>)>,
+}
+
+/// Renders the aggregator's YAML configuration: `settings` (YAML lines, e.g.
+/// `scrape_interval_ms: 50`) and the endpoints.
+pub fn aggregator_yaml(settings: &str, endpoints: &[AggregatedEndpoint]) -> String {
+    let mut out = String::from("# kvoy-aggregator configuration (written by kvoy-e2e)\n");
+    out.push_str(settings);
+    if !settings.is_empty() && !settings.ends_with('\n') {
+        out.push('\n');
+    }
+    out.push_str("endpoints:\n");
+    for e in endpoints {
+        out.push_str(&format!(
+            "  - address: \"{}\"\n    models: {}\n",
+            e.address,
+            serde_json::json!(e.models)
+        ));
+        if let Some((kv, replay)) = &e.kv_events {
+            out.push_str(&format!("    kv_events_endpoint: \"{kv}\"\n"));
+            if let Some(r) = replay {
+                out.push_str(&format!("    kv_events_replay_endpoint: \"{r}\"\n"));
+            }
+        }
+    }
+    out
+}
+
+/// A kvoy-aggregator running in this process.
+pub struct LocalAggregator {
+    addr: SocketAddr,
+    runtime: Option<tokio::runtime::Runtime>,
+    _aggregator: Option<Aggregator>,
+}
+
+impl LocalAggregator {
+    /// Writes `yaml` to `config_path` and starts an aggregator on `listen` (port 0: any free
+    /// port) that reloads the endpoints from that file when it changes.
+    pub fn start(config_path: &Path, yaml: &str, listen: SocketAddr) -> anyhow::Result<Self> {
+        std::fs::write(config_path, yaml)
+            .with_context(|| format!("writing {}", config_path.display()))?;
+        let config = AggregatorConfig::from_file(config_path)?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("kvoy-aggregator")
+            .enable_all()
+            .build()
+            .context("starting the aggregator's tokio runtime")?;
+        let source = Box::new(FileSource::new(config_path));
+        let aggregator = runtime
+            .block_on(Aggregator::start(&config, source, listen))
+            .with_context(|| format!("kvoy-aggregator cannot listen on {listen}"))?;
+        Ok(LocalAggregator {
+            addr: aggregator.local_addr(),
+            runtime: Some(runtime),
+            _aggregator: Some(aggregator),
+        })
+    }
+
+    /// Where its API listens.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Stops it abruptly (tasks cancelled, sockets closed), as a crash would.
+    pub fn kill(&mut self) {
+        self._aggregator = None;
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_timeout(Duration::from_millis(500));
+        }
+    }
+}
+
+impl Drop for LocalAggregator {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

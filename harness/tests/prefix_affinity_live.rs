@@ -1,0 +1,265 @@
+//! The prefix-affinity filter with a live pool from kvoy-aggregator, through the real `.wasm`
+//! with two VMs: one poller (the lease), snapshots shared with the other VM, incremental polls,
+//! unhealthy or loaded endpoints avoided, and an aggregator that fails or goes silent never
+//! holding a request up.
+
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use kvoy_harness::{testing, Action, Error, HttpCall, HttpResponse, Plugin};
+use kvoy_shared::snapshot::{EndpointStatus, SnapshotHistory};
+
+type TestResult = Result<(), Error>;
+
+const STATIC_POOL: [&str; 2] = ["127.0.0.1:18001", "127.0.0.1:18002"];
+const DEST: &str = "x-gateway-destination-endpoint";
+const CLUSTER: &str = "kvoy_aggregator";
+
+fn config() -> String {
+    serde_json::json!({
+        "endpoints": STATIC_POOL.iter().map(|a| serde_json::json!({"address": a, "models": ["m"]})).collect::<Vec<_>>(),
+        "aggregator": {"cluster": CLUSTER, "authority": "aggregator.local"},
+    })
+    .to_string()
+}
+
+fn plugin() -> Result<Plugin, Error> {
+    testing::filter_host("kvoy_prefix_affinity")?
+        .plugin()
+        .configuration(config())
+        .clusters([CLUSTER])
+        .vms(2)
+        .seed(11)
+        .start()
+}
+
+fn status(slot: u16, port: u16) -> EndpointStatus {
+    EndpointStatus {
+        slot,
+        address: ([127, 0, 0, 1], port).into(),
+        models: vec!["m".into()],
+        ready: true,
+        stale: false,
+        waiting: 0,
+        running: 0,
+        kv_cache_usage: 0.1,
+        block_size: 16,
+        capacity_blocks: 1000,
+        cached_blocks: [0; 3],
+        cache_generation: 0,
+        prefix_hit_rate: None,
+    }
+}
+
+/// Routes one chat request with a unique prompt on `vm` to completion; the destination.
+fn route(plugin: &Plugin, vm: usize, i: usize) -> Result<String, Error> {
+    let body = serde_json::json!({"model": "m", "messages": [
+        {"role": "user", "content": format!("distinct prompt number {i} ").repeat(20)}]})
+    .to_string();
+    let stream = plugin.http_stream(vm)?;
+    let action = stream.send_request_headers(
+        &[
+            (":method", "POST"),
+            (":path", "/v1/chat/completions"),
+            (":authority", "gw"),
+            ("content-type", "application/json"),
+        ],
+        false,
+    )?;
+    assert_eq!(action, Action::Pause);
+    stream.send_request_body(body.as_bytes(), true)?;
+    let dest = stream
+        .forwarded_request_headers()
+        .and_then(|h| h.get(DEST).map(str::to_owned))
+        .unwrap_or_else(|| panic!("request {i} was not forwarded: {:?}", stream.local_reply()));
+    stream.finish()?;
+    Ok(dest)
+}
+
+fn spread(plugin: &Plugin, n: usize) -> Result<BTreeMap<String, usize>, Error> {
+    let mut seen = BTreeMap::new();
+    for i in 0..n {
+        *seen.entry(route(plugin, i % 2, i)?).or_default() += 1;
+    }
+    Ok(seen)
+}
+
+/// Advances one poll interval and returns the single poll it caused.
+fn next_poll(plugin: &Plugin) -> Result<HttpCall, Error> {
+    plugin.advance(Duration::from_millis(100))?;
+    let calls = plugin.http_calls();
+    assert_eq!(calls.len(), 1, "one poller per proxy: {calls:?}");
+    let call = calls.into_iter().next().unwrap();
+    assert_eq!(call.upstream, CLUSTER);
+    assert_eq!(call.headers.get(":method"), Some("GET"));
+    assert_eq!(call.headers.get(":authority"), Some("aggregator.local"));
+    Ok(call)
+}
+
+fn answer(plugin: &Plugin, call: &HttpCall, history: &SnapshotHistory) -> TestResult {
+    let path = call.headers.get(":path").unwrap_or_default().to_owned();
+    let query = path.split_once('?').map_or("", |(_, q)| q);
+    let mut epoch = None;
+    let mut since = None;
+    for kv in query.split('&') {
+        match kv.split_once('=') {
+            Some(("epoch", v)) => epoch = v.parse().ok(),
+            Some(("since", v)) => since = v.parse().ok(),
+            _ => {}
+        }
+    }
+    let mut body = Vec::new();
+    history.delta_since(epoch, since).encode(&mut body);
+    plugin.respond_http_call(call, HttpResponse::new(200).body(body))
+}
+
+#[test]
+fn routes_by_the_aggregators_pool_and_survives_its_loss() -> TestResult {
+    let plugin = plugin()?;
+    // Before any snapshot: the static pool.
+    for (_, dest) in [(0, route(&plugin, 0, 0)?), (1, route(&plugin, 1, 1)?)] {
+        assert!(STATIC_POOL.contains(&dest.as_str()), "{dest}");
+    }
+
+    // The aggregator's pool: 19001 fine, 19002 not ready, 19003 with a long queue, 19004 with
+    // a full KV cache, 19005 fine.
+    let mut history = SnapshotHistory::new(42);
+    let mut pool = vec![
+        status(0, 19001),
+        EndpointStatus {
+            ready: false,
+            ..status(1, 19002)
+        },
+        EndpointStatus {
+            waiting: 40,
+            running: 8,
+            ..status(2, 19003)
+        },
+        EndpointStatus {
+            kv_cache_usage: 0.99,
+            ..status(3, 19004)
+        },
+        status(4, 19005),
+    ];
+    history.update(pool.clone());
+    let call = next_poll(&plugin)?;
+    assert_eq!(
+        call.headers.get(":path"),
+        Some("/v1/snapshot"),
+        "the first poll is full"
+    );
+    answer(&plugin, &call, &history)?;
+
+    let seen = spread(&plugin, 40)?;
+    assert_eq!(
+        seen.keys().map(String::as_str).collect::<Vec<_>>(),
+        ["127.0.0.1:19001", "127.0.0.1:19005"],
+        "only healthy, unloaded endpoints get new work (both VMs): {seen:?}"
+    );
+    assert_eq!(plugin.gauge("kvoy_prefix_affinity_pool_endpoints"), Some(5));
+    assert_eq!(plugin.gauge("kvoy_prefix_affinity_pool_live"), Some(1));
+
+    // An incremental poll: 19001 goes not ready; only it changes on the wire.
+    pool[0].ready = false;
+    history.update(pool.clone());
+    let call = next_poll(&plugin)?;
+    let path = call.headers.get(":path").unwrap_or_default().to_owned();
+    assert!(path.starts_with("/v1/snapshot?epoch=42&since="), "{path}");
+    answer(&plugin, &call, &history)?;
+    let seen = spread(&plugin, 20)?;
+    assert_eq!(
+        seen.keys().collect::<Vec<_>>(),
+        ["127.0.0.1:19005"],
+        "{seen:?}"
+    );
+
+    // The aggregator fails: requests keep flowing on the last snapshot, without its loads
+    // once they are old, then on the static pool once the snapshot itself is too old.
+    let polls_ok = plugin.counter("kvoy_prefix_affinity_snapshot_polls_total");
+    assert_eq!(polls_ok, Some(2));
+    let call = next_poll(&plugin)?;
+    plugin.fail_http_call(&call)?;
+    let call = next_poll(&plugin)?;
+    plugin.respond_http_call(&call, HttpResponse::new(503))?;
+    let call = next_poll(&plugin)?;
+    plugin.respond_http_call(&call, HttpResponse::new(200).body("not a snapshot"))?;
+    assert_eq!(
+        plugin.counter("kvoy_prefix_affinity_snapshot_poll_failures_total"),
+        Some(3)
+    );
+    let seen = spread(&plugin, 10)?;
+    assert_eq!(
+        seen.keys().collect::<Vec<_>>(),
+        ["127.0.0.1:19005"],
+        "last snapshot kept"
+    );
+    // 3 s later (> load_max_age_ms 2000): loads ignored, so 19003 and 19004 are candidates
+    // again; 19001 and 19002 stay avoided (not ready in the last snapshot).
+    for _ in 0..30 {
+        plugin.advance(Duration::from_millis(100))?;
+        for call in plugin.http_calls() {
+            plugin.fail_http_call(&call)?;
+        }
+    }
+    let seen = spread(&plugin, 60)?;
+    assert_eq!(
+        seen.keys().map(String::as_str).collect::<Vec<_>>(),
+        ["127.0.0.1:19003", "127.0.0.1:19004", "127.0.0.1:19005"],
+        "{seen:?}"
+    );
+    // 30 s without contact (snapshot_max_age_ms): back to the static pool.
+    for _ in 0..280 {
+        plugin.advance(Duration::from_millis(100))?;
+        for call in plugin.http_calls() {
+            plugin.fail_http_call(&call)?;
+        }
+    }
+    let seen = spread(&plugin, 20)?;
+    assert!(
+        seen.keys().all(|d| STATIC_POOL.contains(&d.as_str())),
+        "{seen:?}"
+    );
+    assert_eq!(plugin.gauge("kvoy_prefix_affinity_pool_live"), Some(0));
+
+    // The aggregator is back (restarted: a new epoch): the next poll takes it whole.
+    let mut history = SnapshotHistory::new(43);
+    history.update(vec![status(7, 19007)]);
+    let call = next_poll(&plugin)?;
+    answer(&plugin, &call, &history)?;
+    let seen = spread(&plugin, 6)?;
+    assert_eq!(
+        seen.keys().collect::<Vec<_>>(),
+        ["127.0.0.1:19007"],
+        "{seen:?}"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_forged_destination_never_leaves_the_live_pool() -> TestResult {
+    let plugin = plugin()?;
+    let mut history = SnapshotHistory::new(5);
+    history.update(vec![status(0, 19001)]);
+    let call = next_poll(&plugin)?;
+    answer(&plugin, &call, &history)?;
+    for forged in ["127.0.0.1:18001", "10.9.9.9:80", "127.0.0.1:19001"] {
+        let stream = plugin.http_stream(0)?;
+        stream.send_request_headers(
+            &[
+                (":method", "GET"),
+                (":path", "/v1/models"),
+                (":authority", "gw"),
+                (DEST, forged),
+            ],
+            true,
+        )?;
+        let dest = stream
+            .forwarded_request_headers()
+            .and_then(|h| h.get(DEST).map(str::to_owned));
+        assert_eq!(dest.as_deref(), Some("127.0.0.1:19001"), "forged {forged}");
+        stream.finish()?;
+    }
+    Ok(())
+}

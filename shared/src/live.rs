@@ -1,0 +1,416 @@
+//! The live pool from kvoy-aggregator, as the filters use it.
+//!
+//! One VM per proxy polls the aggregator: whoever holds the shared-data lease
+//! ([`SnapshotBoard::try_lease`]). It applies the answer (full, or the changes since its
+//! version) to the snapshot it has and publishes the result on the board: the encoded snapshot
+//! under one key and a 24-byte [`BoardMeta`] (epoch, version, time of last contact) under
+//! another. Every VM reads the meta key (small) per request and the snapshot only when the
+//! version changed, then routes with [`live_pool`] or falls back per [`choose`]. Nothing on
+//! the request path ever waits for the aggregator.
+
+use crate::config::AggregatorSettings;
+use crate::endpoint::{Endpoint, EndpointId, EndpointLoad, Health, Pool};
+use crate::replica::{SharedStore, StoreError};
+use crate::snapshot::{Snapshot, SnapshotDelta, SnapshotError};
+
+/// What the board says about the published snapshot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BoardMeta {
+    pub epoch: u64,
+    pub version: u64,
+    /// When the poller last heard from the aggregator (ms, host clock).
+    pub contacted_ms: u64,
+}
+
+impl BoardMeta {
+    fn encode(&self) -> [u8; 24] {
+        let mut b = [0u8; 24];
+        b[0..8].copy_from_slice(&self.epoch.to_le_bytes());
+        b[8..16].copy_from_slice(&self.version.to_le_bytes());
+        b[16..24].copy_from_slice(&self.contacted_ms.to_le_bytes());
+        b
+    }
+
+    fn decode(b: &[u8]) -> Option<Self> {
+        let word = |i: usize| -> Option<u64> {
+            Some(u64::from_le_bytes(b.get(i..i + 8)?.try_into().ok()?))
+        };
+        Some(BoardMeta {
+            epoch: word(0)?,
+            version: word(8)?,
+            contacted_ms: word(16)?,
+        })
+    }
+}
+
+/// The shared-data keys of the live pool, for one filter configuration.
+#[derive(Clone, Debug)]
+pub struct SnapshotBoard {
+    lease_key: String,
+    meta_key: String,
+    snapshot_key: String,
+    owner: u64,
+    scratch: Vec<u8>,
+}
+
+impl SnapshotBoard {
+    /// `owner` identifies this VM (any value distinct per VM).
+    pub fn new(namespace: &str, owner: u64) -> Self {
+        SnapshotBoard {
+            lease_key: format!("{namespace}.agg.lease"),
+            meta_key: format!("{namespace}.agg.meta"),
+            snapshot_key: format!("{namespace}.agg.snapshot"),
+            owner,
+            scratch: Vec::new(),
+        }
+    }
+
+    /// Takes or renews the poller lease until `now_ms + ttl_ms`. True when this VM is the
+    /// poller. Two VMs that both find no lease may both poll once; the CAS settles it next time.
+    pub fn try_lease(&self, store: &impl SharedStore, now_ms: u64, ttl_ms: u64) -> bool {
+        let mut value = [0u8; 16];
+        value[0..8].copy_from_slice(&self.owner.to_le_bytes());
+        value[8..16].copy_from_slice(&now_ms.saturating_add(ttl_ms).to_le_bytes());
+        let cas = match store.get(&self.lease_key) {
+            Some((b, cas)) => {
+                let held = |i: usize| -> Option<u64> {
+                    Some(u64::from_le_bytes(b.get(i..i + 8)?.try_into().ok()?))
+                };
+                let mine = held(0) == Some(self.owner);
+                let expired = held(8).is_none_or(|until| now_ms >= until);
+                if !(mine || expired) {
+                    return false;
+                }
+                cas
+            }
+            None => 0,
+        };
+        store.set(&self.lease_key, &value, cas).is_ok()
+    }
+
+    /// Publishes `snapshot` (contacted at `contacted_ms`): the snapshot first, then the meta,
+    /// so a reader that sees the new meta finds the new snapshot.
+    pub fn publish(
+        &mut self,
+        store: &impl SharedStore,
+        snapshot: &Snapshot,
+        contacted_ms: u64,
+    ) -> Result<(), StoreError> {
+        self.scratch.clear();
+        snapshot.encode(&mut self.scratch);
+        store.set(&self.snapshot_key, &self.scratch, 0)?;
+        self.touch(store, snapshot, contacted_ms)
+    }
+
+    /// Records a contact that changed nothing.
+    pub fn touch(
+        &self,
+        store: &impl SharedStore,
+        snapshot: &Snapshot,
+        contacted_ms: u64,
+    ) -> Result<(), StoreError> {
+        let meta = BoardMeta {
+            epoch: snapshot.epoch,
+            version: snapshot.version,
+            contacted_ms,
+        };
+        store.set(&self.meta_key, &meta.encode(), 0)
+    }
+
+    pub fn read_meta(&self, store: &impl SharedStore) -> Option<BoardMeta> {
+        store
+            .get(&self.meta_key)
+            .and_then(|(b, _)| BoardMeta::decode(&b))
+    }
+
+    /// The published snapshot; `None` when there is none or it does not decode.
+    pub fn read_snapshot(&self, store: &impl SharedStore) -> Option<Snapshot> {
+        store
+            .get(&self.snapshot_key)
+            .and_then(|(b, _)| Snapshot::decode(&b).ok())
+    }
+}
+
+/// What a VM routes with at a given moment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolChoice {
+    /// The configured `endpoints`.
+    Static,
+    /// The aggregator's endpoints; their queue and KV figures only when `with_loads`.
+    Live { with_loads: bool },
+}
+
+/// Chooses between the live and the static pool, given the board's meta at `now_ms`: live
+/// while the aggregator was heard from within `snapshot_max_age_ms` (or always, when there is
+/// no static pool), its load figures only within `load_max_age_ms`.
+pub fn choose(
+    meta: Option<BoardMeta>,
+    have_snapshot: bool,
+    now_ms: u64,
+    settings: &AggregatorSettings,
+    static_pool_empty: bool,
+) -> PoolChoice {
+    let Some(meta) = meta.filter(|_| have_snapshot) else {
+        return PoolChoice::Static;
+    };
+    let age = now_ms.saturating_sub(meta.contacted_ms);
+    if age > settings.snapshot_max_age_ms && !static_pool_empty {
+        return PoolChoice::Static;
+    }
+    PoolChoice::Live {
+        with_loads: age <= settings.load_max_age_ms,
+    }
+}
+
+/// The pool a snapshot describes: ids are the aggregator's slots. Not-ready endpoints are
+/// kept (with [`Health::NotReady`]) so that the pool still routes if nothing is ready.
+pub fn live_pool(snapshot: &Snapshot, with_loads: bool) -> Pool {
+    Pool::with_ids(snapshot.endpoints.iter().map(|s| {
+        let health = if !s.ready {
+            Health::NotReady
+        } else if s.stale {
+            Health::Stale
+        } else {
+            Health::Ready
+        };
+        let load = if with_loads && s.ready && !s.stale {
+            EndpointLoad {
+                waiting: Some(s.waiting),
+                kv_cache_usage: Some(f64::from(s.kv_cache_usage)),
+            }
+        } else {
+            EndpointLoad::default()
+        };
+        (
+            EndpointId(s.slot),
+            Endpoint {
+                load,
+                health,
+                cache_generation: s.cache_generation,
+                ..Endpoint::new(s.address, s.models.clone())
+            },
+        )
+    }))
+}
+
+/// Why a poll gave nothing.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum PollError {
+    #[error("the aggregator answered status {0}")]
+    Status(u32),
+    #[error("no answer (timeout or connection failure)")]
+    NoAnswer,
+    #[error("bad snapshot: {0}")]
+    Decode(SnapshotError),
+    #[error("the changes do not apply to our version: {0}")]
+    Mismatch(SnapshotError),
+}
+
+/// The path of the next poll: incremental from `have` unless a full snapshot is wanted.
+pub fn poll_path(settings: &AggregatorSettings, have: &Snapshot, want_full: bool) -> String {
+    let sep = if settings.path.contains('?') {
+        '&'
+    } else {
+        '?'
+    };
+    if want_full || have.epoch == 0 {
+        settings.path.clone()
+    } else {
+        format!(
+            "{}{sep}epoch={}&since={}",
+            settings.path, have.epoch, have.version
+        )
+    }
+}
+
+/// Applies a poll's answer to `snapshot`. `Ok(true)` when it changed. On
+/// [`PollError::Mismatch`] the next poll should ask for a full snapshot.
+pub fn apply_poll(
+    snapshot: &mut Snapshot,
+    status: Option<u32>,
+    body: &[u8],
+) -> Result<bool, PollError> {
+    match status {
+        Some(200) => {}
+        Some(s) => return Err(PollError::Status(s)),
+        None => return Err(PollError::NoAnswer),
+    }
+    let delta = SnapshotDelta::decode(body).map_err(PollError::Decode)?;
+    let before = (snapshot.epoch, snapshot.version);
+    let full = delta.is_full();
+    snapshot.apply(delta).map_err(PollError::Mismatch)?;
+    Ok(full || before != (snapshot.epoch, snapshot.version))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replica::MemoryStore;
+    use crate::snapshot::{EndpointStatus, SnapshotHistory};
+
+    fn settings() -> AggregatorSettings {
+        crate::PluginConfig::from_json(br#"{"aggregator":{"cluster":"agg"}}"#)
+            .unwrap()
+            .aggregator
+            .unwrap()
+    }
+
+    fn status(slot: u16, port: u16, ready: bool, stale: bool) -> EndpointStatus {
+        EndpointStatus {
+            slot,
+            address: ([10, 0, 0, 1], port).into(),
+            models: vec!["m".into()],
+            ready,
+            stale,
+            waiting: 3,
+            running: 1,
+            kv_cache_usage: 0.5,
+            block_size: 16,
+            capacity_blocks: 100,
+            cached_blocks: [1, 0, 0],
+            cache_generation: 2,
+            prefix_hit_rate: None,
+        }
+    }
+
+    #[test]
+    fn one_poller_at_a_time() {
+        let store = MemoryStore::default();
+        let a = SnapshotBoard::new("ns", 1);
+        let b = SnapshotBoard::new("ns", 2);
+        assert!(a.try_lease(&store, 1000, 300));
+        assert!(!b.try_lease(&store, 1100, 300), "held by a");
+        assert!(a.try_lease(&store, 1200, 300), "renewed");
+        assert!(!b.try_lease(&store, 1499, 300));
+        assert!(b.try_lease(&store, 1500, 300), "expired: taken over");
+        assert!(!a.try_lease(&store, 1600, 300));
+    }
+
+    #[test]
+    fn publish_then_read_and_choose() {
+        let store = MemoryStore::default();
+        let mut board = SnapshotBoard::new("ns", 1);
+        let reader = SnapshotBoard::new("ns", 2);
+        assert_eq!(reader.read_meta(&store), None);
+        let mut history = SnapshotHistory::new(7);
+        history.update(vec![status(0, 1, true, false), status(2, 3, false, false)]);
+        let snap = history.snapshot();
+        board.publish(&store, &snap, 5_000).unwrap();
+        let meta = reader.read_meta(&store).unwrap();
+        assert_eq!(
+            (meta.epoch, meta.version, meta.contacted_ms),
+            (7, snap.version, 5_000)
+        );
+        assert_eq!(reader.read_snapshot(&store).unwrap(), snap);
+
+        let s = settings();
+        assert_eq!(choose(None, false, 5_000, &s, false), PoolChoice::Static);
+        assert_eq!(
+            choose(Some(meta), true, 6_000, &s, false),
+            PoolChoice::Live { with_loads: true }
+        );
+        assert_eq!(
+            choose(Some(meta), true, 5_000 + s.load_max_age_ms + 1, &s, false),
+            PoolChoice::Live { with_loads: false }
+        );
+        assert_eq!(
+            choose(
+                Some(meta),
+                true,
+                5_000 + s.snapshot_max_age_ms + 1,
+                &s,
+                false
+            ),
+            PoolChoice::Static
+        );
+        assert_eq!(
+            choose(
+                Some(meta),
+                true,
+                5_000 + s.snapshot_max_age_ms + 1,
+                &s,
+                true
+            ),
+            PoolChoice::Live { with_loads: false },
+            "no static pool: keep the last snapshot"
+        );
+    }
+
+    #[test]
+    fn live_pool_maps_slots_health_and_loads() {
+        let mut history = SnapshotHistory::new(7);
+        history.update(vec![
+            status(0, 1, true, false),
+            status(2, 3, false, false),
+            status(5, 6, true, true),
+        ]);
+        let pool = live_pool(&history.snapshot(), true);
+        assert_eq!((pool.len(), pool.id_bound()), (3, 6));
+        let e0 = pool.get(EndpointId(0)).unwrap();
+        assert_eq!(
+            (e0.health, e0.load.waiting, e0.cache_generation),
+            (Health::Ready, Some(3), 2)
+        );
+        assert_eq!(pool.get(EndpointId(2)).unwrap().health, Health::NotReady);
+        let e5 = pool.get(EndpointId(5)).unwrap();
+        assert_eq!(
+            (e5.health, e5.load.waiting),
+            (Health::Stale, None),
+            "stale loads are not used"
+        );
+        let mut ids = Vec::new();
+        pool.serving("m", &mut ids);
+        assert_eq!(ids, [EndpointId(0)]);
+        let pool = live_pool(&history.snapshot(), false);
+        assert_eq!(
+            pool.get(EndpointId(0)).unwrap().load,
+            EndpointLoad::default()
+        );
+    }
+
+    #[test]
+    fn polls_apply_incrementally_and_recover_from_mismatch() {
+        let s = settings();
+        let mut history = SnapshotHistory::new(9);
+        history.update(vec![status(0, 1, true, false)]);
+        let mut mine = Snapshot::default();
+        assert_eq!(poll_path(&s, &mine, false), "/v1/snapshot");
+        let mut body = Vec::new();
+        history.delta_since(None, None).encode(&mut body);
+        assert_eq!(apply_poll(&mut mine, Some(200), &body), Ok(true));
+        assert_eq!(
+            poll_path(&s, &mine, false),
+            format!("/v1/snapshot?epoch=9&since={}", mine.version)
+        );
+
+        history.update(vec![status(0, 1, true, false), status(1, 2, true, false)]);
+        body.clear();
+        history
+            .delta_since(Some(mine.epoch), Some(mine.version))
+            .encode(&mut body);
+        assert_eq!(apply_poll(&mut mine, Some(200), &body), Ok(true));
+        assert_eq!(mine, history.snapshot());
+        // nothing new: an empty delta changes nothing
+        body.clear();
+        history
+            .delta_since(Some(mine.epoch), Some(mine.version))
+            .encode(&mut body);
+        assert_eq!(apply_poll(&mut mine, Some(200), &body), Ok(false));
+
+        let mut behind = Snapshot::default();
+        assert!(matches!(
+            apply_poll(&mut behind, Some(200), &body),
+            Err(PollError::Mismatch(_))
+        ));
+        assert_eq!(
+            apply_poll(&mut mine, Some(503), b""),
+            Err(PollError::Status(503))
+        );
+        assert_eq!(apply_poll(&mut mine, None, b""), Err(PollError::NoAnswer));
+        assert!(matches!(
+            apply_poll(&mut mine, Some(200), b"garbage"),
+            Err(PollError::Decode(_))
+        ));
+        assert_eq!(mine, history.snapshot(), "failed polls change nothing");
+    }
+}
