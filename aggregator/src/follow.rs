@@ -51,6 +51,8 @@ pub struct KvCounters {
     pub decode_errors: AtomicU64,
     pub seq_gaps: AtomicU64,
     pub publisher_restarts: AtomicU64,
+    /// Restarts seen in the server's metrics (counters went back), whatever the sequence said.
+    pub server_restarts: AtomicU64,
     pub replayed_batches: AtomicU64,
     pub replay_failures: AtomicU64,
     /// Batches neither received nor recovered.
@@ -83,6 +85,8 @@ impl KvCounters {
 /// A running follower; dropping it stops the thread (within [`POLL`]).
 pub struct Follower {
     stop: Arc<AtomicBool>,
+    /// Server restarts noticed elsewhere (the scrapes), for the thread to act on.
+    restarts: Arc<AtomicU64>,
     summary: watch::Receiver<KvSummary>,
     counters: Arc<KvCounters>,
     thread: Option<JoinHandle<()>>,
@@ -104,15 +108,26 @@ impl Follower {
             receiving: false,
         };
         let flag = stop.clone();
+        let restarts = Arc::new(AtomicU64::new(0));
+        let seen = restarts.clone();
         let thread = std::thread::Builder::new()
             .name(format!("kvoy-kv-{name}"))
-            .spawn(move || state.run(&flag))?;
+            .spawn(move || state.run(&flag, &seen))?;
         Ok(Follower {
             stop,
+            restarts,
             summary,
             counters,
             thread: Some(thread),
         })
+    }
+
+    /// Tells the thread how many times the server has restarted (from its metrics): on a new
+    /// restart it drops the cache and follows the publisher's numbering from 0 again. A
+    /// restarted publisher may reach the sequence number we expected before we reconnect, so
+    /// the sequence alone cannot always tell.
+    pub fn server_restarted(&self, count: u64) {
+        self.restarts.fetch_max(count, Ordering::Relaxed);
     }
 
     pub fn summary(&self) -> KvSummary {
@@ -144,7 +159,7 @@ struct FollowState {
 }
 
 impl FollowState {
-    fn run(&mut self, stop: &AtomicBool) {
+    fn run(&mut self, stop: &AtomicBool, restarts: &AtomicU64) {
         let sub = loop {
             if stop.load(Ordering::Relaxed) {
                 return;
@@ -168,16 +183,34 @@ impl FollowState {
         });
         // With a replay socket, a first message later than seq 0 is a gap: the buffered
         // history tells what the server cached before we joined.
-        let mut tracker = if replay.is_some() {
-            SeqTracker::from_start()
-        } else {
-            SeqTracker::new()
+        let fresh_tracker = |replay: &Option<ReplayClient>| {
+            if replay.is_some() {
+                SeqTracker::from_start()
+            } else {
+                SeqTracker::new()
+            }
         };
+        let mut tracker = fresh_tracker(&replay);
+        let mut restarts_seen = 0u64;
         info!(
             "kvoy-aggregator {}: following KV events on {}",
             self.name, self.source.endpoint
         );
         while !stop.load(Ordering::Relaxed) {
+            let restarted = restarts.load(Ordering::Relaxed);
+            if restarted > restarts_seen {
+                restarts_seen = restarted;
+                info!(
+                    "kvoy-aggregator {}: the server restarted; dropping its cache",
+                    self.name
+                );
+                self.counters
+                    .server_restarts
+                    .fetch_add(1, Ordering::Relaxed);
+                self.cache.clear();
+                tracker = fresh_tracker(&replay);
+                self.publish();
+            }
             let msg = match sub.recv(POLL) {
                 Ok(Some(msg)) => msg,
                 Ok(None) => continue,

@@ -159,6 +159,7 @@ fn kv_json(c: &KvCounters) -> serde_json::Value {
         "decode_errors": g(&c.decode_errors),
         "seq_gaps": g(&c.seq_gaps),
         "publisher_restarts": g(&c.publisher_restarts),
+        "server_restarts": g(&c.server_restarts),
         "replayed_batches": g(&c.replayed_batches),
         "replay_failures": g(&c.replay_failures),
         "batches_lost": g(&c.batches_lost),
@@ -439,7 +440,7 @@ pub fn render_metrics(view: &PoolView, api: &ApiCounters) -> String {
         }
     }
     type KvGetter = fn(&KvCounters) -> &AtomicU64;
-    let kv: [(&str, &str, KvGetter); 14] = [
+    let kv: [(&str, &str, KvGetter); 15] = [
         (
             "kvoy_aggregator_kv_event_batches_total",
             "KV-event batches applied.",
@@ -494,6 +495,11 @@ pub fn render_metrics(view: &PoolView, api: &ApiCounters) -> String {
             "kvoy_aggregator_kv_publisher_restarts_total",
             "Publisher restarts (sequence went back).",
             |c| &c.publisher_restarts,
+        ),
+        (
+            "kvoy_aggregator_server_restarts_total",
+            "Server restarts seen in its metrics (counters went back); its cache is dropped.",
+            |c| &c.server_restarts,
         ),
         (
             "kvoy_aggregator_kv_replayed_batches_total",

@@ -143,12 +143,7 @@ async fn scrape_loop(
         tick.tick().await;
         counters.scrapes.fetch_add(1, Ordering::Relaxed);
         match scraper.scrape(settings.scrape_timeout).await {
-            Ok(metrics) => state.send_modify(|s| {
-                s.last_success = Some(Instant::now());
-                s.consecutive_failures = 0;
-                s.metrics = Some(metrics);
-                s.last_error = None;
-            }),
+            Ok(metrics) => state.send_modify(|s| s.record(metrics, Instant::now())),
             Err(e) => {
                 counters.failures.fetch_add(1, Ordering::Relaxed);
                 state.send_modify(|s| {
@@ -305,6 +300,9 @@ impl Pool {
         self.view.endpoints.clear();
         for rt in &self.runtimes {
             let scrape = rt.scrape.borrow().clone();
+            if let Some(f) = &rt.follower {
+                f.server_restarted(scrape.restarts);
+            }
             let kv = rt.follower.as_ref().map(|f| f.summary());
             let status = status::endpoint_status(
                 rt.slot,

@@ -17,6 +17,25 @@ pub struct ScrapeState {
     /// The last metrics read (kept through failures, for display).
     pub metrics: Option<ServerMetrics>,
     pub last_error: Option<String>,
+    /// Times the server's counters went backwards: it restarted (and lost its cache), even if
+    /// no scrape failed in between.
+    pub restarts: u64,
+}
+
+impl ScrapeState {
+    /// Records a successful scrape at `now`.
+    pub fn record(&mut self, metrics: ServerMetrics, now: Instant) {
+        let before = self.metrics.as_ref().and_then(|m| m.prefix_cache_queries);
+        if let (Some(before), Some(after)) = (before, metrics.prefix_cache_queries) {
+            if after < before {
+                self.restarts += 1;
+            }
+        }
+        self.last_success = Some(now);
+        self.consecutive_failures = 0;
+        self.metrics = Some(metrics);
+        self.last_error = None;
+    }
 }
 
 /// Thresholds from the configuration.
@@ -215,6 +234,23 @@ mod tests {
         };
         let s = endpoint_status(3, &spec(), &scrape, Some(kv), t0, T);
         assert_eq!((s.cached_blocks, s.cache_generation), ([7, 1, 0], 2));
+    }
+
+    #[test]
+    fn counters_going_back_mean_a_restart() {
+        let t0 = Instant::now();
+        let with = |q: Option<f64>| ServerMetrics {
+            prefix_cache_queries: q,
+            ..ServerMetrics::default()
+        };
+        let mut s = ScrapeState::default();
+        s.record(with(Some(100.0)), t0);
+        s.record(with(Some(150.0)), t0);
+        s.record(with(None), t0);
+        assert_eq!(s.restarts, 0);
+        s.record(with(Some(150.0)), t0);
+        s.record(with(Some(3.0)), t0);
+        assert_eq!(s.restarts, 1);
     }
 
     #[test]

@@ -295,7 +295,11 @@ fn follows_simulators_and_serves_snapshots() {
         e.cached_blocks[0] == 0 && e.cache_generation > generation
     });
 
-    // A publisher restart (sequence back at 0) drops what was learned from it.
+    // A server restart drops what was learned from it. The aggregator must have scraped the
+    // old server's counters since its request, to see them go back.
+    wait_for("sim 1's counters scraped", Duration::from_secs(10), || {
+        current(api).endpoints[1].prefix_hit_rate.is_some()
+    });
     let generation = current(api).endpoints[1].cache_generation;
     let (addr, kv, replay) = (sims[1].addr, sims[1].kv.clone(), sims[1].replay.clone());
     sims[1].kill();
@@ -319,10 +323,23 @@ fn follows_simulators_and_serves_snapshots() {
         current(api).endpoints[1].ready
     });
     // ZMQ reconnects on its own; publish until the follower sees the new stream.
+    // ZMQ reconnects on its own, but what the new publisher sends before that is lost, and its
+    // numbering may pass ours unseen; the server's counters going back tell anyway.
+    let mut n = 0;
     wait_for("restart detected", Duration::from_secs(15), || {
-        complete(addr, "post restart prompt ".repeat(20).as_str());
+        n += 1;
+        complete(addr, &format!("post restart prompt {n} ").repeat(20));
         current(api).endpoints[1].cache_generation > generation
     });
+    wait_for(
+        "events from the restarted publisher",
+        Duration::from_secs(15),
+        || {
+            n += 1;
+            complete(addr, &format!("post restart prompt {n} ").repeat(20));
+            current(api).endpoints[1].cached_blocks[0] > 0
+        },
+    );
 
     rt.block_on(agg.shutdown());
 }
