@@ -343,3 +343,74 @@ fn follows_simulators_and_serves_snapshots() {
 
     rt.block_on(agg.shutdown());
 }
+
+#[test]
+fn the_endpoint_file_is_reloaded() {
+    let dir = std::env::temp_dir().join(format!("kvoy-agg-reload-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("pool.yaml");
+    let sims = [Sim::new_on_free_ports(), Sim::new_on_free_ports()];
+    let write = |sims: &[&Sim]| {
+        let mut yaml =
+            String::from("scrape_interval_ms: 50\nreload_interval_ms: 100\nendpoints:\n");
+        for s in sims {
+            yaml.push_str(&format!(
+                "  - address: '{}'\n    models: [m]\n    kv_events_endpoint: '{}'\n",
+                s.addr, s.kv
+            ));
+        }
+        std::fs::write(&path, yaml).unwrap();
+    };
+    write(&[&sims[0]]);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let cfg = AggregatorConfig::from_file(&path).unwrap();
+    let source = kvoy_aggregator::source::FileSource::new(&path);
+    let agg = rt
+        .block_on(Aggregator::start(
+            &cfg,
+            Box::new(source),
+            "127.0.0.1:0".parse().unwrap(),
+        ))
+        .unwrap();
+    let api = agg.local_addr();
+    wait_for("one endpoint", Duration::from_secs(10), || {
+        let s = current(api);
+        s.endpoints.len() == 1 && s.endpoints[0].ready
+    });
+    // Added: a new slot. Then removed: an incremental poll names the removed slot.
+    write(&[&sims[0], &sims[1]]);
+    wait_for("two endpoints", Duration::from_secs(10), || {
+        let s = current(api);
+        s.endpoints.len() == 2 && s.endpoints.iter().all(|e| e.ready)
+    });
+    let before = current(api);
+    assert_eq!(before.endpoints[1].address, sims[1].addr);
+    assert_eq!(before.endpoints[1].slot, 1);
+    write(&[&sims[1]]);
+    wait_for("endpoint 0 removed", Duration::from_secs(10), || {
+        current(api).endpoints.len() == 1
+    });
+    let (delta, _) = snapshot(
+        api,
+        &format!("?epoch={}&since={}", before.epoch, before.version),
+    );
+    assert_eq!(delta.removed, [0]);
+    let now = current(api);
+    assert_eq!(
+        (now.endpoints[0].slot, now.endpoints[0].address),
+        (1, sims[1].addr)
+    );
+    // A broken file keeps the endpoints and is counted.
+    std::fs::write(&path, "endpoints: [{address: nope, models: [m]}]\n").unwrap();
+    wait_for("the source error counted", Duration::from_secs(10), || {
+        let (_, _, body) = http(api, "GET", "/metrics", "");
+        String::from_utf8_lossy(&body).contains("kvoy_aggregator_source_errors_total 1")
+    });
+    assert_eq!(current(api).endpoints.len(), 1);
+    rt.block_on(agg.shutdown());
+    let _ = std::fs::remove_dir_all(&dir);
+}

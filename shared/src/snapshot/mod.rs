@@ -1,0 +1,658 @@
+//! The pool snapshot: what kvoy-aggregator knows of each endpoint, as the filters poll it.
+//!
+//! The aggregator keeps a [`SnapshotHistory`] and answers `GET /v1/snapshot?epoch=E&since=V`
+//! with [`SnapshotHistory::delta_since`], encoded with [`SnapshotDelta::encode`]. One filter VM
+//! per proxy decodes the answer ([`SnapshotDelta::decode`], total and validating: the bytes come
+//! from the network) and applies it to its [`Snapshot`]; a delta that does not fit the snapshot
+//! (new epoch, other base) is refused, and the filter asks again without `since`.
+//!
+//! ```
+//! use kvoy_shared::snapshot::{EndpointStatus, Snapshot, SnapshotDelta, SnapshotHistory};
+//! let status = EndpointStatus {
+//!     slot: 0,
+//!     address: "10.0.0.1:8000".parse().unwrap(),
+//!     models: vec!["llama".into()],
+//!     ready: true,
+//!     stale: false,
+//!     waiting: 0,
+//!     running: 3,
+//!     kv_cache_usage: 0.25,
+//!     block_size: 16,
+//!     capacity_blocks: 4096,
+//!     cached_blocks: [900, 0, 0],
+//!     cache_generation: 1,
+//!     prefix_hit_rate: Some(0.5),
+//! };
+//! // aggregator
+//! let mut history = SnapshotHistory::new(7);
+//! assert!(history.update(vec![status.clone()]));
+//! let mut body = Vec::new();
+//! history.delta_since(None, None).encode(&mut body);
+//! // filter
+//! let mut snapshot = Snapshot::default();
+//! snapshot.apply(SnapshotDelta::decode(&body).unwrap()).unwrap();
+//! assert_eq!(snapshot.get(0), Some(&status));
+//! // next poll: only what changed since the version the filter holds
+//! history.update(vec![EndpointStatus { waiting: 5, ..status }]);
+//! let delta = history.delta_since(Some(snapshot.epoch), Some(snapshot.version));
+//! assert!(!delta.is_full());
+//! snapshot.apply(delta).unwrap();
+//! assert_eq!(snapshot, history.snapshot());
+//! ```
+
+use std::collections::VecDeque;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+
+use thiserror::Error;
+
+use crate::config::MAX_ENDPOINTS;
+use crate::endpoint::EndpointId;
+
+/// The HTTP `Content-Type` of an encoded [`SnapshotDelta`].
+pub const CONTENT_TYPE: &str = "application/x-kvoy-snapshot";
+/// Models one endpoint may list.
+pub const MAX_MODELS: usize = 64;
+/// Longest model name, in bytes.
+pub const MAX_MODEL_NAME_BYTES: usize = 256;
+/// Removed slots the aggregator remembers; older `since` values get a full snapshot.
+pub const MAX_TOMBSTONES: usize = 4096;
+
+const MAGIC: &[u8; 3] = b"KVS";
+const FORMAT: u8 = 1;
+const KIND_FULL: u8 = 0;
+const KIND_INCREMENTAL: u8 = 1;
+const FAMILY_V4: u8 = 4;
+const FAMILY_V6: u8 = 6;
+const FLAG_READY: u8 = 1;
+const FLAG_STALE: u8 = 2;
+const FLAG_HIT_RATE: u8 = 4;
+const FLAGS_KNOWN: u8 = FLAG_READY | FLAG_STALE | FLAG_HIT_RATE;
+/// The fewest bytes one encoded endpoint takes (IPv4, every varint one byte, no model).
+const MIN_ENDPOINT_BYTES: usize = 1 + (1 + 4 + 2) + 1 + 2 + 4 + 2 + 3 + 1 + 1;
+
+/// One endpoint as the filters see it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EndpointStatus {
+    /// Stable id assigned by the aggregator, below [`MAX_ENDPOINTS`]; the filters use it as
+    /// [`EndpointId`].
+    pub slot: u16,
+    pub address: SocketAddr,
+    pub models: Vec<String>,
+    /// The last scrapes succeeded.
+    pub ready: bool,
+    /// The metrics are older than the staleness threshold.
+    pub stale: bool,
+    pub waiting: u32,
+    pub running: u32,
+    /// KV-cache use in 0..=1.
+    pub kv_cache_usage: f32,
+    /// Tokens per KV block, 0 = unknown.
+    pub block_size: u32,
+    /// GPU KV blocks, 0 = unknown.
+    pub capacity_blocks: u32,
+    /// Blocks known cached from KV events: GPU, CPU, STORAGE.
+    pub cached_blocks: [u32; 3],
+    /// Bumped whenever the endpoint's cache was cleared or its event publisher restarted.
+    pub cache_generation: u32,
+    /// Prefix-cache hit rate in 0..=1 from the server's counters, when known.
+    pub prefix_hit_rate: Option<f32>,
+}
+
+/// The whole pool at one version. `endpoints` is sorted by slot, slots unique.
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct Snapshot {
+    pub epoch: u64,
+    pub version: u64,
+    pub endpoints: Vec<EndpointStatus>,
+}
+
+/// What one poll returns: everything (`base` `None`) or the changes since `base`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SnapshotDelta {
+    pub epoch: u64,
+    pub base: Option<u64>,
+    pub version: u64,
+    pub upserts: Vec<EndpointStatus>,
+    /// Slots to drop. A full delta needs none (it replaces everything) but may carry some.
+    pub removed: Vec<u16>,
+}
+
+#[derive(Debug, Error, PartialEq)]
+pub enum SnapshotError {
+    #[error("snapshot truncated")]
+    Truncated,
+    #[error("not a kvoy snapshot (bad magic)")]
+    BadMagic,
+    #[error("unsupported snapshot format version {0}")]
+    UnsupportedFormat(u8),
+    #[error("invalid snapshot: {0}")]
+    Invalid(&'static str),
+    #[error("trailing bytes after the snapshot")]
+    TrailingBytes,
+    #[error(
+        "delta for epoch {delta_epoch} since {delta_base:?} does not apply to \
+         epoch {epoch} version {version}"
+    )]
+    /// An incremental delta for another epoch or base than the snapshot's `epoch` and
+    /// `version`: poll again without `since`.
+    Mismatch {
+        epoch: u64,
+        version: u64,
+        delta_epoch: u64,
+        delta_base: Option<u64>,
+    },
+}
+
+use SnapshotError::Invalid;
+
+impl EndpointStatus {
+    pub fn id(&self) -> EndpointId {
+        EndpointId(self.slot)
+    }
+
+    /// Checks what decoding checks of one endpoint: slot range, usage and hit rate finite in
+    /// 0..=1, at most [`MAX_MODELS`] models named by 1..=[`MAX_MODEL_NAME_BYTES`] bytes.
+    pub fn validate(&self) -> Result<(), SnapshotError> {
+        if usize::from(self.slot) >= MAX_ENDPOINTS {
+            return Err(Invalid("slot out of range"));
+        }
+        if !(0.0..=1.0).contains(&self.kv_cache_usage) {
+            return Err(Invalid("kv cache usage out of range"));
+        }
+        if let Some(rate) = self.prefix_hit_rate {
+            if !(0.0..=1.0).contains(&rate) {
+                return Err(Invalid("prefix hit rate out of range"));
+            }
+        }
+        if self.models.len() > MAX_MODELS {
+            return Err(Invalid("too many models"));
+        }
+        for m in &self.models {
+            if m.is_empty() {
+                return Err(Invalid("empty model name"));
+            }
+            if m.len() > MAX_MODEL_NAME_BYTES {
+                return Err(Invalid("model name too long"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Brings a status the aggregator built into what [`EndpointStatus::validate`] accepts:
+    /// `None` for a slot out of range; usage clamped into 0..=1 (NaN counts as full); a
+    /// non-finite hit rate is unknown, a finite one clamped; invalid model names dropped and
+    /// the list cut to [`MAX_MODELS`].
+    fn normalized(mut self) -> Option<Self> {
+        if usize::from(self.slot) >= MAX_ENDPOINTS {
+            return None;
+        }
+        self.kv_cache_usage = if self.kv_cache_usage.is_nan() {
+            1.0
+        } else {
+            self.kv_cache_usage.clamp(0.0, 1.0)
+        };
+        self.prefix_hit_rate = self
+            .prefix_hit_rate
+            .filter(|r| r.is_finite())
+            .map(|r| r.clamp(0.0, 1.0));
+        self.models
+            .retain(|m| !m.is_empty() && m.len() <= MAX_MODEL_NAME_BYTES);
+        self.models.truncate(MAX_MODELS);
+        Some(self)
+    }
+}
+
+/// A set of slots, one bit each.
+struct SlotSet([u64; MAX_ENDPOINTS / 64]);
+
+impl SlotSet {
+    fn new() -> Self {
+        SlotSet([0; MAX_ENDPOINTS / 64])
+    }
+
+    /// Adds `slot`; false if it was already there or is out of range.
+    fn insert(&mut self, slot: u16) -> bool {
+        let i = usize::from(slot);
+        let Some(word) = self.0.get_mut(i / 64) else {
+            return false;
+        };
+        let bit = 1u64 << (i % 64);
+        let fresh = *word & bit == 0;
+        *word |= bit;
+        fresh
+    }
+
+    fn contains(&self, slot: u16) -> bool {
+        let i = usize::from(slot);
+        self.0
+            .get(i / 64)
+            .is_some_and(|w| w & (1u64 << (i % 64)) != 0)
+    }
+}
+
+impl SnapshotDelta {
+    pub fn is_full(&self) -> bool {
+        self.base.is_none()
+    }
+
+    /// Checks everything [`SnapshotDelta::decode`] checks: each endpoint
+    /// ([`EndpointStatus::validate`]), upserted slots unique, removed slots in range, unique
+    /// and not upserted, and `version >= base`.
+    pub fn validate(&self) -> Result<(), SnapshotError> {
+        if self.upserts.len() > MAX_ENDPOINTS || self.removed.len() > MAX_ENDPOINTS {
+            return Err(Invalid("too many endpoints"));
+        }
+        if self.base.is_some_and(|base| self.version < base) {
+            return Err(Invalid("version older than base"));
+        }
+        let mut upserted = SlotSet::new();
+        for e in &self.upserts {
+            e.validate()?;
+            if !upserted.insert(e.slot) {
+                return Err(Invalid("duplicate slot"));
+            }
+        }
+        let mut removed = SlotSet::new();
+        for &slot in &self.removed {
+            if usize::from(slot) >= MAX_ENDPOINTS {
+                return Err(Invalid("slot out of range"));
+            }
+            if upserted.contains(slot) {
+                return Err(Invalid("slot both upserted and removed"));
+            }
+            if !removed.insert(slot) {
+                return Err(Invalid("duplicate removed slot"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Appends the encoding to `out`. It does not validate: encode what
+    /// [`SnapshotDelta::validate`] accepts, or the filters will refuse it.
+    ///
+    /// Layout, integers as LEB128 varints unless noted:
+    ///
+    /// ```text
+    /// delta    = "KVS" format:u8=1 kind:u8 (0 full, 1 incremental)
+    ///            epoch [base, incremental only] version
+    ///            count endpoint*count  count slot*count (removed)
+    /// endpoint = slot address flags:u8 waiting running kv_cache_usage:f32le
+    ///            block_size capacity_blocks cached_gpu cached_cpu cached_storage
+    ///            cache_generation [prefix_hit_rate:f32le, if flags & 4]
+    ///            count (len utf8-bytes)*count (models)
+    /// address  = 4:u8 octets[4] port:u16be | 6:u8 octets[16] port:u16be
+    /// flags    = 1 ready | 2 stale | 4 prefix_hit_rate present; other bits zero
+    /// ```
+    ///
+    /// Varints are canonical (the decoder refuses overlong ones); `u32` fields must fit a `u32`
+    /// and slots stay below [`MAX_ENDPOINTS`]. IPv6 flow info and scope id are not carried.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        encode_parts(
+            self.epoch,
+            self.base,
+            self.version,
+            &self.upserts,
+            &self.removed,
+            out,
+        );
+    }
+
+    /// Decodes and validates (see [`SnapshotDelta::validate`]) one delta that must span all of
+    /// `bytes`. Never panics; allocations are bounded by `bytes.len()`.
+    pub fn decode(bytes: &[u8]) -> Result<Self, SnapshotError> {
+        let mut r = Reader { bytes };
+        let magic = r.take(MAGIC.len())?;
+        if magic != MAGIC {
+            return Err(SnapshotError::BadMagic);
+        }
+        let format = r.u8()?;
+        if format != FORMAT {
+            return Err(SnapshotError::UnsupportedFormat(format));
+        }
+        let kind = r.u8()?;
+        let epoch = r.varint()?;
+        let base = match kind {
+            KIND_FULL => None,
+            KIND_INCREMENTAL => Some(r.varint()?),
+            _ => return Err(Invalid("unknown kind")),
+        };
+        let version = r.varint()?;
+        let count = r.count(MAX_ENDPOINTS, "too many endpoints")?;
+        let mut upserts = Vec::with_capacity(r.capacity(count, MIN_ENDPOINT_BYTES));
+        for _ in 0..count {
+            upserts.push(r.endpoint()?);
+        }
+        let count = r.count(MAX_ENDPOINTS, "too many endpoints")?;
+        let mut removed = Vec::with_capacity(r.capacity(count, 1));
+        for _ in 0..count {
+            removed.push(r.slot()?);
+        }
+        if !r.bytes.is_empty() {
+            return Err(SnapshotError::TrailingBytes);
+        }
+        let delta = SnapshotDelta {
+            epoch,
+            base,
+            version,
+            upserts,
+            removed,
+        };
+        delta.validate()?;
+        Ok(delta)
+    }
+}
+
+impl Snapshot {
+    /// This snapshot as a full delta.
+    pub fn full(&self) -> SnapshotDelta {
+        SnapshotDelta {
+            epoch: self.epoch,
+            base: None,
+            version: self.version,
+            upserts: self.endpoints.clone(),
+            removed: Vec::new(),
+        }
+    }
+
+    /// [`Snapshot::full`] without the clone.
+    fn into_full(self) -> SnapshotDelta {
+        SnapshotDelta {
+            epoch: self.epoch,
+            base: None,
+            version: self.version,
+            upserts: self.endpoints,
+            removed: Vec::new(),
+        }
+    }
+
+    /// Applies a poll result. A full delta replaces everything; an incremental one needs
+    /// `delta.epoch == self.epoch` and `delta.base == Some(self.version)`, else
+    /// [`SnapshotError::Mismatch`]. Upserts replace or insert by slot (keeping slot order),
+    /// removed slots are dropped. An invalid delta is refused too; on any error `self` is
+    /// unchanged.
+    pub fn apply(&mut self, delta: SnapshotDelta) -> Result<(), SnapshotError> {
+        if let Some(base) = delta.base {
+            if delta.epoch != self.epoch || base != self.version {
+                return Err(SnapshotError::Mismatch {
+                    epoch: self.epoch,
+                    version: self.version,
+                    delta_epoch: delta.epoch,
+                    delta_base: delta.base,
+                });
+            }
+        }
+        delta.validate()?;
+        self.epoch = delta.epoch;
+        self.version = delta.version;
+        if delta.is_full() {
+            self.endpoints = delta.upserts;
+            self.endpoints.sort_unstable_by_key(|e| e.slot);
+            return Ok(());
+        }
+        if !delta.removed.is_empty() {
+            let mut removed = SlotSet::new();
+            for &slot in &delta.removed {
+                removed.insert(slot);
+            }
+            self.endpoints.retain(|e| !removed.contains(e.slot));
+        }
+        let existing = self.endpoints.len();
+        for e in delta.upserts {
+            match self.endpoints[..existing].binary_search_by_key(&e.slot, |x| x.slot) {
+                Ok(i) => self.endpoints[i] = e,
+                Err(_) => self.endpoints.push(e),
+            }
+        }
+        if self.endpoints.len() > existing {
+            self.endpoints.sort_unstable_by_key(|e| e.slot);
+        }
+        Ok(())
+    }
+
+    /// The endpoint with this slot.
+    pub fn get(&self, slot: u16) -> Option<&EndpointStatus> {
+        self.endpoints
+            .binary_search_by_key(&slot, |e| e.slot)
+            .ok()
+            .and_then(|i| self.endpoints.get(i))
+    }
+
+    /// Appends `self.full()`'s encoding (see [`SnapshotDelta::encode`]) without cloning.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        encode_parts(self.epoch, None, self.version, &self.endpoints, &[], out);
+    }
+
+    /// Decodes a full delta into a snapshot; an incremental one is an error.
+    pub fn decode(bytes: &[u8]) -> Result<Self, SnapshotError> {
+        let delta = SnapshotDelta::decode(bytes)?;
+        if !delta.is_full() {
+            return Err(Invalid(
+                "incremental delta where a full snapshot was expected",
+            ));
+        }
+        let mut snapshot = Snapshot::default();
+        snapshot.apply(delta)?;
+        Ok(snapshot)
+    }
+}
+
+fn encode_parts(
+    epoch: u64,
+    base: Option<u64>,
+    version: u64,
+    upserts: &[EndpointStatus],
+    removed: &[u16],
+    out: &mut Vec<u8>,
+) {
+    out.extend_from_slice(MAGIC);
+    out.push(FORMAT);
+    out.push(if base.is_some() {
+        KIND_INCREMENTAL
+    } else {
+        KIND_FULL
+    });
+    put_varint(out, epoch);
+    if let Some(base) = base {
+        put_varint(out, base);
+    }
+    put_varint(out, version);
+    put_varint(out, upserts.len() as u64);
+    for e in upserts {
+        encode_endpoint(e, out);
+    }
+    put_varint(out, removed.len() as u64);
+    for &slot in removed {
+        put_varint(out, u64::from(slot));
+    }
+}
+
+fn encode_endpoint(e: &EndpointStatus, out: &mut Vec<u8>) {
+    put_varint(out, u64::from(e.slot));
+    match e.address.ip() {
+        IpAddr::V4(ip) => {
+            out.push(FAMILY_V4);
+            out.extend_from_slice(&ip.octets());
+        }
+        IpAddr::V6(ip) => {
+            out.push(FAMILY_V6);
+            out.extend_from_slice(&ip.octets());
+        }
+    }
+    out.extend_from_slice(&e.address.port().to_be_bytes());
+    let mut flags = 0;
+    if e.ready {
+        flags |= FLAG_READY;
+    }
+    if e.stale {
+        flags |= FLAG_STALE;
+    }
+    if e.prefix_hit_rate.is_some() {
+        flags |= FLAG_HIT_RATE;
+    }
+    out.push(flags);
+    put_varint(out, u64::from(e.waiting));
+    put_varint(out, u64::from(e.running));
+    out.extend_from_slice(&e.kv_cache_usage.to_le_bytes());
+    for v in [e.block_size, e.capacity_blocks]
+        .into_iter()
+        .chain(e.cached_blocks)
+        .chain([e.cache_generation])
+    {
+        put_varint(out, u64::from(v));
+    }
+    if let Some(rate) = e.prefix_hit_rate {
+        out.extend_from_slice(&rate.to_le_bytes());
+    }
+    put_varint(out, e.models.len() as u64);
+    for m in &e.models {
+        put_varint(out, m.len() as u64);
+        out.extend_from_slice(m.as_bytes());
+    }
+}
+
+fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+/// The unread rest of the input.
+struct Reader<'a> {
+    bytes: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], SnapshotError> {
+        if n > self.bytes.len() {
+            return Err(SnapshotError::Truncated);
+        }
+        let (head, rest) = self.bytes.split_at(n);
+        self.bytes = rest;
+        Ok(head)
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], SnapshotError> {
+        let mut a = [0; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+
+    fn u8(&mut self) -> Result<u8, SnapshotError> {
+        let [b] = self.array()?;
+        Ok(b)
+    }
+
+    /// A canonical LEB128 `u64`: at most ten bytes, no trailing zero group.
+    fn varint(&mut self) -> Result<u64, SnapshotError> {
+        let mut value = 0u64;
+        for shift in (0..64).step_by(7) {
+            let b = self.u8()?;
+            if shift == 63 && b > 1 {
+                return Err(Invalid("varint overflows u64"));
+            }
+            value |= u64::from(b & 0x7f) << shift;
+            if b & 0x80 == 0 {
+                if b == 0 && shift > 0 {
+                    return Err(Invalid("overlong varint"));
+                }
+                return Ok(value);
+            }
+        }
+        Err(Invalid("varint overflows u64"))
+    }
+
+    fn u32(&mut self) -> Result<u32, SnapshotError> {
+        u32::try_from(self.varint()?).map_err(|_| Invalid("integer out of range"))
+    }
+
+    fn f32(&mut self) -> Result<f32, SnapshotError> {
+        Ok(f32::from_le_bytes(self.array()?))
+    }
+
+    fn slot(&mut self) -> Result<u16, SnapshotError> {
+        match u16::try_from(self.varint()?) {
+            Ok(slot) if usize::from(slot) < MAX_ENDPOINTS => Ok(slot),
+            _ => Err(Invalid("slot out of range")),
+        }
+    }
+
+    /// A count of at most `max` items, or `too_many`.
+    fn count(&mut self, max: usize, too_many: &'static str) -> Result<usize, SnapshotError> {
+        match usize::try_from(self.varint()?) {
+            Ok(n) if n <= max => Ok(n),
+            _ => Err(Invalid(too_many)),
+        }
+    }
+
+    /// A capacity for `n` items of at least `min_bytes` each: never more than the rest of the
+    /// input can hold, whatever count the input claims.
+    fn capacity(&self, n: usize, min_bytes: usize) -> usize {
+        n.min(self.bytes.len() / min_bytes)
+    }
+
+    fn address(&mut self) -> Result<SocketAddr, SnapshotError> {
+        let ip = match self.u8()? {
+            FAMILY_V4 => IpAddr::V4(Ipv4Addr::from(self.array::<4>()?)),
+            FAMILY_V6 => IpAddr::V6(Ipv6Addr::from(self.array::<16>()?)),
+            _ => return Err(Invalid("unknown address family")),
+        };
+        let port = u16::from_be_bytes(self.array()?);
+        Ok(SocketAddr::new(ip, port))
+    }
+
+    fn endpoint(&mut self) -> Result<EndpointStatus, SnapshotError> {
+        let slot = self.slot()?;
+        let address = self.address()?;
+        let flags = self.u8()?;
+        if flags & !FLAGS_KNOWN != 0 {
+            return Err(Invalid("unknown endpoint flags"));
+        }
+        let waiting = self.u32()?;
+        let running = self.u32()?;
+        let kv_cache_usage = self.f32()?;
+        let block_size = self.u32()?;
+        let capacity_blocks = self.u32()?;
+        let cached_blocks = [self.u32()?, self.u32()?, self.u32()?];
+        let cache_generation = self.u32()?;
+        let prefix_hit_rate = if flags & FLAG_HIT_RATE != 0 {
+            Some(self.f32()?)
+        } else {
+            None
+        };
+        let n = self.count(MAX_MODELS, "too many models")?;
+        let mut models = Vec::with_capacity(self.capacity(n, 2));
+        for _ in 0..n {
+            let len = match usize::try_from(self.varint()?) {
+                Ok(0) => return Err(Invalid("empty model name")),
+                Ok(len) if len <= MAX_MODEL_NAME_BYTES => len,
+                _ => return Err(Invalid("model name too long")),
+            };
+            let name = std::str::from_utf8(self.take(len)?)
+                .map_err(|_| Invalid("model name is not utf-8"))?;
+            models.push(name.to_owned());
+        }
+        Ok(EndpointStatus {
+            slot,
+            address,
+            models,
+            ready: flags & FLAG_READY != 0,
+            stale: flags & FLAG_STALE != 0,
+            waiting,
+            running,
+            kv_cache_usage,
+            block_size,
+            capacity_blocks,
+            cached_blocks,
+            cache_generation,
+            prefix_hit_rate,
+        })
+    }
+}
+
+mod history;
+pub use history::SnapshotHistory;
+
+#[cfg(test)]
+mod tests;
