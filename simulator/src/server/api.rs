@@ -8,6 +8,8 @@ use serde_json::{json, Value};
 
 use kvoy_shared::request::{self, Api};
 
+use super::generation::{sse_data, Writer};
+
 /// Generation options read from the body besides the prompt.
 #[derive(Debug, Default, Deserialize)]
 struct Options {
@@ -43,6 +45,8 @@ pub struct ApiError {
     pub status: u16,
     pub kind: &'static str,
     pub code: &'static str,
+    /// The request field at fault, for OpenAI's `param`.
+    pub param: Option<&'static str>,
     pub message: String,
 }
 
@@ -52,13 +56,57 @@ impl ApiError {
             status: 400,
             kind: "invalid_request_error",
             code: "invalid_request",
+            param: None,
             message: message.into(),
         }
     }
 
-    pub fn body(&self) -> Vec<u8> {
-        kvoy_shared::openai_error_body(&self.message, self.kind, None, Some(self.code)).into_bytes()
+    pub fn with_param(self, param: &'static str) -> Self {
+        ApiError {
+            param: Some(param),
+            ..self
+        }
     }
+
+    pub fn body(&self) -> Vec<u8> {
+        kvoy_shared::openai_error_body(&self.message, self.kind, self.param, Some(self.code))
+            .into_bytes()
+    }
+
+    /// The error as a JSON value (for an event in a stream).
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body()).unwrap_or_default()
+    }
+}
+
+/// A body kvoy-shared's parser refused, as OpenAI answers it.
+pub fn request_error(e: request::RequestError) -> ApiError {
+    let param = e.param();
+    let e = match e {
+        request::RequestError::TooLarge { .. } => ApiError {
+            status: 413,
+            kind: "invalid_request_error",
+            code: "request_too_large",
+            param: None,
+            message: e.to_string(),
+        },
+        e => ApiError::bad_request(e.to_string()),
+    };
+    ApiError { param, ..e }
+}
+
+/// 404 unless `model` is one of the served `models`.
+pub fn check_model(models: &[String], model: &str) -> Result<(), ApiError> {
+    if models.iter().any(|m| m == model) {
+        return Ok(());
+    }
+    Err(ApiError {
+        status: 404,
+        kind: "NotFoundError",
+        code: "model_not_found",
+        param: Some("model"),
+        message: format!("The model `{model}` does not exist."),
+    })
 }
 
 /// Parses a completion request; `models` are the served model names.
@@ -69,23 +117,8 @@ pub fn parse_completion(
     default_max_tokens: u32,
     limit: usize,
 ) -> Result<Completion, ApiError> {
-    let parsed = request::parse(api, body, limit).map_err(|e| match e {
-        request::RequestError::TooLarge { .. } => ApiError {
-            status: 413,
-            kind: "invalid_request_error",
-            code: "request_too_large",
-            message: e.to_string(),
-        },
-        e => ApiError::bad_request(e.to_string()),
-    })?;
-    if !models.iter().any(|m| m == parsed.model.as_ref()) {
-        return Err(ApiError {
-            status: 404,
-            kind: "NotFoundError",
-            code: "model_not_found",
-            message: format!("The model `{}` does not exist.", parsed.model),
-        });
-    }
+    let parsed = request::parse(api, body, limit).map_err(request_error)?;
+    check_model(models, &parsed.model)?;
     let options: Options =
         serde_json::from_slice(body).map_err(|e| ApiError::bad_request(e.to_string()))?;
     let max_tokens = options
@@ -182,6 +215,64 @@ pub fn usage_chunk(c: &Completion, id: &str, created: u64, usage: &Usage) -> Val
     };
     json!({"id": id, "object": object, "created": created, "model": c.model, "choices": [],
            "usage": usage.json()})
+}
+
+/// Writes `/v1/chat/completions` and `/v1/completions` answers.
+pub(crate) struct ClassicWriter {
+    c: Completion,
+    id: String,
+    created: u64,
+    tokens: u32,
+}
+
+impl ClassicWriter {
+    pub fn new(c: Completion, id: String, created: u64) -> Self {
+        ClassicWriter {
+            c,
+            id,
+            created,
+            tokens: 0,
+        }
+    }
+}
+
+impl Writer for ClassicWriter {
+    fn whole(&mut self, text: &str, usage: &Usage) -> Value {
+        response_body(&self.c, &self.id, self.created, text, usage)
+    }
+
+    fn token(&mut self, word: &str) -> Vec<u8> {
+        let mut out = Vec::new();
+        let first = self.tokens == 0;
+        sse_data(
+            &mut out,
+            &chunk(&self.c, &self.id, self.created, word, None, first),
+        );
+        self.tokens += 1;
+        out
+    }
+
+    fn done(&mut self, _text: &str, usage: &Usage) -> Vec<u8> {
+        let (c, id, created) = (&self.c, self.id.as_str(), self.created);
+        let finish = finish_reason(usage, c.max_tokens);
+        let mut out = Vec::new();
+        sse_data(
+            &mut out,
+            &chunk(c, id, created, "", Some(finish), self.tokens == 0),
+        );
+        if c.include_usage {
+            sse_data(&mut out, &usage_chunk(c, id, created, usage));
+        }
+        out.extend_from_slice(b"data: [DONE]\n\n");
+        out
+    }
+
+    fn failed(&mut self, e: &ApiError) -> Vec<u8> {
+        let mut out = Vec::new();
+        sse_data(&mut out, &e.json());
+        out.extend_from_slice(b"data: [DONE]\n\n");
+        out
+    }
 }
 
 pub fn models_body(models: &[String], created: u64) -> Value {

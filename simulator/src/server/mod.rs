@@ -163,17 +163,20 @@ async fn handle(sim: Arc<Simulator>, req: Request<Incoming>) -> Response<HttpBod
                     status: 409,
                     kind: "invalid_request_error",
                     code: "requests_running",
+                    param: None,
                     message: "the prefix cache can only be reset while no request runs".into(),
                 })
             };
         }
         (&Method::POST, "/v1/chat/completions") => Api::ChatCompletions,
         (&Method::POST, "/v1/completions") => Api::Completions,
+        (&Method::POST, "/v1/responses") => Api::Responses,
         _ => {
             return error(&ApiError {
                 status: 404,
                 kind: "NotFoundError",
                 code: "not_found",
+                param: None,
                 message: format!("no route for {} {path}", req.method()),
             })
         }
@@ -186,18 +189,13 @@ async fn handle(sim: Arc<Simulator>, req: Request<Incoming>) -> Response<HttpBod
                 status: 413,
                 kind: "invalid_request_error",
                 code: "request_too_large",
+                param: None,
                 message: format!("request body rejected: {e}"),
             })
         }
     };
-    let completion = match api::parse_completion(
-        api,
-        &body,
-        &sim.options.models,
-        sim.options.default_max_tokens,
-        limit,
-    ) {
-        Ok(c) => c,
+    let prepared = match prepare(&sim, api, &body) {
+        Ok(p) => p,
         Err(e) => return error(&e),
     };
     let delay = sim
@@ -213,162 +211,34 @@ async fn handle(sim: Arc<Simulator>, req: Request<Incoming>) -> Response<HttpBod
             status: 500,
             kind: "InternalServerError",
             code: "injected_fault",
+            param: None,
             message: "injected fault (--error-rate)".into(),
         });
     }
     // TTFT counts from arrival (as vLLM's does); the engine starts the request's simulated
     // life at arrival plus the injected latency.
-    let started = arrived;
-    let progress = sim.engine.submit(
-        tokenize_bytes(&completion.prompt),
-        completion.max_tokens,
-        arrived + delay,
-    );
-    let id = format!(
-        "cmpl-kvoy-sim-{}",
-        sim.next_id.fetch_add(1, Ordering::Relaxed)
-    );
-    if completion.stream {
-        stream(sim, completion, id, progress, started)
-    } else {
-        whole(sim, completion, id, progress, started).await
+    let progress = sim
+        .engine
+        .submit(prepared.tokens, prepared.max_tokens, arrived + delay);
+    let generation = Generation::new(sim, progress, arrived);
+    generation::answer(generation, prepared.writer, prepared.stream).await
+}
+
+/// Decodes a completion request for `api`.
+fn prepare(sim: &Simulator, api: Api, body: &[u8]) -> Result<Prepared, ApiError> {
+    if api == Api::Responses {
+        return responses::prepare(sim, body);
     }
-}
-
-/// Tracks token timings for the histograms.
-struct Timing {
-    started: Instant,
-    last: Option<Instant>,
-}
-
-impl Timing {
-    fn token(&mut self, sim: &Simulator, now: Instant) {
-        match self.last {
-            None => sim.recorder.ttft(sim.simulated(now - self.started)),
-            Some(prev) => sim.recorder.inter_token(sim.simulated(now - prev)),
-        }
-        self.last = Some(now);
-    }
-}
-
-async fn whole(
-    sim: Arc<Simulator>,
-    c: Completion,
-    id: String,
-    mut progress: mpsc::UnboundedReceiver<Progress>,
-    started: Instant,
-) -> Response<HttpBody> {
-    let mut timing = Timing {
-        started,
-        last: None,
+    let o = &sim.options;
+    let c = api::parse_completion(api, body, &o.models, o.default_max_tokens, o.max_body_bytes)?;
+    let prefix = match api {
+        Api::ChatCompletions => "chatcmpl-",
+        _ => "cmpl-",
     };
-    let mut text = String::new();
-    while let Some(p) = progress.recv().await {
-        match p {
-            Progress::First { word, at, .. } | Progress::Token { word, at } => {
-                timing.token(&sim, at);
-                text.push_str(word);
-            }
-            Progress::Done(usage) => {
-                sim.recorder.finished(true);
-                return json(
-                    StatusCode::OK,
-                    &api::response_body(&c, &id, unix_now(), &text, &usage),
-                );
-            }
-            Progress::Failed(message) => {
-                sim.recorder.finished(false);
-                return error(&ApiError::bad_request(message));
-            }
-        }
-    }
-    sim.recorder.finished(false);
-    error(&ApiError {
-        status: 500,
-        kind: "InternalServerError",
-        code: "engine_stopped",
-        message: "the engine stopped".into(),
+    Ok(Prepared {
+        tokens: tokenize_bytes(&c.prompt),
+        max_tokens: c.max_tokens,
+        stream: c.stream,
+        writer: Box::new(ClassicWriter::new(c, ids::next(prefix), unix_now())),
     })
-}
-
-/// A response body fed by a channel of SSE frames.
-struct ChannelBody(mpsc::Receiver<Bytes>);
-
-impl Body for ChannelBody {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        self.0.poll_recv(cx).map(|b| b.map(|b| Ok(Frame::data(b))))
-    }
-}
-
-fn sse(v: &serde_json::Value) -> Bytes {
-    let mut out = b"data: ".to_vec();
-    out.extend(serde_json::to_vec(v).unwrap_or_default());
-    out.extend_from_slice(b"\n\n");
-    Bytes::from(out)
-}
-
-fn stream(
-    sim: Arc<Simulator>,
-    c: Completion,
-    id: String,
-    mut progress: mpsc::UnboundedReceiver<Progress>,
-    started: Instant,
-) -> Response<HttpBody> {
-    let (tx, rx) = mpsc::channel::<Bytes>(64);
-    tokio::spawn(async move {
-        let created = unix_now();
-        let mut timing = Timing {
-            started,
-            last: None,
-        };
-        let mut n = 0u32;
-        while let Some(p) = progress.recv().await {
-            let frame = match p {
-                Progress::First { word, at, .. } | Progress::Token { word, at } => {
-                    timing.token(&sim, at);
-                    let f = sse(&api::chunk(&c, &id, created, word, None, n == 0));
-                    n += 1;
-                    f
-                }
-                Progress::Done(usage) => {
-                    sim.recorder.finished(true);
-                    let finish = api::finish_reason(&usage, c.max_tokens);
-                    let mut tail =
-                        sse(&api::chunk(&c, &id, created, "", Some(finish), n == 0)).to_vec();
-                    if c.include_usage {
-                        tail.extend_from_slice(&sse(&api::usage_chunk(&c, &id, created, &usage)));
-                    }
-                    tail.extend_from_slice(b"data: [DONE]\n\n");
-                    let _ = tx.send(Bytes::from(tail)).await;
-                    return;
-                }
-                Progress::Failed(message) => {
-                    sim.recorder.finished(false);
-                    let e = ApiError::bad_request(message);
-                    let v: serde_json::Value =
-                        serde_json::from_slice(&e.body()).unwrap_or_default();
-                    let mut tail = sse(&v).to_vec();
-                    tail.extend_from_slice(b"data: [DONE]\n\n");
-                    let _ = tx.send(Bytes::from(tail)).await;
-                    return;
-                }
-            };
-            if tx.send(frame).await.is_err() {
-                // The client left: dropping `progress` makes the engine abort the request.
-                sim.recorder.finished(false);
-                return;
-            }
-        }
-    });
-    let mut r = Response::new(ChannelBody(rx).boxed());
-    if let Ok(v) = "text/event-stream".parse() {
-        r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
-    }
-    r
 }
