@@ -20,6 +20,8 @@ pub struct BootstrapParams {
     pub wasm_dir: PathBuf,
     /// The prefix-affinity filter's JSON configuration.
     pub prefix_affinity_config: String,
+    /// The session filter's JSON configuration (`{}` for its defaults).
+    pub session_config: String,
     /// Port of kvoy-aggregator on 127.0.0.1 (cluster `kvoy_aggregator`; unused when the
     /// filter has no `aggregator` section).
     pub aggregator_port: u16,
@@ -44,11 +46,12 @@ pub fn quoted_contents(s: &str) -> String {
     quoted[1..quoted.len() - 1].to_string()
 }
 
-const PLACEHOLDERS: [&str; 5] = [
+const PLACEHOLDERS: [&str; 6] = [
     "LISTEN_PORT",
     "ADMIN_PORT",
     "WASM_DIR",
     "PREFIX_AFFINITY_CONFIG",
+    "SESSION_CONFIG",
     "AGGREGATOR_PORT",
 ];
 
@@ -66,6 +69,7 @@ pub fn render_bootstrap(template: &str, params: &BootstrapParams) -> Result<Stri
             "ADMIN_PORT" => Some(params.admin_port.to_string()),
             "WASM_DIR" => Some(quoted_contents(wasm_dir)),
             "PREFIX_AFFINITY_CONFIG" => Some(quoted_contents(&params.prefix_affinity_config)),
+            "SESSION_CONFIG" => Some(quoted_contents(&params.session_config)),
             "AGGREGATOR_PORT" => Some(params.aggregator_port.to_string()),
             _ => None,
         }
@@ -155,11 +159,12 @@ mod tests {
             admin_port: 9901,
             wasm_dir: PathBuf::from("/opt/kvoy wasm/"),
             prefix_affinity_config: config.to_string(),
+            session_config: "{}".to_string(),
             aggregator_port: 9090,
         }
     }
 
-    const T: &str = "l: {{LISTEN_PORT}}\na: {{ ADMIN_PORT }}\nf: \"{{WASM_DIR}}/x.wasm\"\nv: \"{{PREFIX_AFFINITY_CONFIG}}\"\ng: {{AGGREGATOR_PORT}}\n";
+    const T: &str = "l: {{LISTEN_PORT}}\na: {{ ADMIN_PORT }}\nf: \"{{WASM_DIR}}/x.wasm\"\nv: \"{{PREFIX_AFFINITY_CONFIG}}\"\ng: {{AGGREGATOR_PORT}}\ns: \"{{SESSION_CONFIG}}\"\n";
 
     #[test]
     fn substitutes_and_escapes() {

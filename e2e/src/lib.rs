@@ -50,4 +50,5 @@ pub use sim::SimFleet;
 pub use stack::{
     bootstrap_template, default_wasm_dir, require_filter_wasm, served_by, stale_sources,
     workspace_root, Stack, StackConfig, AGGREGATOR_CLUSTER, PREFIX_AFFINITY_WASM, SERVED_HEADER,
+    SESSION_WASM,
 };

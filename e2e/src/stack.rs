@@ -17,6 +17,9 @@ use crate::envoy::{free_port, EnvoyProcess};
 /// The bootstrap's cluster for kvoy-aggregator.
 pub const AGGREGATOR_CLUSTER: &str = "kvoy_aggregator";
 
+/// File name of the session filter module.
+pub const SESSION_WASM: &str = "kvoy_session.wasm";
+
 /// File name of the prefix-affinity filter module.
 pub const PREFIX_AFFINITY_WASM: &str = "kvoy_prefix_affinity.wasm";
 
@@ -45,15 +48,17 @@ pub fn default_wasm_dir() -> PathBuf {
 
 /// The prefix-affinity module in `wasm_dir`, or an error that says how to build it.
 pub fn require_filter_wasm(wasm_dir: &Path) -> anyhow::Result<PathBuf> {
-    let path = wasm_dir.join(PREFIX_AFFINITY_WASM);
-    if !path.is_file() {
-        bail!(
-            "the filter module {} is missing: build it with `make wasm` \
-             (cargo build --release --target wasm32-wasip1 -p kvoy-prefix-affinity)",
-            path.display()
-        );
+    for module in [SESSION_WASM, PREFIX_AFFINITY_WASM] {
+        let path = wasm_dir.join(module);
+        if !path.is_file() {
+            bail!(
+                "the filter module {} is missing: build it with `make wasm` \
+                 (cargo build --release --target wasm32-wasip1 -p kvoy-prefix-affinity -p kvoy-session)",
+                path.display()
+            );
+        }
     }
-    Ok(path)
+    Ok(wasm_dir.join(PREFIX_AFFINITY_WASM))
 }
 
 /// Source files (under `filters/` and `shared/`, outside `benches/` and `tests/`) newer than the built module at `wasm`: when
@@ -104,6 +109,8 @@ pub struct StackConfig {
     pub max_body_bytes: Option<u64>,
     /// Further top-level fields of the filter configuration (a JSON object).
     pub extra_config: Option<Value>,
+    /// The session filter's configuration (JSON; default `{}`).
+    pub session_config: String,
     /// kvoy-aggregator's API: when set, the filter polls it through the `kvoy_aggregator`
     /// cluster (its `aggregator` section, unless `extra_config` has one) and `pool` is only the
     /// static fallback.
@@ -130,6 +137,7 @@ impl StackConfig {
             max_body_bytes: None,
             extra_config: None,
             aggregator: None,
+            session_config: "{}".to_string(),
             listen_port: 0,
             admin_port: 0,
             run_dir,
@@ -240,6 +248,7 @@ impl Stack {
             admin_port,
             wasm_dir,
             prefix_affinity_config: filter_config.clone(),
+            session_config: config.session_config.clone(),
             // Without an aggregator the cluster is unused; any port will do.
             aggregator_port: config.aggregator.map_or(9, |a| a.port()),
         };

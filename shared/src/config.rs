@@ -33,6 +33,8 @@ pub struct Weights {
     pub inflight: f64,
     pub queue: f64,
     pub kv_cache: f64,
+    /// Added to the endpoint a request's session is pinned to (from `kvoy_session`).
+    pub session: f64,
 }
 
 impl Default for Weights {
@@ -43,6 +45,30 @@ impl Default for Weights {
             inflight: 2.0,
             queue: 2.0,
             kv_cache: 2.0,
+            // More than all the others together: a session stays put unless its pin breaks.
+            session: 10.0,
+        }
+    }
+}
+
+/// How a session pin (from `kvoy_session`) is treated.
+#[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SessionPin {
+    /// Always route to the pinned endpoint while it is a healthy candidate, however loaded.
+    pub hard: bool,
+    /// A soft pin breaks when the endpoint's load (in-flight + queue) is at least `break_abs`
+    /// above the least-loaded candidate's *and* more than `break_rel` times it.
+    pub break_abs: u32,
+    pub break_rel: f64,
+}
+
+impl Default for SessionPin {
+    fn default() -> Self {
+        SessionPin {
+            hard: false,
+            break_abs: 16,
+            break_rel: 2.0,
         }
     }
 }
@@ -110,6 +136,8 @@ struct RawConfig {
     weights: Weights,
     #[serde(default)]
     hotspot: HotspotGuard,
+    #[serde(default)]
+    session: SessionPin,
     #[serde(default = "defaults::block_size")]
     block_size: usize,
     #[serde(default = "defaults::max_blocks")]
@@ -171,6 +199,7 @@ pub struct PluginConfig {
     pub pool: Pool,
     pub weights: Weights,
     pub hotspot: HotspotGuard,
+    pub session: SessionPin,
     /// Bytes of prompt text per prefix block.
     pub block_size: usize,
     /// Prefix blocks hashed per request at most.
@@ -279,10 +308,18 @@ impl TryFrom<RawConfig> for PluginConfig {
             ("weights.inflight", w.inflight),
             ("weights.queue", w.queue),
             ("weights.kv_cache", w.kv_cache),
+            ("weights.session", w.session),
         ] {
             if !(value.is_finite() && value >= 0.0) {
                 return Err(out_of_range(field, "a finite number >= 0", value));
             }
+        }
+        if !(raw.session.break_rel.is_finite() && raw.session.break_rel >= 1.0) {
+            return Err(out_of_range(
+                "session.break_rel",
+                "a number >= 1",
+                raw.session.break_rel,
+            ));
         }
         if !(raw.hotspot.rel.is_finite() && raw.hotspot.rel >= 1.0) {
             return Err(out_of_range(
@@ -326,6 +363,7 @@ impl TryFrom<RawConfig> for PluginConfig {
             pool: Pool::new(endpoints),
             weights: w,
             hotspot: raw.hotspot,
+            session: raw.session,
             block_size: raw.block_size,
             max_blocks: raw.max_blocks,
             lru_blocks_per_endpoint: raw.lru_blocks_per_endpoint,

@@ -26,18 +26,19 @@ pub mod request;
 mod rng;
 mod router;
 mod score;
+pub mod session;
 pub mod snapshot;
 
 pub use config::{
-    AggregatorSettings, ConfigError, HotspotGuard, InvalidBodyPolicy, PluginConfig, Weights,
-    MAX_ENDPOINTS,
+    AggregatorSettings, ConfigError, HotspotGuard, InvalidBodyPolicy, PluginConfig, SessionPin,
+    Weights, MAX_ENDPOINTS,
 };
 pub use endpoint::{Endpoint, EndpointId, EndpointLoad, Health, Pool};
 pub use index::PrefixIndex;
 pub use lru::LruSet;
 pub use request::RequestError;
 pub use rng::Rng;
-pub use router::{Decision, DecisionKind, RouteError, Router};
+pub use router::{BreakReason, Decision, DecisionKind, RouteError, Router, SessionOutcome};
 pub use score::{least_loaded, pick, Candidate, EndpointScore};
 
 /// A JSON error body in OpenAI's shape:

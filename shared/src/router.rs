@@ -19,6 +19,46 @@ pub struct Decision {
     /// Prefix blocks of the request.
     pub request_blocks: u32,
     pub kind: DecisionKind,
+    pub session: SessionOutcome,
+}
+
+/// What became of a request's session pin.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SessionOutcome {
+    /// The request had no pin.
+    None,
+    /// The request went to its pinned endpoint.
+    Honoured,
+    /// The pin was not followed.
+    Broken(BreakReason),
+}
+
+/// Why a session pin was not followed (the session filter then rebinds to where it went).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BreakReason {
+    /// The pinned address is not in the pool (a forged or outdated token or binding).
+    NotInPool,
+    /// The pinned endpoint does not serve the request's model.
+    NotServing,
+    /// The pinned endpoint is stale or not ready while healthier ones serve the model.
+    Unhealthy,
+    /// Soft pin only: the pinned endpoint is far more loaded than the least-loaded candidate.
+    Overloaded,
+    /// The scores chose another endpoint despite the pin.
+    Outscored,
+}
+
+impl BreakReason {
+    /// A short label for metrics and logs.
+    pub fn label(self) -> &'static str {
+        match self {
+            BreakReason::NotInPool => "not_in_pool",
+            BreakReason::NotServing => "not_serving",
+            BreakReason::Unhealthy => "unhealthy",
+            BreakReason::Overloaded => "overloaded",
+            BreakReason::Outscored => "outscored",
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -182,6 +222,7 @@ impl Router {
                 matched: self.index.matched(id, &self.keys) as u32,
                 inflight: inflight.get(id.index()).copied().unwrap_or(0),
                 load,
+                pinned: false,
             });
         }
     }
@@ -193,6 +234,19 @@ impl Router {
         api: Api,
         body: &[u8],
         inflight: &[u32],
+    ) -> Result<Decision, RouteError> {
+        self.route_pinned(api, body, inflight, None)
+    }
+
+    /// [`Router::route_body`] for a request whose session is pinned to `pin` (an `ip:port`
+    /// from `kvoy_session`, or a token): honoured only if it is a pool member serving the model
+    /// among the healthiest candidates and, for a soft pin, not clearly overloaded.
+    pub fn route_pinned(
+        &mut self,
+        api: Api,
+        body: &[u8],
+        inflight: &[u32],
+        pin: Option<&str>,
     ) -> Result<Decision, RouteError> {
         self.keys.clear();
         let req = match request::parse(api, body, self.config.max_body_bytes) {
@@ -216,15 +270,34 @@ impl Router {
             .hash(&req.model, req.cache_salt.as_deref(), &req.prompt);
         self.keys.extend_from_slice(keys);
         self.fill_candidates(inflight);
-        let chosen = score::pick(
-            &self.candidates,
-            self.keys.len(),
-            &self.config.weights,
-            &self.config.hotspot,
-            &mut self.rng,
-            &mut self.scores,
-        )
-        .ok_or(RouteError::NoEndpoint)?;
+        let mut session = match pin {
+            None => SessionOutcome::None,
+            Some(address) => self.apply_pin(address, &req.model),
+        };
+        let hard = self.config.session.hard;
+        let pinned = self.candidates.iter().position(|c| c.pinned);
+        let chosen = match pinned {
+            Some(i) if hard => {
+                self.scores.clear();
+                i
+            }
+            _ => score::pick(
+                &self.candidates,
+                self.keys.len(),
+                &self.config.weights,
+                &self.config.hotspot,
+                &mut self.rng,
+                &mut self.scores,
+            )
+            .ok_or(RouteError::NoEndpoint)?,
+        };
+        if let Some(i) = pinned {
+            session = if i == chosen {
+                SessionOutcome::Honoured
+            } else {
+                SessionOutcome::Broken(BreakReason::Outscored)
+            };
+        }
         let c = self.candidates[chosen];
         self.index.record(c.id, &self.keys);
         Ok(Decision {
@@ -232,7 +305,40 @@ impl Router {
             matched_blocks: c.matched,
             request_blocks: self.keys.len() as u32,
             kind: DecisionKind::Scored,
+            session,
         })
+    }
+
+    /// Marks the pinned candidate, or says why the pin breaks.
+    fn apply_pin(&mut self, address: &str, model: &str) -> SessionOutcome {
+        let Some(id) = self.pool.find(address) else {
+            return SessionOutcome::Broken(BreakReason::NotInPool);
+        };
+        let Some(i) = self.candidates.iter().position(|c| c.id == id) else {
+            let serves = self.pool.get(id).is_some_and(|e| e.serves(model));
+            return SessionOutcome::Broken(if serves {
+                BreakReason::Unhealthy
+            } else {
+                BreakReason::NotServing
+            });
+        };
+        let pin = &self.config.session;
+        if !pin.hard {
+            let min = self
+                .candidates
+                .iter()
+                .map(Candidate::guard_load)
+                .min()
+                .unwrap_or(0);
+            let load = self.candidates[i].guard_load();
+            if load >= min.saturating_add(u64::from(pin.break_abs))
+                && load as f64 > pin.break_rel * min as f64
+            {
+                return SessionOutcome::Broken(BreakReason::Overloaded);
+            }
+        }
+        self.candidates[i].pinned = true;
+        SessionOutcome::None
     }
 
     /// Routes a request whose body kvoy does not read (any endpoint of the pool will do).
@@ -256,6 +362,7 @@ impl Router {
             matched_blocks: 0,
             request_blocks: 0,
             kind,
+            session: SessionOutcome::None,
         })
     }
 }
@@ -365,5 +472,103 @@ mod tests {
             assert_eq!(e.endpoint, d.endpoint);
             assert_eq!(e.matched_blocks, e.request_blocks);
         }
+    }
+
+    #[test]
+    fn session_pins_are_honoured_validated_and_broken() {
+        let mut r = router("");
+        let system = "A long shared system prompt. ".repeat(40);
+        let body = chat("a", &system, "q");
+        let holder = r
+            .route_body(Api::ChatCompletions, &body, &[0; 3])
+            .unwrap()
+            .endpoint;
+        let other = if holder == EndpointId(0) {
+            "10.0.0.2:8000"
+        } else {
+            "10.0.0.1:8000"
+        };
+        // A soft pin beats the prefix holder.
+        let d = r
+            .route_pinned(Api::ChatCompletions, &body, &[0; 3], Some(other))
+            .unwrap();
+        assert_eq!(r.pool().get(d.endpoint).unwrap().address_text, other);
+        assert_eq!(d.session, SessionOutcome::Honoured);
+        // Outside the pool: ignored, routed as usual.
+        let d = r
+            .route_pinned(Api::ChatCompletions, &body, &[0; 3], Some("10.9.9.9:1"))
+            .unwrap();
+        assert_eq!(d.session, SessionOutcome::Broken(BreakReason::NotInPool));
+        assert_eq!(
+            d.matched_blocks, d.request_blocks,
+            "to a prefix holder, as without a pin"
+        );
+        let d = r
+            .route_pinned(Api::ChatCompletions, &body, &[0; 3], Some("garbage"))
+            .unwrap();
+        assert_eq!(d.session, SessionOutcome::Broken(BreakReason::NotInPool));
+        // Model b is only on endpoint 1.
+        let d = r
+            .route_pinned(
+                Api::ChatCompletions,
+                &chat("b", "s", "u"),
+                &[0; 3],
+                Some("10.0.0.1:8000"),
+            )
+            .unwrap();
+        assert_eq!(d.session, SessionOutcome::Broken(BreakReason::NotServing));
+        // Overloaded (20 in flight vs 0): broken, unless hard.
+        let d = r
+            .route_pinned(
+                Api::ChatCompletions,
+                &body,
+                &[20, 0, 0],
+                Some("10.0.0.1:8000"),
+            )
+            .unwrap();
+        assert_eq!(d.session, SessionOutcome::Broken(BreakReason::Overloaded));
+        assert_ne!(d.endpoint, EndpointId(0));
+        let mut hard = router(r#","session":{"hard":true}"#);
+        let d = hard
+            .route_pinned(
+                Api::ChatCompletions,
+                &body,
+                &[20, 0, 0],
+                Some("10.0.0.1:8000"),
+            )
+            .unwrap();
+        assert_eq!(
+            (d.endpoint, d.session),
+            (EndpointId(0), SessionOutcome::Honoured)
+        );
+        // Unhealthy: a stale pinned endpoint while others are ready.
+        let mut pool: Vec<(EndpointId, crate::Endpoint)> =
+            r.pool().iter().map(|(id, e)| (id, e.clone())).collect();
+        pool[0].1.health = crate::Health::Stale;
+        r.set_pool(Pool::with_ids(pool));
+        let d = r
+            .route_pinned(Api::ChatCompletions, &body, &[0; 3], Some("10.0.0.1:8000"))
+            .unwrap();
+        assert_eq!(d.session, SessionOutcome::Broken(BreakReason::Unhealthy));
+        assert_ne!(d.endpoint, EndpointId(0));
+    }
+
+    #[test]
+    fn a_new_cache_generation_forgets_the_endpoint() {
+        let mut r = router("");
+        let body = chat("a", &"x".repeat(2000), "u");
+        let d = r.route_body(Api::ChatCompletions, &body, &[0; 3]).unwrap();
+        assert!(r.index().blocks(d.endpoint) > 0);
+        let same: Vec<_> = r.pool().iter().map(|(id, e)| (id, e.clone())).collect();
+        r.set_pool(Pool::with_ids(same.clone()));
+        assert!(r.index().blocks(d.endpoint) > 0, "same pool: kept");
+        let mut bumped = same;
+        bumped[d.endpoint.index()].1.cache_generation += 1;
+        r.set_pool(Pool::with_ids(bumped));
+        assert_eq!(
+            r.index().blocks(d.endpoint),
+            0,
+            "the server dropped its cache"
+        );
     }
 }

@@ -30,10 +30,14 @@ pub struct Candidate {
     /// Requests this proxy has sent it that have not finished.
     pub inflight: u32,
     pub load: EndpointLoad,
+    /// The request's session is pinned here (scored with `weights.session`).
+    pub pinned: bool,
 }
 
 impl Candidate {
-    fn guard_load(&self) -> u64 {
+    /// In-flight plus known waiting requests: what the hot-spot guard and the session break
+    /// compare.
+    pub fn guard_load(&self) -> u64 {
         u64::from(self.inflight) + u64::from(self.load.waiting.unwrap_or(0))
     }
 }
@@ -117,7 +121,8 @@ pub fn pick(
         let total = weights.prefix * prefix
             + weights.inflight * s_inflight
             + weights.queue * s_queue
-            + weights.kv_cache * s_kv;
+            + weights.kv_cache * s_kv
+            + if c.pinned { weights.session } else { 0.0 };
         best = best.max(total);
         scores.push(EndpointScore {
             prefix,
@@ -159,6 +164,7 @@ mod tests {
 
     fn cand(id: u16, matched: u32, inflight: u32) -> Candidate {
         Candidate {
+            pinned: false,
             id: EndpointId(id),
             matched,
             inflight,

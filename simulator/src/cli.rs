@@ -24,6 +24,9 @@ usage: kvoy-sim [options]
   --max-body-bytes N            larger bodies get 413 (default 33554432)
   --error-rate F                answer this fraction of completions 500 (default 0)
   --added-latency-ms N          simulated latency before a completion starts (default 0)
+  --max-stored-responses N      /v1/responses kept for previous_response_id, least recently
+                                used dropped first (default 10000)
+  --max-stored-response-bytes N  ... and at most N bytes of their context (default 268435456)
   --kv-events-endpoint EP       ZMQ PUB endpoint for KV events, e.g. tcp://127.0.0.1:5557
   --kv-events-replay-endpoint EP  ZMQ ROUTER endpoint answering replay requests
   --kv-events-topic T           topic (default kv@<listen ip:port>@<first model>)
@@ -67,12 +70,7 @@ pub fn parse(args: &[String]) -> Result<Option<Options>> {
     let mut overrides: Vec<(String, String)> = Vec::new();
     let mut http = HttpOptions {
         models: Vec::new(),
-        speedup: 1.0,
-        default_max_tokens: 16,
-        max_body_bytes: 32 << 20,
-        error_rate: 0.0,
-        added_latency: Duration::ZERO,
-        seed: 1,
+        ..HttpOptions::default()
     };
     let mut kv = KvEventOptions::default();
     let mut it = args.iter();
@@ -98,6 +96,8 @@ pub fn parse(args: &[String]) -> Result<Option<Options>> {
             "--max-body-bytes" => http.max_body_bytes = num(flag, value)?,
             "--error-rate" => http.error_rate = num(flag, value)?,
             "--added-latency-ms" => http.added_latency = Duration::from_millis(num(flag, value)?),
+            "--max-stored-responses" => http.max_stored_responses = num(flag, value)?,
+            "--max-stored-response-bytes" => http.max_stored_response_bytes = num(flag, value)?,
             "--kv-events-endpoint" => kv.endpoint = Some(value.clone()),
             "--kv-events-replay-endpoint" => kv.replay_endpoint = Some(value.clone()),
             "--kv-events-topic" => kv.topic = Some(value.clone()),
@@ -178,6 +178,19 @@ mod tests {
         assert_eq!(o.profile.num_gpu_blocks, 100);
         assert_eq!(o.http.speedup, 20.0);
         assert_eq!(o.http.models, vec!["a", "b"]);
+        assert_eq!(o.http.max_stored_responses, 10_000);
+        let o = parse(&args(
+            "--max-stored-responses 3 --max-stored-response-bytes 99",
+        ))
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            (
+                o.http.max_stored_responses,
+                o.http.max_stored_response_bytes
+            ),
+            (3, 99)
+        );
         for (bad, named) in [
             ("--speedup 0", "--speedup"),
             ("--profile nope", "--profile"),

@@ -3,91 +3,21 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
+use common::{request, request_on, start};
 use kvoy_sim::engine::tokenizer::tokenize_bytes;
 use kvoy_sim::engine::{Engine, EngineRequest, OutputKind, Profile};
 use kvoy_sim::server::runtime::EngineHandle;
-use kvoy_sim::server::{self, HttpOptions, Simulator};
+use kvoy_sim::server::{self, Simulator};
 
 /// The tests measure real time on a 2-core machine: one at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-async fn start(profile: Profile, speedup: f64) -> (SocketAddr, Arc<Simulator>) {
-    let engine = EngineHandle::start(profile, speedup, Box::new(|_| {})).unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let options = HttpOptions {
-        models: vec!["m".into()],
-        speedup,
-        default_max_tokens: 16,
-        max_body_bytes: 1 << 24,
-        error_rate: 0.0,
-        added_latency: Duration::ZERO,
-        seed: 1,
-    };
-    let sim = Simulator::new(engine, options, addr.to_string());
-    tokio::spawn(server::serve(listener, sim.clone()));
-    (addr, sim)
-}
-
-/// A response and the arrival time of each SSE `data:` event (relative to the send).
-struct Reply {
-    status: u16,
-    head: String,
-    body: String,
-    events: Vec<Duration>,
-}
-
-async fn request(addr: SocketAddr, method: &str, path: &str, body: &str) -> Reply {
-    let s = TcpStream::connect(addr).await.unwrap();
-    request_on(s, method, path, body).await
-}
-
-/// Sends a request on an open connection (so that a test can connect many clients first).
-async fn request_on(mut s: TcpStream, method: &str, path: &str, body: &str) -> Reply {
-    s.set_nodelay(true).unwrap();
-    let req = format!(
-        "{method} {path} HTTP/1.1\r\nhost: sim\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    let sent = Instant::now();
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut raw = Vec::new();
-    let mut events = Vec::new();
-    let mut buf = vec![0u8; 64 * 1024];
-    loop {
-        let n = tokio::time::timeout(Duration::from_secs(60), s.read(&mut buf))
-            .await
-            .unwrap()
-            .unwrap();
-        if n == 0 {
-            break;
-        }
-        let at = sent.elapsed();
-        let new = String::from_utf8_lossy(&buf[..n]);
-        events.extend(std::iter::repeat_n(at, new.matches("data: ").count()));
-        raw.extend_from_slice(&buf[..n]);
-    }
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    Reply {
-        status,
-        head: head.to_lowercase(),
-        body: body.to_owned(),
-        events,
-    }
-}
 
 fn chat(system: &str, user: &str, max_tokens: u32, stream: bool) -> String {
     serde_json::json!({"model": "m", "max_tokens": max_tokens, "stream": stream,
@@ -120,6 +50,8 @@ async fn openai_api_shapes() {
     .await;
     assert_eq!(r.status, 200, "{}", r.body);
     assert!(r.head.contains(&format!("x-served-by: {addr}")));
+    let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+    assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"), "{v}");
     let u = usage(&r.body);
     assert_eq!(u["completion_tokens"], 5);
     assert_eq!(u["prompt_tokens_details"]["cached_tokens"], 0);

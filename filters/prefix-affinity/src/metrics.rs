@@ -4,6 +4,16 @@
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::MetricType;
 
+use kvoy_shared::BreakReason;
+
+const BREAKS: [BreakReason; 5] = [
+    BreakReason::NotInPool,
+    BreakReason::NotServing,
+    BreakReason::Unhealthy,
+    BreakReason::Overloaded,
+    BreakReason::Outscored,
+];
+
 pub(crate) struct Metrics {
     pub decisions: Option<u32>,
     pub passthrough: Option<u32>,
@@ -22,6 +32,8 @@ pub(crate) struct Metrics {
     /// Endpoints in the pool routed to, and whether it is the aggregator's (1) or static (0).
     pub pool_endpoints: Option<u32>,
     pub pool_live: Option<u32>,
+    pub session_honoured: Option<u32>,
+    session_breaks: [Option<u32>; 5],
 }
 
 fn counter(name: &str) -> Option<u32> {
@@ -51,7 +63,21 @@ impl Metrics {
             pool_updates: counter("kvoy_prefix_affinity_pool_updates_total"),
             pool_endpoints: gauge("kvoy_prefix_affinity_pool_endpoints"),
             pool_live: gauge("kvoy_prefix_affinity_pool_live"),
+            session_honoured: counter("kvoy_prefix_affinity_session_pins_honoured_total"),
+            session_breaks: BREAKS.map(|r| {
+                counter(&format!(
+                    "kvoy_prefix_affinity_session_pins_broken_{}_total",
+                    r.label()
+                ))
+            }),
         }
+    }
+
+    pub fn session_broken(&self, reason: BreakReason) -> Option<u32> {
+        BREAKS
+            .iter()
+            .position(|r| *r == reason)
+            .and_then(|i| self.session_breaks[i])
     }
 
     pub fn set(id: Option<u32>, value: u64) {

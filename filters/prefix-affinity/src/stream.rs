@@ -6,7 +6,8 @@ use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, MapType};
 
 use kvoy_shared::request::Api;
-use kvoy_shared::{Decision, DecisionKind, EndpointId, RequestError, RouteError};
+use kvoy_shared::session::PIN_HEADER;
+use kvoy_shared::{Decision, DecisionKind, EndpointId, RequestError, RouteError, SessionOutcome};
 
 use crate::metrics::Metrics;
 use crate::store::HostStore;
@@ -24,6 +25,8 @@ pub(crate) struct RequestStream {
     chosen: Option<EndpointId>,
     /// Counted in the shared in-flight table; released once, when the stream ends.
     acquired: Option<EndpointId>,
+    /// The session pin `kvoy_session` handed over (validated against the pool when routing).
+    pin: Option<String>,
 }
 
 impl RequestStream {
@@ -33,6 +36,7 @@ impl RequestStream {
             api: None,
             chosen: None,
             acquired: None,
+            pin: None,
         }
     }
 
@@ -93,6 +97,17 @@ impl RequestStream {
             DecisionKind::Passthrough => Metrics::add(vm.metrics.passthrough, 1),
             DecisionKind::Fallback => Metrics::add(vm.metrics.fallbacks, 1),
         }
+        match decision.session {
+            SessionOutcome::None => {}
+            SessionOutcome::Honoured => Metrics::add(vm.metrics.session_honoured, 1),
+            SessionOutcome::Broken(reason) => {
+                debug!(
+                    "kvoy_prefix_affinity: session pin broken: {}",
+                    reason.label()
+                );
+                Metrics::add(vm.metrics.session_broken(reason), 1)
+            }
+        }
         Action::Continue
     }
 
@@ -127,7 +142,9 @@ impl RequestStream {
         };
         Self::refresh(vm);
         let counts = std::mem::take(&mut vm.counts);
-        let result = vm.router.route_body(api, body, &counts);
+        let result = vm
+            .router
+            .route_pinned(api, body, &counts, self.pin.as_deref());
         vm.counts = counts;
         match result {
             Ok(decision) => self.commit(vm, decision),
@@ -140,8 +157,13 @@ impl Context for RequestStream {}
 
 impl HttpContext for RequestStream {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        // Whatever happens next, the client never chooses the upstream.
+        // Whatever happens next, the client never chooses the upstream, and the session pin
+        // (an internal header) never leaves the proxy.
         let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, DESTINATION_HEADER, None);
+        self.pin = self.header(PIN_HEADER);
+        if self.pin.is_some() {
+            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, PIN_HEADER, None);
+        }
         let state = self.state.clone();
         let mut guard = state.borrow_mut();
         let Some(vm) = guard.as_mut() else {

@@ -55,6 +55,8 @@ pub struct ParsedRequest<'a> {
     pub cache_salt: Option<Cow<'a, str>>,
     /// Responses API: the response this one continues.
     pub previous_response_id: Option<Cow<'a, str>>,
+    /// Responses API: the conversation this request belongs to (its id).
+    pub conversation: Option<Cow<'a, str>>,
     /// The prompt as an ordered list of byte runs; their concatenation is what prefix keys cover.
     pub prompt: Vec<&'a [u8]>,
 }

@@ -88,6 +88,7 @@ struct BodyFields<'a> {
     user: Option<Cow<'a, str>>,
     cache_salt: Option<Cow<'a, str>>,
     previous_response_id: Option<Cow<'a, str>>,
+    conversation: Option<Cow<'a, str>>,
     tools: Option<&'a [u8]>,
     instructions: Option<&'a [u8]>,
     main: Option<Segments<'a>>,
@@ -144,6 +145,7 @@ pub(super) fn parse_body(api: Api, body: &[u8]) -> Result<ParsedRequest<'_>, Req
             (b"previous_response_id", _) => {
                 f.previous_response_id = opt_text(c, "previous_response_id")?
             }
+            (b"conversation", Api::Responses) => f.conversation = conversation(c)?,
             (b"tools", _) => f.tools = opt_raw(c)?,
             (b"instructions", Api::Responses) => f.instructions = opt_raw(c)?,
             (b"messages", Api::ChatCompletions) => {
@@ -190,8 +192,28 @@ pub(super) fn parse_body(api: Api, body: &[u8]) -> Result<ParsedRequest<'_>, Req
         user: f.user,
         cache_salt: f.cache_salt,
         previous_response_id: f.previous_response_id,
+        conversation: f.conversation,
         prompt,
     })
+}
+
+/// Responses API `conversation`: an id string, or an object with an `id`.
+fn conversation<'a>(cur: &mut Cursor<'a>) -> Result<Option<Cow<'a, str>>> {
+    match cur.peek() {
+        Some(b'{') => {
+            let mut id = None;
+            walk_object(cur, |c, key| {
+                if key_text(key).as_ref() == b"id" {
+                    id = opt_text(c, "conversation.id")?;
+                } else {
+                    c.value()?;
+                }
+                Ok(())
+            })?;
+            Ok(id)
+        }
+        _ => opt_text(cur, "conversation"),
+    }
 }
 
 /// The inside of a raw JSON string value, or the raw value itself for anything else.

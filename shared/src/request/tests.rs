@@ -109,6 +109,27 @@ fn responses_input_shapes() {
     .unwrap();
     assert_eq!(prompt_text(&req), b"be nice\x1ehi");
     assert_eq!(req.previous_response_id.as_deref(), Some("resp_1"));
+    assert_eq!(req.conversation, None);
+    for (body, want) in [
+        (
+            &br#"{"model":"m","input":"hi","conversation":"conv_1"}"#[..],
+            Some("conv_1"),
+        ),
+        (
+            br#"{"model":"m","input":"hi","conversation":{"id":"conv_2","x":[1]}}"#,
+            Some("conv_2"),
+        ),
+        (br#"{"model":"m","input":"hi","conversation":null}"#, None),
+    ] {
+        let req = parse(Api::Responses, body, 1 << 20).unwrap();
+        assert_eq!(req.conversation.as_deref(), want);
+    }
+    assert!(parse(
+        Api::Responses,
+        br#"{"model":"m","input":"hi","conversation":5}"#,
+        1 << 20
+    )
+    .is_err());
     let req = parse(
         Api::Responses,
         br#"{"model":"m","input":[{"type":"message","role":"user","content":[{"type":"input_text","text":"hello"}]},

@@ -1,32 +1,35 @@
-//! The HTTP side of a simulator: an OpenAI-compatible API over hyper, `/metrics`, `/health`
-//! and vLLM's `/reset_prefix_cache`, in front of one engine thread.
+//! The HTTP side of a simulator: an OpenAI-compatible API over hyper (`/v1/chat/completions`,
+//! `/v1/completions`, and `/v1/responses` with its stored conversations), `/metrics`,
+//! `/health` and vLLM's `/reset_prefix_cache`, in front of one engine thread.
 
 pub mod api;
+mod generation;
+mod ids;
 pub mod metrics;
+pub mod response_store;
+pub mod responses;
 pub mod runtime;
 
 use std::convert::Infallible;
-use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use http_body_util::{combinators::BoxBody, BodyExt, Full, Limited};
-use hyper::body::{Body, Frame, Incoming};
+use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
-use tokio::sync::mpsc;
 
 use kvoy_shared::request::Api;
 use kvoy_shared::Rng;
 
 use crate::engine::tokenizer::tokenize_bytes;
-use api::{ApiError, Completion};
+use api::{ApiError, ClassicWriter};
+use generation::{Generation, Prepared};
 use metrics::Recorder;
-use runtime::{EngineHandle, Progress};
+use response_store::ResponseStore;
+use runtime::EngineHandle;
 
 pub type HttpBody = BoxBody<Bytes, Infallible>;
 
@@ -43,6 +46,27 @@ pub struct HttpOptions {
     /// Simulated latency added before a completion reaches the engine.
     pub added_latency: Duration,
     pub seed: u64,
+    /// Responses API: at most this many stored responses (least recently used dropped first).
+    pub max_stored_responses: usize,
+    /// Responses API: at most this many bytes of stored conversation context.
+    pub max_stored_response_bytes: usize,
+}
+
+impl Default for HttpOptions {
+    /// `kvoy-sim`'s defaults, serving model `kvoy-sim`.
+    fn default() -> Self {
+        HttpOptions {
+            models: vec!["kvoy-sim".to_owned()],
+            speedup: 1.0,
+            default_max_tokens: 16,
+            max_body_bytes: 32 << 20,
+            error_rate: 0.0,
+            added_latency: Duration::ZERO,
+            seed: 1,
+            max_stored_responses: 10_000,
+            max_stored_response_bytes: 256 << 20,
+        }
+    }
 }
 
 /// Everything the handlers share.
@@ -52,8 +76,9 @@ pub struct Simulator {
     pub served_by: String,
     pub options: HttpOptions,
     pub recorder: Recorder,
+    /// The Responses API's stored conversations.
+    pub responses: Arc<ResponseStore>,
     faults: Mutex<Rng>,
-    next_id: AtomicU64,
 }
 
 impl Simulator {
@@ -62,9 +87,12 @@ impl Simulator {
             engine,
             served_by,
             faults: Mutex::new(Rng::new(options.seed)),
+            responses: Arc::new(ResponseStore::new(
+                options.max_stored_responses,
+                options.max_stored_response_bytes,
+            )),
             options,
             recorder: Recorder::default(),
-            next_id: AtomicU64::new(1),
         })
     }
 

@@ -121,7 +121,7 @@ pub fn turn_prompt(history: &[u8], input: &[u8]) -> Vec<u8> {
 /// Decodes a request and resolves the conversation it continues, on `sim`.
 pub(crate) fn prepare(sim: &Simulator, body: &[u8]) -> Result<Prepared, ApiError> {
     let o = &sim.options;
-    let req = parse(body, &o.models, o.default_max_tokens, o.max_body_bytes)?;
+    let mut req = parse(body, &o.models, o.default_max_tokens, o.max_body_bytes)?;
     let history = match &req.previous_response_id {
         Some(id) => sim
             .responses
@@ -129,7 +129,7 @@ pub(crate) fn prepare(sim: &Simulator, body: &[u8]) -> Result<Prepared, ApiError
             .ok_or_else(|| previous_not_found(id))?,
         None => Arc::from(&[][..]),
     };
-    let prompt = turn_prompt(&history, &req.input);
+    let prompt = turn_prompt(&history, &std::mem::take(&mut req.input));
     Ok(Prepared {
         tokens: tokenize_bytes(&prompt),
         max_tokens: req.max_tokens,
@@ -353,7 +353,11 @@ mod tests {
         assert_eq!(r.previous_response_id.as_deref(), Some("resp_1"));
         assert_eq!(r.instructions, json!("be brief"));
         assert_eq!(r.metadata, json!({"k": "v"}));
-        assert_eq!(r.input, b"be brief\x1euser\x1fhi\x1e\x1e");
+        // as kvoy-shared keys it: tools, instructions, then the input items
+        assert_eq!(
+            r.input,
+            b"[{\"type\":\"web_search\"}]\x1ebe brief\x1euser\x1fhi\x1e\x1e"
+        );
         let r = parse(br#"{"model":"m","input":"x"}"#, &models(), 16, 1 << 20).unwrap();
         assert!(r.store && !r.stream);
         assert_eq!((r.max_output_tokens, r.max_tokens), (None, 16));
