@@ -17,6 +17,7 @@
 
 mod config;
 mod endpoint;
+pub mod flow;
 mod index;
 pub mod live;
 mod lru;

@@ -1,0 +1,85 @@
+//! Flow control for the `kvoy_admission` filter: priority bands and fair share when the pool
+//! saturates. Pure: the filter passes the time, the pool state and its own in-flight counts.
+//!
+//! Per request, at the request headers: [`classify`] the request (objective -> priority band,
+//! fairness id -> flow), compute [`saturation`] (or [`saturation_from_inflight`] for a static
+//! pool), and [`FlowQueue::offer`] it. [`Offer::Admit`] continues; [`Offer::Reject`] answers
+//! 429 with [`RejectReason::as_str`]; [`Offer::Queued`] pauses the request (at its body
+//! callbacks too). On every tick and whenever a request of this proxy completes, the filter
+//! calls [`FlowQueue::release`] with [`Saturation::release_capacity`] and resumes the ids it
+//! names, answering 429 [`EXPIRED_REASON`] to those that expired; when a held client goes
+//! away it calls [`FlowQueue::remove`].
+//!
+//! ```
+//! use kvoy_shared::flow::{classify, saturation_from_inflight, AdmissionConfig, FlowQueue, Offer};
+//! let cfg = AdmissionConfig::from_json(br#"{
+//!     "objectives": {"interactive": 10, "batch": -1},
+//!     "saturation": {"max_inflight_per_endpoint": 1},
+//!     "queue_sheddable": true
+//! }"#).unwrap();
+//! let mut queue = FlowQueue::new(&cfg);
+//! let mut inflight = vec![0u32; 2]; // this proxy's requests per endpoint
+//! let offer = |q: &mut FlowQueue, inflight: &[u32], id, objective: &str, now| {
+//!     let class = classify(&cfg, Some(objective), Some("tenant-a"), Some(1000));
+//!     let sat = saturation_from_inflight(&cfg, inflight, None);
+//!     q.offer(id, &class, now, sat.saturated)
+//! };
+//! assert_eq!(offer(&mut queue, &inflight, 1, "batch", 0), Offer::Admit);
+//! inflight[0] = 1;
+//! assert_eq!(offer(&mut queue, &inflight, 2, "interactive", 1), Offer::Admit);
+//! inflight[1] = 1;
+//! // the pool is full: both wait, the interactive one is released first
+//! assert_eq!(offer(&mut queue, &inflight, 3, "batch", 2), Offer::Queued);
+//! assert_eq!(offer(&mut queue, &inflight, 4, "interactive", 3), Offer::Queued);
+//! inflight[0] = 0; // request 1 completed
+//! let capacity = saturation_from_inflight(&cfg, &inflight, None).release_capacity();
+//! let (mut released, mut expired) = (Vec::new(), Vec::new());
+//! queue.release(4, capacity, &mut released, &mut expired);
+//! assert_eq!((released, expired, queue.len()), (vec![4], vec![], 1));
+//! ```
+//!
+//! # One queue per worker
+//!
+//! A paused request can only be resumed by the VM (worker thread) that paused it, so each VM
+//! has its own `FlowQueue`, while the capacity it releases into (the pool's saturation, the
+//! in-flight counts in shared data) is global. What follows for fairness:
+//!
+//! - Strict priority, round-robin between flows and FCFS/EDF inside a flow hold *within* one
+//!   worker only. Across workers they hold only statistically, in as much as Envoy spreads
+//!   connections evenly: a low-priority request on an idle worker may be admitted while a
+//!   high-priority one waits on a busy worker, and a flow whose connections all land on one
+//!   worker gets that worker's share, not the proxy's.
+//! - Every worker that sees free capacity releases into it: N workers may together release up
+//!   to N times the free slots before the shared in-flight counts catch up. An in-flight
+//!   limit per endpoint bounds the overshoot; without one, a release on a non-saturated pool
+//!   lets everything go, and the saturation level only reacts at the next metrics scrape.
+//! - Caps (`band_max_requests`, `max_requests`, ...) and the TTL are per worker: a proxy with
+//!   N workers holds up to N times `max_requests`.
+//! - Across proxy replicas nothing is coordinated at all; the pool's saturation is the only
+//!   shared signal.
+//!
+//! Fairness is by request count, not by tokens or bytes, and the band caps are shared by the
+//! band's flows: a flow that floods a band can fill its cap and get other flows' requests
+//! rejected as `queue-full`, while the round-robin still gives each backlogged flow an equal
+//! share of what is released.
+
+mod band;
+mod classify;
+mod config;
+mod queue;
+mod saturation;
+
+pub use classify::{
+    classify, flow_id, Class, DEFAULT_FLOW, FAIRNESS_HEADERS, MAX_FLOW_BYTES, OBJECTIVE_HEADERS,
+};
+pub use config::{
+    AdmissionConfig, AdmissionConfigError, Fairness, FlowOrdering, SaturationThresholds,
+    MAX_OBJECTIVES, MAX_OBJECTIVE_NAME_BYTES, MAX_QUEUED,
+};
+pub use queue::{BandStats, FlowQueue, Offer, RejectReason, EXPIRED_REASON};
+pub use saturation::{saturation, saturation_from_inflight, Saturation};
+
+#[cfg(test)]
+mod props;
+#[cfg(test)]
+mod tests;
