@@ -52,3 +52,15 @@ pub use stack::{
     workspace_root, Stack, StackConfig, AGGREGATOR_CLUSTER, PREFIX_AFFINITY_WASM, SERVED_HEADER,
     SESSION_WASM,
 };
+
+/// Polls `check` every 20 ms until it holds; panics naming `what` after `timeout`.
+pub fn wait_for(what: &str, timeout: std::time::Duration, mut check: impl FnMut() -> bool) {
+    let start = std::time::Instant::now();
+    while !check() {
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}

@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 
 use kvoy_e2e::http::{self, Response};
 use kvoy_e2e::{
-    aggregator_yaml, free_port, AggregatedEndpoint, LocalAggregator, PoolEndpoint, SimFleet, Stack,
-    StackConfig,
+    aggregator_yaml, free_port, wait_for, AggregatedEndpoint, LocalAggregator, PoolEndpoint,
+    SimFleet, Stack, StackConfig,
 };
 use serde_json::{json, Value};
 
@@ -114,17 +114,6 @@ fn endpoints_view(agg: SocketAddr) -> Value {
     .unwrap();
     assert_eq!(r.status, 200);
     r.json().unwrap()
-}
-
-fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !f() {
-        assert!(
-            start.elapsed() < timeout,
-            "[{NAME}] timed out waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// The endpoint entry of `addr` in the aggregator's JSON view.

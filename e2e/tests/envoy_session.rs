@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use kvoy_e2e::http::{self, Response};
 use kvoy_e2e::{
-    aggregator_yaml, AggregatedEndpoint, LocalAggregator, PoolEndpoint, SimFleet, Stack,
+    aggregator_yaml, wait_for, AggregatedEndpoint, LocalAggregator, PoolEndpoint, SimFleet, Stack,
     StackConfig,
 };
 use kvoy_shared::session::decode_token;
@@ -43,17 +43,6 @@ fn served(r: &Response) -> String {
     r.header(kvoy_e2e::SERVED_BY_HEADER)
         .unwrap_or("?")
         .to_owned()
-}
-
-fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !f() {
-        assert!(
-            start.elapsed() < timeout,
-            "[{NAME}] timed out waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 #[test]

@@ -12,7 +12,6 @@
 
 mod live;
 mod metrics;
-mod store;
 mod stream;
 
 use std::cell::RefCell;
@@ -27,8 +26,8 @@ use kvoy_shared::replica::{self, DecisionLog, InflightTable};
 use kvoy_shared::{PluginConfig, Router};
 
 use crate::metrics::Metrics;
-use crate::store::HostStore;
 use crate::stream::RequestStream;
+use kvoy_filter_common::HostStore;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);

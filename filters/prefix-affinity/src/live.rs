@@ -12,8 +12,8 @@ use kvoy_shared::snapshot::Snapshot;
 use kvoy_shared::AggregatorSettings;
 
 use crate::metrics::Metrics;
-use crate::store::HostStore;
 use crate::VmState;
+use kvoy_filter_common::{now_ms, HostStore};
 
 /// Per-VM state of the live pool.
 pub(crate) struct LivePool {
@@ -45,14 +45,6 @@ impl LivePool {
     pub fn tick_period(&self) -> Duration {
         Duration::from_millis(self.settings.poll_interval_ms)
     }
-}
-
-/// Host time in milliseconds since the epoch (0 if unavailable).
-pub(crate) fn now_ms() -> u64 {
-    hostcalls::get_current_time()
-        .ok()
-        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// Brings the router's pool in line with the board: a small read per call, a snapshot read

@@ -1,8 +1,7 @@
 //! The filter's Envoy metrics (`kvoy_prefix_affinity_*`). A metric that fails to define is
 //! skipped, never fatal.
 
-use proxy_wasm::hostcalls;
-use proxy_wasm::types::MetricType;
+use kvoy_filter_common::{counter, gauge};
 
 use kvoy_shared::BreakReason;
 
@@ -34,14 +33,6 @@ pub(crate) struct Metrics {
     pub pool_live: Option<u32>,
     pub session_honoured: Option<u32>,
     session_breaks: [Option<u32>; 5],
-}
-
-fn counter(name: &str) -> Option<u32> {
-    hostcalls::define_metric(MetricType::Counter, name).ok()
-}
-
-fn gauge(name: &str) -> Option<u32> {
-    hostcalls::define_metric(MetricType::Gauge, name).ok()
 }
 
 impl Metrics {
@@ -81,15 +72,11 @@ impl Metrics {
     }
 
     pub fn set(id: Option<u32>, value: u64) {
-        if let Some(id) = id {
-            let _ = hostcalls::record_metric(id, value);
-        }
+        kvoy_filter_common::set(id, value);
     }
 
     pub fn add(id: Option<u32>, n: u64) {
-        if let Some(id) = id {
-            let _ = hostcalls::increment_metric(id, n.min(i64::MAX as u64) as i64);
-        }
+        kvoy_filter_common::add(id, n);
     }
 
     pub fn rejected(&self, reason: &str) -> Option<u32> {

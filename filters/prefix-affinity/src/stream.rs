@@ -10,8 +10,8 @@ use kvoy_shared::session::PIN_HEADER;
 use kvoy_shared::{Decision, DecisionKind, EndpointId, RequestError, RouteError, SessionOutcome};
 
 use crate::metrics::Metrics;
-use crate::store::HostStore;
 use crate::{SharedState, VmState};
+use kvoy_filter_common::HostStore;
 
 /// The destination the ORIGINAL_DST cluster routes by (Gateway API Inference Extension).
 pub(crate) const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
@@ -115,7 +115,7 @@ impl RequestStream {
     /// in-flight counts.
     fn refresh(vm: &mut VmState) {
         if vm.live.is_some() {
-            crate::live::refresh(vm, crate::live::now_ms());
+            crate::live::refresh(vm, kvoy_filter_common::now_ms());
         }
         let VmState {
             router,

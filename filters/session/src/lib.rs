@@ -14,7 +14,6 @@
 //! defaults).
 
 mod metrics;
-mod store;
 mod stream;
 
 use std::cell::RefCell;

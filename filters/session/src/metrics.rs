@@ -1,7 +1,6 @@
 //! The filter's Envoy metrics (`kvoy_session_*`). A metric that fails to define is skipped.
 
-use proxy_wasm::hostcalls;
-use proxy_wasm::types::MetricType;
+use kvoy_filter_common::counter;
 
 pub(crate) struct Metrics {
     /// Requests that carried a session key or token.
@@ -18,10 +17,6 @@ pub(crate) struct Metrics {
     pub shared_state_errors: Option<u32>,
 }
 
-fn counter(name: &str) -> Option<u32> {
-    hostcalls::define_metric(MetricType::Counter, name).ok()
-}
-
 impl Metrics {
     pub fn define() -> Self {
         Metrics {
@@ -36,8 +31,6 @@ impl Metrics {
     }
 
     pub fn add(id: Option<u32>, n: u64) {
-        if let Some(id) = id {
-            let _ = hostcalls::increment_metric(id, n.min(i64::MAX as u64) as i64);
-        }
+        kvoy_filter_common::add(id, n);
     }
 }

@@ -14,8 +14,8 @@ use kvoy_shared::session::{
 };
 
 use crate::metrics::Metrics;
-use crate::store::HostStore;
 use crate::{SharedState, VmState};
+use kvoy_filter_common::{now_ms, HostStore};
 
 /// The endpoint that served the request, as the prefix-affinity filter reports it (it only
 /// ever names a pool member).
@@ -35,13 +35,6 @@ pub(crate) struct SessionStream {
     responses_api: bool,
     served: Option<SocketAddr>,
     scanner: Option<ResponseIdScanner>,
-}
-
-fn now_ms() -> u64 {
-    hostcalls::get_current_time()
-        .ok()
-        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 fn request_header(name: &str) -> Option<String> {
