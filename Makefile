@@ -16,7 +16,7 @@ CARGO ?= cargo
 JOBS ?= 2
 WASM_TARGET := wasm32-wasip1
 # One crate per proxy-wasm filter, plus the harness's SDK test guest.
-WASM_CRATES := kvoy-prefix-affinity kvoy-session kvoy-harness-guest
+WASM_CRATES := kvoy-prefix-affinity kvoy-session kvoy-admission kvoy-harness-guest
 # Crates with native binaries.
 BIN_CRATES := kvoy-e2e kvoy-sim
 # Flags for kvoy-stack (`kvoy-stack --help`), e.g. RUN_ARGS='--backend echo --speedup 1'.

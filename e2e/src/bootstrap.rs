@@ -22,6 +22,8 @@ pub struct BootstrapParams {
     pub prefix_affinity_config: String,
     /// The session filter's JSON configuration (`{}` for its defaults).
     pub session_config: String,
+    /// The admission filter's JSON configuration.
+    pub admission_config: String,
     /// Port of kvoy-aggregator on 127.0.0.1 (cluster `kvoy_aggregator`; unused when the
     /// filter has no `aggregator` section).
     pub aggregator_port: u16,
@@ -46,13 +48,14 @@ pub fn quoted_contents(s: &str) -> String {
     quoted[1..quoted.len() - 1].to_string()
 }
 
-const PLACEHOLDERS: [&str; 6] = [
+const PLACEHOLDERS: [&str; 7] = [
     "LISTEN_PORT",
     "ADMIN_PORT",
     "WASM_DIR",
     "PREFIX_AFFINITY_CONFIG",
     "SESSION_CONFIG",
     "AGGREGATOR_PORT",
+    "ADMISSION_CONFIG",
 ];
 
 /// Renders `template` (the text of `envoy/kvoy.yaml`). Every placeholder must be known and every
@@ -70,6 +73,7 @@ pub fn render_bootstrap(template: &str, params: &BootstrapParams) -> Result<Stri
             "WASM_DIR" => Some(quoted_contents(wasm_dir)),
             "PREFIX_AFFINITY_CONFIG" => Some(quoted_contents(&params.prefix_affinity_config)),
             "SESSION_CONFIG" => Some(quoted_contents(&params.session_config)),
+            "ADMISSION_CONFIG" => Some(quoted_contents(&params.admission_config)),
             "AGGREGATOR_PORT" => Some(params.aggregator_port.to_string()),
             _ => None,
         }
@@ -160,11 +164,12 @@ mod tests {
             wasm_dir: PathBuf::from("/opt/kvoy wasm/"),
             prefix_affinity_config: config.to_string(),
             session_config: "{}".to_string(),
+            admission_config: r#"{"endpoints":1}"#.to_string(),
             aggregator_port: 9090,
         }
     }
 
-    const T: &str = "l: {{LISTEN_PORT}}\na: {{ ADMIN_PORT }}\nf: \"{{WASM_DIR}}/x.wasm\"\nv: \"{{PREFIX_AFFINITY_CONFIG}}\"\ng: {{AGGREGATOR_PORT}}\ns: \"{{SESSION_CONFIG}}\"\n";
+    const T: &str = "l: {{LISTEN_PORT}}\na: {{ ADMIN_PORT }}\nf: \"{{WASM_DIR}}/x.wasm\"\nv: \"{{PREFIX_AFFINITY_CONFIG}}\"\ng: {{AGGREGATOR_PORT}}\ns: \"{{SESSION_CONFIG}}\"\nq: \"{{ADMISSION_CONFIG}}\"\n";
 
     #[test]
     fn substitutes_and_escapes() {

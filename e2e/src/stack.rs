@@ -17,6 +17,9 @@ use crate::envoy::{free_port, EnvoyProcess};
 /// The bootstrap's cluster for kvoy-aggregator.
 pub const AGGREGATOR_CLUSTER: &str = "kvoy_aggregator";
 
+/// File name of the admission filter module.
+pub const ADMISSION_WASM: &str = "kvoy_admission.wasm";
+
 /// File name of the session filter module.
 pub const SESSION_WASM: &str = "kvoy_session.wasm";
 
@@ -48,12 +51,12 @@ pub fn default_wasm_dir() -> PathBuf {
 
 /// The prefix-affinity module in `wasm_dir`, or an error that says how to build it.
 pub fn require_filter_wasm(wasm_dir: &Path) -> anyhow::Result<PathBuf> {
-    for module in [SESSION_WASM, PREFIX_AFFINITY_WASM] {
+    for module in [SESSION_WASM, ADMISSION_WASM, PREFIX_AFFINITY_WASM] {
         let path = wasm_dir.join(module);
         if !path.is_file() {
             bail!(
                 "the filter module {} is missing: build it with `make wasm` \
-                 (cargo build --release --target wasm32-wasip1 -p kvoy-prefix-affinity -p kvoy-session)",
+                 (cargo build --release --target wasm32-wasip1 -p kvoy-prefix-affinity -p kvoy-session -p kvoy-admission)",
                 path.display()
             );
         }
@@ -111,6 +114,9 @@ pub struct StackConfig {
     pub extra_config: Option<Value>,
     /// The session filter's configuration (JSON; default `{}`).
     pub session_config: String,
+    /// The admission filter's configuration (JSON); default: `{"endpoints": <pool size>}`,
+    /// no in-flight limit, so it admits everything.
+    pub admission_config: Option<String>,
     /// kvoy-aggregator's API: when set, the filter polls it through the `kvoy_aggregator`
     /// cluster (its `aggregator` section, unless `extra_config` has one) and `pool` is only the
     /// static fallback.
@@ -138,6 +144,7 @@ impl StackConfig {
             extra_config: None,
             aggregator: None,
             session_config: "{}".to_string(),
+            admission_config: None,
             listen_port: 0,
             admin_port: 0,
             run_dir,
@@ -249,6 +256,9 @@ impl Stack {
             wasm_dir,
             prefix_affinity_config: filter_config.clone(),
             session_config: config.session_config.clone(),
+            admission_config: config.admission_config.clone().unwrap_or_else(|| {
+                serde_json::json!({"endpoints": config.pool.len().max(1)}).to_string()
+            }),
             // Without an aggregator the cluster is unused; any port will do.
             aggregator_port: config.aggregator.map_or(9, |a| a.port()),
         };

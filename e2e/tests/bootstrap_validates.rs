@@ -33,6 +33,7 @@ fn rendered_bootstrap_passes_envoy_validate() {
         wasm_dir: wasm_dir.canonicalize().expect("wasm dir"),
         prefix_affinity_config: config,
         session_config: r#"{"cookie":"kvoy_sid","ttl_ms":60000}"#.to_string(),
+        admission_config: r#"{"endpoints":2,"flow":{"objectives":{"chat":10}}}"#.to_string(),
         aggregator_port: 18090,
     };
     let rendered = render_bootstrap_file(&bootstrap_template(), &params).expect("render");

@@ -60,3 +60,15 @@ pub fn set(id: Option<u32>, value: u64) {
         let _ = hostcalls::record_metric(id, value);
     }
 }
+
+/// Defines a histogram; `None` if the host refuses.
+pub fn histogram(name: &str) -> Option<u32> {
+    hostcalls::define_metric(MetricType::Histogram, name).ok()
+}
+
+/// Records a value in a histogram defined with [`histogram`].
+pub fn record(id: Option<u32>, value: u64) {
+    if let Some(id) = id {
+        let _ = hostcalls::record_metric(id, value);
+    }
+}

@@ -66,6 +66,7 @@
 mod band;
 mod classify;
 mod config;
+mod filter_config;
 mod queue;
 mod saturation;
 
@@ -76,6 +77,7 @@ pub use config::{
     AdmissionConfig, AdmissionConfigError, Fairness, FlowOrdering, SaturationThresholds,
     MAX_OBJECTIVES, MAX_OBJECTIVE_NAME_BYTES, MAX_QUEUED,
 };
+pub use filter_config::AdmissionFilterConfig;
 pub use queue::{BandStats, FlowQueue, Offer, RejectReason, EXPIRED_REASON};
 pub use saturation::{saturation, saturation_from_inflight, Saturation};
 

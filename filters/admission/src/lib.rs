@@ -1,0 +1,229 @@
+//! `kvoy_admission`: a proxy-wasm HTTP filter, between `kvoy_session` and
+//! `kvoy_prefix_affinity`, that admits requests at once while the pool has room and otherwise
+//! holds them in priority bands with fair share between flows ([`kvoy_shared::flow`]).
+//!
+//! At the request headers it classifies the request (objective -> priority, fairness id ->
+//! flow), measures saturation (this proxy's in-flight requests, a shared-data counter, against
+//! the per-endpoint limit) and asks the VM's [`FlowQueue`]: admit (continue), queue (pause, also
+//! at the body callbacks), or reject (429 with `x-kvoy-dropped-reason`). Held requests are
+//! released by the VM that holds them, in the queue's order, when one of its requests
+//! completes and on every tick; those past the queue TTL get 429 `ttl-expired`; a client that
+//! leaves while held is removed.
+//!
+//! Plugin configuration: the JSON of [`kvoy_shared::flow::AdmissionFilterConfig`].
+
+mod metrics;
+mod stream;
+
+use std::cell::RefCell;
+use std::collections::HashSet;
+use std::rc::Rc;
+use std::time::Duration;
+
+use log::{error, info, warn};
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{ContextType, LogLevel};
+
+use kvoy_filter_common::{now_ms, HostStore};
+use kvoy_shared::flow::{
+    saturation_from_inflight, AdmissionFilterConfig, FlowQueue, EXPIRED_REASON,
+};
+use kvoy_shared::replica::{self, SharedStore};
+
+use crate::metrics::Metrics;
+use crate::stream::{reject, AdmissionStream};
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(LogLevel::Info);
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
+        Box::new(AdmissionRoot { state: Rc::new(RefCell::new(None)) })
+    });
+}}
+
+/// What one VM keeps between requests.
+pub(crate) struct VmState {
+    pub config: AdmissionFilterConfig,
+    pub queue: FlowQueue,
+    pub inflight: InflightCounter,
+    /// Requests of this VM counted in flight (admitted or released), by context id.
+    pub acquired: HashSet<u32>,
+    /// When each held request was queued, for the wait histogram.
+    pub queued_at: std::collections::HashMap<u32, u64>,
+    pub metrics: Metrics,
+    scratch: Vec<u32>,
+    released: Vec<u64>,
+    expired: Vec<u64>,
+}
+
+pub(crate) type SharedState = Rc<RefCell<Option<VmState>>>;
+
+/// This proxy's requests in flight (admitted, not finished), across workers: one `u32` in
+/// shared data, changed by compare-and-swap.
+pub(crate) struct InflightCounter {
+    key: String,
+}
+
+impl InflightCounter {
+    pub fn read(&self) -> u32 {
+        HostStore
+            .get(&self.key)
+            .and_then(|(b, _)| Some(u32::from_le_bytes(b.get(..4)?.try_into().ok()?)))
+            .unwrap_or(0)
+    }
+
+    pub fn add(&self, delta: i32) -> bool {
+        for _ in 0..32 {
+            let (current, cas) = match HostStore.get(&self.key) {
+                Some((b, cas)) => (
+                    b.get(..4)
+                        .and_then(|b| b.try_into().ok())
+                        .map_or(0, u32::from_le_bytes),
+                    cas,
+                ),
+                None => (0, 0),
+            };
+            let next = current.saturating_add_signed(delta);
+            if HostStore.set(&self.key, &next.to_le_bytes(), cas).is_ok() {
+                return true;
+            }
+        }
+        false
+    }
+}
+
+impl VmState {
+    /// Counts `context` in flight.
+    pub fn acquire(&mut self, context: u32) {
+        if self.acquired.insert(context) && !self.inflight.add(1) {
+            kvoy_filter_common::add(self.metrics.shared_state_errors, 1);
+        }
+    }
+
+    /// Releases `context`'s in-flight count, if it had one.
+    pub fn release_inflight(&mut self, context: u32) {
+        if self.acquired.remove(&context) && !self.inflight.add(-1) {
+            kvoy_filter_common::add(self.metrics.shared_state_errors, 1);
+        }
+    }
+
+    /// Whether the pool is saturated now, by this proxy's in-flight count.
+    pub fn saturated(&mut self) -> (bool, u32) {
+        let total = self.inflight.read();
+        self.config.spread(total, &mut self.scratch);
+        let sat = saturation_from_inflight(&self.config.flow, &self.scratch, None);
+        (sat.saturated, sat.release_capacity())
+    }
+
+    /// Releases what the capacity allows and expires what waited too long. Resuming a held
+    /// request switches the effective context, which only its own VM may do: this runs on the
+    /// VM's root context (tick) or at the end of one of its streams.
+    pub fn release_held(&mut self) {
+        if self.queue.is_empty() {
+            return;
+        }
+        let now = now_ms();
+        let (_, capacity) = self.saturated();
+        let mut released = std::mem::take(&mut self.released);
+        let mut expired = std::mem::take(&mut self.expired);
+        released.clear();
+        expired.clear();
+        self.queue
+            .release(now, capacity, &mut released, &mut expired);
+        for &id in &released {
+            let Ok(context) = u32::try_from(id) else {
+                continue;
+            };
+            self.acquire(context);
+            if let Some(at) = self.queued_at.remove(&context) {
+                kvoy_filter_common::record(self.metrics.wait_ms, now.saturating_sub(at));
+            }
+            kvoy_filter_common::add(self.metrics.released, 1);
+            if hostcalls::set_effective_context(context).is_ok() {
+                if let Err(e) = hostcalls::resume_http_request() {
+                    warn!("kvoy_admission: cannot resume request {context}: {e:?}");
+                }
+            }
+        }
+        for &id in &expired {
+            let Ok(context) = u32::try_from(id) else {
+                continue;
+            };
+            self.queued_at.remove(&context);
+            if hostcalls::set_effective_context(context).is_ok() {
+                reject(&self.metrics, EXPIRED_REASON);
+            }
+        }
+        self.released = released;
+        self.expired = expired;
+        self.update_gauges();
+    }
+
+    pub fn update_gauges(&self) {
+        kvoy_filter_common::set(self.metrics.queue_depth, self.queue.len() as u64);
+        kvoy_filter_common::set(self.metrics.queue_bytes, self.queue.bytes());
+    }
+}
+
+struct AdmissionRoot {
+    state: SharedState,
+}
+
+impl Context for AdmissionRoot {}
+
+impl RootContext for AdmissionRoot {
+    fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
+        let Some(raw) = self.get_plugin_configuration() else {
+            error!("kvoy_admission: no plugin configuration; `endpoints` is required");
+            return false;
+        };
+        let config = match AdmissionFilterConfig::from_json(&raw) {
+            Ok(c) => c,
+            Err(e) => {
+                error!("kvoy_admission: bad configuration: {e}");
+                return false;
+            }
+        };
+        let namespace = replica::namespace("kvoy.adm", &raw);
+        if hostcalls::set_tick_period(Duration::from_millis(config.tick_ms)).is_err() {
+            error!("kvoy_admission: cannot set the tick period");
+        }
+        info!(
+            "kvoy_admission: {} endpoints, limit {:?} per endpoint, TTL {} ms",
+            config.endpoints,
+            config.flow.saturation.max_inflight_per_endpoint,
+            config.flow.queue_ttl_ms
+        );
+        *self.state.borrow_mut() = Some(VmState {
+            queue: FlowQueue::new(&config.flow),
+            config,
+            inflight: InflightCounter {
+                key: format!("{namespace}.inflight"),
+            },
+            acquired: HashSet::new(),
+            queued_at: std::collections::HashMap::new(),
+            metrics: Metrics::define(),
+            scratch: Vec::new(),
+            released: Vec::new(),
+            expired: Vec::new(),
+        });
+        true
+    }
+
+    fn on_tick(&mut self) {
+        if let Some(vm) = self.state.borrow_mut().as_mut() {
+            vm.release_held();
+        }
+    }
+
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(AdmissionStream::new(
+            self.state.clone(),
+            context_id,
+        )))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}

@@ -1,0 +1,141 @@
+//! One HTTP request through the admission filter.
+
+use log::debug;
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext};
+use proxy_wasm::types::{Action, MapType};
+
+use kvoy_filter_common::{add, now_ms};
+use kvoy_shared::flow::{classify, Offer, FAIRNESS_HEADERS, OBJECTIVE_HEADERS};
+use kvoy_shared::openai_error_body;
+
+use crate::metrics::Metrics;
+use crate::SharedState;
+
+/// Why a request was dropped, on its 429.
+pub(crate) const DROPPED_REASON_HEADER: &str = "x-kvoy-dropped-reason";
+
+/// Answers the current request 429 with `reason` (`saturated`, `queue-full`, `ttl-expired`).
+pub(crate) fn reject(metrics: &Metrics, reason: &str) {
+    add(metrics.rejected(reason), 1);
+    let message = match reason {
+        "saturated" => "the pool is saturated and this request is sheddable",
+        "queue-full" => "the pool is saturated and the admission queue is full",
+        _ => "the request waited in the admission queue longer than its time to live",
+    };
+    let body = openai_error_body(message, "rate_limit_exceeded", None, Some(reason));
+    let _ = hostcalls::send_http_response(
+        429,
+        vec![
+            ("content-type", "application/json"),
+            (DROPPED_REASON_HEADER, reason),
+        ],
+        Some(body.as_bytes()),
+    );
+}
+
+fn first_header(names: &[&str]) -> Option<String> {
+    names.iter().find_map(|n| {
+        hostcalls::get_map_value(MapType::HttpRequestHeaders, n)
+            .ok()
+            .flatten()
+            .filter(|v| !v.trim().is_empty())
+    })
+}
+
+pub(crate) struct AdmissionStream {
+    state: SharedState,
+    id: u32,
+    /// Paused in the queue (until released, expired or gone).
+    held: bool,
+}
+
+impl AdmissionStream {
+    pub fn new(state: SharedState, id: u32) -> Self {
+        AdmissionStream {
+            state,
+            id,
+            held: false,
+        }
+    }
+}
+
+impl Context for AdmissionStream {}
+
+impl HttpContext for AdmissionStream {
+    fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        let state = self.state.clone();
+        let mut guard = state.borrow_mut();
+        let Some(vm) = guard.as_mut() else {
+            return Action::Continue;
+        };
+        let objective = first_header(&OBJECTIVE_HEADERS);
+        let fairness = first_header(&FAIRNESS_HEADERS);
+        let length = first_header(&["content-length"]).and_then(|v| v.trim().parse().ok());
+        let (saturated, _) = vm.saturated();
+        let class = classify(
+            &vm.config.flow,
+            objective.as_deref(),
+            fairness.as_deref(),
+            length,
+        );
+        let now = now_ms();
+        match vm.queue.offer(u64::from(self.id), &class, now, saturated) {
+            Offer::Admit => {
+                vm.acquire(self.id);
+                add(vm.metrics.admitted, 1);
+                Action::Continue
+            }
+            Offer::Queued => {
+                debug!(
+                    "kvoy_admission: queued request {} (priority {}, flow {})",
+                    self.id, class.priority, class.flow
+                );
+                self.held = true;
+                vm.queued_at.insert(self.id, now);
+                add(vm.metrics.queued, 1);
+                vm.update_gauges();
+                Action::Pause
+            }
+            Offer::Reject(reason) => {
+                reject(&vm.metrics, reason.as_str());
+                Action::Pause
+            }
+        }
+    }
+
+    fn on_http_request_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
+        if !self.held {
+            return Action::Continue;
+        }
+        // A held request must not move on when its body arrives (Envoy would continue it).
+        let still_held = self
+            .state
+            .borrow()
+            .as_ref()
+            .is_some_and(|vm| vm.queue.contains(u64::from(self.id)));
+        if still_held {
+            Action::Pause
+        } else {
+            self.held = false;
+            Action::Continue
+        }
+    }
+
+    fn on_log(&mut self) {
+        let state = self.state.clone();
+        let mut guard = state.borrow_mut();
+        let Some(vm) = guard.as_mut() else {
+            return;
+        };
+        if self.held && vm.queue.remove(u64::from(self.id)) {
+            // The client went away while held.
+            vm.queued_at.remove(&self.id);
+            add(vm.metrics.removed, 1);
+            vm.update_gauges();
+        }
+        vm.release_inflight(self.id);
+        // Capacity may have freed: release the next held requests now, not at the next tick.
+        vm.release_held();
+    }
+}
