@@ -1,7 +1,12 @@
 //! What every kvoy filter needs from the proxy-wasm host, in one place: Envoy shared data as
 //! a [`kvoy_shared::replica::SharedStore`] ([`HostStore`]), the host clock in milliseconds
 //! ([`now_ms`]), and metrics that fail soft ([`counter`], [`gauge`], [`add`], [`set`]: a metric
-//! that cannot be defined is skipped, never fatal).
+//! that cannot be defined is skipped, never fatal), and the aggregator's snapshot as a filter
+//! follows it ([`LiveSnapshot`]).
+
+mod live;
+
+pub use live::{call_response, LiveSnapshot, PollStart};
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{MetricType, Status};

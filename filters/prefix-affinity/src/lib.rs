@@ -63,20 +63,7 @@ impl Context for PrefixAffinityRoot {
         body_size: usize,
         _num_trailers: usize,
     ) {
-        // A failed call (reset, timeout) has no header map: Envoy answers BadArgument, on
-        // which the SDK panics, so the maps are only read when there are any.
-        let status = if num_headers > 0 {
-            self.get_http_call_response_header(":status")
-                .and_then(|s| s.trim().parse::<u32>().ok())
-        } else {
-            None
-        };
-        let body = if status.is_some() && body_size > 0 {
-            self.get_http_call_response_body(0, body_size)
-                .unwrap_or_default()
-        } else {
-            Vec::new()
-        };
+        let (status, body) = kvoy_filter_common::call_response(num_headers, body_size);
         if let Some(vm) = self.state.borrow_mut().as_mut() {
             live::on_poll_response(vm, token_id, status, &body);
         }
@@ -121,12 +108,13 @@ impl RootContext for PrefixAffinityRoot {
             .map(|a| live::LivePool::new(a, &namespace, seed));
         if let Some(l) = &live {
             // Every VM ticks: each follows the board, and the lease holder polls.
-            if hostcalls::set_tick_period(l.tick_period()).is_err() {
+            if hostcalls::set_tick_period(l.snapshot.tick_period()).is_err() {
                 error!("kvoy_prefix_affinity: cannot set the tick period; the aggregator is not polled");
             }
             info!(
                 "kvoy_prefix_affinity: live pool from the aggregator cluster {:?} every {} ms",
-                l.settings.cluster, l.settings.poll_interval_ms
+                l.snapshot.settings().cluster,
+                l.snapshot.settings().poll_interval_ms
             );
         }
         let mut log = DecisionLog::new(&namespace, config.decision_log_slots, seed);

@@ -1,0 +1,209 @@
+//! Following kvoy-aggregator's snapshot from a filter (see [`kvoy_shared::live`]): every VM
+//! reads the snapshot from the shared-data board; the VM holding the lease polls the
+//! aggregator with `dispatch_http_call` from its root context's tick and publishes the answer.
+
+use std::time::Duration;
+
+use log::{debug, warn};
+use proxy_wasm::hostcalls;
+
+use kvoy_shared::live::{self, BoardMeta, PollError, PoolChoice, SnapshotBoard};
+use kvoy_shared::snapshot::Snapshot;
+use kvoy_shared::AggregatorSettings;
+
+use crate::HostStore;
+
+/// What a poll attempt did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PollStart {
+    /// Not this VM's turn (no lease, or a poll is in flight).
+    Skipped,
+    Started,
+    /// `dispatch_http_call` failed (e.g. no such cluster).
+    Failed,
+}
+
+/// One VM's view of the aggregator's snapshot.
+pub struct LiveSnapshot {
+    settings: AggregatorSettings,
+    board: SnapshotBoard,
+    /// The latest snapshot this VM knows (epoch 0: none yet).
+    snapshot: Snapshot,
+    meta: Option<BoardMeta>,
+    /// The poll in flight, with when it started.
+    poll: Option<(u32, u64)>,
+    want_full: bool,
+    failures_logged: u32,
+}
+
+impl LiveSnapshot {
+    /// `namespace` keys the board (per filter configuration); `owner` is this VM's id.
+    pub fn new(settings: AggregatorSettings, namespace: &str, owner: u64) -> Self {
+        LiveSnapshot {
+            settings,
+            board: SnapshotBoard::new(namespace, owner),
+            snapshot: Snapshot::default(),
+            meta: None,
+            poll: None,
+            want_full: false,
+            failures_logged: 0,
+        }
+    }
+
+    pub fn settings(&self) -> &AggregatorSettings {
+        &self.settings
+    }
+
+    /// How often to tick: once per poll interval.
+    pub fn tick_period(&self) -> Duration {
+        Duration::from_millis(self.settings.poll_interval_ms)
+    }
+
+    /// The latest snapshot (epoch 0 when there is none yet).
+    pub fn snapshot(&self) -> &Snapshot {
+        &self.snapshot
+    }
+
+    /// Reads the board's small version key, and the snapshot if it changed.
+    pub fn refresh(&mut self) {
+        self.meta = self.board.read_meta(&HostStore);
+        if let Some(m) = self.meta {
+            if (m.epoch, m.version) != (self.snapshot.epoch, self.snapshot.version) {
+                if let Some(s) = self.board.read_snapshot(&HostStore) {
+                    self.snapshot = s;
+                }
+            }
+        }
+    }
+
+    /// Live or static pool at `now_ms` (see [`live::choose`]), as of the last refresh.
+    pub fn choose(&self, now_ms: u64, static_pool_empty: bool) -> PoolChoice {
+        live::choose(
+            self.meta,
+            self.snapshot.epoch != 0,
+            now_ms,
+            &self.settings,
+            static_pool_empty,
+        )
+    }
+
+    /// Polls the aggregator if this VM holds (or takes) the lease and no poll is in flight.
+    pub fn poll(&mut self, now_ms: u64) -> PollStart {
+        if let Some((_, started)) = self.poll {
+            // A lost callback must not stop polling forever.
+            if now_ms.saturating_sub(started) <= self.settings.timeout_ms.saturating_mul(2) {
+                return PollStart::Skipped;
+            }
+            self.poll = None;
+        }
+        let ttl = self
+            .settings
+            .poll_interval_ms
+            .saturating_mul(3)
+            .max(self.settings.timeout_ms);
+        if !self.board.try_lease(&HostStore, now_ms, ttl) {
+            return PollStart::Skipped;
+        }
+        let path = live::poll_path(&self.settings, &self.snapshot, self.want_full);
+        let authority = self
+            .settings
+            .authority
+            .clone()
+            .unwrap_or_else(|| self.settings.cluster.clone());
+        match hostcalls::dispatch_http_call(
+            &self.settings.cluster,
+            vec![
+                (":method", "GET"),
+                (":path", &path),
+                (":authority", &authority),
+            ],
+            None,
+            vec![],
+            Duration::from_millis(self.settings.timeout_ms),
+        ) {
+            Ok(token) => {
+                self.poll = Some((token, now_ms));
+                PollStart::Started
+            }
+            Err(status) => {
+                if self.failures_logged < 3 {
+                    self.failures_logged += 1;
+                    warn!(
+                        "cannot call the aggregator cluster {:?}: {status:?}",
+                        self.settings.cluster
+                    );
+                }
+                PollStart::Failed
+            }
+        }
+    }
+
+    /// The answer to this VM's poll: applied, published on the board and kept. `None` when
+    /// `token` is not our poll; `Some(Ok(changed))` or the error otherwise.
+    pub fn on_response(
+        &mut self,
+        token: u32,
+        status: Option<u32>,
+        body: &[u8],
+        now_ms: u64,
+    ) -> Option<Result<(), PollError>> {
+        if self.poll.map(|(t, _)| t) != Some(token) {
+            return None;
+        }
+        self.poll = None;
+        let mut next = self.snapshot.clone();
+        let result = match live::apply_poll(&mut next, status, body) {
+            Ok(changed) => {
+                self.want_full = false;
+                let published = if changed {
+                    self.board.publish(&HostStore, &next, now_ms)
+                } else {
+                    self.board.touch(&HostStore, &next, now_ms)
+                };
+                if let Err(e) = published {
+                    debug!("cannot publish the snapshot: {e}");
+                }
+                self.snapshot = next;
+                Ok(())
+            }
+            Err(e) => {
+                if matches!(e, PollError::Mismatch(_)) {
+                    self.want_full = true;
+                }
+                debug!("snapshot poll: {e}");
+                Err(e)
+            }
+        };
+        self.refresh();
+        Some(result)
+    }
+}
+
+/// The `:status` and body of an HTTP call's response, read safely: a failed call (reset,
+/// timeout) has no header map (Envoy answers BadArgument, on which the SDK panics), so the
+/// maps are only read when there are headers.
+pub fn call_response(num_headers: usize, body_size: usize) -> (Option<u32>, Vec<u8>) {
+    if num_headers == 0 {
+        return (None, Vec::new());
+    }
+    let status = hostcalls::get_map_value(
+        proxy_wasm::types::MapType::HttpCallResponseHeaders,
+        ":status",
+    )
+    .ok()
+    .flatten()
+    .and_then(|s| s.trim().parse::<u32>().ok());
+    let body = if status.is_some() && body_size > 0 {
+        hostcalls::get_buffer(
+            proxy_wasm::types::BufferType::HttpCallResponseBody,
+            0,
+            body_size,
+        )
+        .ok()
+        .flatten()
+        .unwrap_or_default()
+    } else {
+        Vec::new()
+    };
+    (status, body)
+}
