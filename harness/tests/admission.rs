@@ -229,3 +229,70 @@ fn a_burst_ends_with_nothing_lost_or_stuck() -> TestResult {
     assert_eq!(plugin.gauge("kvoy_admission_queue_depth"), Some(0));
     Ok(())
 }
+
+fn status(slot: u16, waiting: u32, stale: bool) -> kvoy_shared::snapshot::EndpointStatus {
+    kvoy_shared::snapshot::EndpointStatus {
+        slot,
+        address: ([127, 0, 0, 1], 19000 + slot).into(),
+        models: vec!["m".into()],
+        ready: true,
+        stale,
+        waiting,
+        running: 4,
+        kv_cache_usage: 0.2,
+        block_size: 16,
+        capacity_blocks: 1000,
+        cached_blocks: [0; 3],
+        cache_generation: 0,
+        prefix_hit_rate: None,
+    }
+}
+
+/// Answers the one pending poll with the full snapshot of `history`.
+fn answer_poll(plugin: &Plugin, history: &kvoy_shared::snapshot::SnapshotHistory) -> TestResult {
+    plugin.advance(Duration::from_millis(100))?;
+    let calls = plugin.http_calls();
+    assert_eq!(calls.len(), 1, "{calls:?}");
+    let mut body = Vec::new();
+    history.delta_since(None, None).encode(&mut body);
+    plugin.respond_http_call(&calls[0], kvoy_harness::HttpResponse::new(200).body(body))
+}
+
+#[test]
+fn the_aggregators_queues_saturate_the_pool() -> TestResult {
+    let plugin = testing::filter_host("kvoy_admission")?
+        .plugin()
+        .configuration(
+            r#"{"endpoints": 2, "tick_ms": 10, "aggregator": {"cluster": "kvoy_aggregator"},
+                "flow": {"objectives": {"interactive": 10}}}"#,
+        )
+        .clusters(["kvoy_aggregator"])
+        .vms(2)
+        .seed(4)
+        .start()?;
+    // Servers with long queues (waiting 8 >= 5 on both): saturated although this proxy has
+    // nothing in flight.
+    let mut history = kvoy_shared::snapshot::SnapshotHistory::new(77);
+    history.update(vec![status(0, 8, false), status(1, 9, false)]);
+    answer_poll(&plugin, &history)?;
+    let (held, a) = open(&plugin, 0, "batch", "a")?;
+    assert_eq!(a, Action::Pause, "held: the servers' queues are long");
+    let (other_worker, a) = open(&plugin, 1, "nobody", "a")?;
+    assert_eq!(a, Action::Pause, "the other worker sees the same snapshot");
+    // The queues drain: the next tick releases.
+    history.update(vec![status(0, 0, false), status(1, 1, false)]);
+    answer_poll(&plugin, &history)?;
+    plugin.advance(Duration::from_millis(20))?;
+    assert!(resumed(&held), "released once the pool has room");
+    assert!(resumed(&other_worker), "by each worker, its own");
+    // A stale endpoint counts as saturated (1.0) but one fresh idle one keeps the mean low.
+    history.update(vec![status(0, 0, true), status(1, 0, false)]);
+    answer_poll(&plugin, &history)?;
+    let (_, a) = open(&plugin, 0, "batch", "a")?;
+    assert_eq!(a, Action::Continue);
+    assert_eq!(
+        plugin.counter("kvoy_admission_snapshot_polls_total"),
+        Some(3)
+    );
+    Ok(())
+}

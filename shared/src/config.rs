@@ -375,7 +375,7 @@ impl TryFrom<RawConfig> for PluginConfig {
     }
 }
 
-fn check_aggregator(a: &AggregatorSettings) -> Result<(), ConfigError> {
+pub(crate) fn check_aggregator(a: &AggregatorSettings) -> Result<(), ConfigError> {
     if a.cluster.trim().is_empty() {
         return Err(out_of_range("aggregator.cluster", "a cluster name", "\"\""));
     }

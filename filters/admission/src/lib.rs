@@ -25,10 +25,11 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{ContextType, LogLevel};
 
-use kvoy_filter_common::{now_ms, HostStore};
+use kvoy_filter_common::{now_ms, HostStore, LiveSnapshot, PollStart};
 use kvoy_shared::flow::{
-    saturation_from_inflight, AdmissionFilterConfig, FlowQueue, EXPIRED_REASON,
+    saturation, saturation_from_inflight, AdmissionFilterConfig, FlowQueue, EXPIRED_REASON,
 };
+use kvoy_shared::live::PoolChoice;
 use kvoy_shared::replica::{self, SharedStore};
 
 use crate::metrics::Metrics;
@@ -51,7 +52,10 @@ pub(crate) struct VmState {
     /// When each held request was queued, for the wait histogram.
     pub queued_at: std::collections::HashMap<u32, u64>,
     pub metrics: Metrics,
+    /// The aggregator's snapshot, when configured.
+    pub live: Option<LiveSnapshot>,
     scratch: Vec<u32>,
+    slots: Vec<u16>,
     released: Vec<u64>,
     expired: Vec<u64>,
 }
@@ -107,9 +111,24 @@ impl VmState {
         }
     }
 
-    /// Whether the pool is saturated now, by this proxy's in-flight count.
+    /// Whether the pool is saturated now, and how many held requests may go: from the
+    /// aggregator's snapshot (servers' queues and KV use, stale = saturated) when it is fresh,
+    /// with this proxy's in-flight count against the per-endpoint limit; from the in-flight
+    /// count alone otherwise.
     pub fn saturated(&mut self) -> (bool, u32) {
         let total = self.inflight.read();
+        if let Some(live) = self.live.as_mut() {
+            live.refresh();
+            let fresh = live.choose(now_ms(), true) == PoolChoice::Live { with_loads: true };
+            let endpoints = &live.snapshot().endpoints;
+            if fresh && !endpoints.is_empty() {
+                self.slots.clear();
+                self.slots.extend(endpoints.iter().map(|e| e.slot));
+                AdmissionFilterConfig::spread_by_slot(total, &self.slots, &mut self.scratch);
+                let sat = saturation(&self.config.flow, endpoints, &self.scratch, None);
+                return (sat.saturated, sat.release_capacity());
+            }
+        }
         self.config.spread(total, &mut self.scratch);
         let sat = saturation_from_inflight(&self.config.flow, &self.scratch, None);
         (sat.saturated, sat.release_capacity())
@@ -169,7 +188,34 @@ struct AdmissionRoot {
     state: SharedState,
 }
 
-impl Context for AdmissionRoot {}
+impl Context for AdmissionRoot {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        let (status, body) = kvoy_filter_common::call_response(num_headers, body_size);
+        if let Some(vm) = self.state.borrow_mut().as_mut() {
+            if let Some(live) = vm.live.as_mut() {
+                match live.on_response(token_id, status, &body, now_ms()) {
+                    Some(Ok(())) => kvoy_filter_common::add(vm.metrics.snapshot_polls, 1),
+                    Some(Err(_)) => kvoy_filter_common::add(vm.metrics.snapshot_poll_failures, 1),
+                    None => {}
+                }
+            }
+        }
+    }
+}
+
+/// A per-VM value to own the poll lease with.
+fn vm_owner() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(now_ms());
+    h.finish()
+}
 
 impl RootContext for AdmissionRoot {
     fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
@@ -185,7 +231,15 @@ impl RootContext for AdmissionRoot {
             }
         };
         let namespace = replica::namespace("kvoy.adm", &raw);
-        if hostcalls::set_tick_period(Duration::from_millis(config.tick_ms)).is_err() {
+        let live = config
+            .aggregator
+            .clone()
+            .map(|a| LiveSnapshot::new(a, &namespace, vm_owner()));
+        // Ticks release held requests (and poll the aggregator, at its own pace).
+        let tick = live.as_ref().map_or(config.tick_ms, |l| {
+            config.tick_ms.min(l.settings().poll_interval_ms)
+        });
+        if hostcalls::set_tick_period(Duration::from_millis(tick)).is_err() {
             error!("kvoy_admission: cannot set the tick period");
         }
         info!(
@@ -203,7 +257,9 @@ impl RootContext for AdmissionRoot {
             acquired: HashSet::new(),
             queued_at: std::collections::HashMap::new(),
             metrics: Metrics::define(),
+            live,
             scratch: Vec::new(),
+            slots: Vec::new(),
             released: Vec::new(),
             expired: Vec::new(),
         });
@@ -212,6 +268,11 @@ impl RootContext for AdmissionRoot {
 
     fn on_tick(&mut self) {
         if let Some(vm) = self.state.borrow_mut().as_mut() {
+            if let Some(live) = vm.live.as_mut() {
+                if live.poll(now_ms()) == PollStart::Failed {
+                    kvoy_filter_common::add(vm.metrics.snapshot_poll_failures, 1);
+                }
+            }
             vm.release_held();
         }
     }

@@ -16,6 +16,8 @@ pub(crate) struct Metrics {
     pub queue_bytes: Option<u32>,
     /// Milliseconds a released request waited.
     pub wait_ms: Option<u32>,
+    pub snapshot_polls: Option<u32>,
+    pub snapshot_poll_failures: Option<u32>,
 }
 
 impl Metrics {
@@ -32,6 +34,8 @@ impl Metrics {
             queue_depth: gauge("kvoy_admission_queue_depth"),
             queue_bytes: gauge("kvoy_admission_queue_bytes"),
             wait_ms: histogram("kvoy_admission_wait_ms"),
+            snapshot_polls: counter("kvoy_admission_snapshot_polls_total"),
+            snapshot_poll_failures: counter("kvoy_admission_snapshot_poll_failures_total"),
         }
     }
 

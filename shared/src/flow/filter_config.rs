@@ -13,6 +13,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use super::{AdmissionConfig, AdmissionConfigError};
+use crate::config::AggregatorSettings;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -22,6 +23,8 @@ struct RawFilterConfig<'a> {
     tick_ms: u64,
     #[serde(borrow, default)]
     flow: Option<&'a RawValue>,
+    #[serde(default)]
+    aggregator: Option<AggregatorSettings>,
 }
 
 fn default_tick_ms() -> u64 {
@@ -36,6 +39,8 @@ pub struct AdmissionFilterConfig {
     /// How often held requests are looked at (release, expiry), besides request completions.
     pub tick_ms: u64,
     pub flow: AdmissionConfig,
+    /// kvoy-aggregator, when saturation also comes from the servers' queues and KV use.
+    pub aggregator: Option<AggregatorSettings>,
 }
 
 impl AdmissionFilterConfig {
@@ -59,11 +64,29 @@ impl AdmissionFilterConfig {
                 .map_err(|e| AdmissionConfigError::Json(format!("`flow`: {e}")))?,
             None => AdmissionConfig::default(),
         };
+        if let Some(a) = &raw.aggregator {
+            crate::config::check_aggregator(a)
+                .map_err(|e| AdmissionConfigError::Json(e.to_string()))?;
+        }
         Ok(AdmissionFilterConfig {
             endpoints: raw.endpoints,
             tick_ms: raw.tick_ms,
             flow,
+            aggregator: raw.aggregator,
         })
+    }
+
+    /// This proxy's in-flight total spread over the endpoints of a snapshot, by slot.
+    pub fn spread_by_slot(total: u32, slots: &[u16], out: &mut Vec<u32>) {
+        out.clear();
+        let Some(&max) = slots.iter().max() else {
+            return;
+        };
+        out.resize(usize::from(max) + 1, 0);
+        let n = slots.len() as u32;
+        for (i, &slot) in slots.iter().enumerate() {
+            out[usize::from(slot)] = total / n + u32::from((i as u32) < total % n);
+        }
     }
 
     /// This proxy's in-flight total spread over the endpoints, as the per-endpoint limits
