@@ -181,7 +181,14 @@ async fn server_ttft(addr: SocketAddr, body: &str) -> Duration {
 
 /// Measures cold and warm TTFT of an 8k-token prompt as the server records it, and the mean
 /// inter-token time at batch 1 as a client sees it, in simulated time, against the model.
-async fn calibration(speedup: f64, tolerance: f64) {
+///
+/// The server's own work per request (reading, parsing and tokenizing 32 KB: about 0.1-0.3 ms
+/// of real time on a loaded 2-core machine, more in bursts) is real time, so in simulated time it grows with
+/// the speedup: at speedup 20, 0.3 ms is 6 ms, nearly the whole warm TTFT the model predicts
+/// (7.4 ms). The warm check therefore allows `server_overhead` of real time on top of the
+/// model, and the timer jitter below it; the cold TTFT and the decode step are held to
+/// `tolerance`.
+async fn calibration(speedup: f64, tolerance: f64, server_overhead: Duration) {
     let profile = Profile::llama_8b_h100();
     let (addr, _) = start(profile.clone(), speedup).await;
     let mut cold = Vec::new();
@@ -227,9 +234,15 @@ async fn calibration(speedup: f64, tolerance: f64) {
         within(cold.as_secs_f64(), model_cold.as_secs_f64()),
         "cold TTFT {cold:?} vs model {model_cold:?}"
     );
+    let warm_max = model_warm.mul_f64(1.0 + tolerance) + server_overhead.mul_f64(speedup);
+    // Sleeps wake up to ~0.1 ms off, and the engine catches up on oversleeps: a jitter that
+    // also grows with the speedup.
+    let warm_min = model_warm
+        .mul_f64(1.0 - tolerance)
+        .saturating_sub(Duration::from_micros(100).mul_f64(speedup));
     assert!(
-        within(ratio, model_ratio),
-        "cold/warm ratio {ratio:.1} vs model {model_ratio:.1}"
+        warm >= warm_min && warm <= warm_max,
+        "warm TTFT {warm:?} vs model {model_warm:?} (within {warm_min:?}..{warm_max:?}); ratio {ratio:.1} vs model {model_ratio:.1}"
     );
     assert!(
         within(itl.as_secs_f64(), 0.007),
@@ -240,7 +253,7 @@ async fn calibration(speedup: f64, tolerance: f64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calibration_at_speedup_1() {
     let _serial = SERIAL.lock().await;
-    calibration(1.0, 0.20).await;
+    calibration(1.0, 0.20, Duration::from_millis(1)).await;
 }
 
 /// 200 concurrent streams: the makespan in simulated time matches the engine's virtual-time
@@ -489,5 +502,5 @@ async fn kv_events_array_form_and_replay() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calibration_at_speedup_20() {
     let _serial = SERIAL.lock().await;
-    calibration(20.0, 0.25).await;
+    calibration(20.0, 0.25, Duration::from_micros(500)).await;
 }
