@@ -178,18 +178,18 @@ impl AggregatorConfig {
     }
 }
 
-fn ms_in(field: &'static str, value: u64, min: u64, max: u64) -> Result<Duration, ConfigError> {
+/// `value` ms as a duration if it is within `min..=max`; `expected` says that range in words.
+fn ms_in(
+    field: &'static str,
+    value: u64,
+    (min, max, expected): (u64, u64, &'static str),
+) -> Result<Duration, ConfigError> {
     if (min..=max).contains(&value) {
         Ok(Duration::from_millis(value))
     } else {
         Err(ConfigError::OutOfRange {
             field,
-            expected: match field {
-                "scrape_interval_ms" => "within 10..=60000",
-                "scrape_timeout_ms" => "within 10..=60000",
-                "stale_after_ms" => "within 10..=600000",
-                _ => "within 100..=600000",
-            },
+            expected,
             value,
         })
     }
@@ -275,10 +275,26 @@ impl TryFrom<RawConfig> for AggregatorConfig {
             .listen
             .map(|l| l.trim().parse().map_err(|_| ConfigError::BadListen(l)))
             .transpose()?;
-        let scrape_interval = ms_in("scrape_interval_ms", raw.scrape_interval_ms, 10, 60_000)?;
-        let scrape_timeout = ms_in("scrape_timeout_ms", raw.scrape_timeout_ms, 10, 60_000)?;
-        let stale_after = ms_in("stale_after_ms", raw.stale_after_ms, 10, 600_000)?;
-        let reload_interval = ms_in("reload_interval_ms", raw.reload_interval_ms, 100, 600_000)?;
+        let scrape_interval = ms_in(
+            "scrape_interval_ms",
+            raw.scrape_interval_ms,
+            (10, 60_000, "within 10..=60000"),
+        )?;
+        let scrape_timeout = ms_in(
+            "scrape_timeout_ms",
+            raw.scrape_timeout_ms,
+            (10, 60_000, "within 10..=60000"),
+        )?;
+        let stale_after = ms_in(
+            "stale_after_ms",
+            raw.stale_after_ms,
+            (10, 600_000, "within 10..=600000"),
+        )?;
+        let reload_interval = ms_in(
+            "reload_interval_ms",
+            raw.reload_interval_ms,
+            (100, 600_000, "within 100..=600000"),
+        )?;
         if !(1..=1000).contains(&raw.unready_after_failures) {
             return Err(ConfigError::OutOfRange {
                 field: "unready_after_failures",

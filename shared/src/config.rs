@@ -386,33 +386,30 @@ pub(crate) fn check_aggregator(a: &AggregatorSettings) -> Result<(), ConfigError
             &a.path,
         ));
     }
-    for (field, value, min, max) in [
+    // Each bound sits beside the text that names it.
+    for (field, value, (min, max, expected)) in [
         (
             "aggregator.poll_interval_ms",
             a.poll_interval_ms,
-            10,
-            60_000,
+            (10, 60_000, "within 10..=60000"),
         ),
-        ("aggregator.timeout_ms", a.timeout_ms, 10, 60_000),
+        (
+            "aggregator.timeout_ms",
+            a.timeout_ms,
+            (10, 60_000, "within 10..=60000"),
+        ),
         (
             "aggregator.load_max_age_ms",
             a.load_max_age_ms,
-            10,
-            3_600_000,
+            (10, 3_600_000, "within 10..=3600000"),
         ),
         (
             "aggregator.snapshot_max_age_ms",
             a.snapshot_max_age_ms,
-            10,
-            86_400_000,
+            (10, 86_400_000, "within 10..=86400000"),
         ),
     ] {
         if !(min..=max).contains(&value) {
-            let expected = match field {
-                "aggregator.poll_interval_ms" | "aggregator.timeout_ms" => "within 10..=60000",
-                "aggregator.load_max_age_ms" => "within 10..=3600000",
-                _ => "within 10..=86400000",
-            };
             return Err(out_of_range(field, expected, value));
         }
     }

@@ -30,15 +30,19 @@ use kvoy_shared::flow::{
     saturation, saturation_from_inflight, AdmissionFilterConfig, FlowQueue, EXPIRED_REASON,
 };
 use kvoy_shared::live::PoolChoice;
-use kvoy_shared::replica::{self, SharedStore};
+use kvoy_shared::replica::{self, InflightTable};
+use kvoy_shared::EndpointId;
+
+/// The slot of the in-flight table that counts every request of the proxy.
+const ALL: EndpointId = EndpointId(0);
 
 use crate::metrics::Metrics;
 use crate::stream::{reject, AdmissionStream};
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
-    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
-        Box::new(AdmissionRoot { state: Rc::new(RefCell::new(None)) })
+    proxy_wasm::set_root_context(|context_id| -> Box<dyn RootContext> {
+        Box::new(AdmissionRoot { context_id, state: Rc::new(RefCell::new(None)) })
     });
 }}
 
@@ -46,7 +50,10 @@ proxy_wasm::main! {{
 pub(crate) struct VmState {
     pub config: AdmissionFilterConfig,
     pub queue: FlowQueue,
-    pub inflight: InflightCounter,
+    /// This proxy's requests in flight (admitted, not finished), across workers: one count
+    /// (slot 0) of a shared in-flight table, the filter running before the endpoint is known.
+    pub inflight: InflightTable,
+    counts: Vec<u32>,
     /// Requests of this VM counted in flight (admitted or released), by context id.
     pub acquired: HashSet<u32>,
     /// When each held request was queued, for the wait histogram.
@@ -62,51 +69,17 @@ pub(crate) struct VmState {
 
 pub(crate) type SharedState = Rc<RefCell<Option<VmState>>>;
 
-/// This proxy's requests in flight (admitted, not finished), across workers: one `u32` in
-/// shared data, changed by compare-and-swap.
-pub(crate) struct InflightCounter {
-    key: String,
-}
-
-impl InflightCounter {
-    pub fn read(&self) -> u32 {
-        HostStore
-            .get(&self.key)
-            .and_then(|(b, _)| Some(u32::from_le_bytes(b.get(..4)?.try_into().ok()?)))
-            .unwrap_or(0)
-    }
-
-    pub fn add(&self, delta: i32) -> bool {
-        for _ in 0..32 {
-            let (current, cas) = match HostStore.get(&self.key) {
-                Some((b, cas)) => (
-                    b.get(..4)
-                        .and_then(|b| b.try_into().ok())
-                        .map_or(0, u32::from_le_bytes),
-                    cas,
-                ),
-                None => (0, 0),
-            };
-            let next = current.saturating_add_signed(delta);
-            if HostStore.set(&self.key, &next.to_le_bytes(), cas).is_ok() {
-                return true;
-            }
-        }
-        false
-    }
-}
-
 impl VmState {
     /// Counts `context` in flight.
     pub fn acquire(&mut self, context: u32) {
-        if self.acquired.insert(context) && !self.inflight.add(1) {
+        if self.acquired.insert(context) && self.inflight.add(&HostStore, ALL, 1).is_err() {
             kvoy_filter_common::add(self.metrics.shared_state_errors, 1);
         }
     }
 
     /// Releases `context`'s in-flight count, if it had one.
     pub fn release_inflight(&mut self, context: u32) {
-        if self.acquired.remove(&context) && !self.inflight.add(-1) {
+        if self.acquired.remove(&context) && self.inflight.add(&HostStore, ALL, -1).is_err() {
             kvoy_filter_common::add(self.metrics.shared_state_errors, 1);
         }
     }
@@ -116,7 +89,8 @@ impl VmState {
     /// with this proxy's in-flight count against the per-endpoint limit; from the in-flight
     /// count alone otherwise.
     pub fn saturated(&mut self) -> (bool, u32) {
-        let total = self.inflight.read();
+        self.inflight.read(&HostStore, &mut self.counts);
+        let total = self.counts.first().copied().unwrap_or(0);
         if let Some(live) = self.live.as_mut() {
             live.refresh();
             let fresh = live.choose(now_ms(), true) == PoolChoice::Live { with_loads: true };
@@ -185,6 +159,7 @@ impl VmState {
 }
 
 struct AdmissionRoot {
+    context_id: u32,
     state: SharedState,
 }
 
@@ -209,14 +184,6 @@ impl Context for AdmissionRoot {
     }
 }
 
-/// A per-VM value to own the poll lease with.
-fn vm_owner() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(now_ms());
-    h.finish()
-}
-
 impl RootContext for AdmissionRoot {
     fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
         let Some(raw) = self.get_plugin_configuration() else {
@@ -231,10 +198,9 @@ impl RootContext for AdmissionRoot {
             }
         };
         let namespace = replica::namespace("kvoy.adm", &raw);
-        let live = config
-            .aggregator
-            .clone()
-            .map(|a| LiveSnapshot::new(a, &namespace, vm_owner()));
+        let live = config.aggregator.clone().map(|a| {
+            LiveSnapshot::new(a, &namespace, kvoy_filter_common::vm_seed(self.context_id))
+        });
         // Ticks release held requests (and poll the aggregator, at its own pace).
         let tick = live.as_ref().map_or(config.tick_ms, |l| {
             config.tick_ms.min(l.settings().poll_interval_ms)
@@ -251,9 +217,8 @@ impl RootContext for AdmissionRoot {
         *self.state.borrow_mut() = Some(VmState {
             queue: FlowQueue::new(&config.flow),
             config,
-            inflight: InflightCounter {
-                key: format!("{namespace}.inflight"),
-            },
+            inflight: InflightTable::new(&namespace, 1),
+            counts: Vec::with_capacity(1),
             acquired: HashSet::new(),
             queued_at: std::collections::HashMap::new(),
             metrics: Metrics::define(),

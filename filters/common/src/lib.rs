@@ -42,6 +42,21 @@ pub fn now_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
+/// A per-VM random value: the host's random source (WASI `random_get`, through std's hash
+/// keys) mixed with the clock and the root context id, so that VMs differ in tie-breaks,
+/// log origin ids and lease ownership.
+pub fn vm_seed(context_id: u32) -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    let now = hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos() as u64);
+    h.write_u64(now);
+    h.write_u32(context_id);
+    h.finish()
+}
+
 /// Defines a counter; `None` if the host refuses.
 pub fn counter(name: &str) -> Option<u32> {
     hostcalls::define_metric(MetricType::Counter, name).ok()

@@ -70,20 +70,6 @@ impl Context for PrefixAffinityRoot {
     }
 }
 
-/// A per-VM random value: the host's random source (WASI `random_get`, through std's hash
-/// keys) mixed with the clock, so that VMs differ in tie-breaks and log origin ids.
-fn vm_seed(context_id: u32) -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    let now = hostcalls::get_current_time()
-        .ok()
-        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-        .map_or(0, |d| d.as_nanos() as u64);
-    h.write_u64(now);
-    h.write_u32(context_id);
-    h.finish()
-}
-
 impl RootContext for PrefixAffinityRoot {
     fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
         let Some(raw) = self.get_plugin_configuration() else {
@@ -100,7 +86,7 @@ impl RootContext for PrefixAffinityRoot {
         // Shared-data keys are namespaced by the configuration, so that a new configuration
         // (new endpoint order) never reads the previous one's counters.
         let namespace = replica::namespace("kvoy.pa", &raw);
-        let seed = vm_seed(self.context_id);
+        let seed = kvoy_filter_common::vm_seed(self.context_id);
         let endpoints = config.pool.id_bound();
         let live = config
             .aggregator
