@@ -321,3 +321,84 @@ fn the_aggregators_queues_saturate_the_pool() -> TestResult {
     );
     Ok(())
 }
+
+#[test]
+fn queue_gauges_per_band() -> TestResult {
+    let plugin = plugin(LIMITED, 1)?;
+    let mut streams = Vec::new();
+    for _ in 0..6 {
+        streams.push(open(&plugin, 0, "batch", "a")?);
+    }
+    // 4 batch admitted (2 endpoints x 2), 2 batch held (priority 0), then 3 interactive held (10); a sheddable
+    // one is refused, its band stays empty.
+    for _ in 0..3 {
+        streams.push(open(&plugin, 0, "interactive", "b")?);
+    }
+    let (_, shed) = open(&plugin, 0, "scavenger", "c")?;
+    assert_eq!(shed, Action::Pause);
+    let gauge = |name: &str| plugin.gauge(name);
+    assert_eq!(gauge("kvoy_admission_queue_depth"), Some(5));
+    assert_eq!(gauge("kvoy_admission_queue_depth_priority_10"), Some(3));
+    assert_eq!(gauge("kvoy_admission_queue_bytes_priority_10"), Some(300));
+    assert_eq!(gauge("kvoy_admission_queue_depth_priority_0"), Some(2));
+    assert_eq!(gauge("kvoy_admission_queue_bytes_priority_0"), Some(200));
+    assert_eq!(
+        gauge("kvoy_admission_queue_depth_priority_minus_1"),
+        Some(0)
+    );
+    // One completes: the first interactive request goes, its band's gauges follow.
+    streams[0].0.finish()?;
+    assert!(resumed(&streams[6].0));
+    assert!(!resumed(&streams[7].0) && !resumed(&streams[4].0));
+    assert_eq!(gauge("kvoy_admission_queue_depth_priority_10"), Some(2));
+    assert_eq!(gauge("kvoy_admission_queue_bytes_priority_10"), Some(200));
+    assert_eq!(gauge("kvoy_admission_queue_depth_priority_0"), Some(2));
+    assert_eq!(gauge("kvoy_admission_queue_depth"), Some(4));
+    Ok(())
+}
+
+#[test]
+fn an_empty_pool_answers_503() -> TestResult {
+    let plugin = testing::filter_host("kvoy_admission")?
+        .plugin()
+        .configuration(
+            r#"{"endpoints": 1, "tick_ms": 10, "aggregator": {"cluster": "kvoy_aggregator"},
+                "flow": {"saturation": {"max_inflight_per_endpoint": 1}}}"#,
+        )
+        .clusters(["kvoy_aggregator"])
+        .vms(1)
+        .seed(5)
+        .start()?;
+    let mut history = kvoy_shared::snapshot::SnapshotHistory::new(78);
+    history.update(vec![status(0, 0, false)]);
+    answer_poll(&plugin, &history)?;
+    let (running, a) = open(&plugin, 0, "batch", "a")?;
+    assert_eq!(a, Action::Continue);
+    let (held, a) = open(&plugin, 0, "batch", "a")?;
+    assert_eq!(a, Action::Pause, "the one slot is taken");
+    assert_eq!(rejected(&held), None);
+    // The pool empties (the InferencePool lost its pods): the held request is answered 503 at
+    // the next tick, a new one at once; neither waits for the TTL.
+    history.update(vec![]);
+    answer_poll(&plugin, &history)?;
+    plugin.advance(Duration::from_millis(20))?;
+    assert_eq!(rejected(&held), Some((503, "no-endpoint".to_owned())));
+    let body = held
+        .local_reply()
+        .map(|r| r.body.clone())
+        .unwrap_or_default();
+    assert!(
+        String::from_utf8_lossy(&body).contains("no_endpoint_available"),
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
+    let (fresh, _) = open(&plugin, 0, "interactive", "b")?;
+    assert_eq!(rejected(&fresh), Some((503, "no-endpoint".to_owned())));
+    assert_eq!(
+        plugin.counter("kvoy_admission_rejected_no_endpoint_total"),
+        Some(2)
+    );
+    assert_eq!(plugin.gauge("kvoy_admission_queue_depth"), Some(0));
+    running.finish()?;
+    Ok(())
+}

@@ -37,7 +37,7 @@ use kvoy_shared::EndpointId;
 const ALL: EndpointId = EndpointId(0);
 
 use crate::metrics::Metrics;
-use crate::stream::{reject, AdmissionStream};
+use crate::stream::{reject, reject_no_endpoint, AdmissionStream};
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -67,6 +67,15 @@ pub(crate) struct VmState {
     expired: Vec<u64>,
 }
 
+/// What the pool has room for, at one moment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Room {
+    /// The pool's saturation and how many held requests may be released into it.
+    Pool { saturated: bool, capacity: u32 },
+    /// The aggregator's pool is empty: answer 503.
+    NoEndpoint,
+}
+
 pub(crate) type SharedState = Rc<RefCell<Option<VmState>>>;
 
 impl VmState {
@@ -87,25 +96,35 @@ impl VmState {
     /// Whether the pool is saturated now, and how many held requests may go: from the
     /// aggregator's snapshot (servers' queues and KV use, stale = saturated) when it is fresh,
     /// with this proxy's in-flight count against the per-endpoint limit; from the in-flight
-    /// count alone otherwise.
-    pub fn saturated(&mut self) -> (bool, u32) {
+    /// count alone otherwise. A live pool with no endpoint at all is [`Room::NoEndpoint`].
+    pub fn room(&mut self) -> Room {
         self.inflight.read(&HostStore, &mut self.counts);
         let total = self.counts.first().copied().unwrap_or(0);
         if let Some(live) = self.live.as_mut() {
             live.refresh();
-            let fresh = live.choose(now_ms(), true) == PoolChoice::Live { with_loads: true };
-            let endpoints = &live.snapshot().endpoints;
-            if fresh && !endpoints.is_empty() {
-                self.slots.clear();
-                self.slots.extend(endpoints.iter().map(|e| e.slot));
-                AdmissionFilterConfig::spread_by_slot(total, &self.slots, &mut self.scratch);
-                let sat = saturation(&self.config.flow, endpoints, &self.scratch, None);
-                return (sat.saturated, sat.release_capacity());
+            if let PoolChoice::Live { with_loads } = live.choose(now_ms(), true) {
+                let endpoints = &live.snapshot().endpoints;
+                if endpoints.is_empty() {
+                    return Room::NoEndpoint;
+                }
+                if with_loads {
+                    self.slots.clear();
+                    self.slots.extend(endpoints.iter().map(|e| e.slot));
+                    AdmissionFilterConfig::spread_by_slot(total, &self.slots, &mut self.scratch);
+                    let sat = saturation(&self.config.flow, endpoints, &self.scratch, None);
+                    return Room::Pool {
+                        saturated: sat.saturated,
+                        capacity: sat.release_capacity(),
+                    };
+                }
             }
         }
         self.config.spread(total, &mut self.scratch);
         let sat = saturation_from_inflight(&self.config.flow, &self.scratch, None);
-        (sat.saturated, sat.release_capacity())
+        Room::Pool {
+            saturated: sat.saturated,
+            capacity: sat.release_capacity(),
+        }
     }
 
     /// Releases what the capacity allows and expires what waited too long. Resuming a held
@@ -116,7 +135,12 @@ impl VmState {
             return;
         }
         let now = now_ms();
-        let (_, capacity) = self.saturated();
+        let room = self.room();
+        // No endpoint: every held request is answered 503 (it would only wait for its TTL).
+        let capacity = match room {
+            Room::Pool { capacity, .. } => capacity,
+            Room::NoEndpoint => u32::MAX,
+        };
         let mut released = std::mem::take(&mut self.released);
         let mut expired = std::mem::take(&mut self.expired);
         released.clear();
@@ -127,6 +151,13 @@ impl VmState {
             let Ok(context) = u32::try_from(id) else {
                 continue;
             };
+            if room == Room::NoEndpoint {
+                self.queued_at.remove(&context);
+                if hostcalls::set_effective_context(context).is_ok() {
+                    reject_no_endpoint(&self.metrics);
+                }
+                continue;
+            }
             self.acquire(context);
             if let Some(at) = self.queued_at.remove(&context) {
                 kvoy_filter_common::record(self.metrics.wait_ms, now.saturating_sub(at));
@@ -155,6 +186,7 @@ impl VmState {
     pub fn update_gauges(&self) {
         kvoy_filter_common::set(self.metrics.queue_depth, self.queue.len() as u64);
         kvoy_filter_common::set(self.metrics.queue_bytes, self.queue.bytes());
+        self.metrics.set_bands(self.queue.bands());
     }
 }
 
@@ -214,6 +246,7 @@ impl RootContext for AdmissionRoot {
             config.flow.saturation.max_inflight_per_endpoint,
             config.flow.queue_ttl_ms
         );
+        let metrics = Metrics::define(&config.flow);
         *self.state.borrow_mut() = Some(VmState {
             queue: FlowQueue::new(&config.flow),
             config,
@@ -221,7 +254,7 @@ impl RootContext for AdmissionRoot {
             counts: Vec::with_capacity(1),
             acquired: HashSet::new(),
             queued_at: std::collections::HashMap::new(),
-            metrics: Metrics::define(),
+            metrics,
             live,
             scratch: Vec::new(),
             slots: Vec::new(),

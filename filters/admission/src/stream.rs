@@ -8,12 +8,15 @@ use proxy_wasm::types::{Action, MapType};
 use kvoy_filter_common::{add, now_ms};
 use kvoy_shared::flow::{classify, Offer, FAIRNESS_HEADERS, OBJECTIVE_HEADERS};
 use kvoy_shared::openai_error_body;
+use kvoy_shared::RouteError;
 
 use crate::metrics::Metrics;
-use crate::SharedState;
+use crate::{Room, SharedState};
 
-/// Why a request was dropped, on its 429.
+/// Why a request was dropped, on its 429 (and 503).
 pub(crate) const DROPPED_REASON_HEADER: &str = "x-kvoy-dropped-reason";
+/// The reason on a 503 for a pool with no endpoint.
+pub(crate) const NO_ENDPOINT_REASON: &str = "no-endpoint";
 
 /// Answers the current request 429 with `reason` (`saturated`, `queue-full`, `ttl-expired`).
 pub(crate) fn reject(metrics: &Metrics, reason: &str) {
@@ -31,6 +34,20 @@ pub(crate) fn reject(metrics: &Metrics, reason: &str) {
             (DROPPED_REASON_HEADER, reason),
         ],
         Some(body.as_bytes()),
+    );
+}
+
+/// Answers the current request 503: the pool has no endpoint (the reason header says so too).
+pub(crate) fn reject_no_endpoint(metrics: &Metrics) {
+    add(metrics.rejected_no_endpoint, 1);
+    let error = RouteError::NoEndpoint;
+    let _ = hostcalls::send_http_response(
+        error.status().into(),
+        vec![
+            ("content-type", "application/json"),
+            (DROPPED_REASON_HEADER, NO_ENDPOINT_REASON),
+        ],
+        Some(error.body().as_bytes()),
     );
 }
 
@@ -72,7 +89,13 @@ impl HttpContext for AdmissionStream {
         let objective = first_header(&OBJECTIVE_HEADERS);
         let fairness = first_header(&FAIRNESS_HEADERS);
         let length = first_header(&["content-length"]).and_then(|v| v.trim().parse().ok());
-        let (saturated, _) = vm.saturated();
+        let saturated = match vm.room() {
+            Room::Pool { saturated, .. } => saturated,
+            Room::NoEndpoint => {
+                reject_no_endpoint(&vm.metrics);
+                return Action::Pause;
+            }
+        };
         let class = classify(
             &vm.config.flow,
             objective.as_deref(),
