@@ -11,6 +11,7 @@
 //! - [`Stack`]: renders the template for a pool, runs Envoy, waits until it is ready, and kills
 //!   it on drop.
 //! - [`http`]: a tiny client and codec for the tests.
+//! - [`load`]: a streaming client that times each completion (TTFT, inter-token gaps).
 //!
 //! ```no_run
 //! use kvoy_e2e::{EchoConfig, EchoServer, PoolEndpoint, Stack, StackConfig};
@@ -31,6 +32,7 @@ mod bootstrap;
 mod echo;
 mod envoy;
 pub mod http;
+pub mod load;
 mod sim;
 mod stack;
 

@@ -205,6 +205,29 @@ impl Stack {
         );
     }
 
+    /// Envoy's stats whose names contain `filter`, from the admin interface (`name: value`
+    /// lines; counters and gauges, histograms skipped).
+    pub fn stats(&self, filter: &str) -> anyhow::Result<std::collections::BTreeMap<String, u64>> {
+        let path = format!("/stats?filter={filter}");
+        let reply = crate::http::send(
+            self.admin,
+            "GET",
+            &path,
+            &[],
+            &[],
+            std::time::Duration::from_secs(5),
+        )?;
+        anyhow::ensure!(reply.status == 200, "GET {path}: {}", reply.status);
+        Ok(reply
+            .text()
+            .lines()
+            .filter_map(|line| {
+                let (name, value) = line.split_once(": ")?;
+                Some((name.to_owned(), value.trim().parse().ok()?))
+            })
+            .collect())
+    }
+
     /// For a test fixture's `Drop`: when the test is failing, prints the tail of Envoy's log.
     pub fn print_log_tail_if_panicking(&self, test: &str) {
         if std::thread::panicking() {
