@@ -402,3 +402,42 @@ fn an_empty_pool_answers_503() -> TestResult {
     running.finish()?;
     Ok(())
 }
+
+/// Strict priority holds across workers, one tick late at most: worker 0 holds an interactive
+/// request, worker 1 a batch one; a request finishing on worker 1 frees a slot, and worker 1
+/// neither releases its batch request nor admits a new batch one into it: worker 0's next tick
+/// releases the interactive request. Once worker 0 holds nothing, worker 1 goes on.
+#[test]
+fn strict_priority_across_workers() -> TestResult {
+    let plugin = plugin(LIMITED, 2)?;
+    let mut running = Vec::new();
+    for i in 0..4 {
+        let (s, a) = open(&plugin, i % 2, "batch", "a")?;
+        assert_eq!(a, Action::Continue);
+        running.push(s);
+    }
+    let (batch_held, a) = open(&plugin, 1, "batch", "a")?;
+    assert_eq!(a, Action::Pause);
+    let (interactive_held, a) = open(&plugin, 0, "interactive", "b")?;
+    assert_eq!(a, Action::Pause);
+    // running[1] and running[3] are worker 1's; one finishes there.
+    running.remove(1).finish()?;
+    assert!(
+        !resumed(&batch_held),
+        "worker 1 must leave the slot to worker 0's higher band"
+    );
+    let (late_batch, a) = open(&plugin, 1, "batch", "c")?;
+    assert_eq!(a, Action::Pause, "nor admit a lower band into it");
+    plugin.advance(Duration::from_millis(10))?;
+    assert!(resumed(&interactive_held), "worker 0's tick releases it");
+    assert!(!resumed(&batch_held) && !resumed(&late_batch));
+    // The next slot (worker 0 holds nothing now) goes to worker 1's batch requests, in order.
+    running.remove(0).finish()?;
+    plugin.advance(Duration::from_millis(10))?;
+    assert!(resumed(&batch_held) && !resumed(&late_batch));
+    assert_eq!(
+        plugin.counter("kvoy_admission_shared_state_errors_total"),
+        Some(0)
+    );
+    Ok(())
+}

@@ -27,7 +27,8 @@ use proxy_wasm::types::{ContextType, LogLevel};
 
 use kvoy_filter_common::{now_ms, HostStore, LiveSnapshot, PollStart};
 use kvoy_shared::flow::{
-    saturation, saturation_from_inflight, AdmissionFilterConfig, FlowQueue, EXPIRED_REASON,
+    saturation, saturation_from_inflight, AdmissionFilterConfig, FlowQueue, HeldBoard,
+    EXPIRED_REASON,
 };
 use kvoy_shared::live::PoolChoice;
 use kvoy_shared::replica::{self, InflightTable};
@@ -59,6 +60,8 @@ pub(crate) struct VmState {
     /// When each held request was queued, for the wait histogram.
     pub queued_at: std::collections::HashMap<u32, u64>,
     pub metrics: Metrics,
+    /// The highest priority each worker holds: strict priority across workers.
+    pub held: HeldBoard,
     /// The aggregator's snapshot, when configured.
     pub live: Option<LiveSnapshot>,
     scratch: Vec<u32>,
@@ -138,6 +141,8 @@ impl VmState {
         let room = self.room();
         // No endpoint: every held request is answered 503 (it would only wait for its TTL).
         let capacity = match room {
+            // Another worker holds a higher band: it releases first, at its next tick.
+            Room::Pool { .. } if self.outranked_by_others(now) => 0,
             Room::Pool { capacity, .. } => capacity,
             Room::NoEndpoint => u32::MAX,
         };
@@ -180,6 +185,33 @@ impl VmState {
         }
         self.released = released;
         self.expired = expired;
+        self.queue_changed();
+    }
+
+    /// Whether another worker holds a request of a higher band than this one's highest.
+    fn outranked_by_others(&mut self, now: u64) -> bool {
+        match self.queue.highest_waiting_priority() {
+            Some(top) => self.held.outranked(&HostStore, top, now),
+            None => false,
+        }
+    }
+
+    /// Publishes this worker's highest held band for the others (when it changed, and as a
+    /// refresh while it holds requests).
+    pub fn publish_held(&mut self, now: u64) {
+        let top = self
+            .queue
+            .bands()
+            .next()
+            .map(|b| (b.priority, u32::try_from(b.requests).unwrap_or(u32::MAX)));
+        if self.held.publish(&HostStore, top, now).is_err() {
+            kvoy_filter_common::add(self.metrics.shared_state_errors, 1);
+        }
+    }
+
+    /// After every change to the queue: gauges, and the band published to the other workers.
+    pub fn queue_changed(&mut self) {
+        self.publish_held(now_ms());
         self.update_gauges();
     }
 
@@ -247,6 +279,13 @@ impl RootContext for AdmissionRoot {
             config.flow.queue_ttl_ms
         );
         let metrics = Metrics::define(&config.flow);
+        // A worker that stopped refreshing its entry (it refreshes every tick while it holds
+        // requests) blocks no one for long.
+        let held = HeldBoard::new(
+            &namespace,
+            kvoy_filter_common::vm_seed(self.context_id),
+            (tick * 10).max(250),
+        );
         *self.state.borrow_mut() = Some(VmState {
             queue: FlowQueue::new(&config.flow),
             config,
@@ -256,6 +295,7 @@ impl RootContext for AdmissionRoot {
             queued_at: std::collections::HashMap::new(),
             metrics,
             live,
+            held,
             scratch: Vec::new(),
             slots: Vec::new(),
             released: Vec::new(),
@@ -272,6 +312,7 @@ impl RootContext for AdmissionRoot {
                 }
             }
             vm.release_held();
+            vm.publish_held(now_ms());
         }
     }
 

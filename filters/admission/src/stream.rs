@@ -5,7 +5,7 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, MapType};
 
-use kvoy_filter_common::{add, now_ms};
+use kvoy_filter_common::{add, now_ms, HostStore};
 use kvoy_shared::flow::{classify, Offer, FAIRNESS_HEADERS, OBJECTIVE_HEADERS};
 use kvoy_shared::openai_error_body;
 use kvoy_shared::RouteError;
@@ -103,6 +103,8 @@ impl HttpContext for AdmissionStream {
             length,
         );
         let now = now_ms();
+        // Room in the pool, but another worker holds a higher band: that one goes first.
+        let saturated = saturated || vm.held.outranked(&HostStore, class.priority, now);
         match vm.queue.offer(u64::from(self.id), &class, now, saturated) {
             Offer::Admit => {
                 vm.acquire(self.id);
@@ -117,7 +119,7 @@ impl HttpContext for AdmissionStream {
                 self.held = true;
                 vm.queued_at.insert(self.id, now);
                 add(vm.metrics.queued, 1);
-                vm.update_gauges();
+                vm.queue_changed();
                 Action::Pause
             }
             Offer::Reject(reason) => {
@@ -155,7 +157,7 @@ impl HttpContext for AdmissionStream {
             // The client went away while held.
             vm.queued_at.remove(&self.id);
             add(vm.metrics.removed, 1);
-            vm.update_gauges();
+            vm.queue_changed();
         }
         vm.release_inflight(self.id);
         // Capacity may have freed: release the next held requests now, not at the next tick.

@@ -44,11 +44,16 @@
 //! has its own `FlowQueue`, while the capacity it releases into (the pool's saturation, the
 //! in-flight counts in shared data) is global. What follows for fairness:
 //!
-//! - Strict priority, round-robin between flows and FCFS/EDF inside a flow hold *within* one
-//!   worker only. Across workers they hold only statistically, in as much as Envoy spreads
-//!   connections evenly: a low-priority request on an idle worker may be admitted while a
-//!   high-priority one waits on a busy worker, and a flow whose connections all land on one
-//!   worker gets that worker's share, not the proxy's.
+//! - Strict priority between bands holds across the workers, at most one tick late: each
+//!   worker publishes the highest band it holds on a [`HeldBoard`] in shared data, and a
+//!   worker neither admits nor releases a request while another holds a higher band (that one
+//!   releases its own at its next tick). Entries not refreshed within ten ticks (at least
+//!   250 ms) are ignored, so a stuck worker blocks no one for long.
+//! - Round-robin between flows and FCFS/EDF inside a flow hold *within* one worker only.
+//!   Across workers they hold statistically, in as much as Envoy spreads connections evenly:
+//!   a flow whose connections all land on one worker gets that worker's share, not the
+//!   proxy's, and two workers holding the same band release into free capacity in whatever
+//!   order their ticks and completions come.
 //! - Every worker that sees free capacity releases into it: N workers may together release up
 //!   to N times the free slots before the shared in-flight counts catch up. An in-flight
 //!   limit per endpoint bounds the overshoot; without one, a release on a non-saturated pool
@@ -67,6 +72,7 @@ mod band;
 mod classify;
 mod config;
 mod filter_config;
+mod held;
 mod queue;
 mod saturation;
 
@@ -78,6 +84,7 @@ pub use config::{
     MAX_OBJECTIVES, MAX_OBJECTIVE_NAME_BYTES, MAX_QUEUED,
 };
 pub use filter_config::AdmissionFilterConfig;
+pub use held::{HeldBoard, MAX_WORKERS};
 pub use queue::{BandStats, FlowQueue, Offer, RejectReason, EXPIRED_REASON};
 pub use saturation::{saturation, saturation_from_inflight, Saturation};
 
