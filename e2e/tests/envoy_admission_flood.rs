@@ -1,6 +1,6 @@
 //! Interactive traffic keeps its latency while an agent flow floods the pool at 3x capacity:
-//! a real Envoy (one worker; see `kvoy_shared::flow` for what holds across workers) with the kvoy
-//! filters in front of two kvoy-sim simulators at real speed, each running at most
+//! a real Envoy (two workers: strict priority holds across them, see `kvoy_shared::flow`) with
+//! the kvoy filters in front of two kvoy-sim simulators at real speed, each running at most
 //! `SERVER_SEQS` sequences (the rest wait in its FIFO queue, as in vLLM).
 //!
 //! 1. Unloaded: interactive requests alone (streamed, 6,000-token prompts) give the baseline
@@ -220,7 +220,7 @@ fn stack(sims: &SimFleet, run_dir: &std::path::Path, admission: Option<String>) 
         .collect();
     let mut config = StackConfig::new(pool, run_dir.to_path_buf());
     config.admission_config = admission;
-    config.concurrency = 1;
+    config.concurrency = 2;
     Stack::start(&config).unwrap_or_else(|e| panic!("[{NAME}] {e:#}"))
 }
 
