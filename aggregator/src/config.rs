@@ -1,5 +1,6 @@
 //! The aggregator's configuration file (YAML, or JSON when the name ends in `.json`): settings
-//! plus the endpoint list. A raw serde shape (unknown fields rejected) is checked into
+//! plus the endpoint list, or a `kubernetes:` section naming the InferencePool the endpoints
+//! come from ([`crate::k8s`]). A raw serde shape (unknown fields rejected) is checked into
 //! [`AggregatorConfig`]; every error names the field.
 //!
 //! ```
@@ -22,6 +23,8 @@ use serde::Deserialize;
 use thiserror::Error;
 
 use kvoy_shared::snapshot::{MAX_MODELS, MAX_MODEL_NAME_BYTES};
+
+use crate::k8s::KubernetesConfig;
 use kvoy_shared::MAX_ENDPOINTS;
 
 #[derive(Debug, Deserialize)]
@@ -56,6 +59,8 @@ struct RawConfig {
     reload_interval_ms: u64,
     #[serde(default)]
     endpoints: Vec<RawEndpoint>,
+    #[serde(default)]
+    kubernetes: Option<crate::k8s::RawKubernetes>,
 }
 
 mod defaults {
@@ -111,6 +116,8 @@ pub struct AggregatorConfig {
     /// How often the endpoint source is checked for changes.
     pub reload_interval: Duration,
     pub endpoints: Vec<EndpointSpec>,
+    /// Endpoints from an InferencePool instead of `endpoints` ([`crate::k8s`]).
+    pub kubernetes: Option<KubernetesConfig>,
 }
 
 #[derive(Debug, Error, PartialEq)]
@@ -145,6 +152,16 @@ pub enum ConfigError {
     },
     #[error("`endpoints[{index}].{field}` is set without `kv_events_endpoint`")]
     ReplayWithoutEvents { index: usize, field: &'static str },
+    #[error("`kubernetes.{field}` {value:?} {reason}")]
+    BadKubernetes {
+        field: &'static str,
+        value: String,
+        reason: &'static str,
+    },
+    #[error("`kubernetes.models` must name 1 to {MAX_MODELS} models of 1 to {MAX_MODEL_NAME_BYTES} bytes")]
+    BadKubernetesModels,
+    #[error("`kubernetes` and `endpoints` are exclusive: with `kubernetes` the endpoints come from the InferencePool")]
+    KubernetesWithEndpoints,
 }
 
 impl AggregatorConfig {
@@ -302,6 +319,10 @@ impl TryFrom<RawConfig> for AggregatorConfig {
                 value: u64::from(raw.unready_after_failures),
             });
         }
+        if raw.kubernetes.is_some() && !raw.endpoints.is_empty() {
+            return Err(ConfigError::KubernetesWithEndpoints);
+        }
+        let kubernetes = raw.kubernetes.map(KubernetesConfig::try_from).transpose()?;
         if raw.endpoints.len() > MAX_ENDPOINTS {
             return Err(ConfigError::TooManyEndpoints(raw.endpoints.len()));
         }
@@ -323,6 +344,7 @@ impl TryFrom<RawConfig> for AggregatorConfig {
             unready_after_failures: raw.unready_after_failures,
             reload_interval,
             endpoints,
+            kubernetes,
         })
     }
 }
@@ -361,6 +383,41 @@ endpoints:
         assert_eq!(cfg.endpoints[0].metrics_path, "/custom");
         assert_eq!(cfg.endpoints[1].metrics_path, "/metrics");
         assert!(cfg.endpoints[1].kv_events.is_none());
+    }
+
+    #[test]
+    fn kubernetes_section() {
+        let cfg = AggregatorConfig::from_yaml(
+            "reload_interval_ms: 2000
+kubernetes:
+  inference_pool: llama-pool
+  namespace: llm
+  api_server: https://10.96.0.1:443
+  models: [llama-3.1-8b]
+  kv_events_port: 5557
+  kv_events_replay_port: 5558
+  token_file: ''
+",
+        )
+        .unwrap();
+        let k = cfg.kubernetes.unwrap();
+        assert_eq!(k.inference_pool, "llama-pool");
+        assert_eq!(k.namespace.as_deref(), Some("llm"));
+        assert_eq!(k.api_server.unwrap().authority(), "10.96.0.1:443");
+        assert_eq!(k.token_file, None, "an empty token_file sends no token");
+        assert_eq!(
+            k.ca_file,
+            std::path::Path::new(crate::k8s::SERVICE_ACCOUNT_DIR).join("ca.crt")
+        );
+        assert_eq!(k.kv_events.unwrap().replay_port, Some(5558));
+        assert_eq!(k.metrics_path, "/metrics");
+        assert!(cfg.endpoints.is_empty());
+        // The defaults are the in-cluster ones.
+        let k = AggregatorConfig::from_yaml("kubernetes: {inference_pool: p, models: [m]}")
+            .unwrap()
+            .kubernetes
+            .unwrap();
+        assert_eq!(k, crate::k8s::KubernetesConfig::for_pool("p", &["m"]));
     }
 
     #[test]
@@ -403,6 +460,24 @@ endpoints:
             ("listen: nowhere", "listen"),
             ("scrape_every: 5", "scrape_every"),
             ("endpoints: [{address: '1.2.3.4:1', models: [m], weight: 2}]", "weight"),
+            ("kubernetes: {inference_pool: p, models: [m], pool: x}", "pool"),
+            ("kubernetes: {models: [m]}", "inference_pool"),
+            ("kubernetes: {inference_pool: p}", "models"),
+            ("kubernetes: {inference_pool: P_1, models: [m]}", "kubernetes.inference_pool"),
+            ("kubernetes: {inference_pool: p, models: [m], namespace: a.b}", "kubernetes.namespace"),
+            ("kubernetes: {inference_pool: p, models: []}", "kubernetes.models"),
+            ("kubernetes: {inference_pool: p, models: [m], api_server: 'kube:6443'}", "kubernetes.api_server"),
+            ("kubernetes: {inference_pool: p, models: [m], ca_file: ''}", "kubernetes.ca_file"),
+            ("kubernetes: {inference_pool: p, models: [m], metrics_path: m}", "kubernetes.metrics_path"),
+            ("kubernetes: {inference_pool: p, models: [m], kv_events_port: 0}", "kubernetes.kv_events_port"),
+            ("kubernetes: {inference_pool: p, models: [m], kv_events_port: 70000}", "kv_events_port"),
+            ("kubernetes: {inference_pool: p, models: [m], kv_events_replay_port: 5558}", "kubernetes.kv_events_replay_port"),
+            ("kubernetes: {inference_pool: p, models: [m], kv_events_topic: t}", "kubernetes.kv_events_topic"),
+            ("kubernetes: {inference_pool: p, models: [m], request_timeout_ms: 5}", "kubernetes.request_timeout_ms"),
+            (
+                "kubernetes: {inference_pool: p, models: [m]}\nendpoints: [{address: '1.2.3.4:1', models: [m]}]",
+                "`kubernetes` and `endpoints`",
+            ),
         ];
         for (text, field) in cases {
             let err = AggregatorConfig::from_yaml(text).unwrap_err().to_string();

@@ -2,8 +2,9 @@
 //! and metrics (`/metrics`), and serves what the filters need as a small, versioned,
 //! incremental snapshot.
 //!
-//! - [`config`]: the configuration file; [`source`]: where endpoints come from (a file now,
-//!   reloaded when it changes; the trait is what a Kubernetes source implements).
+//! - [`config`]: the configuration file; [`source`]: where endpoints come from (a file,
+//!   reloaded when it changes, or [`k8s`]: an InferencePool's Ready pods from the Kubernetes
+//!   API server).
 //! - [`prom`]: Prometheus text and the vLLM / SGLang metric names; [`scrape`]: the scraper.
 //! - [`kv_index`]: per endpoint and medium, the blocks cached, keyed by the aggregator's own
 //!   hash of token ids; [`follow`]: the thread that feeds it from the ZMQ stream, with gap
@@ -26,6 +27,7 @@
 pub mod config;
 pub mod follow;
 pub mod http;
+pub mod k8s;
 pub mod kv_index;
 pub mod pool;
 pub mod prom;

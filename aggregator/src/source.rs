@@ -1,16 +1,29 @@
-//! Where the endpoint list comes from. Today a file; a Kubernetes source (an InferencePool's
-//! selected pods) implements the same trait later.
+//! Where the endpoint list comes from: a file ([`FileSource`]), a fixed list
+//! ([`StaticSource`]), or an InferencePool's Ready pods ([`crate::k8s::KubernetesSource`]).
 
 use std::path::PathBuf;
 use std::time::SystemTime;
 
-use crate::config::{AggregatorConfig, ConfigError, EndpointSpec};
+use thiserror::Error;
 
-/// A source of endpoints, polled by the aggregator every `reload_interval`.
+use crate::config::{AggregatorConfig, ConfigError, EndpointSpec};
+use crate::k8s::K8sError;
+
+/// Why a source could not say what the endpoints are.
+#[derive(Debug, Error)]
+pub enum SourceError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("kubernetes: {0}")]
+    Kubernetes(#[from] K8sError),
+}
+
+/// A source of endpoints, polled by the aggregator every `reload_interval`. `poll` runs on the
+/// pool actor's task: it must not block (a source that does I/O does it on a task of its own).
 pub trait EndpointSource: Send {
     /// The endpoint list if it changed since the last call (the first call always returns
-    /// it), `Ok(None)` if not. On error the aggregator keeps the endpoints it has.
-    fn poll(&mut self) -> Result<Option<Vec<EndpointSpec>>, ConfigError>;
+    /// it, once known), `Ok(None)` if not. On error the aggregator keeps the endpoints it has.
+    fn poll(&mut self) -> Result<Option<Vec<EndpointSpec>>, SourceError>;
 }
 
 /// The `endpoints` of a configuration file, re-read when its modification time, size or
@@ -32,7 +45,7 @@ impl FileSource {
 }
 
 impl EndpointSource for FileSource {
-    fn poll(&mut self) -> Result<Option<Vec<EndpointSpec>>, ConfigError> {
+    fn poll(&mut self) -> Result<Option<Vec<EndpointSpec>>, SourceError> {
         let meta = std::fs::metadata(&self.path).map_err(|e| ConfigError::Read {
             path: self.path.display().to_string(),
             reason: e.to_string(),
@@ -62,7 +75,7 @@ impl StaticSource {
 }
 
 impl EndpointSource for StaticSource {
-    fn poll(&mut self) -> Result<Option<Vec<EndpointSpec>>, ConfigError> {
+    fn poll(&mut self) -> Result<Option<Vec<EndpointSpec>>, SourceError> {
         Ok(self.0.take())
     }
 }

@@ -1,5 +1,6 @@
 //! `kvoy-aggregator --config FILE [--listen ADDR]`: follows the model servers listed in FILE
-//! and serves the pool snapshot. See the crate docs and the README.
+//! (or the Ready pods of the InferencePool its `kubernetes:` section names) and serves the
+//! pool snapshot. See the crate docs and the README.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -7,7 +8,8 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 
 use kvoy_aggregator::config::AggregatorConfig;
-use kvoy_aggregator::source::FileSource;
+use kvoy_aggregator::k8s::{Discovery, InCluster, KubernetesSource};
+use kvoy_aggregator::source::{EndpointSource, FileSource};
 use kvoy_aggregator::Aggregator;
 
 const USAGE: &str = "\
@@ -16,7 +18,9 @@ kvoy-aggregator: KV events, metrics scraping and the pool snapshot for kvoy's fi
 usage: kvoy-aggregator --config FILE [--listen ADDR]
 
   --config FILE   endpoints and settings, YAML (or JSON when FILE ends in .json); the
-                  endpoint list is re-read when the file changes
+                  endpoint list is re-read when the file changes. With a `kubernetes:`
+                  section the endpoints are the Ready pods of an InferencePool, read from
+                  the API server every reload_interval_ms
   --listen ADDR   HTTP address (default: `listen` from FILE, else 127.0.0.1:9090)
   -h, --help
 
@@ -59,13 +63,30 @@ fn main() -> Result<()> {
         .enable_all()
         .build()?;
     runtime.block_on(async move {
-        let aggregator = Aggregator::start(&config, Box::new(FileSource::new(&path)), listen)
+        let (source, from): (Box<dyn EndpointSource>, String) = match &config.kubernetes {
+            Some(k8s) => {
+                let discovery = Discovery::new(k8s, &InCluster::from_env())
+                    .context("kubernetes endpoint discovery")?;
+                let from = format!("InferencePool {}", discovery.pool());
+                (
+                    Box::new(KubernetesSource::spawn(discovery, config.reload_interval)),
+                    from,
+                )
+            }
+            None => (
+                Box::new(FileSource::new(&path)),
+                format!(
+                    "{} endpoints from {}",
+                    config.endpoints.len(),
+                    path.display()
+                ),
+            ),
+        };
+        let aggregator = Aggregator::start(&config, source, listen)
             .await
             .with_context(|| format!("cannot listen on {listen}"))?;
         println!(
-            "kvoy-aggregator: {} endpoints from {}, API on http://{}",
-            config.endpoints.len(),
-            path.display(),
+            "kvoy-aggregator: {from}, API on http://{}",
             aggregator.local_addr()
         );
         wait_for_signal().await;
