@@ -26,6 +26,8 @@ pub struct Timing {
     pub token_gaps: Vec<Duration>,
     /// Output events received (one token each from vLLM and kvoy-sim).
     pub tokens: u32,
+    /// The generated text, concatenated.
+    pub output: String,
     /// From sending the request to the end of the response.
     pub total: Duration,
     /// `usage.prompt_tokens`, when the server reported usage.
@@ -196,8 +198,9 @@ impl EventReader {
             let Ok(event) = serde_json::from_str::<Value>(payload) else {
                 continue;
             };
-            if carries_output(&event) {
+            if let Some(text) = output_of(&event) {
                 timing.tokens += 1;
+                timing.output.push_str(text);
                 match self.last_token {
                     None => timing.ttft = Some(now - self.start),
                     Some(last) => timing.token_gaps.push(now - last),
@@ -214,16 +217,14 @@ impl EventReader {
     }
 }
 
-/// Whether a chat or completions chunk carries generated text.
-fn carries_output(event: &Value) -> bool {
-    let Some(choice) = event.pointer("/choices/0") else {
-        return false;
-    };
-    let text = choice
+/// The generated text a chat or completions chunk carries, if any.
+fn output_of(event: &Value) -> Option<&str> {
+    let choice = event.pointer("/choices/0")?;
+    choice
         .pointer("/delta/content")
         .or_else(|| choice.get("text"))
-        .and_then(Value::as_str);
-    text.is_some_and(|t| !t.is_empty())
+        .and_then(Value::as_str)
+        .filter(|t| !t.is_empty())
 }
 
 /// The `q` quantile (0..=1) of `values` by nearest rank; `None` when empty.
@@ -260,6 +261,7 @@ mod tests {
                 events.feed(piece, &mut timing);
             }
             assert_eq!(timing.tokens, 2, "split {split}");
+            assert_eq!(timing.output, "ab");
             assert!(timing.ttft.is_some());
             assert_eq!(timing.token_gaps.len(), 1);
             assert_eq!(
