@@ -37,10 +37,14 @@ impl VmInstance {
     pub fn create_stream(&mut self) -> Result<u32> {
         let id = self.next_context_id();
         let root = self.root_id();
-        self.store
-            .data_mut()
-            .streams
-            .insert(id, StreamState::default());
+        let started_at = self.store.data().shared.lock().clock.now();
+        self.store.data_mut().streams.insert(
+            id,
+            StreamState {
+                started_at,
+                ..StreamState::default()
+            },
+        );
         let func = self.exports.context_create.as_ref();
         invoke(
             &mut self.store,
@@ -220,6 +224,58 @@ impl VmInstance {
         Ok(stream)
     }
 
+    /// Envoy's access-log phase for one stream: `proxy_on_log`, with the request and response
+    /// headers readable. (Envoy logs every filter of the chain, then destroys them.)
+    pub fn log_stream(&mut self, context: u32) -> Result<()> {
+        self.direction(context, Side::Request)?;
+        self.set_in_log(context, true);
+        let log = self.exports.log.as_ref();
+        let logged = invoke(
+            &mut self.store,
+            &mut self.failed,
+            "proxy_on_log",
+            log,
+            context,
+            context,
+        );
+        self.set_in_log(context, false);
+        logged?;
+        self.after_call()
+    }
+
+    /// Envoy's filter destruction for one stream: `proxy_on_done`, `proxy_on_delete`. Returns
+    /// the stream's final state.
+    pub fn destroy_stream(&mut self, context: u32) -> Result<StreamState> {
+        self.direction(context, Side::Request)?;
+        let done = self.exports.done.as_ref();
+        invoke(
+            &mut self.store,
+            &mut self.failed,
+            "proxy_on_done",
+            done,
+            context,
+            context,
+        )?;
+        let delete = self.exports.delete.as_ref();
+        invoke(
+            &mut self.store,
+            &mut self.failed,
+            "proxy_on_delete",
+            delete,
+            context,
+            context,
+        )?;
+        self.after_call()?;
+        let mut stream = self
+            .store
+            .data_mut()
+            .streams
+            .remove(&context)
+            .unwrap_or_default();
+        stream.finished = true;
+        Ok(stream)
+    }
+
     fn set_in_log(&mut self, context: u32, in_log: bool) {
         if let Some(stream) = self.store.data_mut().streams.get_mut(&context) {
             stream.in_log = in_log;
@@ -238,14 +294,18 @@ impl VmInstance {
         stream.request.body.clear();
         stream.request.buffering = false;
 
+        // As Envoy's `sendLocalReply`: the filter's headers are added to `:status`, then a body
+        // gets its `content-length` and, unless the filter named one, `content-type: text/plain`.
         let mut headers = HeaderMap::new();
         headers.add(":status", &reply.status.to_string());
-        if !reply.body.is_empty() {
-            headers.add("content-length", &reply.body.len().to_string());
-            headers.add("content-type", "text/plain");
-        }
         for (name, value) in reply.headers.iter() {
             headers.add(name, value);
+        }
+        if !reply.body.is_empty() {
+            headers.replace("content-length", &reply.body.len().to_string());
+            if !headers.contains("content-type") {
+                headers.add("content-type", "text/plain");
+            }
         }
         let body = reply.body.clone();
         stream.local_reply = Some(reply);

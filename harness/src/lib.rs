@@ -6,8 +6,10 @@
 //! (see `harness/README.md` for what is implemented and where it differs). The VMs share
 //! shared data (with CAS), shared queues, metrics, captured logs and a virtual clock that only
 //! moves when the test calls [`Plugin::advance`]. HTTP callouts and foreign functions are
-//! recorded for the test to answer. A guest trap (a Rust panic) becomes an [`Error::Trap`] from
-//! the call that caused it, with the panic message.
+//! recorded for the test to answer (or, with [`PluginBuilder::upstream`], callouts go to a real
+//! address). A guest trap (a Rust panic) becomes an [`Error::Trap`] from the call that caused
+//! it, with the panic message. A [`FilterChain`] runs several plugins in order, as Envoy's
+//! `http_filters` (kvoy-local runs kvoy's chain with it).
 //!
 //! ```no_run
 //! use kvoy_harness::{testing, Action};
@@ -37,6 +39,7 @@
 
 mod abi;
 mod callouts;
+mod chain;
 mod clock;
 mod error;
 mod headers;
@@ -52,11 +55,13 @@ mod stream;
 mod stream_state;
 pub mod testing;
 mod types;
+mod upstream;
 mod vm;
 mod vm_state;
 mod wasi;
 
 pub use callouts::{ForeignCall, ForeignFunction, HttpCall, HttpResponse, LocalReply};
+pub use chain::{ChainState, ChainStream, Downstream, FilterChain, UpstreamRequest};
 pub use error::{Error, Result};
 pub use headers::{decode_pairs, encode_pairs, HeaderMap, PairsError, RawPair};
 pub use host::Host;

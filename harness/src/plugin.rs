@@ -2,8 +2,10 @@
 //! `envoy.filters.http.wasm` config on an Envoy with N worker threads.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::net::SocketAddr;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::callouts::{ForeignCall, ForeignFunction, HttpCall, HttpResponse};
 use crate::clock::{Clock, DEFAULT_START};
@@ -16,6 +18,7 @@ use crate::shared::{property_key, PluginConfig, Shared, SharedState};
 use crate::shared_data::SharedData;
 use crate::stream::HttpStream;
 use crate::types::{LogLevel, MetricType, Status};
+use crate::upstream::Finished;
 use crate::vm::VmInstance;
 
 /// Deferred notifications delivered in one go before the harness gives up (a queue handler
@@ -46,6 +49,7 @@ impl PluginBuilder {
                 env: Vec::new(),
                 log_level: LogLevel::Info,
                 clusters: None,
+                upstreams: HashMap::new(),
                 seed: 0x6b76_6f79,
             },
             vms: 1,
@@ -140,7 +144,24 @@ impl PluginBuilder {
     /// Limits `proxy_http_call` to these cluster names (others get `BadArgument`, as Envoy does
     /// for clusters it does not know); by default any name is accepted.
     pub fn clusters<S: Into<String>>(mut self, names: impl IntoIterator<Item = S>) -> Self {
-        self.config.clusters = Some(names.into_iter().map(Into::into).collect::<HashSet<_>>());
+        let mut known = names.into_iter().map(Into::into).collect::<HashSet<_>>();
+        known.extend(self.config.upstreams.keys().cloned());
+        self.config.clusters = Some(known);
+        self
+    }
+
+    /// Sends `proxy_http_call`s to the cluster `name` to a real address: the harness opens an
+    /// HTTP/1.1 connection to `address` on a thread of its own, and
+    /// [`Plugin::deliver_http_responses`] (or [`Plugin::wait_http_responses`]) hands the answer
+    /// to the VM that made the call. Connection failures and timeouts come back as Envoy's
+    /// local `503` / `504`; a connection lost after the headers as a failed call. Such calls
+    /// are not listed by [`Plugin::http_calls`]. If [`PluginBuilder::clusters`] is used, `name`
+    /// is added to it.
+    pub fn upstream(mut self, name: &str, address: SocketAddr) -> Self {
+        self.config.upstreams.insert(name.to_owned(), address);
+        if let Some(known) = &mut self.config.clusters {
+            known.insert(name.to_owned());
+        }
         self
     }
 
@@ -164,10 +185,12 @@ impl PluginBuilder {
             logs: LogBuffer::new(self.max_log_entries, LogBuffer::echo_from_env()),
             queue_ready: VecDeque::new(),
             http_calls: Vec::new(),
+            real_calls: Vec::new(),
             foreign_calls: Vec::new(),
             properties: self.properties,
         };
-        let shared = Arc::new(Shared::new(self.config, state, self.foreign));
+        let (finished_tx, finished_rx) = std::sync::mpsc::channel();
+        let shared = Arc::new(Shared::new(self.config, state, self.foreign, finished_tx));
         let mut vms = Vec::with_capacity(self.vms);
         for vm in 0..self.vms {
             vms.push(Mutex::new(VmInstance::start(
@@ -179,6 +202,7 @@ impl PluginBuilder {
         let plugin = Plugin {
             shared,
             vms: vms.into(),
+            finished: Arc::new(Mutex::new(finished_rx)),
         };
         plugin.deliver_queue_ready()?;
         Ok(plugin)
@@ -192,6 +216,8 @@ impl PluginBuilder {
 pub struct Plugin {
     shared: Arc<Shared>,
     vms: Arc<[Mutex<VmInstance>]>,
+    /// Answers of real callouts (see [`PluginBuilder::upstream`]).
+    finished: Arc<Mutex<Receiver<Finished>>>,
 }
 
 /// One VM of a plugin; from [`Plugin::vm`].
@@ -397,6 +423,73 @@ impl Plugin {
     /// `proxy_get_status` reports `BrokenConnection` / "reset".
     pub fn fail_http_call(&self, call: &HttpCall) -> Result<()> {
         self.finish_http_call(call, None)
+    }
+
+    /// Real callouts (see [`PluginBuilder::upstream`]) still in flight or not yet delivered.
+    pub fn pending_upstream_calls(&self) -> usize {
+        self.shared.lock().real_calls.len()
+    }
+
+    /// Delivers the answers of real callouts that have arrived: `proxy_on_http_call_response`
+    /// on the VM and context that made each call. Never waits; returns how many were
+    /// delivered. An answer for a context that has ended is dropped.
+    pub fn deliver_http_responses(&self) -> Result<usize> {
+        let mut delivered = 0;
+        loop {
+            let next = self
+                .finished
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .try_recv();
+            let Ok((call, response)) = next else {
+                return Ok(delivered);
+            };
+            delivered += usize::from(self.deliver_real(&call, response)?);
+        }
+    }
+
+    /// Waits until every real callout in flight has been answered (or `timeout` passed),
+    /// delivering the answers as they come; returns how many were delivered.
+    pub fn wait_http_responses(&self, timeout: Duration) -> Result<usize> {
+        let deadline = Instant::now() + timeout;
+        let mut delivered = self.deliver_http_responses()?;
+        while self.pending_upstream_calls() > 0 {
+            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                break;
+            };
+            let next = self
+                .finished
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .recv_timeout(left);
+            match next {
+                Ok((call, response)) => {
+                    delivered += usize::from(self.deliver_real(&call, response)?);
+                }
+                Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        Ok(delivered)
+    }
+
+    fn deliver_real(&self, call: &HttpCall, response: Option<HttpResponse>) -> Result<bool> {
+        {
+            let mut state = self.shared.lock();
+            let Some(index) = state
+                .real_calls
+                .iter()
+                .position(|c| c.vm == call.vm && c.token == call.token)
+            else {
+                return Ok(false);
+            };
+            state.real_calls.remove(index);
+        }
+        match self.with_vm(call.vm, |vm| vm.http_call_response(call, response)) {
+            Ok(()) => Ok(true),
+            // The context that made the call is gone (Envoy cancels its calls).
+            Err(Error::UnknownHttpCall { .. } | Error::VmFailed { .. }) => Ok(false),
+            Err(e) => Err(e),
+        }
     }
 
     /// Every `proxy_call_foreign_function` call so far.

@@ -2,6 +2,8 @@
 //! logs, pending callouts. Host calls lock it briefly; it never stays locked across a guest call.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::net::SocketAddr;
+use std::sync::mpsc::Sender;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use crate::callouts::{ForeignCall, ForeignFunction, HttpCall};
@@ -11,6 +13,7 @@ use crate::metrics::Metrics;
 use crate::queues::{QueueOwner, SharedQueues};
 use crate::shared_data::SharedData;
 use crate::types::LogLevel;
+use crate::upstream::Finished;
 
 /// The plugin's fixed settings, from the builder.
 #[derive(Debug, Clone)]
@@ -24,6 +27,8 @@ pub(crate) struct PluginConfig {
     pub log_level: LogLevel,
     /// Upstream clusters `proxy_http_call` accepts; `None` accepts any name.
     pub clusters: Option<HashSet<String>>,
+    /// Clusters whose callouts go to a real address (see `upstream.rs`).
+    pub upstreams: HashMap<String, SocketAddr>,
     pub seed: u64,
 }
 
@@ -37,6 +42,8 @@ pub(crate) struct SharedState {
     /// `proxy_on_queue_ready` notifications not yet delivered.
     pub queue_ready: VecDeque<(QueueOwner, u32)>,
     pub http_calls: Vec<HttpCall>,
+    /// Real callouts in flight.
+    pub real_calls: Vec<HttpCall>,
     pub foreign_calls: Vec<ForeignCall>,
     /// Plugin-wide properties, keyed by the \0-joined path.
     pub properties: HashMap<Vec<u8>, Vec<u8>>,
@@ -47,6 +54,8 @@ pub(crate) struct Shared {
     pub config: PluginConfig,
     state: Mutex<SharedState>,
     foreign: Mutex<HashMap<String, ForeignFunction>>,
+    /// Where real callouts report.
+    finished: Mutex<Sender<Finished>>,
 }
 
 impl Shared {
@@ -54,12 +63,22 @@ impl Shared {
         config: PluginConfig,
         state: SharedState,
         foreign: HashMap<String, ForeignFunction>,
+        finished: Sender<Finished>,
     ) -> Shared {
         Shared {
             config,
             state: Mutex::new(state),
             foreign: Mutex::new(foreign),
+            finished: Mutex::new(finished),
         }
+    }
+
+    /// A sender for a real callout's thread.
+    pub fn finished_sender(&self) -> Sender<Finished> {
+        self.finished
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     /// Locks the process state. A panic in a test's foreign function cannot leave it half

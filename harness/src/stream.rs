@@ -176,6 +176,17 @@ impl HttpStream {
         })
     }
 
+    /// Response body the filter is holding (buffered while it returns `Pause`).
+    pub fn buffered_response_body(&self) -> Vec<u8> {
+        self.with_state(|s| {
+            if s.response.buffering {
+                s.response.body.clone()
+            } else {
+                Vec::new()
+            }
+        })
+    }
+
     /// The response headers as the filter left them (for a local reply, the reply's headers).
     pub fn response_headers(&self) -> HeaderMap {
         self.with_state(|s| s.response.headers.clone())
@@ -221,10 +232,53 @@ impl HttpStream {
         Ok(())
     }
 
+    /// An Envoy filter state object the filter set with the `set_envoy_filter_state` foreign
+    /// function (e.g. `envoy.network.transport_socket.original_dst_address`).
+    pub fn filter_state(&self, name: &str) -> Option<Vec<u8>> {
+        self.with_state(|s| s.filter_state.get(name).cloned())
+    }
+
     /// A per-stream property (set by the test or the filter).
     pub fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
         let key = property_key(path);
         self.with_state(|s| s.properties.get(&key).cloned())
+    }
+
+    /// Headers to either direction, as a map (the filter chain's entry point).
+    pub(crate) fn send_headers_map(
+        &self,
+        side: Side,
+        headers: HeaderMap,
+        end_of_stream: bool,
+    ) -> Result<Action> {
+        self.drive(|vm, id| vm.send_headers(id, side, headers, end_of_stream))
+    }
+
+    /// A body chunk to either direction.
+    pub(crate) fn send_body_on(
+        &self,
+        side: Side,
+        chunk: &[u8],
+        end_of_stream: bool,
+    ) -> Result<Action> {
+        self.drive(|vm, id| vm.send_body(id, side, chunk, end_of_stream))
+    }
+
+    /// Envoy's end of a stream in a filter chain, first half: `proxy_on_log`.
+    pub(crate) fn log_phase(&self) -> Result<()> {
+        self.drive(|vm, id| vm.log_stream(id))
+    }
+
+    /// Second half: `proxy_on_done`, `proxy_on_delete`; the handle is finished afterwards.
+    pub(crate) fn destroy(&self) -> Result<()> {
+        if self.finished.get().is_some() {
+            return Err(self.finished_error());
+        }
+        let state = self
+            .plugin
+            .with_vm(self.vm, |vm| vm.destroy_stream(self.context_id))?;
+        let _ = self.finished.set(state);
+        Ok(())
     }
 
     fn drive<R>(&self, op: impl FnOnce(&mut crate::vm::VmInstance, u32) -> Result<R>) -> Result<R> {
@@ -234,7 +288,7 @@ impl HttpStream {
         self.plugin.with_vm(self.vm, |vm| op(vm, self.context_id))
     }
 
-    fn with_state<R>(&self, read: impl FnOnce(&StreamState) -> R) -> R {
+    pub(crate) fn with_state<R>(&self, read: impl FnOnce(&StreamState) -> R) -> R {
         if let Some(state) = self.finished.get() {
             return read(state);
         }

@@ -66,6 +66,10 @@ pub(crate) struct StreamState {
     pub response: Direction,
     /// Per-stream properties, keyed by the \0-joined path.
     pub properties: HashMap<Vec<u8>, Vec<u8>>,
+    /// Envoy filter state objects set through the `set_envoy_filter_state` foreign function.
+    pub filter_state: HashMap<String, Vec<u8>>,
+    /// When the context was created (virtual clock, ns since the epoch): `request.time`.
+    pub started_at: u64,
     pub local_reply: Option<LocalReply>,
     /// A local reply sent during the current guest call, applied after it returns.
     pub pending_reply: Option<LocalReply>,

@@ -1,7 +1,8 @@
 //! The WASI preview1 functions a Rust `wasm32-wasip1` cdylib imports, implemented the way
-//! Envoy's proxy-wasm host does: stdout/stderr go to the log, clocks read the virtual clock,
-//! randomness is seeded per plugin, there are no files, arguments or preopens. Imports not
-//! listed here trap when called.
+//! Envoy's proxy-wasm host (proxy-wasm-cpp-host `exports.cc`) does: stdout/stderr go to the
+//! log, clocks read the virtual clock, randomness is seeded per plugin, there are no files,
+//! arguments or preopens, and the errno values are Envoy's. Imports not listed here trap when
+//! called; `proc_exit` fails the VM (Envoy logs it and the guest traps right after).
 
 use wasmtime::{Caller, Linker};
 
@@ -18,7 +19,12 @@ const SUCCESS: i32 = 0;
 const BADF: i32 = 8;
 const FAULT: i32 = 21;
 const INVAL: i32 = 28;
-const SPIPE: i32 = 70;
+const NOENT: i32 = 44;
+const NOSYS: i32 = 52;
+const NOTSUP: i32 = 58;
+
+/// Largest `random_get` Envoy serves (`PROXY_WASM_HOST_WASI_RANDOM_GET_MAX_SIZE_BYTES`).
+const MAX_RANDOM: u32 = 64 * 1024;
 
 /// Largest single `fd_write` the harness accepts (a guest could otherwise point many iovecs at
 /// the same large region).
@@ -43,26 +49,23 @@ pub(crate) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
             ))
         },
     )?;
+    // As Envoy's proxy-wasm host: no file reads, seek and close "succeed" (Envoy logs them),
+    // no preopened directories, no files to open.
     linker.func_wrap(
         MODULE,
         "fd_read",
-        |mut c: Ctx<'_>, fd: i32, _iovs: i32, _len: i32, nread: i32| {
-            if fd != 0 {
-                return BADF;
-            }
-            errno(write_u32(&mut c, nread as u32, 0).map_err(|_| FAULT))
-        },
+        |_: Ctx<'_>, _fd: i32, _iovs: i32, _len: i32, _nread: i32| NOSYS,
     )?;
-    linker.func_wrap(MODULE, "fd_close", |_: Ctx<'_>, _fd: i32| BADF)?;
+    linker.func_wrap(MODULE, "fd_close", |mut c: Ctx<'_>, fd: i32| {
+        unsupported(&mut c, "fd_close", fd);
+        SUCCESS
+    })?;
     linker.func_wrap(
         MODULE,
         "fd_seek",
-        |_: Ctx<'_>, fd: i32, _offset: i64, _whence: i32, _new: i32| {
-            if (0..=2).contains(&fd) {
-                SPIPE
-            } else {
-                BADF
-            }
+        |mut c: Ctx<'_>, fd: i32, _offset: i64, _whence: i32, _new: i32| {
+            unsupported(&mut c, "fd_seek", fd);
+            SUCCESS
         },
     )?;
     linker.func_wrap(
@@ -78,7 +81,21 @@ pub(crate) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
     linker.func_wrap(
         MODULE,
         "fd_prestat_dir_name",
-        |_: Ctx<'_>, _fd: i32, _path: i32, _len: i32| BADF,
+        |_: Ctx<'_>, _fd: i32, _path: i32, _len: i32| NOSYS,
+    )?;
+    linker.func_wrap(
+        MODULE,
+        "path_open",
+        |_: Ctx<'_>,
+         _fd: i32,
+         _dirflags: i32,
+         _path: i32,
+         _path_len: i32,
+         _oflags: i32,
+         _base: i64,
+         _inheriting: i64,
+         _fdflags: i32,
+         _out: i32| NOENT,
     )?;
     linker.func_wrap(
         MODULE,
@@ -117,8 +134,8 @@ pub(crate) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
         MODULE,
         "clock_res_get",
         |mut c: Ctx<'_>, id: i32, out: i32| {
-            if !(0..=3).contains(&id) {
-                return INVAL;
+            if !(0..=1).contains(&id) {
+                return NOTSUP;
             }
             errno(write_u64(&mut c, out as u32, 1).map_err(|_| FAULT))
         },
@@ -145,6 +162,14 @@ fn errno(result: Result<(), i32>) -> i32 {
 
 fn fault(_: Status) -> i32 {
     FAULT
+}
+
+/// Envoy logs these calls (at trace) and answers success.
+fn unsupported(caller: &mut Ctx<'_>, call: &str, fd: i32) {
+    let message = format!("wasi {call}({fd}) is not supported; answered success as Envoy does");
+    caller
+        .data_mut()
+        .log(LogLevel::Debug, LogSource::Host, message);
 }
 
 fn fd_write(caller: &mut Ctx<'_>, fd: i32, iovs: u32, len: u32, nwritten: u32) -> Result<(), i32> {
@@ -176,19 +201,14 @@ fn fd_write(caller: &mut Ctx<'_>, fd: i32, iovs: u32, len: u32, nwritten: u32) -
     write_u32(caller, nwritten, written).map_err(fault)
 }
 
-/// fd 0-2 are character devices (readable stdin, writable stdout/stderr); nothing else exists.
+/// As Envoy: only stdout and stderr exist, with the write right (file type left 0).
 fn fd_fdstat_get(caller: &mut Ctx<'_>, fd: i32, stat: u32) -> Result<(), i32> {
-    const CHARACTER_DEVICE: u8 = 2;
-    const RIGHT_FD_READ: u64 = 1 << 1;
     const RIGHT_FD_WRITE: u64 = 1 << 6;
-    let rights = match fd {
-        0 => RIGHT_FD_READ,
-        1 | 2 => RIGHT_FD_WRITE,
-        _ => return Err(BADF),
-    };
+    if fd != 1 && fd != 2 {
+        return Err(BADF);
+    }
     let mut out = [0u8; 24];
-    out[0] = CHARACTER_DEVICE;
-    out[8..16].copy_from_slice(&rights.to_le_bytes());
+    out[8..16].copy_from_slice(&RIGHT_FD_WRITE.to_le_bytes());
     write(caller, stat, &out).map_err(fault)
 }
 
@@ -225,21 +245,24 @@ fn strings_get(caller: &mut Ctx<'_>, strings: &[Vec<u8>], ptrs: u32, buf: u32) -
     Ok(())
 }
 
-/// Realtime (0) reads the virtual wall clock; the monotonic and CPU-time clocks (1-3) read
-/// virtual time since the plugin started.
+/// Realtime (0) reads the virtual wall clock, monotonic (1) virtual time since the plugin
+/// started; the CPU-time clocks are `NOTSUP`, as in Envoy.
 fn clock_time_get(caller: &mut Ctx<'_>, id: i32, out: u32) -> Result<(), i32> {
     let now = {
         let shared = caller.data().shared.lock();
         match id {
             0 => shared.clock.now(),
-            1..=3 => shared.clock.monotonic(),
-            _ => return Err(INVAL),
+            1 => shared.clock.monotonic(),
+            _ => return Err(NOTSUP),
         }
     };
     write_u64(caller, out, now).map_err(fault)
 }
 
 fn random_get(caller: &mut Ctx<'_>, buf: u32, len: u32) -> Result<(), i32> {
+    if len > MAX_RANDOM {
+        return Err(INVAL);
+    }
     // Check the range before allocating, so a huge length cannot exhaust host memory.
     let memory_size = caller.data().memory.map_or(0, |m| m.data_size(&*caller));
     if (buf as usize).saturating_add(len as usize) > memory_size {

@@ -2,7 +2,7 @@
 
 use wasmtime::{Caller, Linker};
 
-use super::memory::{copy_out, read};
+use super::memory::{copy_out, read, write_u32};
 use super::{env_fn, AbiResult};
 use crate::types::{BufferType, Status};
 use crate::vm_state::VmState;
@@ -21,6 +21,12 @@ pub(super) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
         "proxy_set_buffer_bytes",
         set_buffer_bytes,
         (kind, start, size, data_ptr, data_size)
+    );
+    env_fn!(
+        linker,
+        "proxy_get_buffer_status",
+        get_buffer_status,
+        (kind, length_ptr, flags_ptr)
     );
     Ok(())
 }
@@ -66,9 +72,28 @@ fn get_buffer_bytes(
     copy_out(caller, &bytes, ptr_ptr, size_ptr)
 }
 
-/// Envoy's `Buffer::copyFrom` for HTTP bodies: at start 0, size 0 prepends and a size covering
-/// the whole buffer replaces it; a start at or past the end appends; anything else is
-/// `BadArgument`.
+/// The buffer's size and flags (always 0), as Envoy answers it.
+fn get_buffer_status(
+    caller: &mut Ctx<'_>,
+    kind: u32,
+    length_ptr: u32,
+    flags_ptr: u32,
+) -> AbiResult {
+    let kind = BufferType::from_raw(kind).ok_or(Status::BadArgument)?;
+    let length = buffer(caller.data(), kind).ok_or(Status::NotFound)?.len();
+    write_u32(
+        caller,
+        length_ptr,
+        u32::try_from(length).unwrap_or(u32::MAX),
+    )?;
+    write_u32(caller, flags_ptr, 0)?;
+    Ok(())
+}
+
+/// Envoy's `Buffer::copyFrom` for HTTP bodies: at start 0, the first `size` bytes (all of them
+/// if `size` is larger) are dropped and the data is prepended, so size 0 prepends and a size
+/// covering the whole buffer replaces it; a start at or past the end appends; anything else
+/// is `BadArgument`.
 fn set_buffer_bytes(
     caller: &mut Ctx<'_>,
     kind: u32,
@@ -86,11 +111,10 @@ fn set_buffer_bytes(
         _ => return Err(Status::BadArgument.into()),
     };
     let (start, size) = (start as usize, size as usize);
-    if start == 0 && size == 0 {
-        body.splice(0..0, data);
-    } else if start == 0 && size >= body.len() {
-        *body = data;
-    } else if start != 0 && start >= body.len() {
+    if start == 0 {
+        let drained = size.min(body.len());
+        body.splice(0..drained, data);
+    } else if start >= body.len() {
         body.extend_from_slice(&data);
     } else {
         return Err(Status::BadArgument.into());

@@ -40,6 +40,14 @@ pub(super) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
         (code_ptr, ptr_ptr, size_ptr)
     );
     env_fn!(linker, "proxy_done", done, ());
+    // ABI 0.1.0 name Envoy still links: the plugin configuration during
+    // `proxy_on_configure`, the VM configuration otherwise.
+    env_fn!(
+        linker,
+        "proxy_get_configuration",
+        get_configuration,
+        (ptr_ptr, size_ptr)
+    );
     Ok(())
 }
 
@@ -88,8 +96,18 @@ fn get_status(caller: &mut Ctx<'_>, code_ptr: u32, ptr_ptr: u32, size_ptr: u32) 
     copy_out(caller, message.as_bytes(), ptr_ptr, size_ptr)
 }
 
-/// Envoy uses this to finish a root context whose `proxy_on_done` returned false; the harness
-/// never waits for that, so there is nothing to do.
+/// Envoy uses this to finish a context whose `proxy_on_done` returned false; the harness never
+/// waits for that, so no context is pending and the answer is Envoy's `NotFound`.
 fn done(_caller: &mut Ctx<'_>) -> AbiResult {
-    Ok(())
+    Err(Status::NotFound.into())
+}
+
+fn get_configuration(caller: &mut Ctx<'_>, ptr_ptr: u32, size_ptr: u32) -> AbiResult {
+    let config = &caller.data().shared.config;
+    let bytes = if caller.data().configuring {
+        config.configuration.clone()
+    } else {
+        config.vm_configuration.clone()
+    };
+    copy_out(caller, &bytes, ptr_ptr, size_ptr)
 }

@@ -39,6 +39,19 @@ pub(super) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
         },
     )?;
     env_fn!(linker, "proxy_continue_stream", continue_stream, (stream));
+    // ABI 0.1.0 names Envoy still links.
+    linker.func_wrap("env", "proxy_continue_request", |mut caller: Ctx<'_>| {
+        to_status(continue_stream(&mut caller, StreamType::HttpRequest as u32))
+    })?;
+    linker.func_wrap("env", "proxy_continue_response", |mut caller: Ctx<'_>| {
+        to_status(continue_stream(
+            &mut caller,
+            StreamType::HttpResponse as u32,
+        ))
+    })?;
+    linker.func_wrap("env", "proxy_clear_route_cache", |_: Ctx<'_>| {
+        Status::Ok as i32
+    })?;
     env_fn!(linker, "proxy_close_stream", close_stream, (stream));
     env_fn!(
         linker,
@@ -144,11 +157,14 @@ fn send_local_response(caller: &mut Ctx<'_>, args: LocalReplyArgs) -> AbiResult 
 }
 
 /// Lets held headers and buffered body go on. Like Envoy, the guest loses access to that
-/// direction's headers.
+/// direction's headers. `DOWNSTREAM` is a no-op (Envoy: only network filters have one),
+/// `UPSTREAM` is `Unimplemented`, as in Envoy.
 fn continue_stream(caller: &mut Ctx<'_>, stream: u32) -> AbiResult {
     let kind = match StreamType::from_raw(stream) {
         Some(kind @ (StreamType::HttpRequest | StreamType::HttpResponse)) => kind,
-        _ => return Err(Status::BadArgument.into()),
+        Some(StreamType::Downstream) => return Ok(()),
+        Some(StreamType::Upstream) => return Err(Status::Unimplemented.into()),
+        None => return Err(Status::BadArgument.into()),
     };
     if let Some(stream) = caller.data_mut().stream_mut() {
         stream.events.push(StreamEvent::Continued(kind));
@@ -228,7 +244,13 @@ fn http_call(
     };
     let shared = state.shared.clone();
     write_u32(caller, token_ptr, token)?;
-    shared.lock().http_calls.push(call);
+    match shared.config.upstreams.get(&call.upstream) {
+        Some(&address) => {
+            shared.lock().real_calls.push(call.clone());
+            crate::upstream::spawn(call, address, shared.finished_sender());
+        }
+        None => shared.lock().http_calls.push(call),
+    }
     Ok(())
 }
 

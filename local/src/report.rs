@@ -1,0 +1,128 @@
+//! `decide`'s output: text for people, JSON for tools.
+
+use std::fmt::Write as _;
+
+use crate::decide::{Outcome, RequestReport};
+use crate::mirror::ScoreTable;
+
+/// The reports as one JSON document: `{"requests": [...]}`.
+pub fn json(reports: &[RequestReport]) -> String {
+    serde_json::json!({ "requests": reports }).to_string()
+}
+
+fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
+    v.map_or_else(|| "-".to_owned(), |v| v.to_string())
+}
+
+/// The reports as text.
+pub fn text(reports: &[RequestReport]) -> String {
+    let mut out = String::new();
+    for r in reports {
+        let _ = write!(out, "request {}: {} {}", r.index, r.method, r.path);
+        match &r.outcome {
+            Outcome::Routed { endpoint } => {
+                let _ = writeln!(out, " -> {endpoint} (worker {})", r.worker);
+            }
+            Outcome::NoDestination => {
+                let _ = writeln!(out, " -> no destination (Envoy would answer 503)");
+            }
+            Outcome::LocalReply {
+                filter,
+                status,
+                body,
+                ..
+            } => {
+                let _ = writeln!(out, " -> {status} from {filter}: {}", body.trim());
+            }
+            Outcome::Held { filter } => {
+                let _ = writeln!(out, " -> still held by {filter}");
+            }
+            Outcome::Reset { filter } => {
+                let _ = writeln!(out, " -> reset by {filter}");
+            }
+        }
+        if let Some(ms) = r.held_ms {
+            let _ = writeln!(out, "  held {ms} ms (virtual) before going on");
+        }
+        if let Some(scores) = &r.scores {
+            scores_text(&mut out, scores);
+        }
+        for (name, value) in &r.upstream_headers {
+            let _ = writeln!(out, "  upstream header   {name}: {value}");
+        }
+        for (name, value) in &r.response_headers {
+            let _ = writeln!(out, "  response header   {name}: {value}");
+        }
+        let times: Vec<String> = r
+            .filter_us
+            .iter()
+            .map(|t| format!("{} {:.0} µs", t.filter, t.us))
+            .collect();
+        let _ = writeln!(
+            out,
+            "  time: {}; chain {:.0} µs",
+            times.join(", "),
+            r.total_us
+        );
+    }
+    out
+}
+
+fn scores_text(out: &mut String, t: &ScoreTable) {
+    let w = &t.weights;
+    let _ = writeln!(
+        out,
+        "  {} ({} pool; {} request blocks; weights prefix {}, inflight {}, queue {}, kv_cache {}, session {}){}",
+        t.kind,
+        if t.pool_live { "aggregator" } else { "static" },
+        t.request_blocks,
+        w.prefix,
+        w.inflight,
+        w.queue,
+        w.kv_cache,
+        w.session,
+        t.error.as_ref().map_or(String::new(), |e| format!(": {e}")),
+    );
+    if t.rows.is_empty() {
+        return;
+    }
+    let width = t
+        .rows
+        .iter()
+        .map(|r| r.endpoint.len())
+        .max()
+        .unwrap_or(8)
+        .max(8);
+    let _ = writeln!(
+        out,
+        "    {:width$}  {:>7}  {:>8}  {:>7}  {:>6}  {:>8}  {:>6}  {:>8}  {:>7}  {:>7}",
+        "endpoint",
+        "matched",
+        "inflight",
+        "waiting",
+        "prefix",
+        "inflight",
+        "queue",
+        "kv_cache",
+        "session",
+        "total"
+    );
+    for r in &t.rows {
+        let _ = writeln!(
+            out,
+            "  {} {:width$}  {:>7}  {:>8}  {:>7}  {:>6.3}  {:>8.3}  {:>6.3}  {:>8.3}  {:>7.1}  {:>7.3}{}",
+            if r.best { "*" } else { " " },
+            r.endpoint,
+            format!("{}/{}", r.matched_blocks, t.request_blocks),
+            r.inflight,
+            opt(r.waiting),
+            r.prefix,
+            r.inflight_score,
+            r.queue,
+            r.kv_cache,
+            r.session,
+            r.total,
+            if r.hot { "  (hot: prefix ignored)" } else { "" },
+        );
+    }
+}

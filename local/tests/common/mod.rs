@@ -1,0 +1,95 @@
+//! Helpers shared by kvoy-local's end-to-end tests.
+#![allow(dead_code, clippy::expect_used, clippy::unwrap_used)]
+
+use std::path::PathBuf;
+use std::sync::{Mutex, MutexGuard};
+
+use kvoy_local::config::Config;
+use kvoy_local::serve::{ServeOptions, Server};
+use serde_json::{json, Value};
+
+/// The tests of one binary run one at a time (the machine is small; some measure concurrency).
+pub fn serial() -> MutexGuard<'static, ()> {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A scratch directory for one test.
+pub fn run_dir(name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join("kvoy-local")
+        .join(format!("{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The three filters of `envoy/kvoy.yaml`, in its order, with these plugin configurations.
+pub fn chain_config(session: &str, admission: &str, prefix: &str, workers: usize) -> Value {
+    let wasm_dir = kvoy_e2e::default_wasm_dir();
+    kvoy_e2e::require_filter_wasm(&wasm_dir).unwrap_or_else(|e| panic!("{e:#}"));
+    json!({
+        "wasm_dir": wasm_dir,
+        "workers": workers,
+        "seed": 7,
+        "filters": [
+            {"name": "kvoy_session", "configuration": session},
+            {"name": "kvoy_admission", "configuration": admission},
+            {"name": "kvoy_prefix_affinity", "configuration": prefix},
+        ],
+    })
+}
+
+/// Writes a configuration as JSON and loads it the way the binary does.
+pub fn load(name: &str, config: &Value) -> (Config, PathBuf) {
+    let path = run_dir(name).join("kvoy-local.json");
+    std::fs::write(&path, serde_json::to_vec_pretty(config).unwrap()).unwrap();
+    let loaded = Config::load(&path).unwrap_or_else(|e| panic!("[{name}] {e}"));
+    (loaded, path)
+}
+
+/// `kvoy-local serve` in this process, with an admin listener.
+pub fn serve(name: &str, config: &Value) -> Server {
+    let (config, _) = load(name, config);
+    let options = ServeOptions {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        admin: Some("127.0.0.1:0".parse().unwrap()),
+    };
+    Server::start(&config, &options).unwrap_or_else(|e| panic!("[{name}] kvoy-local serve: {e}"))
+}
+
+/// The filters' counters and gauges by name (Envoy's `wasmcustom.` prefix removed).
+pub fn local_stats(server: &Server) -> std::collections::BTreeMap<String, i64> {
+    server
+        .metrics()
+        .unwrap()
+        .into_iter()
+        .filter(|(_, m)| m.kind != kvoy_harness::MetricType::Histogram)
+        .map(|(_, m)| (m.name, m.value))
+        .collect()
+}
+
+/// About `bytes` of prose that starts with `tag`, so prompts with different tags differ from
+/// their first block on.
+pub fn prompt(tag: &str, bytes: usize) -> String {
+    const SENTENCE: &str =
+        "You are a meticulous assistant for the kvoy project; answer precisely, \
+                            cite the relevant configuration keys, and keep answers short. ";
+    let mut text = format!("[{tag}] ");
+    let mut i = 0u64;
+    while text.len() < bytes {
+        text.push_str(&format!("{i}. {SENTENCE}"));
+        i += 1;
+    }
+    text
+}
+
+pub fn chat_body(model: &str, system: &str, user: &str) -> Vec<u8> {
+    serde_json::to_vec(&json!({
+        "model": model,
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": user},
+        ],
+    }))
+    .unwrap()
+}
