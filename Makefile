@@ -6,7 +6,10 @@
 #   make run        a local demo: 3 kvoy-sim simulators behind Envoy with the filters (Ctrl-C stops
 #                   it); kvoy-stack flags go in RUN_ARGS, e.g. make run RUN_ARGS='--backend echo'
 #   make test       deps, wasm, fmt check, clippy -D warnings, all tests (incl. real Envoy e2e)
-#   make bench      criterion benches
+#   make bench      the live benchmark, small: real Envoy + simulators + aggregator, every policy
+#                   on the same plan (kvoy-bench live; results in bench/results/live)
+#   make bench-sim  the fleet-scale simulation of every workload (bench/run-reference.sh)
+#   make bench-micro criterion benches
 #   make fmt        format the workspace
 #   make clean-run  remove .run/ (the demo's rendered config and logs)
 
@@ -21,8 +24,10 @@ WASM_CRATES := kvoy-prefix-affinity kvoy-session kvoy-admission kvoy-harness-gue
 BIN_CRATES := kvoy-e2e kvoy-sim
 # Flags for kvoy-stack (`kvoy-stack --help`), e.g. RUN_ARGS='--backend echo --speedup 1'.
 RUN_ARGS ?=
+# Flags for `kvoy-bench live` (`cargo run -p kvoy-bench -- --help`).
+BENCH_ARGS ?=
 
-.PHONY: deps wasm build run test bench fmt clean-run
+.PHONY: deps wasm build run test bench bench-sim bench-micro fmt clean-run
 
 deps:
 	bash scripts/install-deps.sh
@@ -41,7 +46,13 @@ test: deps wasm
 	$(CARGO) clippy --workspace --all-targets -j $(JOBS) -- -D warnings
 	$(CARGO) test --workspace -j $(JOBS)
 
-bench:
+bench: deps wasm
+	$(CARGO) run --release -j $(JOBS) -p kvoy-bench -- live $(BENCH_ARGS)
+
+bench-sim:
+	bash bench/run-reference.sh
+
+bench-micro:
 	$(CARGO) bench -j $(JOBS) -p kvoy-shared
 	@if [ -d harness/benches ]; then $(CARGO) bench -j $(JOBS) -p kvoy-harness; fi
 

@@ -1,0 +1,44 @@
+//! kvoy-bench: a deterministic fleet-scale simulation of LLM request routing.
+//!
+//! N [`kvoy_sim`] engines (paged KV cache with prefix caching, continuous batching, the
+//! calibrated step-time model) run in one discrete-event loop in virtual time, behind one proxy
+//! that routes every request with a [`policy::Policy`]: round-robin, least-request, random,
+//! kvoy's own [`kvoy_shared::Router`] (alone or fed the aggregator's view), the Gateway API
+//! Inference Extension's default scorers (llm-d) and SGLang's cache-aware policy. The
+//! [`workload`]s are seeded generators; the [`runner`] sweeps (workload, rate, policy) over a
+//! few threads and the [`report`] writes JSON, a Markdown summary and SVG plots. No wall clock
+//! and no unseeded randomness: the same arguments give the same report.
+//!
+//! ```
+//! use kvoy_bench::policy::{PolicyKind, PolicyOptions};
+//! use kvoy_bench::sim::{self, SimConfig};
+//! use kvoy_bench::workload::{Count, SharedPrefix};
+//! use kvoy_sim::engine::Profile;
+//!
+//! let plan = SharedPrefix::new(0.02, Count::Fixed(10)).plan(5.0, 1);
+//! let options = PolicyOptions {
+//!     replicas: 2,
+//!     seed: 1,
+//!     profile: Profile::llama_8b_h100(),
+//!     sglang_tree_chars: None,
+//! };
+//! let mut policy = PolicyKind::Kvoy.build(&options).unwrap();
+//! let cfg = SimConfig::new(Profile::llama_8b_h100(), 2);
+//! let record = sim::run(&plan, policy.as_mut(), &cfg, &mut |_, _| {}).unwrap();
+//! assert_eq!(record.completed, 10);
+//! ```
+
+pub mod cli;
+pub mod ideal;
+pub mod live;
+pub mod metrics;
+pub mod policy;
+pub mod report;
+pub mod rng;
+pub mod runner;
+pub mod saturation;
+pub mod sim;
+pub mod workload;
+
+pub use report::Report;
+pub use runner::{Grid, Rate};

@@ -1,0 +1,227 @@
+//! The live fleet: kvoy-sim simulators with KV events, kvoy-aggregator following them, and one
+//! proxy at a time in front of them (a baseline Envoy or the kvoy stack).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+
+use kvoy_e2e::{
+    aggregator_yaml, free_port, http, AggregatedEndpoint, EnvoyProcess, LocalAggregator,
+    PoolEndpoint, SimFleet, Stack, StackConfig,
+};
+
+/// The model every simulator serves.
+pub const MODEL: &str = "kvoy-bench";
+
+/// The baseline bootstrap template.
+const BASELINE_TEMPLATE: &str = include_str!("../../envoy/baseline.yaml");
+
+/// Simulators and their aggregator, for the whole live run.
+pub struct Fleet {
+    // One SimFleet per simulator: each gets KV-event ports of its own.
+    sims: Vec<SimFleet>,
+    addrs: Vec<SocketAddr>,
+    aggregator: LocalAggregator,
+    run_dir: PathBuf,
+}
+
+/// A proxy in front of the fleet; stopped on drop.
+pub enum Proxy {
+    Baseline {
+        envoy: EnvoyProcess,
+        listen: SocketAddr,
+    },
+    Kvoy(Box<Stack>),
+}
+
+impl Proxy {
+    pub fn listen(&self) -> SocketAddr {
+        match self {
+            Proxy::Baseline { listen, .. } => *listen,
+            Proxy::Kvoy(stack) => stack.listen,
+        }
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        if let Proxy::Baseline { envoy, .. } = self {
+            envoy.stop();
+        }
+    }
+}
+
+impl Fleet {
+    /// Starts `replicas` simulators of `profile` at `speedup` and an aggregator following them.
+    pub fn start(
+        replicas: usize,
+        profile: &str,
+        speedup: f64,
+        run_dir: &Path,
+    ) -> anyhow::Result<Fleet> {
+        std::fs::create_dir_all(run_dir)
+            .with_context(|| format!("creating {}", run_dir.display()))?;
+        let speedup = speedup.to_string();
+        let mut sims = Vec::with_capacity(replicas);
+        let mut endpoints = Vec::with_capacity(replicas);
+        for _ in 0..replicas {
+            let kv = format!("tcp://127.0.0.1:{}", free_port()?);
+            let replay = format!("tcp://127.0.0.1:{}", free_port()?);
+            let fleet = SimFleet::start(
+                &["127.0.0.1:0".parse()?],
+                &[
+                    "--model",
+                    MODEL,
+                    "--profile",
+                    profile,
+                    "--speedup",
+                    &speedup,
+                    "--kv-events-endpoint",
+                    &kv,
+                    "--kv-events-replay-endpoint",
+                    &replay,
+                ],
+            )?;
+            fleet.wait_healthy(Duration::from_secs(10))?;
+            endpoints.push(AggregatedEndpoint {
+                address: fleet.addrs()[0],
+                models: vec![MODEL.into()],
+                kv_events: Some((kv, Some(replay))),
+            });
+            sims.push(fleet);
+        }
+        let addrs = endpoints.iter().map(|e| e.address).collect();
+        let yaml = aggregator_yaml("scrape_interval_ms: 50\nstale_after_ms: 500\n", &endpoints);
+        let aggregator = LocalAggregator::start(
+            &run_dir.join("aggregator.yaml"),
+            &yaml,
+            "127.0.0.1:0".parse()?,
+        )?;
+        Ok(Fleet {
+            sims,
+            addrs,
+            aggregator,
+            run_dir: run_dir.to_path_buf(),
+        })
+    }
+
+    pub fn addrs(&self) -> &[SocketAddr] {
+        &self.addrs
+    }
+
+    /// Empties every simulator's prefix cache, once the fleet is idle (a simulator refuses a
+    /// reset while requests run: abandoned ones may still be finishing). Bounded to 120 s.
+    pub fn reset(&self) -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        for addr in &self.addrs {
+            loop {
+                let r = http::send(
+                    *addr,
+                    "POST",
+                    "/reset_prefix_cache",
+                    &[],
+                    b"",
+                    Duration::from_secs(5),
+                )?;
+                if r.status == 200 {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    bail!("{addr} still refuses to reset its cache: {}", r.status);
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+        // Let the aggregator see the reset (its KV-event follower and next scrape).
+        std::thread::sleep(Duration::from_millis(300));
+        Ok(())
+    }
+
+    /// Starts the proxy of a policy: a baseline Envoy with load balancer `lb`, or (`lb` None)
+    /// the kvoy stack, polling the aggregator when `aggregator` is set.
+    pub fn proxy(&self, lb: Option<&str>, aggregator: bool) -> anyhow::Result<Proxy> {
+        let pool: Vec<PoolEndpoint> = self
+            .addrs
+            .iter()
+            .map(|a| PoolEndpoint::new(*a, &[MODEL]))
+            .collect();
+        match lb {
+            Some(lb) => {
+                let dir = self.run_dir.join(format!("baseline-{}", lb.to_lowercase()));
+                std::fs::create_dir_all(&dir)?;
+                let listen = free_port()?;
+                let admin = free_port()?;
+                let config = dir.join("envoy.yaml");
+                std::fs::write(&config, render_baseline(lb, &self.addrs, listen, admin))?;
+                let envoy = EnvoyProcess::spawn(&config, &dir.join("envoy.log"), 2, &[])?;
+                let listen = SocketAddr::from(([127, 0, 0, 1], listen));
+                let admin = SocketAddr::from(([127, 0, 0, 1], admin));
+                let mut proxy = Proxy::Baseline { envoy, listen };
+                if let Proxy::Baseline { envoy, .. } = &mut proxy {
+                    envoy.wait_ready(admin, listen, Duration::from_secs(60))?;
+                }
+                Ok(proxy)
+            }
+            None => {
+                let name = if aggregator {
+                    "kvoy-aggregator"
+                } else {
+                    "kvoy"
+                };
+                let mut config = StackConfig::new(pool, self.run_dir.join(name));
+                config.concurrency = 2;
+                if aggregator {
+                    config.aggregator = Some(self.aggregator.addr());
+                }
+                Ok(Proxy::Kvoy(Box::new(Stack::start(&config)?)))
+            }
+        }
+    }
+
+    /// The number of simulators.
+    pub fn len(&self) -> usize {
+        self.sims.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.sims.is_empty()
+    }
+}
+
+/// The baseline bootstrap for `lb` over `endpoints`.
+fn render_baseline(lb: &str, endpoints: &[SocketAddr], listen: u16, admin: u16) -> String {
+    let mut lb_endpoints = String::new();
+    for e in endpoints {
+        lb_endpoints.push_str(&format!(
+            "        - endpoint:\n            address:\n              socket_address: \
+             {{address: {}, port_value: {}}}\n",
+            e.ip(),
+            e.port()
+        ));
+    }
+    BASELINE_TEMPLATE
+        .replace("{{LISTEN_PORT}}", &listen.to_string())
+        .replace("{{ADMIN_PORT}}", &admin.to_string())
+        .replace("{{LB_POLICY}}", lb)
+        .replace("{{ENDPOINTS}}\n", &lb_endpoints)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn the_baseline_renders_every_endpoint_and_no_placeholder() {
+        let eps: Vec<SocketAddr> = vec![
+            "127.0.0.1:1001".parse().unwrap(),
+            "127.0.0.1:1002".parse().unwrap(),
+        ];
+        let yaml = render_baseline("LEAST_REQUEST", &eps, 7000, 7001);
+        assert!(!yaml.contains("{{"), "{yaml}");
+        assert!(yaml.contains("lb_policy: LEAST_REQUEST"));
+        assert_eq!(yaml.matches("port_value: 100").count(), 2);
+    }
+}

@@ -1,0 +1,112 @@
+//! `kvoy-bench sim`: runs the routing simulation grid and writes its report. See `--help`.
+
+use std::io::Write;
+use std::path::Path;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use kvoy_bench::cli::{self, Command};
+use kvoy_bench::runner::{self, Progress};
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvoy-bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
+    let options = match cli::parse(args)? {
+        Command::Help => {
+            print!("{}\n{}", cli::USAGE, kvoy_bench::live::cli::USAGE);
+            return Ok(());
+        }
+        Command::Sim(options) => options,
+        Command::Live(options) => return run_live(*options),
+        Command::Report { from, out } => {
+            let report = kvoy_bench::Report::load(&from)?;
+            let dir = out
+                .or_else(|| from.parent().map(Path::to_path_buf))
+                .unwrap_or_default();
+            for path in report.write_views(&dir)? {
+                println!("{}", path.display());
+            }
+            return Ok(());
+        }
+    };
+    let grid = options.grid()?;
+    // Wall time is only for the progress line; the simulation never reads it.
+    let started = Instant::now();
+    let quiet = options.quiet;
+    let progress = move |p: Progress<'_>| {
+        if quiet {
+            return;
+        }
+        let pct = p.done * 100 / p.total.max(1);
+        let mut err = std::io::stderr().lock();
+        let _ = writeln!(
+            err,
+            "[{:>6.1}s] run {:>3}/{} done | {} {} at {:.2}x ({:.2} req/s): {pct}% ({}/{})",
+            started.elapsed().as_secs_f64(),
+            p.finished_runs,
+            p.runs,
+            p.workload,
+            p.policy,
+            p.load,
+            p.rate,
+            p.done,
+            p.total
+        );
+    };
+    let report = runner::run(&grid, &progress)?;
+    let written = report.write_all(&options.out)?;
+    eprintln!(
+        "kvoy-bench: {} runs in {:.1} s wall time",
+        report.workloads.iter().map(|w| w.runs.len()).sum::<usize>(),
+        started.elapsed().as_secs_f64()
+    );
+    for path in written {
+        println!("{}", path.display());
+    }
+    Ok(())
+}
+
+fn run_live(options: kvoy_bench::live::cli::LiveArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let started = Instant::now();
+    let quiet = options.quiet;
+    let mut last_line = Instant::now();
+    let mut progress = |p: kvoy_bench::live::LiveProgress<'_>| {
+        // At most a line a second, and the last one of each run.
+        if quiet || (p.done < p.total && last_line.elapsed().as_secs() < 1) {
+            return;
+        }
+        last_line = Instant::now();
+        eprintln!(
+            "[{:>6.1}s] run {:>2}/{} | {} at {:.2} req/s: {}% ({}/{})",
+            started.elapsed().as_secs_f64(),
+            p.finished_runs + 1,
+            p.runs,
+            p.policy,
+            p.rate,
+            p.done * 100 / p.total.max(1),
+            p.done,
+            p.total
+        );
+    };
+    let report = kvoy_bench::live::run(&options.grid, &mut progress)?;
+    let written = report.write_all(&options.out)?;
+    eprintln!(
+        "kvoy-bench live: {} runs in {:.1} s wall time",
+        report.workloads.iter().map(|w| w.runs.len()).sum::<usize>(),
+        started.elapsed().as_secs_f64()
+    );
+    for path in written {
+        println!("{}", path.display());
+    }
+    let _ = std::fs::remove_dir_all(&options.grid.run_dir);
+    Ok(())
+}

@@ -1,0 +1,205 @@
+//! Routing policies behind one narrow trait: pick an endpoint for a request from what a proxy
+//! can observe of the fleet.
+//!
+//! - [`basic`]: `round-robin`, `random`, `least-request` (fewest in flight at this proxy).
+//! - [`kvoy`]: kvoy-shared's [`Router`](kvoy_shared::Router), alone (`kvoy`) or fed the
+//!   aggregator's view (`kvoy-aggregator`).
+//! - [`llmd`]: the Gateway API Inference Extension's default scorers (`llm-d`).
+//! - [`sglang`]: SGLang router's cache-aware policy (`sglang`).
+
+pub mod basic;
+pub mod kvoy;
+pub mod llmd;
+pub mod radix;
+pub mod sglang;
+
+use std::time::Duration;
+
+use kvoy_shared::ConfigError;
+use kvoy_sim::engine::Profile;
+
+use crate::rng::Rng;
+
+/// The request being routed.
+#[derive(Clone, Copy, Debug)]
+pub struct RouteRequest<'a> {
+    /// Request id (unique in the run).
+    pub id: u64,
+    /// The prompt text.
+    pub text: &'a str,
+    /// The OpenAI body a proxy would see (`/v1/completions`).
+    pub body: &'a [u8],
+}
+
+/// One endpoint's figures as a metrics scrape (and the aggregator) reports them.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct EndpointMetrics {
+    /// `vllm:num_requests_waiting`.
+    pub waiting: u32,
+    /// `vllm:num_requests_running`.
+    pub running: u32,
+    /// `vllm:kv_cache_usage_perc`, 0-1.
+    pub kv_cache_usage: f64,
+    /// Blocks holding a cached hash (what the aggregator counts from KV events).
+    pub cached_blocks: u32,
+    pub num_gpu_blocks: u32,
+    pub block_size: u32,
+    /// `prefix_cache_hits / prefix_cache_queries` so far, when any query was made.
+    pub prefix_hit_rate: Option<f64>,
+}
+
+/// What a proxy observes when it routes.
+#[derive(Clone, Copy, Debug)]
+pub struct View<'a> {
+    /// Virtual time.
+    pub now: Duration,
+    /// This proxy's open requests per endpoint.
+    pub inflight: &'a [u32],
+    /// The last scrape (refreshed every scrape interval, 50 ms by default).
+    pub metrics: &'a [EndpointMetrics],
+}
+
+/// A request whose prompt became cached on an endpoint (its first token came out) since the
+/// last scrape: what KV events tell the aggregator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Prefilled {
+    pub endpoint: usize,
+    pub request: u64,
+}
+
+/// A routing policy. Deterministic given its seed and the calls it receives.
+pub trait Policy {
+    /// The endpoint (index below `view.inflight.len()`) for `request`.
+    fn pick(&mut self, request: &RouteRequest<'_>, view: &View<'_>) -> usize;
+
+    /// Called after each scrape with the fresh `view` and the prompts cached since the last
+    /// scrape. Policies that read server metrics only at `pick` ignore it.
+    fn on_scrape(&mut self, _view: &View<'_>, _prefilled: &[Prefilled]) {}
+}
+
+/// The policies, by command-line name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum PolicyKind {
+    RoundRobin,
+    LeastRequest,
+    Random,
+    Kvoy,
+    KvoyAggregator,
+    LlmD,
+    Sglang,
+}
+
+/// Settings shared by the policies that need them.
+#[derive(Clone, Debug)]
+pub struct PolicyOptions {
+    pub replicas: usize,
+    pub seed: u64,
+    pub profile: Profile,
+    /// SGLang's per-worker tree bound in characters (`None`: the replica's KV capacity in
+    /// characters, see [`sglang`]).
+    pub sglang_tree_chars: Option<usize>,
+}
+
+impl PolicyKind {
+    pub const ALL: [PolicyKind; 7] = [
+        PolicyKind::RoundRobin,
+        PolicyKind::LeastRequest,
+        PolicyKind::Random,
+        PolicyKind::Kvoy,
+        PolicyKind::KvoyAggregator,
+        PolicyKind::LlmD,
+        PolicyKind::Sglang,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            PolicyKind::RoundRobin => "round-robin",
+            PolicyKind::LeastRequest => "least-request",
+            PolicyKind::Random => "random",
+            PolicyKind::Kvoy => "kvoy",
+            PolicyKind::KvoyAggregator => "kvoy-aggregator",
+            PolicyKind::LlmD => "llm-d",
+            PolicyKind::Sglang => "sglang",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<PolicyKind> {
+        PolicyKind::ALL.into_iter().find(|p| p.name() == name)
+    }
+
+    /// A fresh policy for one run. Fails only when kvoy-shared refuses the pool.
+    pub fn build(self, o: &PolicyOptions) -> Result<Box<dyn Policy>, ConfigError> {
+        let rng = Rng::derive(o.seed, "policy", self as u64);
+        Ok(match self {
+            PolicyKind::RoundRobin => Box::new(basic::RoundRobin::default()),
+            PolicyKind::LeastRequest => Box::new(basic::LeastRequest::new(rng)),
+            PolicyKind::Random => Box::new(basic::Random::new(rng)),
+            PolicyKind::Kvoy => Box::new(kvoy::Kvoy::new(o.replicas, o.seed, false)?),
+            PolicyKind::KvoyAggregator => Box::new(kvoy::Kvoy::new(o.replicas, o.seed, true)?),
+            PolicyKind::LlmD => Box::new(llmd::LlmD::new(o.replicas, rng)),
+            PolicyKind::Sglang => {
+                let chars = o
+                    .sglang_tree_chars
+                    .unwrap_or_else(|| sglang::default_tree_chars(&o.profile));
+                Box::new(sglang::Sglang::new(
+                    o.replicas,
+                    sglang::SglangConfig::with_tree_chars(chars),
+                    rng,
+                ))
+            }
+        })
+    }
+}
+
+/// The index of a smallest value, ties broken at random.
+pub(crate) fn argmin_random(values: impl Iterator<Item = u64> + Clone, rng: &mut Rng) -> usize {
+    let Some(min) = values.clone().min() else {
+        return 0;
+    };
+    let ties = values.clone().filter(|&v| v == min).count();
+    let nth = rng.below(ties);
+    values
+        .enumerate()
+        .filter(|&(_, v)| v == min)
+        .nth(nth)
+        .map_or(0, |(i, _)| i)
+}
+
+/// The index of a largest score (within 1e-9), ties broken at random.
+pub(crate) fn argmax_random(scores: &[f64], rng: &mut Rng) -> usize {
+    const EPS: f64 = 1e-9;
+    let best = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let ties = scores.iter().filter(|&&s| s >= best - EPS).count();
+    let nth = rng.below(ties);
+    scores
+        .iter()
+        .enumerate()
+        .filter(|&(_, &s)| s >= best - EPS)
+        .nth(nth)
+        .map_or(0, |(i, _)| i)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        for p in PolicyKind::ALL {
+            assert_eq!(PolicyKind::from_name(p.name()), Some(p));
+        }
+        assert_eq!(PolicyKind::from_name("nope"), None);
+    }
+
+    #[test]
+    fn ties_are_random_among_the_best() {
+        let mut rng = Rng::new(1);
+        let mut seen = [0; 3];
+        for _ in 0..300 {
+            seen[argmin_random([2u64, 1, 1].into_iter(), &mut rng)] += 1;
+        }
+        assert_eq!(seen[0], 0);
+        assert!(seen[1] > 100 && seen[2] > 100, "{seen:?}");
+        assert_eq!(argmax_random(&[0.5, 3.0, 1.0], &mut rng), 1);
+    }
+}

@@ -1,0 +1,179 @@
+//! Output: the JSON with every figure, a Markdown summary and SVG plots.
+
+mod summary;
+pub mod svg;
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::metrics::RunFigures;
+use crate::saturation::{Capacity, Shape};
+
+pub use summary::summary;
+
+/// Everything one invocation measured.
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    /// `kvoy-bench sim` (or another producer of the same shape).
+    pub tool: &'static str,
+    pub profile: String,
+    pub replicas: usize,
+    pub seed: u64,
+    pub scrape_interval_ms: u64,
+    pub policies: Vec<String>,
+    pub workloads: Vec<WorkloadReport>,
+}
+
+/// The producers a report may name, so that `tool` stays a `&'static str` when read back.
+const TOOLS: [&str; 2] = ["kvoy-bench sim", "kvoy-bench live"];
+
+/// [`Report`] as read back from JSON.
+#[derive(Deserialize)]
+struct SavedReport {
+    tool: String,
+    profile: String,
+    replicas: usize,
+    seed: u64,
+    scrape_interval_ms: u64,
+    policies: Vec<String>,
+    workloads: Vec<WorkloadReport>,
+}
+
+impl From<SavedReport> for Report {
+    fn from(r: SavedReport) -> Report {
+        Report {
+            tool: TOOLS
+                .into_iter()
+                .find(|t| *t == r.tool)
+                .unwrap_or("kvoy-bench"),
+            profile: r.profile,
+            replicas: r.replicas,
+            seed: r.seed,
+            scrape_interval_ms: r.scrape_interval_ms,
+            policies: r.policies,
+            workloads: r.workloads,
+        }
+    }
+}
+
+/// One workload's runs.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct WorkloadReport {
+    pub name: String,
+    pub description: String,
+    /// Measured on the plan at the nominal seed.
+    pub shape: Shape,
+    /// The saturation estimate (see `saturation`).
+    pub saturation: Capacity,
+    /// Offered rates, requests per second.
+    pub rates: Vec<f64>,
+    /// Every run, by rate then policy.
+    pub runs: Vec<RunFigures>,
+}
+
+impl WorkloadReport {
+    pub fn run(&self, policy: &str, rate: f64) -> Option<&RunFigures> {
+        self.runs
+            .iter()
+            .find(|r| r.policy == policy && r.rate == rate)
+    }
+
+    /// The offered rate nearest to saturation (load 1).
+    pub fn saturation_rate(&self) -> Option<f64> {
+        let sat = self.saturation.rate;
+        self.rates
+            .iter()
+            .copied()
+            .min_by(|a, b| ((a / sat).ln().abs()).total_cmp(&(b / sat).ln().abs()))
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WriteError {
+    #[error("cannot write {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot encode the report: {0}")]
+    Json(#[from] serde_json::Error),
+}
+
+/// Why a saved report could not be read back.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    #[error("cannot read {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path} is not a kvoy-bench report: {source}")]
+    Json {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+}
+
+fn write(path: PathBuf, bytes: &[u8]) -> Result<(), WriteError> {
+    std::fs::write(&path, bytes).map_err(|source| WriteError::Io { path, source })
+}
+
+impl Report {
+    /// Reads a `results.json` written by [`Report::write_all`].
+    pub fn load(path: &Path) -> Result<Report, ReadError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ReadError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        serde_json::from_str::<SavedReport>(&text)
+            .map(Report::from)
+            .map_err(|source| ReadError::Json {
+                path: path.to_owned(),
+                source,
+            })
+    }
+
+    /// The JSON document (deterministic for the same report).
+    pub fn to_json(&self) -> Result<String, serde_json::Error> {
+        serde_json::to_string_pretty(self)
+    }
+
+    /// Writes `results.json`, `summary.md` and three SVGs per workload into `dir` (created).
+    /// Returns the paths written.
+    pub fn write_all(&self, dir: &Path) -> Result<Vec<PathBuf>, WriteError> {
+        create(dir)?;
+        let path = dir.join("results.json");
+        write(path.clone(), self.to_json()?.as_bytes())?;
+        let mut written = vec![path];
+        written.extend(self.write_views(dir)?);
+        Ok(written)
+    }
+
+    /// Writes `summary.md` and the SVGs only (the views of a `results.json` read back: the file
+    /// itself is left as it is, since floats read back may differ in their last digit).
+    pub fn write_views(&self, dir: &Path) -> Result<Vec<PathBuf>, WriteError> {
+        create(dir)?;
+        let mut written = Vec::new();
+        let mut put = |name: String, bytes: &[u8]| -> Result<(), WriteError> {
+            let path = dir.join(name);
+            write(path.clone(), bytes)?;
+            written.push(path);
+            Ok(())
+        };
+        put("summary.md".into(), summary(self).as_bytes())?;
+        for w in &self.workloads {
+            for (kind, chart) in svg::charts(w, &self.policies) {
+                put(format!("{}-{kind}.svg", w.name), chart.as_bytes())?;
+            }
+        }
+        Ok(written)
+    }
+}
+
+fn create(dir: &Path) -> Result<(), WriteError> {
+    std::fs::create_dir_all(dir).map_err(|source| WriteError::Io {
+        path: dir.to_owned(),
+        source,
+    })
+}

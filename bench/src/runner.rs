@@ -1,0 +1,270 @@
+//! The grid of runs: every (workload, rate, policy), spread over a few threads, collected in a
+//! fixed order so that the report does not depend on the thread count.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+use kvoy_sim::engine::Profile;
+
+use crate::metrics::RunFigures;
+use crate::policy::{PolicyKind, PolicyOptions};
+use crate::report::{Report, WorkloadReport};
+use crate::saturation::{capacity, measure};
+use crate::sim::{self, SimConfig, SimError};
+use crate::workload::Workload;
+
+/// A rate on the command line.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Rate {
+    /// Requests per second.
+    Absolute(f64),
+    /// A multiple of the workload's estimated saturation rate (`1.5x`).
+    Saturation(f64),
+    /// A multiple of a trace's own rate (`2t`, trace replay only).
+    Trace(f64),
+}
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct Grid {
+    pub workloads: Vec<Workload>,
+    pub policies: Vec<PolicyKind>,
+    pub rates: Vec<Rate>,
+    pub profile: Profile,
+    pub replicas: usize,
+    pub seed: u64,
+    pub threads: usize,
+    pub sglang_tree_chars: Option<usize>,
+}
+
+/// Progress of the grid, for a progress line.
+#[derive(Clone, Copy, Debug)]
+pub struct Progress<'a> {
+    pub workload: &'a str,
+    pub policy: &'a str,
+    pub load: f64,
+    pub rate: f64,
+    pub done: u64,
+    pub total: u64,
+    /// Runs finished so far, of `runs`.
+    pub finished_runs: usize,
+    pub runs: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error(
+        "workload {workload}: a `t` rate is a multiple of a trace's own rate; use `x` or req/s"
+    )]
+    TraceRate { workload: &'static str },
+    #[error("{workload} / {policy} at {rate:.3} req/s: {source}")]
+    Sim {
+        workload: &'static str,
+        policy: &'static str,
+        rate: f64,
+        source: SimError,
+    },
+    #[error("cannot build the {policy} policy: {source}")]
+    Policy {
+        policy: &'static str,
+        source: kvoy_shared::ConfigError,
+    },
+    #[error("a worker thread panicked")]
+    Panicked,
+}
+
+struct Job {
+    workload: usize,
+    rate: f64,
+    load: f64,
+    policy: PolicyKind,
+    /// Shared by the runs with the same requests (open-loop workloads): the ideal hit tokens
+    /// and prompt tokens, computed once by whichever run needs them first.
+    ideal: Option<usize>,
+}
+
+/// Runs the grid; `progress` is called from the worker threads.
+pub fn run(grid: &Grid, progress: &(dyn Fn(Progress<'_>) + Sync)) -> Result<Report, RunError> {
+    let mut reports = Vec::new();
+    let mut jobs = Vec::new();
+    let mut ideals = 0usize;
+    let mut known: Vec<(usize, (u64, u64))> = Vec::new();
+    for (wi, w) in grid.workloads.iter().enumerate() {
+        // The shape can depend on the number of requests (a cycled pool repeats prompts): measure
+        // it at a first estimate of saturation, then once more at that rate.
+        let mut shape = measure(&w.plan(1.0, grid.seed), &grid.profile);
+        let mut cap = capacity(&grid.profile, &shape, grid.replicas);
+        if w.content_depends_on_rate() {
+            shape = measure(&w.plan(cap.rate, grid.seed), &grid.profile);
+            cap = capacity(&grid.profile, &shape, grid.replicas);
+        }
+        let mut rates = Vec::new();
+        for r in &grid.rates {
+            let rate = match *r {
+                Rate::Absolute(x) => x,
+                Rate::Saturation(m) => m * cap.rate,
+                Rate::Trace(m) => match w.native_rate() {
+                    Some(native) => m * native,
+                    None => return Err(RunError::TraceRate { workload: w.name() }),
+                },
+            };
+            rates.push(rate);
+        }
+        let shared_content = !w.content_depends_on_rate();
+        let first_ideal = ideals;
+        if shared_content && w.open_loop() {
+            // The same requests at every rate: the shape's ideal is every run's.
+            known.push((ideals, (shape.ideal_hit_tokens, shape.prompt_tokens)));
+        }
+        for &rate in &rates {
+            // One ideal per rate, or one for all rates when only the timing changes.
+            let ideal = w.open_loop().then(|| {
+                if !shared_content || ideals == first_ideal {
+                    ideals += 1;
+                }
+                ideals - 1
+            });
+            for &policy in &grid.policies {
+                jobs.push(Job {
+                    workload: wi,
+                    rate,
+                    load: rate / cap.rate,
+                    policy,
+                    ideal,
+                });
+            }
+        }
+        reports.push(WorkloadReport {
+            name: w.name().to_owned(),
+            description: w.describe(),
+            shape,
+            saturation: cap,
+            rates,
+            runs: Vec::new(),
+        });
+    }
+
+    // Heavier workloads first, so that the two threads finish together.
+    let weight = |j: &Job| {
+        let s = &reports[j.workload].shape;
+        s.requests as f64 * (s.mean_prompt_tokens + 20.0 * s.mean_output_tokens)
+    };
+    let mut order: Vec<usize> = (0..jobs.len()).collect();
+    order.sort_by(|&a, &b| {
+        weight(&jobs[b])
+            .total_cmp(&weight(&jobs[a]))
+            .then(a.cmp(&b))
+    });
+
+    let results: Mutex<Vec<Option<Result<RunFigures, RunError>>>> =
+        Mutex::new((0..jobs.len()).map(|_| None).collect());
+    let ideal_cells: Vec<OnceLock<(u64, u64)>> = (0..ideals).map(|_| OnceLock::new()).collect();
+    for (i, totals) in known {
+        if let Some(cell) = ideal_cells.get(i) {
+            let _ = cell.set(totals);
+        }
+    }
+    let next = AtomicUsize::new(0);
+    let finished = AtomicUsize::new(0);
+    let threads = grid.threads.clamp(1, jobs.len().max(1));
+    let worker = || loop {
+        let k = next.fetch_add(1, Ordering::Relaxed);
+        let Some(&j) = order.get(k) else {
+            break;
+        };
+        let cell = jobs[j].ideal.and_then(|i| ideal_cells.get(i));
+        let result = run_job(grid, &jobs[j], cell, &finished, jobs.len(), progress);
+        finished.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut r) = results.lock() {
+            r[j] = Some(result);
+        }
+    };
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads).map(|_| s.spawn(worker)).collect();
+        handles.into_iter().map(|h| h.join()).collect::<Vec<_>>()
+    })
+    .into_iter()
+    .collect::<Result<Vec<()>, _>>()
+    .map_err(|_| RunError::Panicked)?;
+
+    let results = results.into_inner().map_err(|_| RunError::Panicked)?;
+    for (job, result) in jobs.iter().zip(results) {
+        let figures = result.ok_or(RunError::Panicked)??;
+        reports[job.workload].runs.push(figures);
+    }
+    Ok(Report {
+        tool: "kvoy-bench sim",
+        profile: grid.profile.name.clone(),
+        replicas: grid.replicas,
+        seed: grid.seed,
+        scrape_interval_ms: 50,
+        policies: grid.policies.iter().map(|p| p.name().to_owned()).collect(),
+        workloads: reports,
+    })
+}
+
+fn run_job(
+    grid: &Grid,
+    job: &Job,
+    ideal: Option<&OnceLock<(u64, u64)>>,
+    finished: &AtomicUsize,
+    runs: usize,
+    progress: &(dyn Fn(Progress<'_>) + Sync),
+) -> Result<RunFigures, RunError> {
+    let w = &grid.workloads[job.workload];
+    let plan = w.plan(job.rate, grid.seed);
+    let mut policy = job
+        .policy
+        .build(&PolicyOptions {
+            replicas: grid.replicas,
+            seed: grid.seed,
+            profile: grid.profile.clone(),
+            sglang_tree_chars: grid.sglang_tree_chars,
+        })
+        .map_err(|source| RunError::Policy {
+            policy: job.policy.name(),
+            source,
+        })?;
+    let mut cfg = SimConfig::new(grid.profile.clone(), grid.replicas);
+    let ideal = ideal.map(|cell| {
+        *cell.get_or_init(|| {
+            let shape = measure(&plan, &grid.profile);
+            (shape.ideal_hit_tokens, shape.prompt_tokens)
+        })
+    });
+    cfg.track_ideal = ideal.is_none();
+    let report = |done, total| {
+        progress(Progress {
+            workload: w.name(),
+            policy: job.policy.name(),
+            load: job.load,
+            rate: job.rate,
+            done,
+            total,
+            finished_runs: finished.load(Ordering::Relaxed),
+            runs,
+        })
+    };
+    let mut last = 0u64;
+    let mut on_progress = |done: u64, total: u64| {
+        // Report each tenth of the run once.
+        let tenth = done * 10 / total.max(1);
+        if tenth > last {
+            last = tenth;
+            report(done, total);
+        }
+    };
+    let mut recorder =
+        sim::run(&plan, policy.as_mut(), &cfg, &mut on_progress).map_err(|source| {
+            RunError::Sim {
+                workload: w.name(),
+                policy: job.policy.name(),
+                rate: job.rate,
+                source,
+            }
+        })?;
+    if let Some((hit, prompt)) = ideal {
+        (recorder.ideal_hit_tokens, recorder.ideal_prompt_tokens) = (hit, prompt);
+    }
+    Ok(recorder.figures(w.name(), job.policy.name(), job.rate, job.load))
+}

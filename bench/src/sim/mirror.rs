@@ -1,0 +1,117 @@
+//! A mirror of each engine's prefix cache, kept from its KV events (what kvoy-aggregator sees),
+//! to tell how much of a prompt an engine holds when the request arrives.
+//!
+//! Block hashes follow the engine's documented chain (`kvoy_sim::engine` KV cache, the hashes
+//! its `BlockStored` events carry): `h_0 = xxh3(0x00 ‖ tokens_0)`,
+//! `h_i = xxh3(0x01 ‖ le64(h_{i-1}) ‖ tokens_i)`, token ids as little-endian u32.
+
+use std::collections::HashSet;
+use std::hash::BuildHasherDefault;
+
+use kvoy_sim::engine::KvEvent;
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::ideal::PassThrough;
+
+/// The chained hashes of the full blocks of `tokens`, at most `max_blocks`, into `out`.
+pub fn block_hashes(tokens: &[u32], block_size: usize, max_blocks: usize, out: &mut Vec<u64>) {
+    out.clear();
+    let mut scratch = Vec::with_capacity(9 + 4 * block_size);
+    let mut parent: Option<u64> = None;
+    for block in tokens.chunks_exact(block_size.max(1)).take(max_blocks) {
+        scratch.clear();
+        match parent {
+            None => scratch.push(0),
+            Some(p) => {
+                scratch.push(1);
+                scratch.extend_from_slice(&p.to_le_bytes());
+            }
+        }
+        for t in block {
+            scratch.extend_from_slice(&t.to_le_bytes());
+        }
+        let h = xxh3_64(&scratch);
+        out.push(h);
+        parent = Some(h);
+    }
+}
+
+/// The cached block hashes of one engine.
+#[derive(Default)]
+pub struct CacheMirror {
+    blocks: HashSet<u64, BuildHasherDefault<PassThrough>>,
+}
+
+impl CacheMirror {
+    pub fn apply(&mut self, events: &[KvEvent]) {
+        for e in events {
+            match e {
+                KvEvent::BlockStored { block_hashes, .. } => {
+                    self.blocks.extend(block_hashes.iter().copied())
+                }
+                KvEvent::BlockRemoved { block_hashes, .. } => {
+                    for h in block_hashes {
+                        self.blocks.remove(h);
+                    }
+                }
+                KvEvent::AllBlocksCleared => self.blocks.clear(),
+            }
+        }
+    }
+
+    /// Leading `hashes` held.
+    pub fn matched(&self, hashes: &[u64]) -> usize {
+        hashes
+            .iter()
+            .take_while(|h| self.blocks.contains(h))
+            .count()
+    }
+
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvoy_sim::engine::{tokenizer, Engine, EngineRequest, Profile};
+    use std::time::Duration;
+
+    #[test]
+    fn mirrors_the_engine_cache_and_its_hashes() {
+        let mut engine = Engine::new(&Profile::llama_8b_h100()).unwrap();
+        let prompt = tokenizer::tokenize(&"abcd".repeat(100));
+        engine
+            .submit(
+                EngineRequest {
+                    id: 1,
+                    prompt: prompt.clone(),
+                    max_tokens: 2,
+                },
+                Duration::ZERO,
+            )
+            .unwrap();
+        let mut mirror = CacheMirror::default();
+        let mut now = Duration::ZERO;
+        while engine.has_work() {
+            let step = engine.step(now);
+            mirror.apply(&step.events);
+            now += step.duration;
+        }
+        let mut cached: Vec<u64> = engine.cached_block_hashes().collect();
+        cached.sort_unstable();
+        let mut mirrored: Vec<u64> = mirror.blocks.iter().copied().collect();
+        mirrored.sort_unstable();
+        assert_eq!(cached, mirrored);
+        let mut hashes = Vec::new();
+        block_hashes(&prompt, 16, usize::MAX, &mut hashes);
+        assert_eq!(hashes.len(), 6);
+        assert_eq!(mirror.matched(&hashes), 6, "our chain is the engine's");
+        assert!(!mirror.is_empty() && mirror.len() >= 6);
+    }
+}

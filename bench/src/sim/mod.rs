@@ -1,0 +1,450 @@
+//! The discrete-event simulation: N `kvoy_sim` engines, one proxy running a [`Policy`], one
+//! virtual clock.
+//!
+//! Events are arrivals, engine step ends and metrics scrapes. An idle engine that receives a
+//! request starts a step at once: [`Engine::step`] decides the batch at the step's start and
+//! returns its duration; its outputs (first tokens, tokens, completions) take effect at the
+//! step's end, where the next step starts if work remains. So every engine runs on its own
+//! timeline, all of them interleaved in time order. A request is routed at its arrival (routing
+//! costs no virtual time), counted in flight at its endpoint until its completion, and its next
+//! turn (if any) arrives `delay` after it completes. Every `scrape_interval` the engines' figures
+//! are read as a metrics scrape would, and the policy is told.
+
+mod mirror;
+mod queue;
+
+use std::time::Duration;
+
+use kvoy_sim::engine::{tokenizer, Engine, EngineRequest, OutputKind, Profile, ProfileError};
+
+use crate::ideal::IdealCache;
+use crate::metrics::Recorder;
+use crate::policy::{EndpointMetrics, Policy, Prefilled, RouteRequest, View};
+use crate::workload::text::render_all;
+use crate::workload::Plan;
+pub use mirror::{block_hashes, CacheMirror};
+use queue::{Event, Queue};
+
+/// The fleet.
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    pub profile: Profile,
+    pub replicas: usize,
+    /// How often metrics are scraped (the reference picker and kvoy-aggregator: 50 ms).
+    pub scrape_interval: Duration,
+    /// Count the ideal hit rate as requests arrive. Open-loop plans (whose requests do not
+    /// depend on the routing) can have it computed once instead, with `saturation::measure`.
+    pub track_ideal: bool,
+}
+
+impl SimConfig {
+    pub fn new(profile: Profile, replicas: usize) -> Self {
+        SimConfig {
+            profile,
+            replicas,
+            scrape_interval: Duration::from_millis(50),
+            track_ideal: true,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    #[error("invalid engine profile: {0}")]
+    Profile(#[from] ProfileError),
+    #[error("the fleet needs at least one replica and at most 4096, got {0}")]
+    Replicas(usize),
+    #[error("the scrape interval must be above zero")]
+    ScrapeInterval,
+    #[error("the policy chose endpoint {chosen} of {replicas}")]
+    BadPick { chosen: usize, replicas: usize },
+    #[error("{0} requests never finished (an engine stalled)")]
+    Unfinished(usize),
+}
+
+/// A request between its arrival and its completion (a session has one at a time).
+#[derive(Clone, Copy)]
+struct Live {
+    id: u64,
+    endpoint: u32,
+    last_token: Duration,
+    /// Prompt tokens the endpoint held at the arrival (from its KV events).
+    arrival_hit: u32,
+    first_token: bool,
+    /// Preempted before its first token: the engine then reports the hits of its re-admission,
+    /// which include the request's own blocks.
+    preempted_early: bool,
+}
+
+struct Sim<'a> {
+    plan: &'a Plan,
+    engines: Vec<Engine>,
+    busy: Vec<bool>,
+    /// Outputs of each engine's step in progress.
+    pending: Vec<Vec<kvoy_sim::engine::Output>>,
+    inflight: Vec<u32>,
+    metrics: Vec<EndpointMetrics>,
+    prefilled: Vec<Prefilled>,
+    /// The open request of each session, by session index.
+    live: Vec<Option<Live>>,
+    open: usize,
+    /// Context of multi-turn sessions between turns.
+    contexts: Vec<String>,
+    text: String,
+    body: Vec<u8>,
+    ideal: Option<IdealCache>,
+    mirrors: Vec<CacheMirror>,
+    hashes: Vec<u64>,
+    block_size: usize,
+    queue: Queue,
+    rec: Recorder,
+    done: u64,
+    total: u64,
+}
+
+/// Runs `plan` through `policy` on the fleet; `progress(done, total)` is called as requests
+/// finish. Deterministic: the same inputs give the same record.
+pub fn run(
+    plan: &Plan,
+    policy: &mut dyn Policy,
+    cfg: &SimConfig,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<Recorder, SimError> {
+    if cfg.replicas == 0 || cfg.replicas > kvoy_shared::MAX_ENDPOINTS {
+        return Err(SimError::Replicas(cfg.replicas));
+    }
+    if cfg.scrape_interval.is_zero() {
+        return Err(SimError::ScrapeInterval);
+    }
+    let engine = Engine::new(&cfg.profile)?;
+    let n = cfg.replicas;
+    let mut sim = Sim {
+        plan,
+        engines: vec![engine; n],
+        busy: vec![false; n],
+        pending: vec![Vec::new(); n],
+        inflight: vec![0; n],
+        metrics: vec![EndpointMetrics::default(); n],
+        prefilled: Vec::new(),
+        live: vec![None; plan.sessions.len()],
+        open: 0,
+        contexts: vec![String::new(); plan.sessions.len()],
+        text: String::new(),
+        body: Vec::new(),
+        ideal: cfg
+            .track_ideal
+            .then(|| IdealCache::new(cfg.profile.block_size)),
+        mirrors: (0..n).map(|_| CacheMirror::default()).collect(),
+        hashes: Vec::new(),
+        block_size: cfg.profile.block_size as usize,
+        queue: Queue::default(),
+        rec: Recorder::new(n),
+        done: 0,
+        total: plan.requests() as u64,
+    };
+    for (i, s) in plan.sessions.iter().enumerate() {
+        if !s.turns.is_empty() {
+            sim.queue.push(
+                s.start,
+                Event::Arrival {
+                    session: i as u32,
+                    turn: 0,
+                },
+            );
+        }
+    }
+    sim.rec.window_end = plan
+        .sessions
+        .iter()
+        .map(|s| s.start)
+        .max()
+        .unwrap_or_default();
+    sim.queue.push(Duration::ZERO, Event::Scrape);
+    while let Some((now, event)) = sim.queue.pop() {
+        match event {
+            Event::Arrival { session, turn } => sim.arrival(now, session, turn, policy)?,
+            Event::StepEnd { engine } => {
+                sim.step_end(now, engine as usize);
+                progress(sim.done, sim.total);
+            }
+            Event::Scrape => {
+                sim.scrape(now, policy);
+                if sim.queue.has_work() {
+                    sim.queue.push(now + cfg.scrape_interval, Event::Scrape);
+                }
+            }
+        }
+    }
+    if sim.open > 0 {
+        return Err(SimError::Unfinished(sim.open));
+    }
+    Ok(sim.finish())
+}
+
+impl Sim<'_> {
+    fn finish(mut self) -> Recorder {
+        if let Some(ideal) = &self.ideal {
+            (self.rec.ideal_hit_tokens, self.rec.ideal_prompt_tokens) = ideal.totals();
+        }
+        self.rec
+    }
+
+    fn arrival(
+        &mut self,
+        now: Duration,
+        si: u32,
+        ti: u32,
+        policy: &mut dyn Policy,
+    ) -> Result<(), SimError> {
+        let plan = self.plan;
+        let Some(session) = plan.sessions.get(si as usize) else {
+            return Ok(());
+        };
+        let Some(turn) = session.turns.get(ti as usize) else {
+            return Ok(());
+        };
+        self.rec.first_arrival.get_or_insert(now);
+        // The prompt: the session's context so far plus this turn's parts.
+        self.text.clear();
+        std::mem::swap(&mut self.text, &mut self.contexts[si as usize]);
+        render_all(&turn.append, &mut self.text);
+        if let Some(ideal) = &mut self.ideal {
+            ideal.observe(&self.text, turn.id, turn.max_tokens);
+        }
+        build_body(&self.text, &mut self.body);
+        let view = View {
+            now,
+            inflight: &self.inflight,
+            metrics: &self.metrics,
+        };
+        let request = RouteRequest {
+            id: turn.id,
+            text: &self.text,
+            body: &self.body,
+        };
+        let e = policy.pick(&request, &view);
+        if e >= self.engines.len() {
+            return Err(SimError::BadPick {
+                chosen: e,
+                replicas: self.engines.len(),
+            });
+        }
+        let prompt = tokenizer::tokenize(&self.text);
+        let max_hit_blocks = prompt.len().saturating_sub(1) / self.block_size;
+        block_hashes(&prompt, self.block_size, max_hit_blocks, &mut self.hashes);
+        let arrival_hit = (self.mirrors[e].matched(&self.hashes) * self.block_size) as u32;
+        let submitted = self.engines[e].submit(
+            EngineRequest {
+                id: turn.id,
+                prompt,
+                max_tokens: turn.max_tokens,
+            },
+            now,
+        );
+        self.rec.per_endpoint[e] += 1;
+        if ti as usize + 1 < session.turns.len() {
+            std::mem::swap(&mut self.text, &mut self.contexts[si as usize]);
+        }
+        match submitted {
+            Ok(()) => {
+                self.inflight[e] += 1;
+                self.live[si as usize] = Some(Live {
+                    id: turn.id,
+                    endpoint: e as u32,
+                    last_token: now,
+                    arrival_hit,
+                    first_token: false,
+                    preempted_early: false,
+                });
+                self.open += 1;
+                if !self.busy[e] {
+                    self.start_step(now, e);
+                }
+            }
+            Err(err) => {
+                log::debug!("request {} refused by the engine: {err}", turn.id);
+                self.rec.rejected += 1;
+                self.rec.refused.push(turn.id);
+                self.done += 1;
+                self.next_turn(now, si, turn.id);
+            }
+        }
+        Ok(())
+    }
+
+    /// Schedules the turn after request `id` of session `si`, if there is one.
+    fn next_turn(&mut self, now: Duration, si: u32, id: u64) {
+        let ti = (id % crate::workload::TURN_SLOTS) as u32 + 1;
+        if let Some(turn) = self
+            .plan
+            .sessions
+            .get(si as usize)
+            .and_then(|s| s.turns.get(ti as usize))
+        {
+            self.queue.push(
+                now + turn.delay,
+                Event::Arrival {
+                    session: si,
+                    turn: ti,
+                },
+            );
+        }
+    }
+
+    fn start_step(&mut self, now: Duration, e: usize) {
+        let step = self.engines[e].step(now);
+        self.mirrors[e].apply(&step.events);
+        if step.outputs.is_empty() && step.duration.is_zero() {
+            // Nothing could be scheduled: the engine waits for the next submission.
+            self.busy[e] = false;
+            return;
+        }
+        self.busy[e] = true;
+        self.pending[e] = step.outputs;
+        self.queue
+            .push(now + step.duration, Event::StepEnd { engine: e as u32 });
+    }
+
+    fn step_end(&mut self, now: Duration, e: usize) {
+        let outputs = std::mem::take(&mut self.pending[e]);
+        let in_window = now <= self.rec.window_end;
+        for out in outputs {
+            let id = out.id;
+            let si = (id / crate::workload::TURN_SLOTS) as usize;
+            let Some(live) = self
+                .live
+                .get_mut(si)
+                .and_then(|l| l.as_mut())
+                .filter(|l| l.id == id)
+            else {
+                continue;
+            };
+            if in_window
+                && matches!(
+                    out.kind,
+                    OutputKind::FirstToken { .. } | OutputKind::Token { .. }
+                )
+            {
+                self.rec.window_output_tokens += 1;
+            }
+            match out.kind {
+                OutputKind::FirstToken { ttft, .. } => {
+                    live.last_token = now;
+                    live.first_token = true;
+                    let class = self.plan.sessions[si].class;
+                    self.rec.ttft.push(ttft.as_secs_f64());
+                    self.rec
+                        .class_ttft
+                        .entry(class)
+                        .or_default()
+                        .push(ttft.as_secs_f64());
+                    self.prefilled.push(Prefilled {
+                        endpoint: e,
+                        request: id,
+                    });
+                }
+                OutputKind::Token { .. } => {
+                    let gap = now.saturating_sub(live.last_token);
+                    self.rec.itl.push(gap.as_secs_f32());
+                    live.last_token = now;
+                }
+                OutputKind::Finished { usage, latency } => {
+                    let live = *live;
+                    let endpoint = live.endpoint as usize;
+                    self.live[si] = None;
+                    self.open -= 1;
+                    self.inflight[endpoint] = self.inflight[endpoint].saturating_sub(1);
+                    self.rec.e2e.push(latency.as_secs_f64());
+                    self.rec.prompt_tokens += u64::from(usage.prompt_tokens);
+                    let cached = if live.preempted_early {
+                        self.rec.estimated_hit_requests += 1;
+                        live.arrival_hit.min(usage.prompt_tokens)
+                    } else {
+                        usage.cached_tokens
+                    };
+                    self.rec.cached_tokens += u64::from(cached);
+                    self.rec.reported_cached_tokens += u64::from(usage.cached_tokens);
+                    self.rec.arrival_cached_tokens += u64::from(live.arrival_hit);
+                    self.rec.output_tokens += u64::from(usage.completion_tokens);
+                    self.rec.completed += 1;
+                    self.rec.finished.push(id);
+                    if in_window {
+                        self.rec.window_completed += 1;
+                    }
+                    self.rec.last_completion = now;
+                    self.done += 1;
+                    self.next_turn(now, si as u32, id);
+                }
+                OutputKind::Preempted => {
+                    self.rec.preemptions += 1;
+                    if !live.first_token {
+                        live.preempted_early = true;
+                    }
+                }
+            }
+        }
+        if self.engines[e].has_work() {
+            self.start_step(now, e);
+        } else {
+            self.busy[e] = false;
+        }
+    }
+
+    fn scrape(&mut self, now: Duration, policy: &mut dyn Policy) {
+        for (m, engine) in self.metrics.iter_mut().zip(&self.engines) {
+            let s = engine.stats();
+            *m = EndpointMetrics {
+                waiting: s.waiting as u32,
+                running: s.running as u32,
+                kv_cache_usage: s.kv_cache_usage,
+                cached_blocks: s.num_cached_blocks as u32,
+                num_gpu_blocks: s.num_gpu_blocks,
+                block_size: s.block_size,
+                prefix_hit_rate: (s.prefix_cache_queries > 0)
+                    .then(|| s.prefix_cache_hits as f64 / s.prefix_cache_queries as f64),
+            };
+        }
+        let view = View {
+            now,
+            inflight: &self.inflight,
+            metrics: &self.metrics,
+        };
+        policy.on_scrape(&view, &self.prefilled);
+        self.prefilled.clear();
+    }
+}
+
+/// The `/v1/completions` body of a prompt.
+fn build_body(text: &str, out: &mut Vec<u8>) {
+    out.clear();
+    out.extend_from_slice(br#"{"model":""#);
+    out.extend_from_slice(crate::policy::kvoy::MODEL.as_bytes());
+    out.extend_from_slice(br#"","prompt":"#);
+    let plain = text
+        .bytes()
+        .all(|b| b >= 0x20 && b != b'"' && b != b'\\' && b < 0x7f);
+    if plain {
+        out.push(b'"');
+        out.extend_from_slice(text.as_bytes());
+        out.push(b'"');
+    } else {
+        out.extend_from_slice(serde_json::Value::from(text).to_string().as_bytes());
+    }
+    out.push(b'}');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bodies_are_valid_json() {
+        let mut b = Vec::new();
+        build_body("plain text ", &mut b);
+        let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(v["prompt"], "plain text ");
+        build_body("quote \" and \\ and \n", &mut b);
+        let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(v["prompt"], "quote \" and \\ and \n");
+    }
+}

@@ -1,0 +1,215 @@
+//! Black-box checks of the simulation: determinism, conservation, and that prefix-aware routing
+//! finds the shared prefixes round-robin scatters.
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::sync::Arc;
+
+use kvoy_bench::policy::{Policy, PolicyKind, PolicyOptions, Prefilled, RouteRequest, View};
+use kvoy_bench::runner::{self, Grid, Rate};
+use kvoy_bench::sim::{self, SimConfig};
+use kvoy_bench::workload::{Agents, Count, NoSharing, SharedPrefix, Trace, Workload};
+use kvoy_sim::engine::Profile;
+
+fn options(replicas: usize) -> PolicyOptions {
+    PolicyOptions {
+        replicas,
+        seed: 7,
+        profile: Profile::llama_8b_h100(),
+        sglang_tree_chars: None,
+    }
+}
+
+fn small_grid(threads: usize) -> Grid {
+    Grid {
+        workloads: vec![
+            Workload::SharedPrefix(SharedPrefix::new(0.03, Count::Fixed(40))),
+            Workload::Agents(Agents::new(Count::Fixed(40))),
+        ],
+        policies: PolicyKind::ALL.to_vec(),
+        rates: vec![Rate::Saturation(0.5), Rate::Absolute(30.0)],
+        profile: Profile::llama_8b_h100(),
+        replicas: 3,
+        seed: 11,
+        threads,
+        sglang_tree_chars: None,
+    }
+}
+
+#[test]
+fn same_seed_same_json_whatever_the_threads() {
+    let quiet = |_: runner::Progress<'_>| {};
+    let a = runner::run(&small_grid(1), &quiet)
+        .unwrap()
+        .to_json()
+        .unwrap();
+    let b = runner::run(&small_grid(2), &quiet)
+        .unwrap()
+        .to_json()
+        .unwrap();
+    assert_eq!(a, b);
+    let v: serde_json::Value = serde_json::from_str(&a).unwrap();
+    assert_eq!(v["workloads"][0]["runs"].as_array().unwrap().len(), 2 * 7);
+    let mut other = small_grid(2);
+    other.seed = 12;
+    let c = runner::run(&other, &quiet).unwrap().to_json().unwrap();
+    assert_ne!(a, c, "the seed matters");
+}
+
+/// Wraps a policy and counts what it is asked to route.
+struct Counting<'a> {
+    inner: Box<dyn Policy>,
+    routed: &'a mut Vec<u64>,
+}
+
+impl Policy for Counting<'_> {
+    fn pick(&mut self, request: &RouteRequest<'_>, view: &View<'_>) -> usize {
+        self.routed.push(request.id);
+        self.inner.pick(request, view)
+    }
+    fn on_scrape(&mut self, view: &View<'_>, prefilled: &[Prefilled]) {
+        self.inner.on_scrape(view, prefilled);
+    }
+}
+
+#[test]
+fn every_request_completes_exactly_once() {
+    let plan = Agents::new(Count::Fixed(120)).plan(40.0, 3);
+    let ids: HashSet<u64> = plan
+        .sessions
+        .iter()
+        .flat_map(|s| s.turns.iter().map(|t| t.id))
+        .collect();
+    assert_eq!(ids.len(), 120);
+    for kind in PolicyKind::ALL {
+        let mut routed = Vec::new();
+        let mut policy = Counting {
+            inner: kind.build(&options(4)).unwrap(),
+            routed: &mut routed,
+        };
+        let cfg = SimConfig::new(Profile::llama_8b_h100(), 4);
+        let rec = sim::run(&plan, &mut policy, &cfg, &mut |_, _| {}).unwrap();
+        let finished: HashSet<u64> = rec.finished.iter().copied().collect();
+        assert_eq!(rec.finished.len(), 120, "{kind:?}");
+        assert_eq!(finished, ids, "{kind:?}: each request once");
+        assert_eq!(routed.len(), 120, "{kind:?}: routed once each");
+        assert_eq!((rec.completed, rec.rejected), (120, 0));
+        assert_eq!(rec.ttft.len(), 120);
+        assert_eq!(rec.e2e.len(), 120);
+        assert_eq!(rec.per_endpoint.iter().sum::<u64>(), 120);
+        let expected: u64 = plan
+            .sessions
+            .iter()
+            .flat_map(|s| s.turns.iter().map(|t| u64::from(t.max_tokens)))
+            .sum();
+        assert_eq!(rec.output_tokens, expected, "{kind:?}");
+        // Every token but each request's first has an inter-token gap.
+        assert_eq!(rec.itl.len() as u64, expected - 120);
+    }
+}
+
+#[test]
+fn refused_requests_are_counted_not_lost() {
+    let mut profile = Profile::llama_8b_h100();
+    profile.max_model_len = 1500;
+    let plan = NoSharing::new(Count::Fixed(60)).plan(20.0, 5);
+    let mut policy = PolicyKind::RoundRobin.build(&options(2)).unwrap();
+    let rec = sim::run(
+        &plan,
+        policy.as_mut(),
+        &SimConfig::new(profile, 2),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    assert!(rec.rejected > 0 && rec.completed > 0);
+    assert_eq!(rec.completed + rec.rejected, 60);
+    let all: HashSet<u64> = rec.finished.iter().chain(&rec.refused).copied().collect();
+    assert_eq!(all.len(), 60);
+}
+
+#[test]
+fn kvoy_finds_the_shared_prefixes_round_robin_scatters() {
+    let plan = SharedPrefix::new(0.1, Count::Fixed(100)).plan(10.0, 1);
+    let cfg = SimConfig::new(Profile::llama_8b_h100(), 4);
+    let hit = |kind: PolicyKind| {
+        let mut p = kind.build(&options(4)).unwrap();
+        let rec = sim::run(&plan, p.as_mut(), &cfg, &mut |_, _| {}).unwrap();
+        rec.figures("shared-prefix", kind.name(), 10.0, 1.0)
+    };
+    let kvoy = hit(PolicyKind::Kvoy);
+    let rr = hit(PolicyKind::RoundRobin);
+    assert!(kvoy.ideal_hit_rate > 0.6, "{}", kvoy.ideal_hit_rate);
+    assert!(
+        kvoy.hit_rate > rr.hit_rate + 0.2,
+        "kvoy {} vs round-robin {}",
+        kvoy.hit_rate,
+        rr.hit_rate
+    );
+    assert!(kvoy.hit_rate >= 0.9 * kvoy.ideal_hit_rate);
+    assert!(kvoy.hit_rate <= kvoy.ideal_hit_rate + 1e-9);
+}
+
+#[test]
+fn the_real_trace_maps_equal_ids_to_equal_prefixes() {
+    let path = Path::new("/work/shared/data/mooncake/conversation_trace.jsonl");
+    if !path.exists() {
+        eprintln!("skipped: {} not present", path.display());
+        return;
+    }
+    let trace = Arc::new(Trace::load(path).unwrap());
+    assert_eq!(trace.records.len(), 12_031);
+    let w = Workload::mooncake(trace.clone(), Some(40));
+    let plan = w.plan(w.native_rate().unwrap_or(1.0), 1);
+    assert_eq!(plan.requests(), 40);
+    // The first two requests share hash id 0: their first 512 tokens are equal parts.
+    let a = &plan.sessions[0].turns[0].append;
+    let b = &plan.sessions[1].turns[0].append;
+    assert_eq!(trace.records[0].hash_ids[0], trace.records[1].hash_ids[0]);
+    assert_eq!(a[0], b[0]);
+    assert_ne!(a[1], b[1]);
+    let tokens: u32 = a.iter().map(|p| p.tokens()).sum();
+    assert_eq!(tokens, trace.records[0].input_length);
+}
+
+#[test]
+fn the_ideal_counted_once_equals_the_ideal_counted_in_the_run() {
+    let profile = Profile::llama_8b_h100();
+    let plan = SharedPrefix::new(0.05, Count::Fixed(60)).plan(30.0, 4);
+    let shape = kvoy_bench::saturation::measure(&plan, &profile);
+    let mut policy = PolicyKind::Random.build(&options(3)).unwrap();
+    let rec = sim::run(
+        &plan,
+        policy.as_mut(),
+        &SimConfig::new(profile, 3),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    assert_eq!(
+        (rec.ideal_hit_tokens, rec.ideal_prompt_tokens),
+        (shape.ideal_hit_tokens, shape.prompt_tokens)
+    );
+    assert!(shape.ideal_hit_tokens > 0);
+}
+
+#[test]
+fn a_saved_report_reads_back_identically() {
+    let quiet = |_: runner::Progress<'_>| {};
+    let mut grid = small_grid(2);
+    grid.workloads.truncate(1);
+    let report = runner::run(&grid, &quiet).unwrap();
+    let dir = std::env::temp_dir().join(format!("kvoy-bench-test-{}", std::process::id()));
+    let written = report.write_all(&dir).unwrap();
+    assert_eq!(written.len(), 2 + 3);
+    let back = kvoy_bench::Report::load(&dir.join("results.json")).unwrap();
+    assert_eq!(back.tool, "kvoy-bench sim");
+    assert_eq!(back.workloads[0].runs.len(), report.workloads[0].runs.len());
+    // serde_json reads floats back to within an ulp: the views are identical.
+    assert_eq!(
+        kvoy_bench::report::summary(&back),
+        kvoy_bench::report::summary(&report)
+    );
+    let (a, b) = (&back.workloads[0].runs[3], &report.workloads[0].runs[3]);
+    assert_eq!((&a.policy, a.completed), (&b.policy, b.completed));
+    assert!((a.ttft_s.p90 - b.ttft_s.p90).abs() <= 1e-12 * b.ttft_s.p90.abs());
+    let _ = std::fs::remove_dir_all(&dir);
+}
