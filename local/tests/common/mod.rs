@@ -39,9 +39,12 @@ pub fn chain_config(session: &str, admission: &str, prefix: &str, workers: usize
     })
 }
 
-/// Writes a configuration as JSON and loads it the way the binary does.
+/// Writes a configuration as JSON and loads it the way the binary does. Each call writes a file
+/// of its own: tests of one binary run in parallel and share `name`.
 pub fn load(name: &str, config: &Value) -> (Config, PathBuf) {
-    let path = run_dir(name).join("kvoy-local.json");
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let path = run_dir(name).join(format!("kvoy-local-{n}.json"));
     std::fs::write(&path, serde_json::to_vec_pretty(config).unwrap()).unwrap();
     let loaded = Config::load(&path).unwrap_or_else(|e| panic!("[{name}] {e}"));
     (loaded, path)
