@@ -7,7 +7,8 @@
 #                   it); kvoy-stack flags go in RUN_ARGS, e.g. make run RUN_ARGS='--backend echo'
 #   make test       deps, wasm, fmt check, clippy -D warnings, all tests (incl. real Envoy e2e)
 #   make bench      the live benchmark, small: real Envoy + simulators + aggregator, every policy
-#                   on the same plan (kvoy-bench live; results in bench/results/live)
+#                   on the same plan (kvoy-bench live; results in bench/results/live), then the
+#                   filters' added latency over plain Envoy (kvoy-bench overhead; bench/results/overhead)
 #   make bench-sim  the fleet-scale simulation of every workload (bench/run-reference.sh)
 #   make bench-micro criterion benches
 #   make fmt        format the workspace
@@ -24,8 +25,9 @@ WASM_CRATES := kvoy-prefix-affinity kvoy-session kvoy-admission kvoy-harness-gue
 BIN_CRATES := kvoy-e2e kvoy-sim
 # Flags for kvoy-stack (`kvoy-stack --help`), e.g. RUN_ARGS='--backend echo --speedup 1'.
 RUN_ARGS ?=
-# Flags for `kvoy-bench live` (`cargo run -p kvoy-bench -- --help`).
+# Flags for `kvoy-bench live` and `kvoy-bench overhead` (`cargo run -p kvoy-bench -- --help`).
 BENCH_ARGS ?=
+OVERHEAD_ARGS ?=
 
 .PHONY: deps wasm build run test bench bench-sim bench-micro fmt clean-run
 
@@ -47,7 +49,9 @@ test: deps wasm
 	$(CARGO) test --workspace -j $(JOBS)
 
 bench: deps wasm
+	$(CARGO) build --release -j $(JOBS) -p kvoy-bench
 	$(CARGO) run --release -j $(JOBS) -p kvoy-bench -- live $(BENCH_ARGS)
+	$(CARGO) run --release -j $(JOBS) -p kvoy-bench -- overhead $(OVERHEAD_ARGS)
 
 bench-sim:
 	bash bench/run-reference.sh

@@ -14,6 +14,7 @@ kvoy-bench: routing policies on a simulated fleet of kvoy-sim engines (virtual t
 
 usage: kvoy-bench sim [options]      (this page)
        kvoy-bench live [options]     (below)
+       kvoy-bench overhead [options] (below)
        kvoy-bench report --from results.json [--out DIR]
        kvoy-bench report --from FILE [--out DIR]   summary.md and plots again from a results.json
 
@@ -46,9 +47,9 @@ usage: kvoy-bench sim [options]      (this page)
 /// A command-line mistake, or an input that cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum CliError {
-    #[error("expected the `sim` or `report` command (try --help)")]
+    #[error("expected a command: `sim`, `live`, `overhead` or `report` (try --help)")]
     NoCommand,
-    #[error("unknown command `{0}` (the commands are `sim` and `report`)")]
+    #[error("unknown command `{0}` (the commands are `sim`, `live`, `overhead` and `report`)")]
     UnknownCommand(String),
     #[error("`report` needs --from FILE (a results.json)")]
     MissingFrom,
@@ -128,6 +129,8 @@ pub enum Command {
     Sim(Box<SimArgs>),
     /// `kvoy-bench live`: real Envoy and simulators (see [`crate::live`]).
     Live(Box<crate::live::cli::LiveArgs>),
+    /// `kvoy-bench overhead`: the filters' added latency (see [`crate::overhead`]).
+    Overhead(Box<crate::overhead::cli::OverheadArgs>),
     /// Render `summary.md` and the plots again from a saved `results.json` into `out` (default:
     /// the file's directory).
     Report {
@@ -194,6 +197,13 @@ pub fn parse(args: &[String]) -> Result<Command, CliError> {
         "-h" | "--help" | "help" => return Ok(Command::Help),
         "sim" => {}
         "report" => return parse_report(it),
+        "overhead" => {
+            let rest: Vec<String> = it.cloned().collect();
+            if rest.iter().any(|a| a == "-h" || a == "--help") {
+                return Ok(Command::Help);
+            }
+            return crate::overhead::cli::parse(&rest).map(|a| Command::Overhead(Box::new(a)));
+        }
         "live" => {
             let rest: Vec<String> = it.cloned().collect();
             if rest.iter().any(|a| a == "-h" || a == "--help") {

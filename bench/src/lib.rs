@@ -32,6 +32,7 @@ pub mod cli;
 pub mod ideal;
 pub mod live;
 pub mod metrics;
+pub mod overhead;
 pub mod policy;
 pub mod report;
 pub mod rng;

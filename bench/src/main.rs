@@ -22,11 +22,17 @@ fn main() -> ExitCode {
 fn run(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
     let options = match cli::parse(args)? {
         Command::Help => {
-            print!("{}\n{}", cli::USAGE, kvoy_bench::live::cli::USAGE);
+            print!(
+                "{}\n{}\n{}",
+                cli::USAGE,
+                kvoy_bench::live::cli::USAGE,
+                kvoy_bench::overhead::cli::USAGE
+            );
             return Ok(());
         }
         Command::Sim(options) => options,
         Command::Live(options) => return run_live(*options),
+        Command::Overhead(options) => return run_overhead(*options),
         Command::Report { from, out } => {
             let report = kvoy_bench::Report::load(&from)?;
             let dir = out
@@ -104,6 +110,42 @@ fn run_live(options: kvoy_bench::live::cli::LiveArgs) -> Result<(), Box<dyn std:
         report.workloads.iter().map(|w| w.runs.len()).sum::<usize>(),
         started.elapsed().as_secs_f64()
     );
+    for path in written {
+        println!("{}", path.display());
+    }
+    let _ = std::fs::remove_dir_all(&options.grid.run_dir);
+    Ok(())
+}
+
+fn run_overhead(
+    options: kvoy_bench::overhead::cli::OverheadArgs,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let started = Instant::now();
+    let quiet = options.quiet;
+    let progress = |p: kvoy_bench::overhead::OverheadProgress<'_>| {
+        if quiet {
+            return;
+        }
+        eprintln!(
+            "[{:>6.1}s] row {:>2}/{} | {} tokens at concurrency {} | {}: {}/{}",
+            started.elapsed().as_secs_f64(),
+            p.cell,
+            p.cells,
+            p.prompt_tokens,
+            p.concurrency,
+            p.proxy,
+            p.done,
+            p.total
+        );
+    };
+    let report = kvoy_bench::overhead::run(&options.grid, &progress)?;
+    let written = report.write_all(&options.out)?;
+    eprintln!(
+        "kvoy-bench overhead: {} rows in {:.1} s wall time",
+        report.grid().len(),
+        started.elapsed().as_secs_f64()
+    );
+    print!("{}", kvoy_bench::overhead::summary(&report));
     for path in written {
         println!("{}", path.display());
     }

@@ -20,7 +20,9 @@ const BASELINE_TEMPLATE: &str = include_str!("../../envoy/baseline.yaml");
 
 /// Simulators and their aggregator, for the whole live run.
 pub struct Fleet {
-    // One SimFleet per simulator: each gets KV-event ports of its own.
+    // One SimFleet per simulator: each gets KV-event ports of its own. Held, not read: dropping
+    // them stops the simulators.
+    #[allow(dead_code)]
     sims: Vec<SimFleet>,
     addrs: Vec<SocketAddr>,
     aggregator: LocalAggregator,
@@ -148,22 +150,7 @@ impl Fleet {
             .map(|a| PoolEndpoint::new(*a, &[MODEL]))
             .collect();
         match lb {
-            Some(lb) => {
-                let dir = self.run_dir.join(format!("baseline-{}", lb.to_lowercase()));
-                std::fs::create_dir_all(&dir)?;
-                let listen = free_port()?;
-                let admin = free_port()?;
-                let config = dir.join("envoy.yaml");
-                std::fs::write(&config, render_baseline(lb, &self.addrs, listen, admin))?;
-                let envoy = EnvoyProcess::spawn(&config, &dir.join("envoy.log"), 2, &[])?;
-                let listen = SocketAddr::from(([127, 0, 0, 1], listen));
-                let admin = SocketAddr::from(([127, 0, 0, 1], admin));
-                let mut proxy = Proxy::Baseline { envoy, listen };
-                if let Proxy::Baseline { envoy, .. } = &mut proxy {
-                    envoy.wait_ready(admin, listen, Duration::from_secs(60))?;
-                }
-                Ok(proxy)
-            }
+            Some(lb) => baseline_proxy(lb, &self.addrs, &self.run_dir),
             None => {
                 let name = if aggregator {
                     "kvoy-aggregator"
@@ -179,15 +166,22 @@ impl Fleet {
             }
         }
     }
+}
 
-    /// The number of simulators.
-    pub fn len(&self) -> usize {
-        self.sims.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.sims.is_empty()
-    }
+/// Starts plain Envoy (`bench/envoy/baseline.yaml`, two workers) with load balancer `lb` over
+/// `endpoints`; its configuration and log go under `run_dir`.
+pub fn baseline_proxy(lb: &str, endpoints: &[SocketAddr], run_dir: &Path) -> anyhow::Result<Proxy> {
+    let dir = run_dir.join(format!("baseline-{}", lb.to_lowercase()));
+    std::fs::create_dir_all(&dir)?;
+    let listen = free_port()?;
+    let admin = free_port()?;
+    let config = dir.join("envoy.yaml");
+    std::fs::write(&config, render_baseline(lb, endpoints, listen, admin))?;
+    let mut envoy = EnvoyProcess::spawn(&config, &dir.join("envoy.log"), 2, &[])?;
+    let listen = SocketAddr::from(([127, 0, 0, 1], listen));
+    let admin = SocketAddr::from(([127, 0, 0, 1], admin));
+    envoy.wait_ready(admin, listen, Duration::from_secs(60))?;
+    Ok(Proxy::Baseline { envoy, listen })
 }
 
 /// The baseline bootstrap for `lb` over `endpoints`.

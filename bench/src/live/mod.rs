@@ -24,7 +24,7 @@ use std::time::Duration;
 use kvoy_sim::engine::Profile;
 
 pub use driver::{Arrivals, Outcome};
-pub use fleet::{Fleet, Proxy};
+pub use fleet::{baseline_proxy, Fleet, Proxy};
 
 use crate::metrics::Recorder;
 use crate::report::{Report, WorkloadReport};

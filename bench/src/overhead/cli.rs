@@ -1,0 +1,159 @@
+//! `kvoy-bench overhead [options]`, parsed by hand like `sim` and `live`.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use super::OverheadGrid;
+use crate::cli::CliError;
+
+pub const USAGE: &str = "\
+kvoy-bench overhead [options]
+
+The latency the kvoy filters add: Envoy with the filters against plain Envoy (ROUND_ROBIN, no
+filter) in front of the same echo backends on 127.0.0.1, alternating in one run; keep-alive
+clients, non-streamed completions, one-token replies.
+
+  --prompts LIST        prompt sizes in tokens, `8k` = 8000 (default 1k,8k,32k,100k)
+  --concurrency LIST    clients in flight (default 1,32,150)
+  --requests N          requests per row and proxy, at least 8 per client (default 400)
+  --rounds N            alternations of the proxies per row (default 2)
+  --backends N          echo backends (default 4)
+  --no-direct           skip the no-proxy floor
+  --seed N              (default 1)
+  --out DIR             output directory (default bench/results/overhead)
+  --quiet               no progress lines
+";
+
+/// `kvoy-bench overhead` options.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OverheadArgs {
+    pub grid: OverheadGrid,
+    pub out: PathBuf,
+    pub quiet: bool,
+}
+
+impl PartialEq for OverheadGrid {
+    fn eq(&self, other: &Self) -> bool {
+        format!("{self:?}") == format!("{other:?}")
+    }
+}
+
+fn value<'a>(
+    args: &mut impl Iterator<Item = &'a String>,
+    flag: &'static str,
+) -> Result<&'a str, CliError> {
+    args.next()
+        .map(String::as_str)
+        .ok_or(CliError::MissingValue(flag))
+}
+
+fn count(v: &str, flag: &'static str, lo: usize, hi: usize) -> Result<usize, CliError> {
+    let bad = || CliError::BadValue {
+        flag,
+        value: v.to_owned(),
+        expected: "a whole number in range",
+    };
+    let (digits, factor) = match v.strip_suffix(['k', 'K']) {
+        Some(d) => (d, 1000),
+        None => (v, 1),
+    };
+    let n = digits
+        .parse::<usize>()
+        .ok()
+        .and_then(|n| n.checked_mul(factor))
+        .ok_or_else(bad)?;
+    if (lo..=hi).contains(&n) {
+        Ok(n)
+    } else {
+        Err(bad())
+    }
+}
+
+fn list(v: &str, flag: &'static str, lo: usize, hi: usize) -> Result<Vec<usize>, CliError> {
+    v.split(',')
+        .map(|x| count(x.trim(), flag, lo, hi))
+        .collect()
+}
+
+/// Parses the options after `overhead`.
+pub fn parse(args: &[String]) -> Result<OverheadArgs, CliError> {
+    let run_dir = std::env::temp_dir().join(format!("kvoy-bench-overhead-{}", std::process::id()));
+    let mut grid = OverheadGrid::standard(run_dir);
+    let mut out = PathBuf::from("bench/results/overhead");
+    let mut quiet = false;
+    let mut it = args.iter();
+    while let Some(flag) = it.next() {
+        match flag.as_str() {
+            "--prompts" => {
+                grid.prompt_tokens = list(value(&mut it, "--prompts")?, "--prompts", 1, 2_000_000)?
+                    .into_iter()
+                    .map(|n| n as u32)
+                    .collect();
+            }
+            "--concurrency" => {
+                grid.concurrency =
+                    list(value(&mut it, "--concurrency")?, "--concurrency", 1, 1000)?;
+            }
+            "--requests" => {
+                grid.requests = count(value(&mut it, "--requests")?, "--requests", 1, 1_000_000)?;
+            }
+            "--rounds" => grid.rounds = count(value(&mut it, "--rounds")?, "--rounds", 1, 100)?,
+            "--backends" => {
+                grid.backends = count(value(&mut it, "--backends")?, "--backends", 1, 64)?;
+            }
+            "--no-direct" => grid.direct = false,
+            "--seed" => {
+                let v = value(&mut it, "--seed")?;
+                grid.seed = v.parse().map_err(|_| CliError::BadValue {
+                    flag: "--seed",
+                    value: v.to_owned(),
+                    expected: "an integer",
+                })?;
+            }
+            "--out" => out = PathBuf::from(value(&mut it, "--out")?),
+            "--quiet" => quiet = true,
+            other => return Err(CliError::UnknownFlag(other.to_owned())),
+        }
+    }
+    grid.load_deadline = Duration::from_secs(60);
+    Ok(OverheadArgs { grid, out, quiet })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split_whitespace().map(str::to_owned).collect()
+    }
+
+    #[test]
+    fn defaults_are_the_issue_grid_and_flags_override_them() {
+        let a = parse(&[]).unwrap();
+        assert_eq!(a.grid.prompt_tokens, vec![1000, 8000, 32000, 100000]);
+        assert_eq!(a.grid.concurrency, vec![1, 32, 150]);
+        let a = parse(&args(
+            "--prompts 2k,500 --concurrency 4 --no-direct --rounds 3",
+        ))
+        .unwrap();
+        assert_eq!(a.grid.prompt_tokens, vec![2000, 500]);
+        assert_eq!(a.grid.concurrency, vec![4]);
+        assert!(!a.grid.direct);
+        assert_eq!(a.grid.rounds, 3);
+    }
+
+    #[test]
+    fn mistakes_name_the_flag() {
+        for (line, needle) in [
+            ("--prompts 8q", "--prompts"),
+            ("--concurrency 0", "--concurrency"),
+            ("--requests", "--requests"),
+            ("--backends 100", "--backends"),
+            ("--bogus", "--bogus"),
+        ] {
+            let e = parse(&args(line)).unwrap_err().to_string();
+            assert!(e.contains(needle), "{line}: {e}");
+        }
+    }
+}

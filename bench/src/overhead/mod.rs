@@ -1,0 +1,433 @@
+//! The overhead benchmark: how much latency the kvoy filters add to a request, measured as
+//! Envoy with the filters (`envoy/kvoy.yaml`) against plain Envoy (`bench/envoy/baseline.yaml`,
+//! `ROUND_ROBIN`, no filter) in front of the same echo backends, side by side in one run.
+//!
+//! Every (prompt size, concurrency) cell sends the same requests through each proxy in
+//! alternating rounds (so a noisy neighbour hurts both alike), from a closed-loop client on
+//! keep-alive connections ([`client`]), non-streamed, with a one-token reply: what remains
+//! is the proxies' own work on the request. Each prompt is distinct (its first 16 bytes are
+//! the request's number), so the prefix index inserts new blocks for every request, its most
+//! expensive case. The backends answer at once; "direct" (no proxy) is the floor.
+
+pub mod cli;
+pub mod client;
+mod report;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use kvoy_e2e::{EchoConfig, EchoServer, PoolEndpoint, Stack, StackConfig};
+
+use crate::live::baseline_proxy;
+use crate::metrics::percentile;
+use crate::rng::Rng;
+
+pub use report::{chart, summary};
+
+/// The model the echo backends serve.
+const MODEL: &str = "kvoy-bench";
+/// Bytes of prompt text per token: the simulator tokenizer's chunk, and about what a BPE
+/// tokenizer averages on English.
+pub const BYTES_PER_TOKEN: usize = 4;
+
+/// What to measure.
+#[derive(Clone, Debug)]
+pub struct OverheadGrid {
+    pub prompt_tokens: Vec<u32>,
+    pub concurrency: Vec<usize>,
+    /// Requests per (cell, proxy); at least 8 per client thread.
+    pub requests: usize,
+    /// Alternations of the proxies per cell.
+    pub rounds: usize,
+    pub backends: usize,
+    /// Envoy worker threads, both proxies.
+    pub workers: u32,
+    /// Also measure the backends without a proxy.
+    pub direct: bool,
+    pub seed: u64,
+    /// Bound on one proxy's share of one round, real time.
+    pub load_deadline: Duration,
+    /// Envoy's configurations and logs.
+    pub run_dir: PathBuf,
+}
+
+impl OverheadGrid {
+    /// The grid: 1k, 8k, 32k and 100k-token prompts at concurrency 1, 32 and 150.
+    pub fn standard(run_dir: PathBuf) -> OverheadGrid {
+        OverheadGrid {
+            prompt_tokens: vec![1_000, 8_000, 32_000, 100_000],
+            concurrency: vec![1, 32, 150],
+            requests: 400,
+            rounds: 2,
+            backends: 4,
+            workers: 2,
+            direct: true,
+            seed: 1,
+            load_deadline: Duration::from_secs(60),
+            run_dir,
+        }
+    }
+
+    fn requests_for(&self, concurrency: usize) -> usize {
+        self.requests.max(8 * concurrency)
+    }
+}
+
+/// Latency figures of one (cell, proxy), milliseconds.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Latency {
+    pub p50_ms: f64,
+    pub p90_ms: f64,
+    pub p99_ms: f64,
+    pub mean_ms: f64,
+}
+
+/// One (prompt size, concurrency, proxy).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Cell {
+    pub prompt_tokens: u32,
+    pub body_bytes: usize,
+    pub concurrency: usize,
+    /// `direct`, `envoy` (plain) or `kvoy` (Envoy with the filters).
+    pub proxy: String,
+    pub requests: usize,
+    pub errors: usize,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_error: Option<String>,
+    pub latency: Latency,
+    pub requests_per_s: f64,
+}
+
+/// Everything the overhead run measured.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OverheadReport {
+    pub tool: String,
+    pub envoy: String,
+    pub workers: u32,
+    pub backends: usize,
+    pub rounds: usize,
+    pub cells: Vec<Cell>,
+}
+
+/// The proxies, in the order of the first round.
+pub const PROXIES: [&str; 3] = ["envoy", "kvoy", "direct"];
+
+impl OverheadReport {
+    pub fn cell(&self, prompt_tokens: u32, concurrency: usize, proxy: &str) -> Option<&Cell> {
+        self.cells.iter().find(|c| {
+            c.prompt_tokens == prompt_tokens && c.concurrency == concurrency && c.proxy == proxy
+        })
+    }
+
+    /// The (prompt size, concurrency) pairs measured, in order.
+    pub fn grid(&self) -> Vec<(u32, usize)> {
+        let mut out: Vec<(u32, usize)> = Vec::new();
+        for c in &self.cells {
+            if !out.contains(&(c.prompt_tokens, c.concurrency)) {
+                out.push((c.prompt_tokens, c.concurrency));
+            }
+        }
+        out
+    }
+
+    /// kvoy's latency minus plain Envoy's at p50 and p99, milliseconds.
+    pub fn added_ms(&self, prompt_tokens: u32, concurrency: usize) -> Option<(f64, f64)> {
+        let kvoy = self.cell(prompt_tokens, concurrency, "kvoy")?;
+        let envoy = self.cell(prompt_tokens, concurrency, "envoy")?;
+        Some((
+            kvoy.latency.p50_ms - envoy.latency.p50_ms,
+            kvoy.latency.p99_ms - envoy.latency.p99_ms,
+        ))
+    }
+
+    pub fn to_json(&self) -> Result<String, serde_json::Error> {
+        serde_json::to_string_pretty(self)
+    }
+
+    /// Writes `overhead.json`, `overhead.md` and `overhead.svg` into `dir`.
+    pub fn write_all(&self, dir: &std::path::Path) -> std::io::Result<Vec<PathBuf>> {
+        std::fs::create_dir_all(dir)?;
+        let json = self.to_json().map_err(std::io::Error::other)?;
+        let files = [
+            ("overhead.json", json + "\n"),
+            ("overhead.md", summary(self)),
+            ("overhead.svg", chart(self)),
+        ];
+        let mut written = Vec::new();
+        for (name, text) in files {
+            let path = dir.join(name);
+            std::fs::write(&path, text)?;
+            written.push(path);
+        }
+        Ok(written)
+    }
+}
+
+/// Progress of the overhead run.
+#[derive(Clone, Copy, Debug)]
+pub struct OverheadProgress<'a> {
+    pub prompt_tokens: u32,
+    pub concurrency: usize,
+    pub proxy: &'a str,
+    pub done: usize,
+    pub total: usize,
+    pub cell: usize,
+    pub cells: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum OverheadError {
+    #[error("setting up the backends and proxies: {0}")]
+    Setup(String),
+}
+
+/// The prompt text of `tokens` tokens: seeded lowercase words, every request's own first
+/// 16 bytes.
+struct Prompts {
+    text: String,
+}
+
+impl Prompts {
+    fn new(tokens: u32, seed: u64) -> Prompts {
+        let len = tokens as usize * BYTES_PER_TOKEN;
+        let mut rng = Rng::derive(seed, "overhead-prompt", u64::from(tokens));
+        let mut text = String::with_capacity(len + 8);
+        while text.len() < len {
+            for _ in 0..rng.range(2, 9) {
+                text.push(char::from(b'a' + rng.below(26) as u8));
+            }
+            text.push(' ');
+        }
+        text.truncate(len);
+        Prompts { text }
+    }
+
+    fn body(&self, index: usize) -> Vec<u8> {
+        let stamp = format!("{index:016x}");
+        let rest = self.text.get(stamp.len()..).unwrap_or("");
+        serde_json::json!({
+            "model": MODEL,
+            "prompt": format!("{stamp}{rest}"),
+            "max_tokens": 1,
+        })
+        .to_string()
+        .into_bytes()
+    }
+}
+
+struct Target {
+    name: &'static str,
+    addr: SocketAddr,
+}
+
+/// Runs the grid: starts the echo backends, plain Envoy and the kvoy stack, measures every cell.
+pub fn run(
+    grid: &OverheadGrid,
+    progress: &(dyn Fn(OverheadProgress<'_>) + Sync),
+) -> Result<OverheadReport, OverheadError> {
+    let setup = |e: &dyn std::fmt::Display| OverheadError::Setup(e.to_string());
+    let envoy_version = kvoy_e2e::envoy_version()
+        .map(|v| envoy_release(&v))
+        .map_err(|e| setup(&format!("{e:#}")))?;
+    let backends: Vec<EchoServer> = (0..grid.backends.max(1))
+        .map(|_| EchoServer::start(EchoConfig::new(([127, 0, 0, 1], 0).into(), &[MODEL])))
+        .collect::<Result<_, _>>()
+        .map_err(|e| setup(&e))?;
+    let addrs: Vec<SocketAddr> = backends.iter().map(EchoServer::addr).collect();
+    std::fs::create_dir_all(&grid.run_dir).map_err(|e| setup(&e))?;
+    let plain = baseline_proxy("ROUND_ROBIN", &addrs, &grid.run_dir)
+        .map_err(|e| setup(&format!("plain Envoy: {e:#}")))?;
+    let pool = addrs
+        .iter()
+        .map(|a| PoolEndpoint::new(*a, &[MODEL]))
+        .collect();
+    let mut config = StackConfig::new(pool, grid.run_dir.join("kvoy"));
+    config.concurrency = grid.workers;
+    let kvoy = Stack::start(&config).map_err(|e| setup(&format!("kvoy stack: {e:#}")))?;
+    let mut targets = vec![
+        Target {
+            name: "envoy",
+            addr: plain.listen(),
+        },
+        Target {
+            name: "kvoy",
+            addr: kvoy.listen,
+        },
+    ];
+    if grid.direct {
+        targets.push(Target {
+            name: "direct",
+            addr: addrs[0],
+        });
+    }
+
+    let cells = grid.prompt_tokens.len() * grid.concurrency.len();
+    let mut out = Vec::new();
+    let mut cell = 0;
+    for &tokens in &grid.prompt_tokens {
+        let prompts = Prompts::new(tokens, grid.seed);
+        let body_bytes = prompts.body(0).len();
+        let mut next_index = 0usize;
+        for &concurrency in &grid.concurrency {
+            cell += 1;
+            let total = grid.requests_for(concurrency);
+            let rounds = grid.rounds.max(1);
+            let mut measured: Vec<client::Measured> = targets
+                .iter()
+                .map(|_| client::Measured::default())
+                .collect();
+            // Warm each path (connections, the filters' first-request work) unmeasured.
+            for t in &targets {
+                let body = |i: usize| prompts.body(next_index + i);
+                let warm = client::Load {
+                    target: t.addr,
+                    concurrency,
+                    requests: (2 * concurrency).max(16),
+                    body: &body,
+                    timeout: Duration::from_secs(30),
+                    deadline: Instant::now() + grid.load_deadline,
+                };
+                client::run(&warm, &|_| {});
+                next_index += warm.requests;
+            }
+            for round in 0..rounds {
+                let share = total / rounds + usize::from(round < total % rounds);
+                // Rotate the order each round so that neither proxy always goes first.
+                for k in 0..targets.len() {
+                    let ti = (k + round) % targets.len();
+                    let t = &targets[ti];
+                    let done_before = measured[ti].latencies.len() + measured[ti].errors;
+                    let base = next_index;
+                    let prompts = &prompts;
+                    let body = move |i: usize| prompts.body(base + i);
+                    let load = client::Load {
+                        target: t.addr,
+                        concurrency,
+                        requests: share,
+                        body: &body,
+                        timeout: Duration::from_secs(30),
+                        deadline: Instant::now() + grid.load_deadline,
+                    };
+                    next_index += share;
+                    let name = t.name;
+                    let last = std::sync::Mutex::new(Instant::now());
+                    let m = client::run(&load, &|done| {
+                        let mut last = last.lock().unwrap_or_else(|p| p.into_inner());
+                        if done < share && last.elapsed() < Duration::from_secs(1) {
+                            return;
+                        }
+                        *last = Instant::now();
+                        progress(OverheadProgress {
+                            prompt_tokens: tokens,
+                            concurrency,
+                            proxy: name,
+                            done: done_before + done,
+                            total,
+                            cell,
+                            cells,
+                        });
+                    });
+                    let acc = &mut measured[ti];
+                    acc.latencies.extend(m.latencies);
+                    acc.errors += m.errors;
+                    acc.wall += m.wall;
+                    if acc.first_error.is_none() {
+                        acc.first_error = m.first_error;
+                    }
+                }
+            }
+            for (t, m) in targets.iter().zip(measured) {
+                out.push(cell_of(tokens, body_bytes, concurrency, t.name, m));
+            }
+        }
+    }
+    drop(kvoy);
+    drop(plain);
+    Ok(OverheadReport {
+        tool: "kvoy-bench overhead".into(),
+        envoy: envoy_version,
+        workers: grid.workers,
+        backends: addrs.len(),
+        rounds: grid.rounds.max(1),
+        cells: out,
+    })
+}
+
+/// `Envoy 1.40.0` from `envoy --version`'s `... version: <sha>/1.40.0/Clean/RELEASE/BoringSSL`.
+fn envoy_release(version: &str) -> String {
+    version
+        .split('/')
+        .nth(1)
+        .filter(|v| v.chars().all(|c| c.is_ascii_digit() || c == '.'))
+        .map_or_else(|| version.to_owned(), |v| format!("Envoy {v}"))
+}
+
+fn cell_of(
+    prompt_tokens: u32,
+    body_bytes: usize,
+    concurrency: usize,
+    proxy: &str,
+    m: client::Measured,
+) -> Cell {
+    let mut ms: Vec<f64> = m.latencies.iter().map(|s| s * 1e3).collect();
+    ms.sort_by(f64::total_cmp);
+    let mean = if ms.is_empty() {
+        0.0
+    } else {
+        ms.iter().sum::<f64>() / ms.len() as f64
+    };
+    Cell {
+        prompt_tokens,
+        body_bytes,
+        concurrency,
+        proxy: proxy.to_owned(),
+        requests: ms.len(),
+        errors: m.errors,
+        first_error: m.first_error,
+        latency: Latency {
+            p50_ms: percentile(&ms, 0.5),
+            p90_ms: percentile(&ms, 0.9),
+            p99_ms: percentile(&ms, 0.99),
+            mean_ms: mean,
+        },
+        requests_per_s: if m.wall > 0.0 {
+            ms.len() as f64 / m.wall
+        } else {
+            0.0
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn the_release_is_read_from_the_version_line() {
+        assert_eq!(
+            envoy_release("envoy  version: 9e55/1.40.0/Clean/RELEASE/BoringSSL"),
+            "Envoy 1.40.0"
+        );
+        assert_eq!(envoy_release("odd"), "odd");
+    }
+
+    #[test]
+    fn prompts_have_the_asked_size_and_differ_from_the_first_block() {
+        let p = Prompts::new(1000, 7);
+        let (a, b) = (p.body(1), p.body(2));
+        let v: serde_json::Value = serde_json::from_slice(&a).unwrap();
+        let prompt = v["prompt"].as_str().unwrap();
+        assert_eq!(prompt.len(), 4000);
+        assert!(prompt
+            .bytes()
+            .all(|c| c == b' ' || c.is_ascii_hexdigit() || c.is_ascii_lowercase()));
+        assert_ne!(a[..80], b[..80]);
+        assert_eq!(a.len(), b.len());
+        // Same seed, same text.
+        assert_eq!(Prompts::new(1000, 7).body(1), a);
+    }
+}

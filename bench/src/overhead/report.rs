@@ -1,0 +1,232 @@
+//! The overhead report's views: a Markdown table and an SVG chart of the added latency.
+
+use std::fmt::Write;
+
+use super::OverheadReport;
+use crate::report::svg::{Chart, Series};
+
+/// The design's targets for the added p50 (DESIGN.md): 0.1 ms at 8k-token prompts, 0.3 ms at
+/// 100k, flat up to 150 concurrent requests.
+pub const TARGET_P50_MS: [(u32, f64); 2] = [(8_000, 0.1), (100_000, 0.3)];
+
+fn ms(v: f64) -> String {
+    if v.abs() < 10.0 {
+        format!("{v:.2}")
+    } else {
+        format!("{v:.1}")
+    }
+}
+
+fn signed(v: f64) -> String {
+    if v >= 0.0 {
+        format!("+{}", ms(v))
+    } else {
+        ms(v)
+    }
+}
+
+/// The Markdown summary.
+pub fn summary(r: &OverheadReport) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "# kvoy-bench overhead\n");
+    let _ = writeln!(
+        s,
+        "Added latency of Envoy with the kvoy filters over plain Envoy (`ROUND_ROBIN`, no \
+         filter), same {} echo backends, {}, {} workers each; keep-alive clients, non-streamed \
+         completions with a one-token reply, every prompt distinct; the proxies alternate in {} \
+         rounds per row. Latencies in milliseconds.\n",
+        r.backends, r.envoy, r.workers, r.rounds
+    );
+    let direct = r.cells.iter().any(|c| c.proxy == "direct");
+    let _ = write!(
+        s,
+        "| prompt tokens | body | concurrency | Envoy p50 / p99 | kvoy p50 / p99 | **added p50** | added p99 | kvoy req/s vs Envoy |"
+    );
+    let _ = writeln!(
+        s,
+        "{}",
+        if direct {
+            " direct p50 | errors |"
+        } else {
+            " errors |"
+        }
+    );
+    let _ = writeln!(
+        s,
+        "|---:|---:|---:|---:|---:|---:|---:|---:|{}",
+        if direct { "---:|---:|" } else { "---:|" }
+    );
+    for (tokens, conc) in r.grid() {
+        let (Some(e), Some(k)) = (r.cell(tokens, conc, "envoy"), r.cell(tokens, conc, "kvoy"))
+        else {
+            continue;
+        };
+        let errors: usize = r
+            .cells
+            .iter()
+            .filter(|c| c.prompt_tokens == tokens && c.concurrency == conc)
+            .map(|c| c.errors)
+            .sum();
+        let throughput = if e.requests_per_s > 0.0 {
+            format!("{:.2}x", k.requests_per_s / e.requests_per_s)
+        } else {
+            "-".into()
+        };
+        let _ = write!(
+            s,
+            "| {} | {} KB | {} | {} / {} | {} / {} | **{}** | {} | {} |",
+            tokens,
+            e.body_bytes / 1024,
+            conc,
+            ms(e.latency.p50_ms),
+            ms(e.latency.p99_ms),
+            ms(k.latency.p50_ms),
+            ms(k.latency.p99_ms),
+            signed(k.latency.p50_ms - e.latency.p50_ms),
+            signed(k.latency.p99_ms - e.latency.p99_ms),
+            throughput,
+        );
+        if direct {
+            let d = r
+                .cell(tokens, conc, "direct")
+                .map_or("-".into(), |d| ms(d.latency.p50_ms));
+            let _ = write!(s, " {d} |");
+        }
+        let _ = writeln!(s, " {errors} |");
+    }
+    let _ = writeln!(s, "\nTargets (DESIGN.md): added p50 <= 0.1 ms at 8k-token prompts, <= 0.3 ms at 100k, flat up to 150 concurrent requests.\n");
+    for (tokens, target) in TARGET_P50_MS {
+        for (t, conc) in r.grid() {
+            if t != tokens {
+                continue;
+            }
+            if let Some((p50, _)) = r.added_ms(t, conc) {
+                let verdict = if p50 <= target { "met" } else { "missed" };
+                let _ = writeln!(
+                    s,
+                    "- {tokens} tokens, concurrency {conc}: added p50 {} ms against {target} ms: {verdict}",
+                    signed(p50)
+                );
+            }
+        }
+    }
+    let errors: Vec<String> = r
+        .cells
+        .iter()
+        .filter_map(|c| {
+            c.first_error.as_ref().map(|e| {
+                format!(
+                    "- {} at {} tokens, concurrency {}: {} errors, first: {e}",
+                    c.proxy, c.prompt_tokens, c.concurrency, c.errors
+                )
+            })
+        })
+        .collect();
+    if !errors.is_empty() {
+        let _ = writeln!(s, "\nErrors:\n\n{}", errors.join("\n"));
+    }
+    s
+}
+
+/// Added latency (p50 solid, p99 dashed) against the prompt size, one line per concurrency.
+pub fn chart(r: &OverheadReport) -> String {
+    const COLORS: [&str; 6] = [
+        "#d62728", "#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b",
+    ];
+    let mut concurrency: Vec<usize> = r.grid().into_iter().map(|(_, c)| c).collect();
+    concurrency.sort_unstable();
+    concurrency.dedup();
+    let mut series = Vec::new();
+    for (q, dashed) in [(0usize, false), (1, true)] {
+        for (i, &conc) in concurrency.iter().enumerate() {
+            let points = r
+                .grid()
+                .into_iter()
+                .filter(|&(_, c)| c == conc)
+                .filter_map(|(t, c)| {
+                    r.added_ms(t, c)
+                        .map(|a| (f64::from(t) / 1000.0, if q == 0 { a.0 } else { a.1 }))
+                })
+                .collect();
+            series.push(Series {
+                label: format!("concurrency {conc} {}", if dashed { "p99" } else { "p50" }),
+                color: COLORS[i % COLORS.len()],
+                dashed,
+                bold: false,
+                points,
+            });
+        }
+    }
+    Chart {
+        title: "Latency kvoy's filters add over plain Envoy".into(),
+        x_label: "prompt size, thousands of tokens".into(),
+        y_label: "added latency, ms (p50 solid, p99 dashed)".into(),
+        log_y: false,
+        y_max: None,
+        series,
+    }
+    .render()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::super::{Cell, Latency};
+    use super::*;
+
+    fn cell(tokens: u32, conc: usize, proxy: &str, p50: f64) -> Cell {
+        Cell {
+            prompt_tokens: tokens,
+            body_bytes: tokens as usize * 4 + 60,
+            concurrency: conc,
+            proxy: proxy.into(),
+            requests: 100,
+            errors: 0,
+            first_error: None,
+            latency: Latency {
+                p50_ms: p50,
+                p90_ms: p50 * 1.5,
+                p99_ms: p50 * 2.0,
+                mean_ms: p50,
+            },
+            requests_per_s: 1000.0 / p50,
+        }
+    }
+
+    #[test]
+    fn the_summary_states_added_latency_and_the_verdicts() {
+        let r = OverheadReport {
+            tool: "kvoy-bench overhead".into(),
+            envoy: "1.40.0".into(),
+            workers: 2,
+            backends: 4,
+            rounds: 2,
+            cells: vec![
+                cell(8_000, 1, "envoy", 1.0),
+                cell(8_000, 1, "kvoy", 1.05),
+                cell(100_000, 1, "envoy", 4.0),
+                cell(100_000, 1, "kvoy", 4.5),
+            ],
+        };
+        assert_eq!(
+            r.added_ms(8_000, 1),
+            Some((0.050000000000000044, 0.10000000000000009))
+        );
+        let md = summary(&r);
+        assert!(
+            md.contains("| 8000 | 31 KB | 1 | 1.00 / 2.00 | 1.05 / 2.10 | **+0.05** |"),
+            "{md}"
+        );
+        assert!(md.contains("8000 tokens, concurrency 1: added p50 +0.05 ms against 0.1 ms: met"));
+        assert!(
+            md.contains("100000 tokens, concurrency 1: added p50 +0.50 ms against 0.3 ms: missed")
+        );
+        let svg = chart(&r);
+        assert!(svg.starts_with("<svg") && svg.contains("concurrency 1 p50"));
+        let json = r.to_json().unwrap();
+        let back: OverheadReport = serde_json::from_str(&json).unwrap();
+        // serde_json's default float parsing may differ in the last bit; compare decisions.
+        assert_eq!(back.grid(), r.grid());
+        assert_eq!(back.cell(100_000, 1, "kvoy").unwrap().latency.p50_ms, 4.5);
+    }
+}

@@ -1,0 +1,39 @@
+//! The overhead benchmark end to end, small: real Envoy with and without the filters in front
+//! of echo backends. Every row must have every proxy, with every request answered, and the
+//! written files must carry the figures.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::PathBuf;
+
+use kvoy_bench::overhead::{self, OverheadGrid};
+
+#[test]
+fn every_row_measures_plain_envoy_kvoy_and_direct() {
+    let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join("kvoy-bench-overhead")
+        .join(std::process::id().to_string());
+    let mut grid = OverheadGrid::standard(run_dir.join("run"));
+    grid.prompt_tokens = vec![1_000, 8_000];
+    grid.concurrency = vec![1, 4];
+    grid.requests = 24;
+    let report = overhead::run(&grid, &|_| {}).unwrap();
+    assert_eq!(report.grid(), vec![(1_000, 1), (1_000, 4), (8_000, 1), (8_000, 4)]);
+    for (tokens, conc) in report.grid() {
+        for proxy in overhead::PROXIES {
+            let c = report.cell(tokens, conc, proxy).unwrap();
+            assert_eq!(
+                (c.requests, c.errors),
+                (24.max(8 * conc), 0),
+                "{proxy} at {tokens} tokens, concurrency {conc}: {:?}",
+                c.first_error
+            );
+            assert!(c.latency.p50_ms > 0.0 && c.latency.p50_ms <= c.latency.p99_ms);
+            assert!(c.body_bytes > tokens as usize * overhead::BYTES_PER_TOKEN);
+        }
+        assert!(report.added_ms(tokens, conc).is_some());
+    }
+    let written = report.write_all(&run_dir.join("out")).unwrap();
+    let md = std::fs::read_to_string(&written[1]).unwrap();
+    assert!(md.contains("| 8000 | 31 KB | 4 |"), "{md}");
+    let _ = std::fs::remove_dir_all(&run_dir);
+}
