@@ -104,7 +104,31 @@ fn run_live(options: kvoy_bench::live::cli::LiveArgs) -> Result<(), Box<dyn std:
         );
     };
     let report = kvoy_bench::live::run(&options.grid, &mut progress)?;
-    let written = report.write_all(&options.out)?;
+    let mut written = report.write_all(&options.out)?;
+    let open_loop = options.grid.arrivals == kvoy_bench::live::Arrivals::Open;
+    if options.sim_check && open_loop {
+        use kvoy_bench::live::compare;
+        let rates: Vec<f64> = report
+            .workloads
+            .iter()
+            .flat_map(|w| w.rates.iter().copied())
+            .collect();
+        let sim = compare::simulate(&options.grid, &rates)?;
+        let check = compare::compare(&report, &sim);
+        eprintln!(
+            "kvoy-bench live: the simulation of the same plan: rankings agree: {}, kvoy's TTFT \
+             ratios within {:.0}%: {} (largest deviation {:+.1}%)",
+            check.ranking_agrees,
+            compare::RATIO_TOLERANCE * 100.0,
+            check.ratios_within,
+            check.worst_deviation * 100.0
+        );
+        let md = options.out.join("sim-check.md");
+        std::fs::write(&md, compare::markdown(&check))?;
+        let json = options.out.join("sim-check.json");
+        std::fs::write(&json, serde_json::to_string_pretty(&check)? + "\n")?;
+        written.extend([md, json]);
+    }
     eprintln!(
         "kvoy-bench live: {} runs in {:.1} s wall time",
         report.workloads.iter().map(|w| w.runs.len()).sum::<usize>(),

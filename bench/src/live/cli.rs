@@ -32,6 +32,8 @@ run. Times are reported in the modelled GPU's seconds (real time x --speedup).
   --closed N            closed loop at N sessions in flight instead of open-loop arrivals
   --run-deadline S      real seconds one run may take at most (default 180)
   --seed N              (default 1)
+  --no-sim-check        skip simulating the same plan afterwards (sim-check.md: do the policies
+                        rank the same, are kvoy's TTFT ratios within 25%?)
   --out DIR             output directory (default bench/results/live)
   --quiet               no progress lines
 ";
@@ -42,6 +44,8 @@ pub struct LiveArgs {
     pub grid: LiveGrid,
     pub out: PathBuf,
     pub quiet: bool,
+    /// Simulate the same plan afterwards and compare (open-loop arrivals only).
+    pub sim_check: bool,
 }
 
 fn value<'a>(
@@ -105,6 +109,7 @@ pub fn parse(args: &[String]) -> Result<LiveArgs, CliError> {
     let mut seed = 1u64;
     let mut out = PathBuf::from("bench/results/live");
     let mut quiet = false;
+    let mut sim_check = true;
     let mut it = args.iter();
     while let Some(flag) = it.next() {
         match flag.as_str() {
@@ -174,6 +179,7 @@ pub fn parse(args: &[String]) -> Result<LiveArgs, CliError> {
             "--seed" => seed = number(value(&mut it, "--seed")?, "--seed", "an integer")?,
             "--out" => out = PathBuf::from(value(&mut it, "--out")?),
             "--quiet" => quiet = true,
+            "--no-sim-check" => sim_check = false,
             other => return Err(CliError::UnknownFlag(other.to_owned())),
         }
     }
@@ -215,6 +221,7 @@ pub fn parse(args: &[String]) -> Result<LiveArgs, CliError> {
         },
         out,
         quiet,
+        sim_check,
     })
 }
 
@@ -224,6 +231,7 @@ impl PartialEq for LiveArgs {
     fn eq(&self, other: &Self) -> bool {
         self.out == other.out
             && self.quiet == other.quiet
+            && self.sim_check == other.sim_check
             && format!("{:?}", self.grid) == format!("{:?}", other.grid)
     }
 }

@@ -15,6 +15,7 @@
 //! overhead 10 ms of reported time, small next to the prefills the benchmark measures).
 
 pub mod cli;
+pub mod compare;
 pub mod driver;
 mod fleet;
 
