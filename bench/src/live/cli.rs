@@ -25,10 +25,10 @@ run. Times are reported in the modelled GPU's seconds (real time x --speedup).
   --profile NAME        llama-8b-h100 (default) or qwen-32b-h100-tp2
   --speedup F           simulators and arrivals this much faster than the model (default 2)
   --rates LIST          `1.5x` multiples of the estimated saturation rate, or requests/s of
-                        the model's time (default 0.5x,1x,2x)
+                        the model's time (default 0.5x,1x,2x,3x)
   --output-scale F      shared-prefix: multiply the 1,000 output tokens (default 0.1)
   --scale F             shared-prefix: multiply the prompt lengths too (default 1)
-  --requests N          requests per run (default 400)
+  --requests N          requests per run (default 500)
   --closed N            closed loop at N sessions in flight instead of open-loop arrivals
   --run-deadline S      real seconds one run may take at most (default 180)
   --seed N              (default 1)
@@ -101,9 +101,10 @@ pub fn parse(args: &[String]) -> Result<LiveArgs, CliError> {
         Rate::Saturation(0.5),
         Rate::Saturation(1.0),
         Rate::Saturation(2.0),
+        Rate::Saturation(3.0),
     ];
     let (mut output_scale, mut scale) = (0.1f64, 1.0f64);
-    let mut requests = 400usize;
+    let mut requests = 500usize;
     let mut arrivals = Arrivals::Open;
     let mut deadline = 180u64;
     let mut seed = 1u64;
