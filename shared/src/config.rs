@@ -297,6 +297,7 @@ impl TryFrom<RawConfig> for PluginConfig {
             endpoints.push(Endpoint {
                 load: EndpointLoad {
                     waiting: e.waiting,
+                    running: None,
                     kv_cache_usage: e.kv_cache_usage,
                 },
                 ..Endpoint::new(address, e.models)

@@ -72,6 +72,9 @@ pub enum Health {
 pub struct EndpointLoad {
     /// Requests waiting in the server's queue, when known.
     pub waiting: Option<u32>,
+    /// Requests the server is running, when known (with `waiting`: everything it holds, from
+    /// every proxy, this one's included).
+    pub running: Option<u32>,
     /// KV-cache use in [0, 1], when known.
     pub kv_cache_usage: Option<f64>,
 }

@@ -176,6 +176,7 @@ pub fn live_pool(snapshot: &Snapshot, with_loads: bool) -> Pool {
         let load = if with_loads && s.ready && !s.stale {
             EndpointLoad {
                 waiting: Some(s.waiting),
+                running: Some(s.running),
                 kv_cache_usage: Some(f64::from(s.kv_cache_usage)),
             }
         } else {

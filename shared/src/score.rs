@@ -10,7 +10,9 @@
 //! A scorer with no data for any candidate is left out; a candidate without data where others
 //! have it scores 0 on that scorer (unknown load is treated as the worst).
 //!
-//! Hot-spot guard: a candidate's load is its in-flight count plus its known waiting queue. A
+//! Hot-spot guard: a candidate's load is what it holds as far as this proxy knows
+//! ([`Candidate::guard_load`]: the server's waiting + running when the aggregator reports them,
+//! at least this proxy's in-flight count). A
 //! candidate whose load is at least `abs` above the least-loaded candidate *and* more than `rel`
 //! times it loses its prefix score for this decision. A burst of same-prefix requests therefore
 //! fills the cache holder up to `abs` extra requests, then spills to the next best endpoint,
@@ -35,10 +37,18 @@ pub struct Candidate {
 }
 
 impl Candidate {
-    /// In-flight plus known waiting requests: what the hot-spot guard and the session break
-    /// compare.
+    /// The requests the endpoint holds, as well as this proxy knows: what the hot-spot guard
+    /// and the session break compare. With the server's own figures (waiting + running, which
+    /// count this proxy's requests too, up to a scrape late) the larger of those and this
+    /// proxy's in-flight count, never the sum, which would count this proxy's requests twice;
+    /// with a queue length alone (a static pool's `waiting`), in-flight plus waiting.
     pub fn guard_load(&self) -> u64 {
-        u64::from(self.inflight) + u64::from(self.load.waiting.unwrap_or(0))
+        let ours = u64::from(self.inflight);
+        match (self.load.waiting, self.load.running) {
+            (Some(waiting), Some(running)) => ours.max(u64::from(waiting) + u64::from(running)),
+            (Some(waiting), None) => ours + u64::from(waiting),
+            (None, _) => ours,
+        }
     }
 }
 
@@ -251,16 +261,38 @@ mod tests {
         let mut b = cand(1, 0, 0);
         a.load = EndpointLoad {
             waiting: Some(10),
+            running: None,
             kv_cache_usage: Some(0.9),
         };
         b.load = EndpointLoad {
             waiting: Some(0),
+            running: None,
             kv_cache_usage: Some(0.1),
         };
         assert_eq!(choose(&[a, b], 4, 3), 1);
         // unknown load where others are known scores as the worst
         let c = cand(2, 0, 0);
         assert_eq!(choose(&[c, b], 4, 3), 1);
+    }
+
+    #[test]
+    fn the_servers_own_count_is_not_added_to_this_proxys() {
+        // 10 in flight from this proxy, which the server reports as 8 running + 2 waiting.
+        let mut c = cand(0, 0, 10);
+        c.load = EndpointLoad {
+            waiting: Some(2),
+            running: Some(8),
+            kv_cache_usage: None,
+        };
+        assert_eq!(c.guard_load(), 10);
+        // Other proxies' requests show in the server's count.
+        c.load.running = Some(30);
+        assert_eq!(c.guard_load(), 32);
+        // A queue length alone (no running count) adds, as before.
+        c.load.running = None;
+        assert_eq!(c.guard_load(), 12);
+        c.load.waiting = None;
+        assert_eq!(c.guard_load(), 10);
     }
 
     #[test]
