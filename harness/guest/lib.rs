@@ -3,6 +3,7 @@
 //! The plugin configuration is `;`-separated words: `tick=<ms>` arms a tick, `queue` registers
 //! queue "q", `fail` makes `on_configure` return false, `panic` panics there. Each request names
 //! what to do in `x-test-action`; results come back as request headers (`x-*`) or log lines.
+//! gRPC callouts (`grpc-*` actions) report their callbacks as `grpc ...` log lines.
 
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
@@ -200,9 +201,65 @@ impl Probe {
                 eprintln!("hello from stderr");
             }
             "continue" => return Action::Continue,
-            _ => {}
+            _ => return self.grpc(action),
         }
         Action::Pause
+    }
+
+    /// The gRPC actions; statuses come back as `x-grpc-*` request headers.
+    fn grpc(&mut self, action: &str) -> Action {
+        let metadata: Vec<(&str, &[u8])> = vec![("x-md", b"1")];
+        match action.split_once(':') {
+            Some(("grpc-close", token)) => {
+                let result = hostcalls::close_grpc_stream(token.parse().unwrap_or(0));
+                self.set_http_request_header("x-grpc-close", Some(&format!("{result:?}")));
+                return Action::Continue;
+            }
+            Some(("grpc-call", cluster)) => {
+                let token = self.dispatch_grpc_call(
+                    cluster,
+                    "kvoy.Scorer",
+                    "Score",
+                    metadata,
+                    Some(b"ping"),
+                    Duration::from_millis(250),
+                );
+                self.set_http_request_header("x-grpc-call", Some(&format!("{token:?}")));
+                return if token.is_ok() {
+                    Action::Pause
+                } else {
+                    Action::Continue
+                };
+            }
+            _ => {}
+        }
+        match action {
+            "grpc-stream" => {
+                let token = self.open_grpc_stream("scorer", "kvoy.Events", "Watch", metadata);
+                self.set_http_request_header("x-grpc-stream", Some(&format!("{token:?}")));
+                if let Ok(token) = token {
+                    let sent = hostcalls::send_grpc_stream_message(token, Some(b"hello"), false);
+                    self.set_http_request_header("x-grpc-send", Some(&format!("{sent:?}")));
+                }
+            }
+            "grpc-misuse" => {
+                let call = self
+                    .dispatch_grpc_call("scorer", "s", "m", vec![], None, Duration::ZERO)
+                    .unwrap_or(0);
+                let on_call = hostcalls::send_grpc_stream_message(call, Some(b"x"), false);
+                let unknown = hostcalls::send_grpc_stream_message(1002, Some(b"x"), false);
+                let cancel = hostcalls::cancel_grpc_call(call);
+                let again = hostcalls::cancel_grpc_call(call);
+                let close = hostcalls::close_grpc_stream(1002);
+                let report = format!(
+                    "call={call} send-on-call={on_call:?} send-unknown={unknown:?} \
+                     cancel={cancel:?} cancel-again={again:?} close-unknown={close:?}"
+                );
+                self.set_http_request_header("x-grpc-misuse", Some(&report));
+            }
+            _ => return Action::Pause,
+        }
+        Action::Continue
     }
 
     fn shared_data(&mut self) {
@@ -259,6 +316,68 @@ impl Context for Probe {
         );
         self.set_http_request_header("x-callout-result", Some(&report));
         self.resume_http_request();
+    }
+
+    fn on_grpc_call_response(&mut self, token: u32, status: u32, size: usize) {
+        let body = self
+            .get_grpc_call_response_body(0, size)
+            .unwrap_or_default();
+        let (code, message) = self.get_grpc_status();
+        let report = format!(
+            "token={token} status={status} body={} code={code} message={message:?}",
+            text(&body)
+        );
+        log::info!("grpc call context={} {report}", self.context_id);
+        self.set_http_request_header("x-grpc-result", Some(&report));
+        self.resume_http_request();
+    }
+
+    fn on_grpc_stream_initial_metadata(&mut self, token: u32, count: u32) {
+        let pairs = metadata_text(self.get_grpc_stream_initial_metadata());
+        log::info!("grpc stream {token} initial count={count} {pairs}");
+    }
+
+    fn on_grpc_stream_message(&mut self, token: u32, size: usize) {
+        self.grpc_stream_message(token, size);
+    }
+
+    fn on_grpc_stream_trailing_metadata(&mut self, token: u32, count: u32) {
+        let pairs = metadata_text(self.get_grpc_stream_trailing_metadata());
+        log::info!("grpc stream {token} trailing count={count} {pairs}");
+    }
+
+    fn on_grpc_stream_close(&mut self, token: u32, status: u32) {
+        let (code, message) = self.get_grpc_status();
+        log::info!("grpc stream {token} closed status={status} code={code} message={message:?}");
+    }
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn metadata_text(pairs: Vec<(String, Vec<u8>)>) -> String {
+    let pairs: Vec<String> = pairs
+        .into_iter()
+        .map(|(k, v)| format!("{k}={}", text(&v)))
+        .collect();
+    pairs.join(",")
+}
+
+impl Probe {
+    fn grpc_stream_message(&mut self, token: u32, size: usize) {
+        let message = self.get_grpc_stream_message(0, size).unwrap_or_default();
+        let message = text(&message);
+        log::info!(
+            "grpc stream {token} context={} message={message}",
+            self.context_id
+        );
+        let reply = match message.as_str() {
+            "close" => hostcalls::close_grpc_stream(token),
+            "cancel" => hostcalls::cancel_grpc_stream(token),
+            _ => hostcalls::send_grpc_stream_message(token, Some(b"ack"), message == "last"),
+        };
+        log::info!("grpc stream {token} reply={reply:?}");
     }
 }
 

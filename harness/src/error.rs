@@ -77,6 +77,9 @@ pub enum Error {
     #[error("no pending HTTP call with token {token} on VM {vm}")]
     UnknownHttpCall { vm: usize, token: u32 },
 
+    #[error("no open gRPC call or stream with token {token} on VM {vm}")]
+    UnknownGrpcCall { vm: usize, token: u32 },
+
     #[error("no shared queue named {name:?} (vm_id {vm_id:?})")]
     UnknownQueue { vm_id: String, name: String },
 

@@ -5,11 +5,11 @@
 //! starts one per worker thread, and drives HTTP streams through them with Envoy's semantics
 //! (see `harness/README.md` for what is implemented and where it differs). The VMs share
 //! shared data (with CAS), shared queues, metrics, captured logs and a virtual clock that only
-//! moves when the test calls [`Plugin::advance`]. HTTP callouts and foreign functions are
-//! recorded for the test to answer (or, with [`PluginBuilder::upstream`], callouts go to a real
-//! address). A guest trap (a Rust panic) becomes an [`Error::Trap`] from the call that caused
-//! it, with the panic message. A [`FilterChain`] runs several plugins in order, as Envoy's
-//! `http_filters` (kvoy-local runs kvoy's chain with it).
+//! moves when the test calls [`Plugin::advance`]. HTTP and gRPC callouts and foreign functions
+//! are recorded for the test to answer (or, with [`PluginBuilder::upstream`], HTTP callouts go
+//! to a real address). A guest trap (a Rust panic) becomes an [`Error::Trap`] from the call
+//! that caused it, with the panic message. A [`FilterChain`] runs several plugins in order, as
+//! Envoy's `http_filters` (kvoy-local runs kvoy's chain with it).
 //!
 //! ```no_run
 //! use kvoy_harness::{testing, Action};
@@ -42,6 +42,8 @@ mod callouts;
 mod chain;
 mod clock;
 mod error;
+mod grpc;
+mod grpc_driver;
 mod headers;
 mod host;
 mod http_driver;
@@ -63,6 +65,7 @@ mod wasi;
 pub use callouts::{ForeignCall, ForeignFunction, HttpCall, HttpResponse, LocalReply};
 pub use chain::{ChainState, ChainStream, Downstream, FilterChain, UpstreamRequest};
 pub use error::{Error, Result};
+pub use grpc::{GrpcCall, GrpcStream, GrpcTarget};
 pub use headers::{decode_pairs, encode_pairs, HeaderMap, PairsError, RawPair};
 pub use host::Host;
 pub use logs::{LogEntry, LogSource, ECHO_ENV};

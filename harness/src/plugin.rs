@@ -187,6 +187,8 @@ impl PluginBuilder {
             http_calls: Vec::new(),
             real_calls: Vec::new(),
             foreign_calls: Vec::new(),
+            grpc_calls: Vec::new(),
+            grpc_streams: Vec::new(),
             properties: self.properties,
         };
         let (finished_tx, finished_rx) = std::sync::mpsc::channel();
@@ -490,6 +492,11 @@ impl Plugin {
             Err(Error::UnknownHttpCall { .. } | Error::VmFailed { .. }) => Ok(false),
             Err(e) => Err(e),
         }
+    }
+
+    /// The process-wide state (for the drivers in other modules).
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
     }
 
     /// Every `proxy_call_foreign_function` call so far.

@@ -34,6 +34,10 @@ pub(crate) struct Exports {
     pub log: Func<u32, ()>,
     pub delete: Func<u32, ()>,
     http_call_response: Func<(u32, u32, u32, u32, u32), ()>,
+    pub grpc_initial_metadata: Func<(u32, u32, u32), ()>,
+    pub grpc_receive: Func<(u32, u32, u32), ()>,
+    pub grpc_trailing_metadata: Func<(u32, u32, u32), ()>,
+    pub grpc_close: Func<(u32, u32, u32), ()>,
 }
 
 fn typed<P: WasmParams, R: WasmResults>(
@@ -70,6 +74,18 @@ impl Exports {
             log: typed(instance, store, "proxy_on_log")?,
             delete: typed(instance, store, "proxy_on_delete")?,
             http_call_response: typed(instance, store, "proxy_on_http_call_response")?,
+            grpc_initial_metadata: typed(
+                instance,
+                store,
+                "proxy_on_grpc_receive_initial_metadata",
+            )?,
+            grpc_receive: typed(instance, store, "proxy_on_grpc_receive")?,
+            grpc_trailing_metadata: typed(
+                instance,
+                store,
+                "proxy_on_grpc_receive_trailing_metadata",
+            )?,
+            grpc_close: typed(instance, store, "proxy_on_grpc_close")?,
         })
     }
 }

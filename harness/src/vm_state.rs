@@ -6,6 +6,8 @@ use std::sync::Arc;
 use wasmtime::{Memory, TypedFunc};
 
 use crate::callouts::HttpResponse;
+use crate::grpc::{CalloutIds, CalloutKind};
+use crate::headers::HeaderMap;
 use crate::logs::{LineSplitter, LogEntry, LogSource};
 use crate::shared::Shared;
 use crate::stream_state::StreamState;
@@ -51,7 +53,12 @@ pub(crate) struct VmState {
     pub http_response: Option<HttpResponse>,
     /// What `proxy_get_status` reports during a callout callback.
     pub call_status: (u32, String),
-    pub next_token: u32,
+    pub callout_ids: CalloutIds,
+    /// The message being delivered to `proxy_on_grpc_receive` (`GrpcReceiveBuffer`).
+    pub grpc_receive: Option<Vec<u8>>,
+    /// The metadata being delivered to `proxy_on_grpc_receive_{initial,trailing}_metadata`.
+    pub grpc_initial_metadata: Option<HeaderMap>,
+    pub grpc_trailing_metadata: Option<HeaderMap>,
     /// Streams that sent a local reply during the current guest call.
     pub local_replies: Vec<u32>,
     pub stdout: LineSplitter,
@@ -75,7 +82,10 @@ impl VmState {
             streams: HashMap::new(),
             http_response: None,
             call_status: (0, String::new()),
-            next_token: 1,
+            callout_ids: CalloutIds::default(),
+            grpc_receive: None,
+            grpc_initial_metadata: None,
+            grpc_trailing_metadata: None,
             local_replies: Vec::new(),
             stdout: LineSplitter::default(),
             stderr: LineSplitter::default(),
@@ -127,11 +137,9 @@ impl VmState {
         context_id == self.root_id || self.streams.get(&context_id).is_some_and(|s| !s.finished)
     }
 
-    /// A fresh callout token (per VM, never 0).
-    pub fn take_token(&mut self) -> u32 {
-        let token = self.next_token;
-        self.next_token = self.next_token.wrapping_add(1).max(1);
-        token
+    /// A fresh callout token of a kind (per VM, Envoy's sequences).
+    pub fn take_token(&mut self, kind: CalloutKind) -> u32 {
+        self.callout_ids.next(kind)
     }
 }
 

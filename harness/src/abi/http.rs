@@ -1,4 +1,4 @@
-//! Stream control (local replies, continue, close) and HTTP callouts; gRPC is not implemented.
+//! Stream control (local replies, continue, close) and HTTP callouts.
 
 use std::time::Duration;
 
@@ -7,6 +7,7 @@ use wasmtime::{Caller, Linker};
 use super::memory::{read, read_string, write_u32};
 use super::{env_fn, to_status, AbiResult};
 use crate::callouts::{HttpCall, LocalReply};
+use crate::grpc::CalloutKind;
 use crate::headers::HeaderMap;
 use crate::logs::LogSource;
 use crate::stream_state::StreamEvent;
@@ -70,48 +71,6 @@ pub(super) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
             token_ptr
         )
     );
-    linker.func_wrap(
-        "env",
-        "proxy_grpc_call",
-        |mut caller: Ctx<'_>,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32| { to_status(grpc_unsupported(&mut caller)) },
-    )?;
-    linker.func_wrap(
-        "env",
-        "proxy_grpc_stream",
-        |mut caller: Ctx<'_>,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32| { to_status(grpc_unsupported(&mut caller)) },
-    )?;
-    linker.func_wrap(
-        "env",
-        "proxy_grpc_send",
-        |_: Ctx<'_>, _: i32, _: i32, _: i32, _: i32| Status::NotFound as i32,
-    )?;
-    linker.func_wrap("env", "proxy_grpc_cancel", |_: Ctx<'_>, _: i32| {
-        Status::NotFound as i32
-    })?;
-    linker.func_wrap("env", "proxy_grpc_close", |_: Ctx<'_>, _: i32| {
-        Status::NotFound as i32
-    })?;
     Ok(())
 }
 
@@ -231,7 +190,7 @@ fn http_call(
     {
         return Err(Status::BadArgument.into());
     }
-    let token = state.take_token();
+    let token = state.take_token(CalloutKind::Http);
     let call = HttpCall {
         vm: state.vm,
         context_id: state.effective,
@@ -252,12 +211,4 @@ fn http_call(
         None => shared.lock().http_calls.push(call),
     }
     Ok(())
-}
-
-fn grpc_unsupported(caller: &mut Ctx<'_>) -> AbiResult {
-    let message = "gRPC callouts are not implemented by the harness".to_owned();
-    caller
-        .data_mut()
-        .log(LogLevel::Warn, LogSource::Host, message);
-    Err(Status::InternalFailure.into())
 }
