@@ -3,23 +3,27 @@
 //! The plugin configuration is `;`-separated words: `tick=<ms>` arms a tick, `queue` registers
 //! queue "q", `fail` makes `on_configure` return false, `panic` panics there. Each request names
 //! what to do in `x-test-action`; results come back as request headers (`x-*`) or log lines.
-//! gRPC callouts (`grpc-*` actions) report their callbacks as `grpc ...` log lines.
+//! gRPC callouts (`grpc-*` actions) report their callbacks as `grpc ...` log lines. With the
+//! word `tcp` the plugin is a network filter instead: the data itself says what to do (see
+//! `TcpProbe`), and every callback logs a `tcp ...` line.
 
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 use std::time::{Duration, UNIX_EPOCH};
 
 use proxy_wasm::hostcalls;
-use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, ContextType, LogLevel, MetricType};
+use proxy_wasm::traits::{Context, HttpContext, RootContext, StreamContext};
+use proxy_wasm::types::{Action, ContextType, LogLevel, MetricType, PeerType};
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Trace);
-    proxy_wasm::set_root_context(|_| Box::new(Root { queue: None }));
+    proxy_wasm::set_root_context(|_| Box::new(Root { queue: None, tcp: false }));
 }}
 
 struct Root {
     queue: Option<u32>,
+    /// A network filter (configuration word `tcp`).
+    tcp: bool,
 }
 
 impl Context for Root {
@@ -72,6 +76,7 @@ impl RootContext for Root {
                 }
                 _ => match word {
                     "queue" => self.queue = Some(self.register_shared_queue("q")),
+                    "tcp" => self.tcp = true,
                     "fail" => return false,
                     "panic" => panic!("configure panicked on purpose"),
                     _ => {}
@@ -104,8 +109,16 @@ impl RootContext for Root {
         }))
     }
 
+    fn create_stream_context(&self, context_id: u32) -> Option<Box<dyn StreamContext>> {
+        Some(Box::new(TcpProbe { context_id }))
+    }
+
     fn get_type(&self) -> Option<ContextType> {
-        Some(ContextType::HttpContext)
+        Some(if self.tcp {
+            ContextType::StreamContext
+        } else {
+            ContextType::HttpContext
+        })
     }
 }
 
@@ -436,5 +449,71 @@ impl HttpContext for Probe {
             "on_log context={} path={path} status={status}",
             self.context_id
         );
+    }
+}
+
+/// A network filter. Downstream data ending in `hold` is held (`Pause`); `release` resumes
+/// what is held; `rewrite` and `append` change the data; `close` / `close-upstream` close the
+/// connection. Upstream data ending in `hold` is held; `upper` is upper-cased.
+struct TcpProbe {
+    context_id: u32,
+}
+
+impl Context for TcpProbe {
+    fn on_done(&mut self) -> bool {
+        log::info!("tcp done context={}", self.context_id);
+        true
+    }
+}
+
+impl StreamContext for TcpProbe {
+    fn on_new_connection(&mut self) -> Action {
+        log::info!("tcp new context={}", self.context_id);
+        Action::Continue
+    }
+
+    fn on_downstream_data(&mut self, size: usize, end_of_stream: bool) -> Action {
+        let data = text(&self.get_downstream_data(0, size).unwrap_or_default());
+        log::info!("tcp downstream size={size} eos={end_of_stream} data={data}");
+        match data.as_str() {
+            "rewrite" => self.set_downstream_data(0, size, b"REWRITTEN"),
+            "append" => self.set_downstream_data(size, 0, b"+tail"),
+            "close" => self.close_downstream(),
+            "close-upstream" => self.close_upstream(),
+            _ if data.ends_with("hold") => return Action::Pause,
+            _ if data.ends_with("release") => {
+                self.resume_downstream();
+                return Action::Pause;
+            }
+            _ => {}
+        }
+        Action::Continue
+    }
+
+    fn on_downstream_close(&mut self, peer: PeerType) {
+        log::info!("tcp downstream close {peer:?} context={}", self.context_id);
+    }
+
+    fn on_upstream_data(&mut self, size: usize, end_of_stream: bool) -> Action {
+        let data = self.get_upstream_data(0, size).unwrap_or_default();
+        log::info!(
+            "tcp upstream size={size} eos={end_of_stream} data={}",
+            text(&data)
+        );
+        if data.ends_with(b"hold") {
+            return Action::Pause;
+        }
+        if data == b"upper" {
+            self.set_upstream_data(0, size, &data.to_ascii_uppercase());
+        }
+        Action::Continue
+    }
+
+    fn on_upstream_close(&mut self, peer: PeerType) {
+        log::info!("tcp upstream close {peer:?}");
+    }
+
+    fn on_log(&mut self) {
+        log::info!("tcp log context={}", self.context_id);
     }
 }

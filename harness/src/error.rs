@@ -74,6 +74,9 @@ pub enum Error {
     #[error("stream {context_id} on VM {vm} is finished")]
     StreamFinished { vm: usize, context_id: u32 },
 
+    #[error("connection {context_id} on VM {vm} was already started")]
+    ConnectionStarted { vm: usize, context_id: u32 },
+
     #[error("no pending HTTP call with token {token} on VM {vm}")]
     UnknownHttpCall { vm: usize, token: u32 },
 

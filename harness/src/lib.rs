@@ -2,7 +2,8 @@
 //! Envoy.
 //!
 //! It loads a filter built for `wasm32-wasip1`, starts a [`Plugin`] of N VMs the way Envoy
-//! starts one per worker thread, and drives HTTP streams through them with Envoy's semantics
+//! starts one per worker thread, and drives HTTP streams (or TCP connections through a network
+//! filter, [`Connection`]) through them with Envoy's semantics
 //! (see `harness/README.md` for what is implemented and where it differs). The VMs share
 //! shared data (with CAS), shared queues, metrics, captured logs and a virtual clock that only
 //! moves when the test calls [`Plugin::advance`]. HTTP and gRPC callouts and foreign functions
@@ -41,6 +42,8 @@ mod abi;
 mod callouts;
 mod chain;
 mod clock;
+mod connection;
+mod connection_state;
 mod error;
 mod grpc;
 mod grpc_driver;
@@ -49,6 +52,7 @@ mod host;
 mod http_driver;
 mod logs;
 mod metrics;
+mod net_driver;
 mod plugin;
 mod queues;
 mod shared;
@@ -64,6 +68,8 @@ mod wasi;
 
 pub use callouts::{ForeignCall, ForeignFunction, HttpCall, HttpResponse, LocalReply};
 pub use chain::{ChainState, ChainStream, Downstream, FilterChain, UpstreamRequest};
+pub use connection::Connection;
+pub use connection_state::ConnectionEvent;
 pub use error::{Error, Result};
 pub use grpc::{GrpcCall, GrpcStream, GrpcTarget};
 pub use headers::{decode_pairs, encode_pairs, HeaderMap, PairsError, RawPair};
@@ -73,4 +79,4 @@ pub use metrics::Metric;
 pub use plugin::{Plugin, PluginBuilder, VmRef};
 pub use stream::HttpStream;
 pub use stream_state::StreamEvent;
-pub use types::{Action, BufferType, LogLevel, MapType, MetricType, Status, StreamType};
+pub use types::{Action, BufferType, CloseType, LogLevel, MapType, MetricType, Status, StreamType};

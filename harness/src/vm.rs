@@ -38,6 +38,11 @@ pub(crate) struct Exports {
     pub grpc_receive: Func<(u32, u32, u32), ()>,
     pub grpc_trailing_metadata: Func<(u32, u32, u32), ()>,
     pub grpc_close: Func<(u32, u32, u32), ()>,
+    pub new_connection: Func<u32, u32>,
+    pub downstream_data: Func<(u32, u32, u32), u32>,
+    pub upstream_data: Func<(u32, u32, u32), u32>,
+    pub downstream_close: Func<(u32, u32), ()>,
+    pub upstream_close: Func<(u32, u32), ()>,
 }
 
 fn typed<P: WasmParams, R: WasmResults>(
@@ -86,6 +91,11 @@ impl Exports {
                 "proxy_on_grpc_receive_trailing_metadata",
             )?,
             grpc_close: typed(instance, store, "proxy_on_grpc_close")?,
+            new_connection: typed(instance, store, "proxy_on_new_connection")?,
+            downstream_data: typed(instance, store, "proxy_on_downstream_data")?,
+            upstream_data: typed(instance, store, "proxy_on_upstream_data")?,
+            downstream_close: typed(instance, store, "proxy_on_downstream_connection_close")?,
+            upstream_close: typed(instance, store, "proxy_on_upstream_connection_close")?,
         })
     }
 }
@@ -346,12 +356,13 @@ impl VmInstance {
         self.after_call()
     }
 
-    /// Applies what the guest deferred to after its call: local replies.
+    /// Applies what the guest deferred to after its call: local replies, and a connection's
+    /// continue or close.
     pub fn after_call(&mut self) -> Result<()> {
         while let Some(context) = self.store.data_mut().local_replies.pop() {
             self.apply_local_reply(context)?;
         }
-        Ok(())
+        self.apply_connection_actions()
     }
 }
 

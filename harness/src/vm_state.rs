@@ -6,6 +6,7 @@ use std::sync::Arc;
 use wasmtime::{Memory, TypedFunc};
 
 use crate::callouts::HttpResponse;
+use crate::connection_state::ConnectionState;
 use crate::grpc::{CalloutIds, CalloutKind};
 use crate::headers::HeaderMap;
 use crate::logs::{LineSplitter, LogEntry, LogSource};
@@ -49,6 +50,10 @@ pub(crate) struct VmState {
     /// Inside `proxy_on_configure`: only then is the plugin configuration readable (as in Envoy).
     pub configuring: bool,
     pub streams: HashMap<u32, StreamState>,
+    /// Network (TCP) filter contexts; a finished one stays until its handle is dropped.
+    pub connections: HashMap<u32, ConnectionState>,
+    /// Connections that asked for a continue or close during the current guest call.
+    pub connection_actions: Vec<u32>,
     /// The response being delivered to `proxy_on_http_call_response`.
     pub http_response: Option<HttpResponse>,
     /// What `proxy_get_status` reports during a callout callback.
@@ -80,6 +85,8 @@ impl VmState {
             effective: 1,
             configuring: false,
             streams: HashMap::new(),
+            connections: HashMap::new(),
+            connection_actions: Vec::new(),
             http_response: None,
             call_status: (0, String::new()),
             callout_ids: CalloutIds::default(),
@@ -132,9 +139,28 @@ impl VmState {
             .filter(|s| !s.finished)
     }
 
-    /// Whether a context id names the root context or a live stream.
+    /// The connection the effective context names, if it is a live network context.
+    pub fn connection(&self) -> Option<&ConnectionState> {
+        self.connections
+            .get(&self.effective)
+            .filter(|c| c.created && !c.finished)
+    }
+
+    /// Mutable [`VmState::connection`].
+    pub fn connection_mut(&mut self) -> Option<&mut ConnectionState> {
+        self.connections
+            .get_mut(&self.effective)
+            .filter(|c| c.created && !c.finished)
+    }
+
+    /// Whether a context id names the root context, a live stream or a live connection.
     pub fn is_live_context(&self, context_id: u32) -> bool {
-        context_id == self.root_id || self.streams.get(&context_id).is_some_and(|s| !s.finished)
+        context_id == self.root_id
+            || self.streams.get(&context_id).is_some_and(|s| !s.finished)
+            || self
+                .connections
+                .get(&context_id)
+                .is_some_and(|c| c.created && !c.finished)
     }
 
     /// A fresh callout token of a kind (per VM, Envoy's sequences).

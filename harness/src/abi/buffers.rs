@@ -44,7 +44,11 @@ fn buffer(state: &VmState, kind: BufferType) -> Option<&[u8]> {
         BufferType::HttpResponseBody => Some(state.stream().map_or(EMPTY, |s| &s.response.body)),
         BufferType::HttpCallResponseBody => state.http_response.as_ref().map(|r| &r.body[..]),
         BufferType::GrpcReceiveBuffer => Some(state.grpc_receive.as_deref().unwrap_or(EMPTY)),
-        BufferType::DownstreamData | BufferType::UpstreamData => Some(EMPTY),
+        // Envoy's pointer to the connection's data: outside its lifetime an empty buffer.
+        BufferType::DownstreamData => {
+            Some(state.connection().map_or(EMPTY, |c| c.downstream.held()))
+        }
+        BufferType::UpstreamData => Some(state.connection().map_or(EMPTY, |c| c.upstream.held())),
         BufferType::CallData => None,
     }
 }
@@ -90,13 +94,22 @@ fn get_buffer_status(
 }
 
 /// The buffer a type names if the guest may change it now: the stream's bodies, the gRPC
-/// message during `proxy_on_grpc_receive` (Envoy hands over the received buffer itself).
+/// message during `proxy_on_grpc_receive` (Envoy hands over the received buffer itself), a
+/// connection's data from its callback until the filter lets it go.
 /// Everything else is Envoy's immutable or null buffer: `BadArgument`.
 fn writable(state: &mut VmState, kind: BufferType) -> Option<&mut Vec<u8>> {
     match kind {
         BufferType::HttpRequestBody => state.stream_mut().map(|s| &mut s.request.body),
         BufferType::HttpResponseBody => state.stream_mut().map(|s| &mut s.response.body),
         BufferType::GrpcReceiveBuffer => state.grpc_receive.as_mut(),
+        BufferType::DownstreamData => state
+            .connection_mut()
+            .filter(|c| c.downstream.live)
+            .map(|c| &mut c.downstream.buffer),
+        BufferType::UpstreamData => state
+            .connection_mut()
+            .filter(|c| c.upstream.live)
+            .map(|c| &mut c.upstream.buffer),
         _ => None,
     }
 }

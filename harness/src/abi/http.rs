@@ -7,6 +7,7 @@ use wasmtime::{Caller, Linker};
 use super::memory::{read, read_string, write_u32};
 use super::{env_fn, to_status, AbiResult};
 use crate::callouts::{HttpCall, LocalReply};
+use crate::connection_state::ConnectionEvent;
 use crate::grpc::CalloutKind;
 use crate::headers::HeaderMap;
 use crate::logs::LogSource;
@@ -116,12 +117,21 @@ fn send_local_response(caller: &mut Ctx<'_>, args: LocalReplyArgs) -> AbiResult 
 }
 
 /// Lets held headers and buffered body go on. Like Envoy, the guest loses access to that
-/// direction's headers. `DOWNSTREAM` is a no-op (Envoy: only network filters have one),
-/// `UPSTREAM` is `Unimplemented`, as in Envoy.
+/// direction's headers. `DOWNSTREAM` continues reading a connection after the guest call
+/// (a no-op outside a network context), `UPSTREAM` is `Unimplemented`, as in Envoy.
 fn continue_stream(caller: &mut Ctx<'_>, stream: u32) -> AbiResult {
     let kind = match StreamType::from_raw(stream) {
         Some(kind @ (StreamType::HttpRequest | StreamType::HttpResponse)) => kind,
-        Some(StreamType::Downstream) => return Ok(()),
+        Some(StreamType::Downstream) => {
+            let state = caller.data_mut();
+            let context = state.effective;
+            if let Some(connection) = state.connection_mut() {
+                connection.events.push(ConnectionEvent::Continued);
+                connection.pending_continue = true;
+                state.connection_actions.push(context);
+            }
+            return Ok(());
+        }
         Some(StreamType::Upstream) => return Err(Status::Unimplemented.into()),
         None => return Err(Status::BadArgument.into()),
     };
@@ -137,10 +147,22 @@ fn continue_stream(caller: &mut Ctx<'_>, stream: u32) -> AbiResult {
     Ok(())
 }
 
-/// Resets the stream: no more callbacks in either direction.
+/// Resets an HTTP stream (no more callbacks in either direction), or closes a network
+/// context's connection after the guest call (`DOWNSTREAM` and `UPSTREAM` alike, as Envoy);
+/// a type that does not match the context is a no-op `Ok`, as in Envoy.
 fn close_stream(caller: &mut Ctx<'_>, stream: u32) -> AbiResult {
     let kind = StreamType::from_raw(stream).ok_or(Status::BadArgument)?;
-    if let Some(stream) = caller.data_mut().stream_mut() {
+    let state = caller.data_mut();
+    if matches!(kind, StreamType::Downstream | StreamType::Upstream) {
+        let context = state.effective;
+        if let Some(connection) = state.connection_mut() {
+            connection.events.push(ConnectionEvent::Closed(kind));
+            connection.pending_close = true;
+            state.connection_actions.push(context);
+        }
+        return Ok(());
+    }
+    if let Some(stream) = state.stream_mut() {
         stream.events.push(StreamEvent::Closed(kind));
         stream.request.closed = true;
         stream.response.closed = true;
