@@ -232,3 +232,22 @@ fn network_calls_from_an_http_context_do_nothing() -> TestResult {
     stream.finish()?;
     Ok(())
 }
+
+#[test]
+fn missing_network_exports_default_to_continue() -> TestResult {
+    let plugin = start(&module(&Layout::new(), ""))?;
+    let conn = plugin.connection(0)?;
+    assert_eq!(conn.new_connection()?, Action::Continue);
+    assert_eq!(conn.downstream_data(b"in", false)?, Action::Continue);
+    assert_eq!(conn.upstream_data(b"out", true)?, Action::Continue);
+    assert_eq!(
+        (
+            conn.forwarded_downstream_data(),
+            conn.forwarded_upstream_data()
+        ),
+        (b"in".to_vec(), b"out".to_vec())
+    );
+    conn.close(CloseType::Remote)?;
+    assert!(conn.is_finished() && conn.upstream_closed());
+    Ok(())
+}
