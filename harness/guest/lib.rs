@@ -3,22 +3,27 @@
 //! The plugin configuration is `;`-separated words: `tick=<ms>` arms a tick, `queue` registers
 //! queue "q", `fail` makes `on_configure` return false, `panic` panics there. Each request names
 //! what to do in `x-test-action`; results come back as request headers (`x-*`) or log lines.
+//! gRPC callouts (`grpc-*` actions) report their callbacks as `grpc ...` log lines. With the
+//! word `tcp` the plugin is a network filter instead: the data itself says what to do (see
+//! `TcpProbe`), and every callback logs a `tcp ...` line.
 
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 use std::time::{Duration, UNIX_EPOCH};
 
 use proxy_wasm::hostcalls;
-use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, ContextType, LogLevel, MetricType};
+use proxy_wasm::traits::{Context, HttpContext, RootContext, StreamContext};
+use proxy_wasm::types::{Action, ContextType, LogLevel, MetricType, PeerType};
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Trace);
-    proxy_wasm::set_root_context(|_| Box::new(Root { queue: None }));
+    proxy_wasm::set_root_context(|_| Box::new(Root { queue: None, tcp: false }));
 }}
 
 struct Root {
     queue: Option<u32>,
+    /// A network filter (configuration word `tcp`).
+    tcp: bool,
 }
 
 impl Context for Root {
@@ -71,6 +76,7 @@ impl RootContext for Root {
                 }
                 _ => match word {
                     "queue" => self.queue = Some(self.register_shared_queue("q")),
+                    "tcp" => self.tcp = true,
                     "fail" => return false,
                     "panic" => panic!("configure panicked on purpose"),
                     _ => {}
@@ -103,8 +109,16 @@ impl RootContext for Root {
         }))
     }
 
+    fn create_stream_context(&self, context_id: u32) -> Option<Box<dyn StreamContext>> {
+        Some(Box::new(TcpProbe { context_id }))
+    }
+
     fn get_type(&self) -> Option<ContextType> {
-        Some(ContextType::HttpContext)
+        Some(if self.tcp {
+            ContextType::StreamContext
+        } else {
+            ContextType::HttpContext
+        })
     }
 }
 
@@ -200,9 +214,65 @@ impl Probe {
                 eprintln!("hello from stderr");
             }
             "continue" => return Action::Continue,
-            _ => {}
+            _ => return self.grpc(action),
         }
         Action::Pause
+    }
+
+    /// The gRPC actions; statuses come back as `x-grpc-*` request headers.
+    fn grpc(&mut self, action: &str) -> Action {
+        let metadata: Vec<(&str, &[u8])> = vec![("x-md", b"1")];
+        match action.split_once(':') {
+            Some(("grpc-close", token)) => {
+                let result = hostcalls::close_grpc_stream(token.parse().unwrap_or(0));
+                self.set_http_request_header("x-grpc-close", Some(&format!("{result:?}")));
+                return Action::Continue;
+            }
+            Some(("grpc-call", cluster)) => {
+                let token = self.dispatch_grpc_call(
+                    cluster,
+                    "kvoy.Scorer",
+                    "Score",
+                    metadata,
+                    Some(b"ping"),
+                    Duration::from_millis(250),
+                );
+                self.set_http_request_header("x-grpc-call", Some(&format!("{token:?}")));
+                return if token.is_ok() {
+                    Action::Pause
+                } else {
+                    Action::Continue
+                };
+            }
+            _ => {}
+        }
+        match action {
+            "grpc-stream" => {
+                let token = self.open_grpc_stream("scorer", "kvoy.Events", "Watch", metadata);
+                self.set_http_request_header("x-grpc-stream", Some(&format!("{token:?}")));
+                if let Ok(token) = token {
+                    let sent = hostcalls::send_grpc_stream_message(token, Some(b"hello"), false);
+                    self.set_http_request_header("x-grpc-send", Some(&format!("{sent:?}")));
+                }
+            }
+            "grpc-misuse" => {
+                let call = self
+                    .dispatch_grpc_call("scorer", "s", "m", vec![], None, Duration::ZERO)
+                    .unwrap_or(0);
+                let on_call = hostcalls::send_grpc_stream_message(call, Some(b"x"), false);
+                let unknown = hostcalls::send_grpc_stream_message(1002, Some(b"x"), false);
+                let cancel = hostcalls::cancel_grpc_call(call);
+                let again = hostcalls::cancel_grpc_call(call);
+                let close = hostcalls::close_grpc_stream(1002);
+                let report = format!(
+                    "call={call} send-on-call={on_call:?} send-unknown={unknown:?} \
+                     cancel={cancel:?} cancel-again={again:?} close-unknown={close:?}"
+                );
+                self.set_http_request_header("x-grpc-misuse", Some(&report));
+            }
+            _ => return Action::Pause,
+        }
+        Action::Continue
     }
 
     fn shared_data(&mut self) {
@@ -259,6 +329,68 @@ impl Context for Probe {
         );
         self.set_http_request_header("x-callout-result", Some(&report));
         self.resume_http_request();
+    }
+
+    fn on_grpc_call_response(&mut self, token: u32, status: u32, size: usize) {
+        let body = self
+            .get_grpc_call_response_body(0, size)
+            .unwrap_or_default();
+        let (code, message) = self.get_grpc_status();
+        let report = format!(
+            "token={token} status={status} body={} code={code} message={message:?}",
+            text(&body)
+        );
+        log::info!("grpc call context={} {report}", self.context_id);
+        self.set_http_request_header("x-grpc-result", Some(&report));
+        self.resume_http_request();
+    }
+
+    fn on_grpc_stream_initial_metadata(&mut self, token: u32, count: u32) {
+        let pairs = metadata_text(self.get_grpc_stream_initial_metadata());
+        log::info!("grpc stream {token} initial count={count} {pairs}");
+    }
+
+    fn on_grpc_stream_message(&mut self, token: u32, size: usize) {
+        self.grpc_stream_message(token, size);
+    }
+
+    fn on_grpc_stream_trailing_metadata(&mut self, token: u32, count: u32) {
+        let pairs = metadata_text(self.get_grpc_stream_trailing_metadata());
+        log::info!("grpc stream {token} trailing count={count} {pairs}");
+    }
+
+    fn on_grpc_stream_close(&mut self, token: u32, status: u32) {
+        let (code, message) = self.get_grpc_status();
+        log::info!("grpc stream {token} closed status={status} code={code} message={message:?}");
+    }
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn metadata_text(pairs: Vec<(String, Vec<u8>)>) -> String {
+    let pairs: Vec<String> = pairs
+        .into_iter()
+        .map(|(k, v)| format!("{k}={}", text(&v)))
+        .collect();
+    pairs.join(",")
+}
+
+impl Probe {
+    fn grpc_stream_message(&mut self, token: u32, size: usize) {
+        let message = self.get_grpc_stream_message(0, size).unwrap_or_default();
+        let message = text(&message);
+        log::info!(
+            "grpc stream {token} context={} message={message}",
+            self.context_id
+        );
+        let reply = match message.as_str() {
+            "close" => hostcalls::close_grpc_stream(token),
+            "cancel" => hostcalls::cancel_grpc_stream(token),
+            _ => hostcalls::send_grpc_stream_message(token, Some(b"ack"), message == "last"),
+        };
+        log::info!("grpc stream {token} reply={reply:?}");
     }
 }
 
@@ -317,5 +449,71 @@ impl HttpContext for Probe {
             "on_log context={} path={path} status={status}",
             self.context_id
         );
+    }
+}
+
+/// A network filter. Downstream data ending in `hold` is held (`Pause`); `release` resumes
+/// what is held; `rewrite` and `append` change the data; `close` / `close-upstream` close the
+/// connection. Upstream data ending in `hold` is held; `upper` is upper-cased.
+struct TcpProbe {
+    context_id: u32,
+}
+
+impl Context for TcpProbe {
+    fn on_done(&mut self) -> bool {
+        log::info!("tcp done context={}", self.context_id);
+        true
+    }
+}
+
+impl StreamContext for TcpProbe {
+    fn on_new_connection(&mut self) -> Action {
+        log::info!("tcp new context={}", self.context_id);
+        Action::Continue
+    }
+
+    fn on_downstream_data(&mut self, size: usize, end_of_stream: bool) -> Action {
+        let data = text(&self.get_downstream_data(0, size).unwrap_or_default());
+        log::info!("tcp downstream size={size} eos={end_of_stream} data={data}");
+        match data.as_str() {
+            "rewrite" => self.set_downstream_data(0, size, b"REWRITTEN"),
+            "append" => self.set_downstream_data(size, 0, b"+tail"),
+            "close" => self.close_downstream(),
+            "close-upstream" => self.close_upstream(),
+            _ if data.ends_with("hold") => return Action::Pause,
+            _ if data.ends_with("release") => {
+                self.resume_downstream();
+                return Action::Pause;
+            }
+            _ => {}
+        }
+        Action::Continue
+    }
+
+    fn on_downstream_close(&mut self, peer: PeerType) {
+        log::info!("tcp downstream close {peer:?} context={}", self.context_id);
+    }
+
+    fn on_upstream_data(&mut self, size: usize, end_of_stream: bool) -> Action {
+        let data = self.get_upstream_data(0, size).unwrap_or_default();
+        log::info!(
+            "tcp upstream size={size} eos={end_of_stream} data={}",
+            text(&data)
+        );
+        if data.ends_with(b"hold") {
+            return Action::Pause;
+        }
+        if data == b"upper" {
+            self.set_upstream_data(0, size, &data.to_ascii_uppercase());
+        }
+        Action::Continue
+    }
+
+    fn on_upstream_close(&mut self, peer: PeerType) {
+        log::info!("tcp upstream close {peer:?}");
+    }
+
+    fn on_log(&mut self) {
+        log::info!("tcp log context={}", self.context_id);
     }
 }

@@ -74,8 +74,14 @@ pub enum Error {
     #[error("stream {context_id} on VM {vm} is finished")]
     StreamFinished { vm: usize, context_id: u32 },
 
+    #[error("connection {context_id} on VM {vm} was already started")]
+    ConnectionStarted { vm: usize, context_id: u32 },
+
     #[error("no pending HTTP call with token {token} on VM {vm}")]
     UnknownHttpCall { vm: usize, token: u32 },
+
+    #[error("no open gRPC call or stream with token {token} on VM {vm}")]
+    UnknownGrpcCall { vm: usize, token: u32 },
 
     #[error("no shared queue named {name:?} (vm_id {vm_id:?})")]
     UnknownQueue { vm_id: String, name: String },

@@ -2,14 +2,15 @@
 //! Envoy.
 //!
 //! It loads a filter built for `wasm32-wasip1`, starts a [`Plugin`] of N VMs the way Envoy
-//! starts one per worker thread, and drives HTTP streams through them with Envoy's semantics
+//! starts one per worker thread, and drives HTTP streams (or TCP connections through a network
+//! filter, [`Connection`]) through them with Envoy's semantics
 //! (see `harness/README.md` for what is implemented and where it differs). The VMs share
 //! shared data (with CAS), shared queues, metrics, captured logs and a virtual clock that only
-//! moves when the test calls [`Plugin::advance`]. HTTP callouts and foreign functions are
-//! recorded for the test to answer (or, with [`PluginBuilder::upstream`], callouts go to a real
-//! address). A guest trap (a Rust panic) becomes an [`Error::Trap`] from the call that caused
-//! it, with the panic message. A [`FilterChain`] runs several plugins in order, as Envoy's
-//! `http_filters` (kvoy-local runs kvoy's chain with it).
+//! moves when the test calls [`Plugin::advance`]. HTTP and gRPC callouts and foreign functions
+//! are recorded for the test to answer (or, with [`PluginBuilder::upstream`], HTTP callouts go
+//! to a real address). A guest trap (a Rust panic) becomes an [`Error::Trap`] from the call
+//! that caused it, with the panic message. A [`FilterChain`] runs several plugins in order, as
+//! Envoy's `http_filters` (kvoy-local runs kvoy's chain with it).
 //!
 //! ```no_run
 //! use kvoy_harness::{testing, Action};
@@ -41,12 +42,17 @@ mod abi;
 mod callouts;
 mod chain;
 mod clock;
+mod connection;
+mod connection_state;
 mod error;
+mod grpc;
+mod grpc_driver;
 mod headers;
 mod host;
 mod http_driver;
 mod logs;
 mod metrics;
+mod net_driver;
 mod plugin;
 mod queues;
 mod shared;
@@ -62,7 +68,10 @@ mod wasi;
 
 pub use callouts::{ForeignCall, ForeignFunction, HttpCall, HttpResponse, LocalReply};
 pub use chain::{ChainState, ChainStream, Downstream, FilterChain, UpstreamRequest};
+pub use connection::Connection;
+pub use connection_state::ConnectionEvent;
 pub use error::{Error, Result};
+pub use grpc::{GrpcCall, GrpcStream, GrpcTarget};
 pub use headers::{decode_pairs, encode_pairs, HeaderMap, PairsError, RawPair};
 pub use host::Host;
 pub use logs::{LogEntry, LogSource, ECHO_ENV};
@@ -70,4 +79,4 @@ pub use metrics::Metric;
 pub use plugin::{Plugin, PluginBuilder, VmRef};
 pub use stream::HttpStream;
 pub use stream_state::StreamEvent;
-pub use types::{Action, BufferType, LogLevel, MapType, MetricType, Status, StreamType};
+pub use types::{Action, BufferType, CloseType, LogLevel, MapType, MetricType, Status, StreamType};

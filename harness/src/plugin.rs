@@ -9,6 +9,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::callouts::{ForeignCall, ForeignFunction, HttpCall, HttpResponse};
 use crate::clock::{Clock, DEFAULT_START};
+use crate::connection::Connection;
 use crate::error::{Error, Result};
 use crate::host::HostInner;
 use crate::logs::{LogBuffer, LogEntry};
@@ -187,6 +188,8 @@ impl PluginBuilder {
             http_calls: Vec::new(),
             real_calls: Vec::new(),
             foreign_calls: Vec::new(),
+            grpc_calls: Vec::new(),
+            grpc_streams: Vec::new(),
             properties: self.properties,
         };
         let (finished_tx, finished_rx) = std::sync::mpsc::channel();
@@ -232,6 +235,11 @@ impl VmRef<'_> {
         self.plugin.http_stream(self.index)
     }
 
+    /// A new TCP connection through this VM's network filter (see [`Connection`]).
+    pub fn connection(&self) -> Result<Connection> {
+        self.plugin.connection(self.index)
+    }
+
     /// Calls `proxy_on_tick` now, whatever the schedule.
     pub fn tick(&self) -> Result<()> {
         self.plugin.with_vm(self.index, VmInstance::tick)
@@ -271,6 +279,13 @@ impl Plugin {
     pub fn http_stream(&self, vm: usize) -> Result<HttpStream> {
         let context_id = self.with_vm(vm, VmInstance::create_stream)?;
         Ok(HttpStream::new(self.clone(), vm, context_id))
+    }
+
+    /// A new TCP connection through the network filter on VM `vm`: the context is created by
+    /// [`Connection::new_connection`], as Envoy's `onNewConnection`.
+    pub fn connection(&self, vm: usize) -> Result<Connection> {
+        let context_id = self.with_vm(vm, |vm| Ok(vm.create_connection()))?;
+        Ok(Connection::new(self.clone(), vm, context_id))
     }
 
     /// Moves the virtual clock forward, firing every `proxy_on_tick` that falls due on the way,
@@ -490,6 +505,11 @@ impl Plugin {
             Err(Error::UnknownHttpCall { .. } | Error::VmFailed { .. }) => Ok(false),
             Err(e) => Err(e),
         }
+    }
+
+    /// The process-wide state (for the drivers in other modules).
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
     }
 
     /// Every `proxy_call_foreign_function` call so far.

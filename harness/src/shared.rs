@@ -8,6 +8,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use crate::callouts::{ForeignCall, ForeignFunction, HttpCall};
 use crate::clock::Clock;
+use crate::grpc::{GrpcCall, GrpcStream};
 use crate::logs::{LogBuffer, LogEntry};
 use crate::metrics::Metrics;
 use crate::queues::{QueueOwner, SharedQueues};
@@ -45,6 +46,9 @@ pub(crate) struct SharedState {
     /// Real callouts in flight.
     pub real_calls: Vec<HttpCall>,
     pub foreign_calls: Vec<ForeignCall>,
+    /// Unary gRPC calls waiting for the test, and open gRPC streams.
+    pub grpc_calls: Vec<GrpcCall>,
+    pub grpc_streams: Vec<GrpcStream>,
     /// Plugin-wide properties, keyed by the \0-joined path.
     pub properties: HashMap<Vec<u8>, Vec<u8>>,
 }

@@ -185,6 +185,19 @@ impl StreamType {
     }
 }
 
+/// How a connection closed, as `proxy_on_*_connection_close` reports it (the SDK's
+/// `PeerType`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum CloseType {
+    /// Envoy's upstream close, seen only as the end of the upstream data.
+    Unknown = 0,
+    /// Envoy closed the connection (e.g. the filter's `proxy_close_stream`).
+    Local = 1,
+    /// The peer closed it.
+    Remote = 2,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

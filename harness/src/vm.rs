@@ -34,6 +34,15 @@ pub(crate) struct Exports {
     pub log: Func<u32, ()>,
     pub delete: Func<u32, ()>,
     http_call_response: Func<(u32, u32, u32, u32, u32), ()>,
+    pub grpc_initial_metadata: Func<(u32, u32, u32), ()>,
+    pub grpc_receive: Func<(u32, u32, u32), ()>,
+    pub grpc_trailing_metadata: Func<(u32, u32, u32), ()>,
+    pub grpc_close: Func<(u32, u32, u32), ()>,
+    pub new_connection: Func<u32, u32>,
+    pub downstream_data: Func<(u32, u32, u32), u32>,
+    pub upstream_data: Func<(u32, u32, u32), u32>,
+    pub downstream_close: Func<(u32, u32), ()>,
+    pub upstream_close: Func<(u32, u32), ()>,
 }
 
 fn typed<P: WasmParams, R: WasmResults>(
@@ -70,6 +79,23 @@ impl Exports {
             log: typed(instance, store, "proxy_on_log")?,
             delete: typed(instance, store, "proxy_on_delete")?,
             http_call_response: typed(instance, store, "proxy_on_http_call_response")?,
+            grpc_initial_metadata: typed(
+                instance,
+                store,
+                "proxy_on_grpc_receive_initial_metadata",
+            )?,
+            grpc_receive: typed(instance, store, "proxy_on_grpc_receive")?,
+            grpc_trailing_metadata: typed(
+                instance,
+                store,
+                "proxy_on_grpc_receive_trailing_metadata",
+            )?,
+            grpc_close: typed(instance, store, "proxy_on_grpc_close")?,
+            new_connection: typed(instance, store, "proxy_on_new_connection")?,
+            downstream_data: typed(instance, store, "proxy_on_downstream_data")?,
+            upstream_data: typed(instance, store, "proxy_on_upstream_data")?,
+            downstream_close: typed(instance, store, "proxy_on_downstream_connection_close")?,
+            upstream_close: typed(instance, store, "proxy_on_upstream_connection_close")?,
         })
     }
 }
@@ -330,12 +356,13 @@ impl VmInstance {
         self.after_call()
     }
 
-    /// Applies what the guest deferred to after its call: local replies.
+    /// Applies what the guest deferred to after its call: local replies, and a connection's
+    /// continue or close.
     pub fn after_call(&mut self) -> Result<()> {
         while let Some(context) = self.store.data_mut().local_replies.pop() {
             self.apply_local_reply(context)?;
         }
-        Ok(())
+        self.apply_connection_actions()
     }
 }
 

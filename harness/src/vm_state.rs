@@ -6,6 +6,9 @@ use std::sync::Arc;
 use wasmtime::{Memory, TypedFunc};
 
 use crate::callouts::HttpResponse;
+use crate::connection_state::ConnectionState;
+use crate::grpc::{CalloutIds, CalloutKind};
+use crate::headers::HeaderMap;
 use crate::logs::{LineSplitter, LogEntry, LogSource};
 use crate::shared::Shared;
 use crate::stream_state::StreamState;
@@ -47,11 +50,20 @@ pub(crate) struct VmState {
     /// Inside `proxy_on_configure`: only then is the plugin configuration readable (as in Envoy).
     pub configuring: bool,
     pub streams: HashMap<u32, StreamState>,
+    /// Network (TCP) filter contexts; a finished one stays until its handle is dropped.
+    pub connections: HashMap<u32, ConnectionState>,
+    /// Connections that asked for a continue or close during the current guest call.
+    pub connection_actions: Vec<u32>,
     /// The response being delivered to `proxy_on_http_call_response`.
     pub http_response: Option<HttpResponse>,
     /// What `proxy_get_status` reports during a callout callback.
     pub call_status: (u32, String),
-    pub next_token: u32,
+    pub callout_ids: CalloutIds,
+    /// The message being delivered to `proxy_on_grpc_receive` (`GrpcReceiveBuffer`).
+    pub grpc_receive: Option<Vec<u8>>,
+    /// The metadata being delivered to `proxy_on_grpc_receive_{initial,trailing}_metadata`.
+    pub grpc_initial_metadata: Option<HeaderMap>,
+    pub grpc_trailing_metadata: Option<HeaderMap>,
     /// Streams that sent a local reply during the current guest call.
     pub local_replies: Vec<u32>,
     pub stdout: LineSplitter,
@@ -73,9 +85,14 @@ impl VmState {
             effective: 1,
             configuring: false,
             streams: HashMap::new(),
+            connections: HashMap::new(),
+            connection_actions: Vec::new(),
             http_response: None,
             call_status: (0, String::new()),
-            next_token: 1,
+            callout_ids: CalloutIds::default(),
+            grpc_receive: None,
+            grpc_initial_metadata: None,
+            grpc_trailing_metadata: None,
             local_replies: Vec::new(),
             stdout: LineSplitter::default(),
             stderr: LineSplitter::default(),
@@ -122,16 +139,33 @@ impl VmState {
             .filter(|s| !s.finished)
     }
 
-    /// Whether a context id names the root context or a live stream.
-    pub fn is_live_context(&self, context_id: u32) -> bool {
-        context_id == self.root_id || self.streams.get(&context_id).is_some_and(|s| !s.finished)
+    /// The connection the effective context names, if it is a live network context.
+    pub fn connection(&self) -> Option<&ConnectionState> {
+        self.connections
+            .get(&self.effective)
+            .filter(|c| c.created && !c.finished)
     }
 
-    /// A fresh callout token (per VM, never 0).
-    pub fn take_token(&mut self) -> u32 {
-        let token = self.next_token;
-        self.next_token = self.next_token.wrapping_add(1).max(1);
-        token
+    /// Mutable [`VmState::connection`].
+    pub fn connection_mut(&mut self) -> Option<&mut ConnectionState> {
+        self.connections
+            .get_mut(&self.effective)
+            .filter(|c| c.created && !c.finished)
+    }
+
+    /// Whether a context id names the root context, a live stream or a live connection.
+    pub fn is_live_context(&self, context_id: u32) -> bool {
+        context_id == self.root_id
+            || self.streams.get(&context_id).is_some_and(|s| !s.finished)
+            || self
+                .connections
+                .get(&context_id)
+                .is_some_and(|c| c.created && !c.finished)
+    }
+
+    /// A fresh callout token of a kind (per VM, Envoy's sequences).
+    pub fn take_token(&mut self, kind: CalloutKind) -> u32 {
+        self.callout_ids.next(kind)
     }
 }
 

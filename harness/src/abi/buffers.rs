@@ -43,9 +43,12 @@ fn buffer(state: &VmState, kind: BufferType) -> Option<&[u8]> {
         BufferType::HttpRequestBody => Some(state.stream().map_or(EMPTY, |s| &s.request.body)),
         BufferType::HttpResponseBody => Some(state.stream().map_or(EMPTY, |s| &s.response.body)),
         BufferType::HttpCallResponseBody => state.http_response.as_ref().map(|r| &r.body[..]),
-        BufferType::DownstreamData | BufferType::UpstreamData | BufferType::GrpcReceiveBuffer => {
-            Some(EMPTY)
+        BufferType::GrpcReceiveBuffer => Some(state.grpc_receive.as_deref().unwrap_or(EMPTY)),
+        // Envoy's pointer to the connection's data: outside its lifetime an empty buffer.
+        BufferType::DownstreamData => {
+            Some(state.connection().map_or(EMPTY, |c| c.downstream.held()))
         }
+        BufferType::UpstreamData => Some(state.connection().map_or(EMPTY, |c| c.upstream.held())),
         BufferType::CallData => None,
     }
 }
@@ -90,10 +93,31 @@ fn get_buffer_status(
     Ok(())
 }
 
-/// Envoy's `Buffer::copyFrom` for HTTP bodies: at start 0, the first `size` bytes (all of them
-/// if `size` is larger) are dropped and the data is prepended, so size 0 prepends and a size
-/// covering the whole buffer replaces it; a start at or past the end appends; anything else
-/// is `BadArgument`.
+/// The buffer a type names if the guest may change it now: the stream's bodies, the gRPC
+/// message during `proxy_on_grpc_receive` (Envoy hands over the received buffer itself), a
+/// connection's data from its callback until the filter lets it go.
+/// Everything else is Envoy's immutable or null buffer: `BadArgument`.
+fn writable(state: &mut VmState, kind: BufferType) -> Option<&mut Vec<u8>> {
+    match kind {
+        BufferType::HttpRequestBody => state.stream_mut().map(|s| &mut s.request.body),
+        BufferType::HttpResponseBody => state.stream_mut().map(|s| &mut s.response.body),
+        BufferType::GrpcReceiveBuffer => state.grpc_receive.as_mut(),
+        BufferType::DownstreamData => state
+            .connection_mut()
+            .filter(|c| c.downstream.live)
+            .map(|c| &mut c.downstream.buffer),
+        BufferType::UpstreamData => state
+            .connection_mut()
+            .filter(|c| c.upstream.live)
+            .map(|c| &mut c.upstream.buffer),
+        _ => None,
+    }
+}
+
+/// Envoy's `Buffer::copyFrom` for mutable buffers: at start 0, the first `size` bytes (all of
+/// them if `size` is larger) are dropped and the data is prepended, so size 0 prepends and a
+/// size covering the whole buffer replaces it; a start at or past the end appends; anything
+/// else is `BadArgument`.
 fn set_buffer_bytes(
     caller: &mut Ctx<'_>,
     kind: u32,
@@ -104,12 +128,7 @@ fn set_buffer_bytes(
 ) -> AbiResult {
     let kind = BufferType::from_raw(kind).ok_or(Status::BadArgument)?;
     let data = read(caller, data_ptr, data_size)?;
-    let stream = caller.data_mut().stream_mut().ok_or(Status::BadArgument)?;
-    let body = match kind {
-        BufferType::HttpRequestBody => &mut stream.request.body,
-        BufferType::HttpResponseBody => &mut stream.response.body,
-        _ => return Err(Status::BadArgument.into()),
-    };
+    let body = writable(caller.data_mut(), kind).ok_or(Status::BadArgument)?;
     let (start, size) = (start as usize, size as usize);
     if start == 0 {
         let drained = size.min(body.len());

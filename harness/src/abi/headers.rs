@@ -3,9 +3,11 @@
 //! Availability follows Envoy's `Context::getMap` / `getConstMap`: a stream's headers are
 //! reachable from their callback until the filter lets them go (see `Direction::headers_live`),
 //! during `proxy_on_log` the request and response headers are readable, and the HTTP callout
-//! response maps exist (read-only) only inside `proxy_on_http_call_response`. Reading a map that
-//! is not there lists no pairs, and getting a value from it is `BadArgument`; changing it is
-//! `BadArgument` (which the Rust SDK turns into a panic, as in Envoy).
+//! response maps exist (read-only) only inside `proxy_on_http_call_response`, the gRPC
+//! metadata maps (read-only) only inside their `proxy_on_grpc_receive_*_metadata` callback.
+//! Reading a map that is not there lists no pairs, and getting a value from it is
+//! `BadArgument`; changing it is `BadArgument` (which the Rust SDK turns into a panic, as in
+//! Envoy).
 
 use wasmtime::{Caller, Linker};
 
@@ -72,7 +74,8 @@ fn readable(state: &VmState, kind: MapType) -> Option<&HeaderMap> {
     match kind {
         MapType::HttpCallResponseHeaders => state.http_response.as_ref().map(|r| &r.headers),
         MapType::HttpCallResponseTrailers => state.http_response.as_ref().map(|r| &r.trailers),
-        MapType::GrpcReceiveInitialMetadata | MapType::GrpcReceiveTrailingMetadata => None,
+        MapType::GrpcReceiveInitialMetadata => state.grpc_initial_metadata.as_ref(),
+        MapType::GrpcReceiveTrailingMetadata => state.grpc_trailing_metadata.as_ref(),
         MapType::HttpRequestHeaders => {
             let s = state.stream()?;
             (s.request.headers_live || s.in_log).then_some(&s.request.headers)

@@ -1,4 +1,4 @@
-//! Stream control (local replies, continue, close) and HTTP callouts; gRPC is not implemented.
+//! Stream control (local replies, continue, close) and HTTP callouts.
 
 use std::time::Duration;
 
@@ -7,6 +7,8 @@ use wasmtime::{Caller, Linker};
 use super::memory::{read, read_string, write_u32};
 use super::{env_fn, to_status, AbiResult};
 use crate::callouts::{HttpCall, LocalReply};
+use crate::connection_state::ConnectionEvent;
+use crate::grpc::CalloutKind;
 use crate::headers::HeaderMap;
 use crate::logs::LogSource;
 use crate::stream_state::StreamEvent;
@@ -70,48 +72,6 @@ pub(super) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
             token_ptr
         )
     );
-    linker.func_wrap(
-        "env",
-        "proxy_grpc_call",
-        |mut caller: Ctx<'_>,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32| { to_status(grpc_unsupported(&mut caller)) },
-    )?;
-    linker.func_wrap(
-        "env",
-        "proxy_grpc_stream",
-        |mut caller: Ctx<'_>,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32| { to_status(grpc_unsupported(&mut caller)) },
-    )?;
-    linker.func_wrap(
-        "env",
-        "proxy_grpc_send",
-        |_: Ctx<'_>, _: i32, _: i32, _: i32, _: i32| Status::NotFound as i32,
-    )?;
-    linker.func_wrap("env", "proxy_grpc_cancel", |_: Ctx<'_>, _: i32| {
-        Status::NotFound as i32
-    })?;
-    linker.func_wrap("env", "proxy_grpc_close", |_: Ctx<'_>, _: i32| {
-        Status::NotFound as i32
-    })?;
     Ok(())
 }
 
@@ -157,12 +117,21 @@ fn send_local_response(caller: &mut Ctx<'_>, args: LocalReplyArgs) -> AbiResult 
 }
 
 /// Lets held headers and buffered body go on. Like Envoy, the guest loses access to that
-/// direction's headers. `DOWNSTREAM` is a no-op (Envoy: only network filters have one),
-/// `UPSTREAM` is `Unimplemented`, as in Envoy.
+/// direction's headers. `DOWNSTREAM` continues reading a connection after the guest call
+/// (a no-op outside a network context), `UPSTREAM` is `Unimplemented`, as in Envoy.
 fn continue_stream(caller: &mut Ctx<'_>, stream: u32) -> AbiResult {
     let kind = match StreamType::from_raw(stream) {
         Some(kind @ (StreamType::HttpRequest | StreamType::HttpResponse)) => kind,
-        Some(StreamType::Downstream) => return Ok(()),
+        Some(StreamType::Downstream) => {
+            let state = caller.data_mut();
+            let context = state.effective;
+            if let Some(connection) = state.connection_mut() {
+                connection.events.push(ConnectionEvent::Continued);
+                connection.pending_continue = true;
+                state.connection_actions.push(context);
+            }
+            return Ok(());
+        }
         Some(StreamType::Upstream) => return Err(Status::Unimplemented.into()),
         None => return Err(Status::BadArgument.into()),
     };
@@ -178,10 +147,22 @@ fn continue_stream(caller: &mut Ctx<'_>, stream: u32) -> AbiResult {
     Ok(())
 }
 
-/// Resets the stream: no more callbacks in either direction.
+/// Resets an HTTP stream (no more callbacks in either direction), or closes a network
+/// context's connection after the guest call (`DOWNSTREAM` and `UPSTREAM` alike, as Envoy);
+/// a type that does not match the context is a no-op `Ok`, as in Envoy.
 fn close_stream(caller: &mut Ctx<'_>, stream: u32) -> AbiResult {
     let kind = StreamType::from_raw(stream).ok_or(Status::BadArgument)?;
-    if let Some(stream) = caller.data_mut().stream_mut() {
+    let state = caller.data_mut();
+    if matches!(kind, StreamType::Downstream | StreamType::Upstream) {
+        let context = state.effective;
+        if let Some(connection) = state.connection_mut() {
+            connection.events.push(ConnectionEvent::Closed(kind));
+            connection.pending_close = true;
+            state.connection_actions.push(context);
+        }
+        return Ok(());
+    }
+    if let Some(stream) = state.stream_mut() {
         stream.events.push(StreamEvent::Closed(kind));
         stream.request.closed = true;
         stream.response.closed = true;
@@ -231,7 +212,7 @@ fn http_call(
     {
         return Err(Status::BadArgument.into());
     }
-    let token = state.take_token();
+    let token = state.take_token(CalloutKind::Http);
     let call = HttpCall {
         vm: state.vm,
         context_id: state.effective,
@@ -252,12 +233,4 @@ fn http_call(
         None => shared.lock().http_calls.push(call),
     }
     Ok(())
-}
-
-fn grpc_unsupported(caller: &mut Ctx<'_>) -> AbiResult {
-    let message = "gRPC callouts are not implemented by the harness".to_owned();
-    caller
-        .data_mut()
-        .log(LogLevel::Warn, LogSource::Host, message);
-    Err(Status::InternalFailure.into())
 }

@@ -7,6 +7,7 @@
 
 mod buffers;
 mod core;
+mod grpc;
 mod headers;
 mod http;
 pub(crate) mod memory;
@@ -74,5 +75,6 @@ pub(crate) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
     shared::add_to_linker(linker)?;
     metrics::add_to_linker(linker)?;
     http::add_to_linker(linker)?;
+    grpc::add_to_linker(linker)?;
     Ok(())
 }
