@@ -17,7 +17,10 @@ fn every_row_measures_plain_envoy_kvoy_and_direct() {
     grid.concurrency = vec![1, 4];
     grid.requests = 24;
     let report = overhead::run(&grid, &|_| {}).unwrap();
-    assert_eq!(report.grid(), vec![(1_000, 1), (1_000, 4), (8_000, 1), (8_000, 4)]);
+    assert_eq!(
+        report.grid(),
+        vec![(1_000, 1), (1_000, 4), (8_000, 1), (8_000, 4)]
+    );
     for (tokens, conc) in report.grid() {
         for proxy in overhead::PROXIES {
             let c = report.cell(tokens, conc, proxy).unwrap();
