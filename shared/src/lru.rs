@@ -1,68 +1,43 @@
 //! A bounded set of `u64` keys with least-recently-used eviction.
 //!
-//! Nodes live in a slab linked by `u32` indices; the map is keyed by the block key through a
-//! seeded mixer, so crafted keys cannot pile into one bucket chain without knowing the seed.
-
-use std::collections::HashMap;
-use std::hash::{BuildHasher, Hasher};
+//! The hash table is the list: one open-addressing table (linear probing, at most half full)
+//! whose slots hold the key and the `u32` indices of its neighbours in recency order. A touch
+//! thus reads one table line and its list neighbours, where a map beside a node slab reads the
+//! map's control bytes, its bucket and the node, each a cache miss once the set outgrows the
+//! cache (a full 31,250-key endpoint is about 1 MB). Removal shifts the probe run back instead of
+//! leaving tombstones. Slots are placed by the key through a seeded multiply, so crafted keys
+//! cannot pile into one probe run without knowing the seed. The table grows with the set.
 
 const NIL: u32 = u32::MAX;
+/// `prev` of a free slot.
+const FREE: u32 = u32::MAX - 1;
+const MIN_SLOTS: usize = 16;
 
 #[derive(Clone, Copy, Debug)]
-struct Node {
+struct Slot {
     key: u64,
+    /// Neighbour towards the most recently used end, `NIL` at the head, `FREE` if unused.
     prev: u32,
+    /// Neighbour towards the least recently used end, `NIL` at the tail.
     next: u32,
 }
 
-/// Hashes `u64` keys with one multiply, mixed with a seed.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct SeededU64 {
-    seed: u64,
-}
-
-impl SeededU64 {
-    pub fn new(seed: u64) -> Self {
-        SeededU64 { seed }
-    }
-}
-
-#[derive(Clone, Copy, Debug, Default)]
-pub struct SeededU64Hasher {
-    seed: u64,
-    state: u64,
-}
-
-impl Hasher for SeededU64Hasher {
-    fn finish(&self) -> u64 {
-        self.state
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.write_u64(u64::from(*b));
-        }
-    }
-    fn write_u64(&mut self, k: u64) {
-        let x = (k ^ self.seed ^ self.state.rotate_left(23)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        self.state = x ^ (x >> 29);
-    }
-}
-
-impl BuildHasher for SeededU64 {
-    type Hasher = SeededU64Hasher;
-    fn build_hasher(&self) -> SeededU64Hasher {
-        SeededU64Hasher {
-            seed: self.seed,
-            state: 0,
-        }
-    }
-}
+const EMPTY: Slot = Slot {
+    key: 0,
+    prev: FREE,
+    next: NIL,
+};
 
 #[derive(Clone, Debug)]
 pub struct LruSet {
     capacity: usize,
-    map: HashMap<u64, u32, SeededU64>,
-    nodes: Vec<Node>,
+    seed: u64,
+    slots: Vec<Slot>,
+    /// `slots.len() - 1` (a power of two minus one); 0 before the first insert.
+    mask: usize,
+    /// `64 - log2(slots.len())`: the home slot is the top bits of the mixed key.
+    shift: u32,
+    len: usize,
     /// Most recently used.
     head: u32,
     /// Least recently used: evicted first.
@@ -71,92 +46,188 @@ pub struct LruSet {
 
 impl LruSet {
     pub fn new(capacity: usize, seed: u64) -> Self {
-        let capacity = capacity.max(1);
         LruSet {
-            capacity,
-            map: HashMap::with_hasher(SeededU64::new(seed)),
-            nodes: Vec::new(),
+            capacity: capacity.max(1),
+            seed,
+            slots: Vec::new(),
+            mask: 0,
+            shift: 64,
+            len: 0,
             head: NIL,
             tail: NIL,
         }
     }
 
     pub fn len(&self) -> usize {
-        self.map.len()
+        self.len
     }
 
     pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
+        self.len == 0
     }
 
     pub fn capacity(&self) -> usize {
         self.capacity
     }
 
-    pub fn contains(&self, key: u64) -> bool {
-        self.map.contains_key(&key)
+    #[inline]
+    fn home(&self, key: u64) -> usize {
+        let x = (key ^ self.seed).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        ((x ^ (x >> 29)).wrapping_mul(0xBF58_476D_1CE4_E5B9) >> self.shift) as usize
     }
 
-    fn unlink(&mut self, i: u32) {
-        let Node { prev, next, .. } = self.nodes[i as usize];
+    /// The slot holding `key`, or `Err` with the free slot that ends its probe run.
+    #[inline]
+    fn find(&self, key: u64) -> Result<usize, usize> {
+        if self.slots.is_empty() {
+            return Err(0);
+        }
+        let mut i = self.home(key);
+        loop {
+            let s = &self.slots[i];
+            if s.prev == FREE {
+                return Err(i);
+            }
+            if s.key == key {
+                return Ok(i);
+            }
+            i = (i + 1) & self.mask;
+        }
+    }
+
+    pub fn contains(&self, key: u64) -> bool {
+        self.find(key).is_ok()
+    }
+
+    fn unlink(&mut self, i: usize) {
+        let Slot { prev, next, .. } = self.slots[i];
         if prev == NIL {
             self.head = next;
         } else {
-            self.nodes[prev as usize].next = next;
+            self.slots[prev as usize].next = next;
         }
         if next == NIL {
             self.tail = prev;
         } else {
-            self.nodes[next as usize].prev = prev;
+            self.slots[next as usize].prev = prev;
         }
     }
 
-    fn push_front(&mut self, i: u32) {
-        self.nodes[i as usize].prev = NIL;
-        self.nodes[i as usize].next = self.head;
-        if self.head != NIL {
-            self.nodes[self.head as usize].prev = i;
+    fn push_front(&mut self, i: usize) {
+        let old = self.head;
+        self.slots[i].prev = NIL;
+        self.slots[i].next = old;
+        if old != NIL {
+            self.slots[old as usize].prev = i as u32;
         }
-        self.head = i;
+        self.head = i as u32;
         if self.tail == NIL {
-            self.tail = i;
+            self.tail = i as u32;
+        }
+    }
+
+    /// Frees slot `i` (already unlinked), moving later members of its probe run back so that
+    /// every key stays reachable from its home slot; moved slots' neighbours follow them.
+    fn remove_slot(&mut self, i: usize) {
+        let mask = self.mask;
+        let mut hole = i;
+        let mut j = (i + 1) & mask;
+        loop {
+            let s = self.slots[j];
+            if s.prev == FREE {
+                break;
+            }
+            let home = self.home(s.key);
+            // `s` may fill the hole unless its home lies cyclically in (hole, j].
+            if (j.wrapping_sub(home) & mask) >= (j.wrapping_sub(hole) & mask) {
+                self.slots[hole] = s;
+                let to = hole as u32;
+                if s.prev == NIL {
+                    self.head = to;
+                } else {
+                    self.slots[s.prev as usize].next = to;
+                }
+                if s.next == NIL {
+                    self.tail = to;
+                } else {
+                    self.slots[s.next as usize].prev = to;
+                }
+                hole = j;
+            }
+            j = (j + 1) & mask;
+        }
+        self.slots[hole] = EMPTY;
+        self.len -= 1;
+    }
+
+    /// Doubles the table (or makes the first one), keeping the recency order.
+    fn grow(&mut self) {
+        let size = (self.slots.len() * 2).max(MIN_SLOTS);
+        let old = std::mem::replace(&mut self.slots, vec![EMPTY; size]);
+        self.mask = size - 1;
+        self.shift = 64 - size.trailing_zeros();
+        let mut i = self.tail;
+        self.head = NIL;
+        self.tail = NIL;
+        self.len = 0;
+        // Least recently used first, each pushed in front of the ones before.
+        while i != NIL {
+            let s = old[i as usize];
+            self.insert_new(s.key);
+            i = s.prev;
+        }
+    }
+
+    /// Inserts a key known to be absent, in front, with room in the table.
+    fn insert_new(&mut self, key: u64) {
+        if let Err(i) = self.find(key) {
+            self.slots[i].key = key;
+            self.push_front(i);
+            self.len += 1;
         }
     }
 
     /// Inserts `key` or marks it most recently used. Returns the key evicted to make room.
     pub fn touch(&mut self, key: u64) -> Option<u64> {
-        if let Some(&i) = self.map.get(&key) {
-            if self.head != i {
-                self.unlink(i);
-                self.push_front(i);
+        let free = match self.find(key) {
+            Ok(i) => {
+                if self.head != i as u32 {
+                    self.unlink(i);
+                    self.push_front(i);
+                }
+                return None;
             }
+            Err(free) => free,
+        };
+        let mut evicted = None;
+        if self.len >= self.capacity {
+            let t = self.tail as usize;
+            evicted = Some(self.slots[t].key);
+            self.unlink(t);
+            self.remove_slot(t);
+        } else if 2 * (self.len + 1) > self.slots.len() {
+            self.grow();
+            self.insert_new(key);
             return None;
         }
-        if self.map.len() < self.capacity {
-            let i = self.nodes.len() as u32;
-            self.nodes.push(Node {
-                key,
-                prev: NIL,
-                next: NIL,
-            });
-            self.map.insert(key, i);
-            self.push_front(i);
-            return None;
-        }
-        // Full: reuse the least recently used node.
-        let i = self.tail;
-        let old = self.nodes[i as usize].key;
-        self.unlink(i);
-        self.map.remove(&old);
-        self.nodes[i as usize].key = key;
-        self.map.insert(key, i);
+        // A removal may have moved the probe run's end; only then look again.
+        let i = if evicted.is_some() {
+            let (Ok(i) | Err(i)) = self.find(key);
+            i
+        } else {
+            free
+        };
+        self.slots[i].key = key;
         self.push_front(i);
-        Some(old)
+        self.len += 1;
+        evicted
     }
 
     pub fn clear(&mut self) {
-        self.map.clear();
-        self.nodes.clear();
+        self.slots = Vec::new();
+        self.mask = 0;
+        self.shift = 64;
+        self.len = 0;
         self.head = NIL;
         self.tail = NIL;
     }
@@ -168,9 +239,9 @@ impl LruSet {
             if i == NIL {
                 return None;
             }
-            let n = self.nodes[i as usize];
-            i = n.next;
-            Some(n.key)
+            let s = self.slots[i as usize];
+            i = s.next;
+            Some(s.key)
         })
     }
 }
@@ -226,5 +297,42 @@ mod tests {
             assert_eq!(evicted, expected);
         }
         assert_eq!(l.iter_mru().collect::<Vec<_>>(), model);
+    }
+
+    #[test]
+    fn matches_a_model_across_capacities_growth_and_clear() {
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for capacity in [1usize, 2, 3, 7, 8, 9, 31, 64, 100] {
+            let mut l = LruSet::new(capacity, next());
+            let mut model: Vec<u64> = Vec::new();
+            for step in 0..20_000 {
+                if step % 7_919 == 7_918 {
+                    l.clear();
+                    model.clear();
+                }
+                // A key space a little larger than the set, so hits, misses and evictions mix.
+                let k = next() % (capacity as u64 * 2 + 3);
+                let evicted = l.touch(k);
+                let expected = if let Some(p) = model.iter().position(|&m| m == k) {
+                    model.remove(p);
+                    None
+                } else if model.len() == capacity {
+                    model.pop()
+                } else {
+                    None
+                };
+                model.insert(0, k);
+                assert_eq!(evicted, expected, "capacity {capacity}, step {step}");
+                assert_eq!(l.len(), model.len());
+            }
+            assert_eq!(l.iter_mru().collect::<Vec<_>>(), model);
+            assert!(model.iter().all(|&k| l.contains(k)));
+        }
     }
 }
