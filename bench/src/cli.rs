@@ -353,6 +353,7 @@ impl SimArgs {
             seed: self.seed,
             threads: self.threads,
             sglang_tree_chars: self.sglang_tree_chars,
+            envoy_workers: None,
         })
     }
 }

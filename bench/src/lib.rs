@@ -21,6 +21,7 @@
 //!     seed: 1,
 //!     profile: Profile::llama_8b_h100(),
 //!     sglang_tree_chars: None,
+//!     envoy_workers: None,
 //! };
 //! let mut policy = PolicyKind::Kvoy.build(&options).unwrap();
 //! let cfg = SimConfig::new(Profile::llama_8b_h100(), 2);

@@ -35,6 +35,9 @@ pub struct Grid {
     pub seed: u64,
     pub threads: usize,
     pub sglang_tree_chars: Option<usize>,
+    /// Model the cache-blind baselines as Envoy runs them on this many worker threads (see
+    /// [`crate::policy::basic`]); `None`: the textbook algorithms.
+    pub envoy_workers: Option<usize>,
 }
 
 /// Progress of the grid, for a progress line.
@@ -220,6 +223,7 @@ fn run_job(
             seed: grid.seed,
             profile: grid.profile.clone(),
             sglang_tree_chars: grid.sglang_tree_chars,
+            envoy_workers: grid.envoy_workers,
         })
         .map_err(|source| RunError::Policy {
             policy: job.policy.name(),

@@ -17,6 +17,7 @@ fn options(replicas: usize) -> PolicyOptions {
         seed: 7,
         profile: Profile::llama_8b_h100(),
         sglang_tree_chars: None,
+        envoy_workers: None,
     }
 }
 
@@ -33,6 +34,7 @@ fn small_grid(threads: usize) -> Grid {
         seed: 11,
         threads,
         sglang_tree_chars: None,
+        envoy_workers: None,
     }
 }
 

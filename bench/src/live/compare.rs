@@ -70,6 +70,8 @@ pub fn simulate(grid: &LiveGrid, rates: &[f64]) -> Result<Report, RunError> {
         seed: grid.seed,
         threads: 2,
         sglang_tree_chars: None,
+        // The live baselines are Envoy's own balancers on two workers.
+        envoy_workers: Some(2),
     };
     runner::run(&sim, &|_| {})
 }

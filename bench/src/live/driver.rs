@@ -242,15 +242,34 @@ pub fn record(outcomes: &[Outcome], pool: &[SocketAddr], recorder: &mut Recorder
         }
     }
     recorder.window_end = last_sent;
-    // Throughput over the load window: what finished while requests were still arriving.
+    // Throughput over the load window, as the simulation counts it: tokens that came out
+    // (each at its own time: the first at TTFT, the others after their gaps) and requests that
+    // finished while requests were still arriving.
     for o in outcomes {
-        if let Ok(t) = &o.timing {
-            if t.status == 200 && o.sent + t.total <= last_sent {
-                recorder.window_output_tokens += u64::from(t.tokens);
-                recorder.window_completed += 1;
-            }
+        let Ok(t) = &o.timing else { continue };
+        if t.status != 200 {
+            continue;
+        }
+        recorder.window_output_tokens += tokens_by(o.sent, t, last_sent);
+        if o.sent + t.total <= last_sent {
+            recorder.window_completed += 1;
         }
     }
+}
+
+/// Output tokens of a request sent at `sent` that had come out by `end`.
+fn tokens_by(sent: Duration, t: &Timing, end: Duration) -> u64 {
+    let Some(ttft) = t.ttft else { return 0 };
+    let mut at = sent + ttft;
+    let mut n = 0u64;
+    for gap in std::iter::once(&Duration::ZERO).chain(&t.token_gaps) {
+        at += *gap;
+        if at > end {
+            break;
+        }
+        n += 1;
+    }
+    n.min(u64::from(t.tokens))
 }
 
 /// The first error message of the outcomes, for the report.
@@ -267,4 +286,31 @@ pub fn first_error(outcomes: &[Outcome]) -> Option<String> {
         )),
         Ok(_) => None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_count_at_their_own_times() {
+        let ms = Duration::from_millis;
+        let t = Timing {
+            status: 200,
+            ttft: Some(ms(100)),
+            token_gaps: vec![ms(10); 4],
+            tokens: 5,
+            ..Timing::default()
+        };
+        // Tokens at 1.100, 1.110, 1.120, 1.130, 1.140 s.
+        assert_eq!(tokens_by(ms(1000), &t, ms(1000)), 0);
+        assert_eq!(tokens_by(ms(1000), &t, ms(1100)), 1);
+        assert_eq!(tokens_by(ms(1000), &t, ms(1125)), 3);
+        assert_eq!(tokens_by(ms(1000), &t, ms(9000)), 5);
+        let no_first = Timing {
+            ttft: None,
+            ..t.clone()
+        };
+        assert_eq!(tokens_by(ms(0), &no_first, ms(9000)), 0);
+    }
 }

@@ -356,11 +356,12 @@ pub fn run(
     })
 }
 
-/// `Envoy 1.40.0` from `envoy --version`'s `... version: <sha>/1.40.0/Clean/RELEASE/BoringSSL`.
+/// `Envoy 1.40.0` from `envoy --version`'s `<path> version: <sha>/1.40.0/Clean/RELEASE/BoringSSL`.
 fn envoy_release(version: &str) -> String {
     version
-        .split('/')
-        .nth(1)
+        .rsplit("version: ")
+        .next()
+        .and_then(|v| v.split('/').nth(1))
         .filter(|v| v.chars().all(|c| c.is_ascii_digit() || c == '.'))
         .map_or_else(|| version.to_owned(), |v| format!("Envoy {v}"))
 }
@@ -410,6 +411,10 @@ mod tests {
     fn the_release_is_read_from_the_version_line() {
         assert_eq!(
             envoy_release("envoy  version: 9e55/1.40.0/Clean/RELEASE/BoringSSL"),
+            "Envoy 1.40.0"
+        );
+        assert_eq!(
+            envoy_release("/usr/bin/envoy  version: 9e55/1.40.0/Clean/RELEASE/BoringSSL"),
             "Envoy 1.40.0"
         );
         assert_eq!(envoy_release("odd"), "odd");

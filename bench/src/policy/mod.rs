@@ -98,6 +98,10 @@ pub struct PolicyOptions {
     /// SGLang's per-worker tree bound in characters (`None`: the replica's KV capacity in
     /// characters, see [`sglang`]).
     pub sglang_tree_chars: Option<usize>,
+    /// Round-robin and least-request as Envoy runs them on this many worker threads
+    /// ([`basic::EnvoyRoundRobin`], [`basic::PowerOfTwo`]); `None`: strict rotation and a full
+    /// scan.
+    pub envoy_workers: Option<usize>,
 }
 
 impl PolicyKind {
@@ -131,8 +135,14 @@ impl PolicyKind {
     pub fn build(self, o: &PolicyOptions) -> Result<Box<dyn Policy>, ConfigError> {
         let rng = Rng::derive(o.seed, "policy", self as u64);
         Ok(match self {
-            PolicyKind::RoundRobin => Box::new(basic::RoundRobin::default()),
-            PolicyKind::LeastRequest => Box::new(basic::LeastRequest::new(rng)),
+            PolicyKind::RoundRobin => match o.envoy_workers {
+                Some(workers) => Box::new(basic::EnvoyRoundRobin::new(workers, rng)),
+                None => Box::new(basic::RoundRobin::default()),
+            },
+            PolicyKind::LeastRequest => match o.envoy_workers {
+                Some(_) => Box::new(basic::PowerOfTwo::new(rng)),
+                None => Box::new(basic::LeastRequest::new(rng)),
+            },
             PolicyKind::Random => Box::new(basic::Random::new(rng)),
             PolicyKind::Kvoy => Box::new(kvoy::Kvoy::new(o.replicas, o.seed, false)?),
             PolicyKind::KvoyAggregator => Box::new(kvoy::Kvoy::new(o.replicas, o.seed, true)?),
