@@ -241,17 +241,20 @@ pub fn record(outcomes: &[Outcome], pool: &[SocketAddr], recorder: &mut Recorder
             }
         }
     }
-    recorder.window_end = last_sent;
-    // Throughput over the load window, as the simulation counts it: tokens that came out
-    // (each at its own time: the first at TTFT, the others after their gaps) and requests that
-    // finished while requests were still arriving.
+    // Throughput over the whole run, first arrival to last completion: a live plan of a few
+    // hundred requests has no steady state, and over the arrival window alone (the
+    // simulation's measure for its long stages) a policy with long queues would show almost
+    // no output at all. Tokens count at their own times (the first at TTFT, the others after
+    // their gaps), so an end before the last completion counts what came out by then.
+    let end = recorder.last_completion.max(last_sent);
+    recorder.window_end = end;
     for o in outcomes {
         let Ok(t) = &o.timing else { continue };
         if t.status != 200 {
             continue;
         }
-        recorder.window_output_tokens += tokens_by(o.sent, t, last_sent);
-        if o.sent + t.total <= last_sent {
+        recorder.window_output_tokens += tokens_by(o.sent, t, end);
+        if o.sent + t.total <= end {
             recorder.window_completed += 1;
         }
     }
