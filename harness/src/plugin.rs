@@ -245,6 +245,13 @@ impl VmRef<'_> {
         self.plugin.with_vm(self.index, VmInstance::tick)
     }
 
+    /// Calls `proxy_on_foreign_function` on the root context, as a host extension calling back
+    /// into the plugin does; `arguments` is the `CallData` buffer during the call.
+    pub fn foreign_function(&self, function_id: u32, arguments: &[u8]) -> Result<()> {
+        self.plugin
+            .with_vm(self.index, |vm| vm.foreign_function(function_id, arguments))
+    }
+
     /// The tick period this VM asked for.
     pub fn tick_period(&self) -> Option<Duration> {
         self.plugin.shared.lock().clock.tick_period(self.index)

@@ -43,6 +43,7 @@ pub(crate) struct Exports {
     pub upstream_data: Func<(u32, u32, u32), u32>,
     pub downstream_close: Func<(u32, u32), ()>,
     pub upstream_close: Func<(u32, u32), ()>,
+    pub foreign_function: Func<(u32, u32, u32), ()>,
 }
 
 fn typed<P: WasmParams, R: WasmResults>(
@@ -96,6 +97,7 @@ impl Exports {
             upstream_data: typed(instance, store, "proxy_on_upstream_data")?,
             downstream_close: typed(instance, store, "proxy_on_downstream_connection_close")?,
             upstream_close: typed(instance, store, "proxy_on_upstream_connection_close")?,
+            foreign_function: typed(instance, store, "proxy_on_foreign_function")?,
         })
     }
 }
@@ -294,6 +296,27 @@ impl VmInstance {
             root,
             root,
         )?;
+        self.after_call()
+    }
+
+    /// `proxy_on_foreign_function(root, function_id, arguments)` on the root context, with
+    /// `arguments` readable as the `CallData` buffer during the call (Envoy's
+    /// `onForeignFunction`; no built-in Envoy extension calls it, hosts and their extensions
+    /// may). A guest without the export ignores it, as Envoy's null function does.
+    pub fn foreign_function(&mut self, function_id: u32, arguments: &[u8]) -> Result<()> {
+        let root = self.root_id();
+        let size = u32::try_from(arguments.len()).unwrap_or(u32::MAX);
+        self.store.data_mut().call_data = Some(arguments.to_vec());
+        let result = invoke(
+            &mut self.store,
+            &mut self.failed,
+            "proxy_on_foreign_function",
+            self.exports.foreign_function.as_ref(),
+            root,
+            (root, function_id, size),
+        );
+        self.store.data_mut().call_data = None;
+        result?;
         self.after_call()
     }
 

@@ -61,6 +61,8 @@ pub(crate) struct VmState {
     pub callout_ids: CalloutIds,
     /// The message being delivered to `proxy_on_grpc_receive` (`GrpcReceiveBuffer`).
     pub grpc_receive: Option<Vec<u8>>,
+    /// The arguments of the `proxy_on_foreign_function` being delivered (`CallData`).
+    pub call_data: Option<Vec<u8>>,
     /// The metadata being delivered to `proxy_on_grpc_receive_{initial,trailing}_metadata`.
     pub grpc_initial_metadata: Option<HeaderMap>,
     pub grpc_trailing_metadata: Option<HeaderMap>,
@@ -91,6 +93,7 @@ impl VmState {
             call_status: (0, String::new()),
             callout_ids: CalloutIds::default(),
             grpc_receive: None,
+            call_data: None,
             grpc_initial_metadata: None,
             grpc_trailing_metadata: None,
             local_replies: Vec::new(),

@@ -813,3 +813,30 @@ fn status_numbers_are_the_specs() {
     assert_eq!(Status::Unimplemented as u32, 12);
     assert_eq!(Status::BrokenConnection as u32, 11);
 }
+
+#[test]
+fn foreign_function_callbacks_read_their_arguments_as_call_data() -> TestResult {
+    let l = Layout::new();
+    let wat = module(
+        &l,
+        &format!(
+            r#"(func (export "proxy_on_configure") (param i32 i32) (result i32)
+          ;; CallData outside proxy_on_foreign_function: NotFound
+          (call $report (call $get_buffer (i32.const 8) (i32.const 0) (i32.const 10) (i32.const {PTR}) (i32.const {SIZE})))
+          (i32.const 1))
+        (func (export "proxy_on_foreign_function") (param $root i32) (param $id i32) (param $size i32)
+          (call $report (local.get $id))
+          (call $report (call $get_buffer (i32.const 8) (i32.const 0) (local.get $size) (i32.const {PTR}) (i32.const {SIZE})))
+          (call $show))"#
+        ),
+    );
+    let plugin = start(&wat)?;
+    assert_eq!(reports(&plugin), "1");
+    plugin.vm(0).foreign_function(7, b"arguments")?;
+    assert_eq!(reports(&plugin), "170");
+    assert_eq!(lines(&plugin), ["arguments"]);
+    // A guest without the export ignores the call, as Envoy's null function does.
+    let plain = start(&module(&Layout::new(), ""))?;
+    plain.vm(0).foreign_function(1, b"x")?;
+    Ok(())
+}

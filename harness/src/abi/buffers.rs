@@ -49,7 +49,8 @@ fn buffer(state: &VmState, kind: BufferType) -> Option<&[u8]> {
             Some(state.connection().map_or(EMPTY, |c| c.downstream.held()))
         }
         BufferType::UpstreamData => Some(state.connection().map_or(EMPTY, |c| c.upstream.held())),
-        BufferType::CallData => None,
+        // Envoy sets it for the host's call of `proxy_on_foreign_function` only.
+        BufferType::CallData => state.call_data.as_deref(),
     }
 }
 
