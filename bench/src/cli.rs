@@ -354,6 +354,7 @@ impl SimArgs {
             threads: self.threads,
             sglang_tree_chars: self.sglang_tree_chars,
             envoy_workers: None,
+            scrape_interval: std::time::Duration::from_millis(50),
         })
     }
 }

@@ -103,10 +103,16 @@ fn run_live(options: kvoy_bench::live::cli::LiveArgs) -> Result<(), Box<dyn std:
             p.total
         );
     };
-    let report = kvoy_bench::live::run(&options.grid, &mut progress)?;
-    let mut written = report.write_all(&options.out)?;
+    let (report, mut written) = if options.sim_check_only {
+        let from = options.out.join("results.json");
+        (kvoy_bench::Report::load(&from)?, Vec::new())
+    } else {
+        let report = kvoy_bench::live::run(&options.grid, &mut progress)?;
+        let written = report.write_all(&options.out)?;
+        (report, written)
+    };
     let open_loop = options.grid.arrivals == kvoy_bench::live::Arrivals::Open;
-    if options.sim_check && open_loop {
+    if (options.sim_check || options.sim_check_only) && open_loop {
         use kvoy_bench::live::compare;
         let rates: Vec<f64> = report
             .workloads

@@ -38,6 +38,9 @@ pub struct Grid {
     /// Model the cache-blind baselines as Envoy runs them on this many worker threads (see
     /// [`crate::policy::basic`]); `None`: the textbook algorithms.
     pub envoy_workers: Option<usize>,
+    /// How often the servers' figures are read (the reference picker's and kvoy-aggregator's
+    /// scrape interval, 50 ms).
+    pub scrape_interval: std::time::Duration,
 }
 
 /// Progress of the grid, for a progress line.
@@ -200,7 +203,7 @@ pub fn run(grid: &Grid, progress: &(dyn Fn(Progress<'_>) + Sync)) -> Result<Repo
         profile: grid.profile.name.clone(),
         replicas: grid.replicas,
         seed: grid.seed,
-        scrape_interval_ms: 50,
+        scrape_interval_ms: grid.scrape_interval.as_millis() as u64,
         policies: grid.policies.iter().map(|p| p.name().to_owned()).collect(),
         workloads: reports,
     })
@@ -230,6 +233,7 @@ fn run_job(
             source,
         })?;
     let mut cfg = SimConfig::new(grid.profile.clone(), grid.replicas);
+    cfg.scrape_interval = grid.scrape_interval;
     let ideal = ideal.map(|cell| {
         *cell.get_or_init(|| {
             let shape = measure(&plan, &grid.profile);

@@ -35,6 +35,7 @@ fn small_grid(threads: usize) -> Grid {
         threads,
         sglang_tree_chars: None,
         envoy_workers: None,
+        scrape_interval: std::time::Duration::from_millis(50),
     }
 }
 

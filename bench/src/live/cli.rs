@@ -34,6 +34,8 @@ run. Times are reported in the modelled GPU's seconds (real time x --speedup).
   --seed N              (default 1)
   --no-sim-check        skip simulating the same plan afterwards (sim-check.md: do the policies
                         rank the same, are kvoy's TTFT ratios within 25%?)
+  --sim-check-only      no live runs: check DIR/results.json of an earlier run made with the
+                        same options against the simulation
   --out DIR             output directory (default bench/results/live)
   --quiet               no progress lines
 ";
@@ -46,6 +48,8 @@ pub struct LiveArgs {
     pub quiet: bool,
     /// Simulate the same plan afterwards and compare (open-loop arrivals only).
     pub sim_check: bool,
+    /// Skip the live runs and check the saved `out/results.json`.
+    pub sim_check_only: bool,
 }
 
 fn value<'a>(
@@ -111,6 +115,7 @@ pub fn parse(args: &[String]) -> Result<LiveArgs, CliError> {
     let mut out = PathBuf::from("bench/results/live");
     let mut quiet = false;
     let mut sim_check = true;
+    let mut sim_check_only = false;
     let mut it = args.iter();
     while let Some(flag) = it.next() {
         match flag.as_str() {
@@ -181,6 +186,7 @@ pub fn parse(args: &[String]) -> Result<LiveArgs, CliError> {
             "--out" => out = PathBuf::from(value(&mut it, "--out")?),
             "--quiet" => quiet = true,
             "--no-sim-check" => sim_check = false,
+            "--sim-check-only" => sim_check_only = true,
             other => return Err(CliError::UnknownFlag(other.to_owned())),
         }
     }
@@ -223,6 +229,7 @@ pub fn parse(args: &[String]) -> Result<LiveArgs, CliError> {
         out,
         quiet,
         sim_check,
+        sim_check_only,
     })
 }
 
@@ -233,6 +240,7 @@ impl PartialEq for LiveArgs {
         self.out == other.out
             && self.quiet == other.quiet
             && self.sim_check == other.sim_check
+            && self.sim_check_only == other.sim_check_only
             && format!("{:?}", self.grid) == format!("{:?}", other.grid)
     }
 }
@@ -270,6 +278,10 @@ mod tests {
             vec![Rate::Saturation(1.0), Rate::Absolute(20.0)]
         );
         assert_eq!(a.grid.arrivals, Arrivals::Closed(8));
+        assert!(a.sim_check && !a.sim_check_only);
+        let a = parse(&args("--no-sim-check")).unwrap();
+        assert!(!a.sim_check);
+        assert!(parse(&args("--sim-check-only")).unwrap().sim_check_only);
     }
 
     #[test]

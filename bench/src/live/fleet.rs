@@ -14,6 +14,11 @@ use kvoy_e2e::{
 
 /// The model every simulator serves.
 pub const MODEL: &str = "kvoy-bench";
+/// How often kvoy-aggregator scrapes the simulators, real time.
+pub const AGGREGATOR_SCRAPE_MS: u64 = 50;
+/// How often the kvoy filter polls the aggregator, real time (the filter's default
+/// `aggregator.poll_interval_ms`, which `envoy/kvoy.yaml` keeps).
+pub const FILTER_POLL_MS: u64 = 100;
 
 /// The baseline bootstrap template.
 const BASELINE_TEMPLATE: &str = include_str!("../../envoy/baseline.yaml");
@@ -95,7 +100,10 @@ impl Fleet {
             sims.push(fleet);
         }
         let addrs = endpoints.iter().map(|e| e.address).collect();
-        let yaml = aggregator_yaml("scrape_interval_ms: 50\nstale_after_ms: 500\n", &endpoints);
+        let yaml = aggregator_yaml(
+            &format!("scrape_interval_ms: {AGGREGATOR_SCRAPE_MS}\nstale_after_ms: 500\n"),
+            &endpoints,
+        );
         let aggregator = LocalAggregator::start(
             &run_dir.join("aggregator.yaml"),
             &yaml,

@@ -210,7 +210,7 @@ pub fn run(
         profile: grid.profile.name.clone(),
         replicas: grid.replicas,
         seed: grid.seed,
-        scrape_interval_ms: 50,
+        scrape_interval_ms: fleet::AGGREGATOR_SCRAPE_MS,
         policies: grid.policies.iter().map(|p| p.name().to_owned()).collect(),
         workloads: vec![WorkloadReport {
             name: w.name().to_owned(),
