@@ -52,7 +52,8 @@ pub struct LiveArgs {
     pub sim_check_only: bool,
 }
 
-fn value<'a>(
+/// The value after `flag`, or a `MissingValue` error naming it.
+pub(crate) fn value<'a>(
     args: &mut impl Iterator<Item = &'a String>,
     flag: &'static str,
 ) -> Result<&'a str, CliError> {

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use super::OverheadGrid;
 use crate::cli::CliError;
+use crate::live::cli::value;
 
 pub const USAGE: &str = "\
 kvoy-bench overhead [options]
@@ -36,15 +37,6 @@ impl PartialEq for OverheadGrid {
     fn eq(&self, other: &Self) -> bool {
         format!("{self:?}") == format!("{other:?}")
     }
-}
-
-fn value<'a>(
-    args: &mut impl Iterator<Item = &'a String>,
-    flag: &'static str,
-) -> Result<&'a str, CliError> {
-    args.next()
-        .map(String::as_str)
-        .ok_or(CliError::MissingValue(flag))
 }
 
 fn count(v: &str, flag: &'static str, lo: usize, hi: usize) -> Result<usize, CliError> {
