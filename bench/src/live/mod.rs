@@ -11,8 +11,8 @@
 //! `speedup` times faster too (arrival times and delays divided by it); every duration
 //! measured is multiplied back, so figures are in the modelled GPU's seconds and compare
 //! directly with the fleet-scale simulation (`crate::sim`) on the same plan. Proxy and network
-//! overhead are multiplied as well: keep `speedup` modest (the default 10 makes 1 ms of real
-//! overhead 10 ms of reported time, small next to the prefills the benchmark measures).
+//! overhead are multiplied as well: keep `speedup` modest (the default 2 makes 1 ms of real
+//! overhead 2 ms of reported time, small next to the prefills the benchmark measures).
 
 pub mod cli;
 pub mod compare;

@@ -1,7 +1,6 @@
 //! `kvoy-bench overhead [options]`, parsed by hand like `sim` and `live`.
 
 use std::path::PathBuf;
-use std::time::Duration;
 
 use super::OverheadGrid;
 use crate::cli::CliError;
@@ -31,12 +30,6 @@ pub struct OverheadArgs {
     pub grid: OverheadGrid,
     pub out: PathBuf,
     pub quiet: bool,
-}
-
-impl PartialEq for OverheadGrid {
-    fn eq(&self, other: &Self) -> bool {
-        format!("{self:?}") == format!("{other:?}")
-    }
 }
 
 fn count(v: &str, flag: &'static str, lo: usize, hi: usize) -> Result<usize, CliError> {
@@ -107,7 +100,6 @@ pub fn parse(args: &[String]) -> Result<OverheadArgs, CliError> {
             other => return Err(CliError::UnknownFlag(other.to_owned())),
         }
     }
-    grid.load_deadline = Duration::from_secs(60);
     Ok(OverheadArgs { grid, out, quiet })
 }
 

@@ -34,7 +34,7 @@ const MODEL: &str = "kvoy-bench";
 pub const BYTES_PER_TOKEN: usize = 4;
 
 /// What to measure.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct OverheadGrid {
     pub prompt_tokens: Vec<u32>,
     pub concurrency: Vec<usize>,
