@@ -97,6 +97,9 @@ struct RawEndpoint {
     waiting: Option<u32>,
     #[serde(default)]
     kv_cache_usage: Option<f64>,
+    /// This endpoint's prefill rate (tokens/s), overriding the model's.
+    #[serde(default)]
+    prefill_tokens_per_s: Option<f64>,
 }
 
 /// Where the filter gets the live pool: `kvoy-aggregator`'s snapshot API, reached through an
@@ -230,6 +233,8 @@ pub enum ConfigError {
     NoModels { index: usize },
     #[error("`endpoints[{index}].kv_cache_usage` must be within 0..=1, got {value}")]
     BadKvUsage { index: usize, value: f64 },
+    #[error("`endpoints[{index}].prefill_tokens_per_s` must be a number above 0, got {value}")]
+    BadPrefillRate { index: usize, value: f64 },
     #[error("`{field}` must be {expected}, got {value}")]
     OutOfRange {
         field: &'static str,
@@ -294,11 +299,17 @@ impl TryFrom<RawConfig> for PluginConfig {
                     return Err(ConfigError::BadKvUsage { index, value });
                 }
             }
+            if let Some(value) = e.prefill_tokens_per_s {
+                if !(value.is_finite() && value > 0.0) {
+                    return Err(ConfigError::BadPrefillRate { index, value });
+                }
+            }
             endpoints.push(Endpoint {
                 load: EndpointLoad {
                     waiting: e.waiting,
                     running: None,
                     kv_cache_usage: e.kv_cache_usage,
+                    prefill_tokens_per_s: e.prefill_tokens_per_s,
                 },
                 ..Endpoint::new(address, e.models)
             });

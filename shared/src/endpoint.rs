@@ -77,6 +77,9 @@ pub struct EndpointLoad {
     pub running: Option<u32>,
     /// KV-cache use in [0, 1], when known.
     pub kv_cache_usage: Option<f64>,
+    /// The endpoint's prefill rate in prompt tokens per second, when known: configured for a
+    /// static endpoint, or estimated by the aggregator from the server's metrics.
+    pub prefill_tokens_per_s: Option<f64>,
 }
 
 /// The endpoints a proxy may route to; nothing outside it is ever chosen. Ids may have holes

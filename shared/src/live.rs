@@ -178,6 +178,7 @@ pub fn live_pool(snapshot: &Snapshot, with_loads: bool) -> Pool {
                 waiting: Some(s.waiting),
                 running: Some(s.running),
                 kv_cache_usage: Some(f64::from(s.kv_cache_usage)),
+                prefill_tokens_per_s: None,
             }
         } else {
             EndpointLoad::default()

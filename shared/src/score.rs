@@ -263,11 +263,13 @@ mod tests {
             waiting: Some(10),
             running: None,
             kv_cache_usage: Some(0.9),
+            prefill_tokens_per_s: None,
         };
         b.load = EndpointLoad {
             waiting: Some(0),
             running: None,
             kv_cache_usage: Some(0.1),
+            prefill_tokens_per_s: None,
         };
         assert_eq!(choose(&[a, b], 4, 3), 1);
         // unknown load where others are known scores as the worst
@@ -283,6 +285,7 @@ mod tests {
             waiting: Some(2),
             running: Some(8),
             kv_cache_usage: None,
+            prefill_tokens_per_s: None,
         };
         assert_eq!(c.guard_load(), 10);
         // Other proxies' requests show in the server's count.

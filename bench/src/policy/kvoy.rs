@@ -171,6 +171,7 @@ mod tests {
             id: 1,
             text: "",
             body: &b,
+            prompt_tokens: 0,
         };
         let first = p.pick(&req, &view);
         let b2 = body(&format!("{system}second"));
@@ -178,6 +179,7 @@ mod tests {
             id: 2,
             text: "",
             body: &b2,
+            prompt_tokens: 0,
         };
         assert_eq!(p.pick(&req2, &view), first);
         // The holder's queue grows past the others: the scrape makes the router see it.
@@ -208,6 +210,7 @@ mod tests {
             id: 3,
             text: "",
             body: &b3,
+            prompt_tokens: 0,
         };
         assert_ne!(p.pick(&req3, &view), first, "the hot-spot guard spills");
     }

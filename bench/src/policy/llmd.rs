@@ -159,6 +159,7 @@ mod tests {
             id: 0,
             text,
             body: b"",
+            prompt_tokens: 0,
         }
     }
 

@@ -29,6 +29,9 @@ pub struct RouteRequest<'a> {
     pub text: &'a str,
     /// The OpenAI body a proxy would see (`/v1/completions`).
     pub body: &'a [u8],
+    /// The prompt's exact token count (what a router that tokenizes would know; a router that
+    /// does not must estimate it from `text`).
+    pub prompt_tokens: u32,
 }
 
 /// One endpoint's figures as a metrics scrape (and the aggregator) reports them.
@@ -75,6 +78,13 @@ pub trait Policy {
     /// Called after each scrape with the fresh `view` and the prompts cached since the last
     /// scrape. Policies that read server metrics only at `pick` ignore it.
     fn on_scrape(&mut self, _view: &View<'_>, _prefilled: &[Prefilled]) {}
+
+    /// The first byte of request `request`'s answer reached the proxy from `endpoint` (its
+    /// prefill is done): what a proxy sees at once, unlike a scrape.
+    fn on_first_token(&mut self, _request: u64, _endpoint: usize, _now: Duration) {}
+
+    /// Request `request` on `endpoint` finished (or was refused by the engine).
+    fn on_finished(&mut self, _request: u64, _endpoint: usize, _now: Duration) {}
 }
 
 /// The policies, by command-line name.

@@ -166,6 +166,7 @@ mod tests {
                 id: 0,
                 text,
                 body: b"",
+                prompt_tokens: 0,
             },
             &view,
         )
@@ -226,6 +227,7 @@ mod tests {
                 id: 1,
                 text: "y",
                 body: b"",
+                prompt_tokens: 0,
             },
             &view,
         );

@@ -164,7 +164,7 @@ pub fn run(
         match event {
             Event::Arrival { session, turn } => sim.arrival(now, session, turn, policy)?,
             Event::StepEnd { engine } => {
-                sim.step_end(now, engine as usize);
+                sim.step_end(now, engine as usize, policy);
                 progress(sim.done, sim.total);
             }
             Event::Scrape => {
@@ -217,10 +217,12 @@ impl Sim<'_> {
             inflight: &self.inflight,
             metrics: &self.metrics,
         };
+        let prompt = tokenizer::tokenize(&self.text);
         let request = RouteRequest {
             id: turn.id,
             text: &self.text,
             body: &self.body,
+            prompt_tokens: u32::try_from(prompt.len()).unwrap_or(u32::MAX),
         };
         let e = policy.pick(&request, &view);
         if e >= self.engines.len() {
@@ -229,7 +231,6 @@ impl Sim<'_> {
                 replicas: self.engines.len(),
             });
         }
-        let prompt = tokenizer::tokenize(&self.text);
         let max_hit_blocks = prompt.len().saturating_sub(1) / self.block_size;
         block_hashes(&prompt, self.block_size, max_hit_blocks, &mut self.hashes);
         let arrival_hit = (self.mirrors[e].matched(&self.hashes) * self.block_size) as u32;
@@ -263,6 +264,7 @@ impl Sim<'_> {
             }
             Err(err) => {
                 log::debug!("request {} refused by the engine: {err}", turn.id);
+                policy.on_finished(turn.id, e, now);
                 self.rec.rejected += 1;
                 self.rec.refused.push(turn.id);
                 self.done += 1;
@@ -305,7 +307,7 @@ impl Sim<'_> {
             .push(now + step.duration, Event::StepEnd { engine: e as u32 });
     }
 
-    fn step_end(&mut self, now: Duration, e: usize) {
+    fn step_end(&mut self, now: Duration, e: usize, policy: &mut dyn Policy) {
         let outputs = std::mem::take(&mut self.pending[e]);
         let in_window = now <= self.rec.window_end;
         for out in outputs {
@@ -342,6 +344,7 @@ impl Sim<'_> {
                         endpoint: e,
                         request: id,
                     });
+                    policy.on_first_token(id, e, now);
                 }
                 OutputKind::Token { .. } => {
                     let gap = now.saturating_sub(live.last_token);
@@ -354,6 +357,7 @@ impl Sim<'_> {
                     self.live[si] = None;
                     self.open -= 1;
                     self.inflight[endpoint] = self.inflight[endpoint].saturating_sub(1);
+                    policy.on_finished(id, endpoint, now);
                     self.rec.e2e.push(latency.as_secs_f64());
                     self.rec.prompt_tokens += u64::from(usage.prompt_tokens);
                     let cached = if live.preempted_early {
