@@ -13,9 +13,11 @@
 
 use kvoy_harness::Plugin;
 use kvoy_shared::live::{self, PoolChoice, SnapshotBoard};
-use kvoy_shared::replica::{self, DecisionLog, InflightTable, SharedStore, StoreError};
+use kvoy_shared::replica::{self, DecisionLog, OutstandingTable, SharedStore, StoreError};
 use kvoy_shared::request::Api;
-use kvoy_shared::{DecisionKind, EndpointId, PluginConfig, RouteError, Router, Weights};
+use kvoy_shared::{
+    DecisionKind, EndpointId, Outstanding, PluginConfig, RouteError, Router, Scorer, Weights,
+};
 
 /// Read-only shared data of a plugin.
 struct PluginStore<'a>(&'a Plugin);
@@ -41,7 +43,7 @@ pub struct Mirror {
 /// The filter's state just before a request.
 pub struct Prepared {
     router: Router,
-    counts: Vec<u32>,
+    counts: Vec<Outstanding>,
     pool_live: bool,
 }
 
@@ -67,7 +69,15 @@ pub struct ScoreRow {
     pub total: f64,
     /// The hot-spot guard removed the prefix score.
     pub hot: bool,
-    /// Among the best totals.
+    /// The cost model's terms (see `kvoy_shared::cost`): prompt tokens the endpoint would
+    /// compute, prefill tokens queued there, sequences decoding, seconds.
+    pub uncached_tokens: f64,
+    pub queued_tokens: f64,
+    pub running: u32,
+    pub prefill_s: f64,
+    pub decode_s: f64,
+    pub cost_s: f64,
+    /// The endpoint the router chose.
     pub best: bool,
 }
 
@@ -77,6 +87,8 @@ pub struct ScoreTable {
     /// `scored`, `passthrough` (not an inference request: least-loaded), `fallback` (bad body,
     /// least-loaded), or `error` (the filter answers with an error).
     pub kind: &'static str,
+    /// `cost` (the default) or `weighted`.
+    pub scorer: &'static str,
     pub request_blocks: u32,
     pub weights: WeightsOut,
     /// Whether the pool was the aggregator's.
@@ -152,7 +164,7 @@ impl Mirror {
         );
         log.poll(&store, |endpoint, keys| router.apply_remote(endpoint, keys));
         let mut counts = Vec::new();
-        InflightTable::new(&self.namespace, router.pool().id_bound()).read(&store, &mut counts);
+        OutstandingTable::new(&self.namespace, router.pool().id_bound()).read(&store, &mut counts);
         Prepared {
             router,
             counts,
@@ -183,17 +195,8 @@ impl Prepared {
             Err(e) => ("error", 0, Some(describe(e))),
         };
         let scores = self.router.last_scores();
-        let best = scores
-            .iter()
-            .map(|s| s.total)
-            .fold(f64::NEG_INFINITY, f64::max);
-        let min_load = self
-            .router
-            .last_candidates()
-            .iter()
-            .map(|c| c.guard_load())
-            .min()
-            .unwrap_or(0);
+        let costs = self.router.last_costs();
+        let chosen = result.as_ref().ok().map(|d| d.endpoint);
         let rows = self
             .router
             .last_candidates()
@@ -201,7 +204,7 @@ impl Prepared {
             .enumerate()
             .map(|(i, c)| {
                 let s = scores.get(i).copied().unwrap_or_default();
-                let scored = !scores.is_empty();
+                let t = costs.get(i).copied().unwrap_or_default();
                 ScoreRow {
                     endpoint: self.address(c.id),
                     matched_blocks: c.matched,
@@ -215,16 +218,22 @@ impl Prepared {
                     session: if c.pinned { weights.session } else { 0.0 },
                     total: s.total,
                     hot: s.hot,
-                    best: if scored {
-                        s.total >= best - 1e-9
-                    } else {
-                        c.guard_load() == min_load
-                    },
+                    uncached_tokens: t.uncached_tokens,
+                    queued_tokens: t.queued_tokens,
+                    running: t.running,
+                    prefill_s: t.prefill_s,
+                    decode_s: t.decode_s,
+                    cost_s: t.total_s,
+                    best: chosen == Some(c.id),
                 }
             })
             .collect();
         ScoreTable {
             kind,
+            scorer: match self.router.config().scorer {
+                Scorer::Cost => "cost",
+                Scorer::Weighted => "weighted",
+            },
             request_blocks,
             weights: WeightsOut::from(&weights),
             pool_live: self.pool_live,

@@ -69,6 +69,9 @@ pub fn text(reports: &[RequestReport]) -> String {
 }
 
 fn scores_text(out: &mut String, t: &ScoreTable) {
+    if t.scorer == "cost" {
+        return costs_text(out, t);
+    }
     let w = &t.weights;
     let _ = writeln!(
         out,
@@ -123,6 +126,60 @@ fn scores_text(out: &mut String, t: &ScoreTable) {
             r.session,
             r.total,
             if r.hot { "  (hot: prefix ignored)" } else { "" },
+        );
+    }
+}
+
+/// The cost scorer's table: each endpoint's predicted time to first token and its terms.
+fn costs_text(out: &mut String, t: &ScoreTable) {
+    let _ = writeln!(
+        out,
+        "  {} ({} pool; {} request blocks; cost scorer: predicted time to first token){}",
+        t.kind,
+        if t.pool_live { "aggregator" } else { "static" },
+        t.request_blocks,
+        t.error.as_ref().map_or(String::new(), |e| format!(": {e}")),
+    );
+    if t.rows.is_empty() {
+        return;
+    }
+    let width = t
+        .rows
+        .iter()
+        .map(|r| r.endpoint.len())
+        .max()
+        .unwrap_or(8)
+        .max(8);
+    let _ = writeln!(
+        out,
+        "    {:width$}  {:>7}  {:>8}  {:>7}  {:>8}  {:>8}  {:>7}  {:>10}  {:>9}  {:>7}",
+        "endpoint",
+        "matched",
+        "inflight",
+        "waiting",
+        "uncached",
+        "queued",
+        "running",
+        "prefill ms",
+        "decode ms",
+        "cost ms"
+    );
+    for r in &t.rows {
+        let _ = writeln!(
+            out,
+            "  {} {:width$}  {:>7}  {:>8}  {:>7}  {:>8.0}  {:>8.0}  {:>7}  {:>10.2}  {:>9.2}  {:>7.2}{}",
+            if r.best { "*" } else { " " },
+            r.endpoint,
+            format!("{}/{}", r.matched_blocks, t.request_blocks),
+            r.inflight,
+            opt(r.waiting),
+            r.uncached_tokens,
+            r.queued_tokens,
+            r.running,
+            r.prefill_s * 1e3,
+            r.decode_s * 1e3,
+            r.cost_s * 1e3,
+            if r.session > 0.0 { "  (session pin)" } else { "" },
         );
     }
 }

@@ -13,6 +13,7 @@ use std::net::SocketAddr;
 use serde::Deserialize;
 use thiserror::Error;
 
+use crate::cost::{CostParams, ModelCost};
 use crate::endpoint::{Endpoint, EndpointLoad, Pool};
 
 /// What to do with a body that is not a valid OpenAI request.
@@ -23,6 +24,108 @@ pub enum InvalidBodyPolicy {
     Reject,
     /// Route to the least-loaded endpoint and let the server answer.
     Fallback,
+}
+
+/// How candidates are compared.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Scorer {
+    /// The token cost model ([`crate::cost`]): predicted time to first token, lowest wins.
+    #[default]
+    Cost,
+    /// The weighted sum of normalised scores (prefix, in-flight, queue, KV) with the hot-spot
+    /// guard: kvoy's first scorer, kept for comparison.
+    Weighted,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawModelCost {
+    #[serde(default)]
+    prefill_tokens_per_s: Option<f64>,
+    #[serde(default)]
+    bytes_per_token: Option<f64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawCost {
+    prefill_tokens_per_s: f64,
+    models: std::collections::BTreeMap<String, RawModelCost>,
+    decode_s_per_sequence: f64,
+    step_tokens: u32,
+    bytes_per_token: f64,
+    learn_bytes_per_token: bool,
+    uncached_weight: f64,
+}
+
+impl Default for RawCost {
+    fn default() -> Self {
+        let d = CostParams::default();
+        RawCost {
+            prefill_tokens_per_s: d.prefill_tokens_per_s,
+            models: Default::default(),
+            decode_s_per_sequence: d.decode_s_per_sequence,
+            step_tokens: d.step_tokens,
+            bytes_per_token: d.bytes_per_token,
+            learn_bytes_per_token: d.learn_bytes_per_token,
+            uncached_weight: d.uncached_weight,
+        }
+    }
+}
+
+/// A rate or ratio that must be a finite number above 0.
+fn positive(field: &str, value: f64) -> Result<f64, ConfigError> {
+    if value.is_finite() && value > 0.0 {
+        Ok(value)
+    } else {
+        Err(ConfigError::NotPositive {
+            field: field.to_owned(),
+            value,
+        })
+    }
+}
+
+impl TryFrom<RawCost> for CostParams {
+    type Error = ConfigError;
+
+    fn try_from(raw: RawCost) -> Result<Self, ConfigError> {
+        let mut models = Vec::with_capacity(raw.models.len());
+        for (model, m) in raw.models {
+            let rate = m
+                .prefill_tokens_per_s
+                .map(|v| positive(&format!("cost.models.{model}.prefill_tokens_per_s"), v))
+                .transpose()?;
+            let bpt = m
+                .bytes_per_token
+                .map(|v| positive(&format!("cost.models.{model}.bytes_per_token"), v))
+                .transpose()?;
+            models.push(ModelCost {
+                model,
+                prefill_tokens_per_s: rate,
+                bytes_per_token: bpt,
+            });
+        }
+        if !(raw.decode_s_per_sequence.is_finite() && raw.decode_s_per_sequence >= 0.0) {
+            return Err(out_of_range(
+                "cost.decode_s_per_sequence",
+                "a finite number of seconds >= 0",
+                raw.decode_s_per_sequence,
+            ));
+        }
+        if raw.step_tokens == 0 {
+            return Err(out_of_range("cost.step_tokens", "at least 1", 0));
+        }
+        Ok(CostParams {
+            prefill_tokens_per_s: positive("cost.prefill_tokens_per_s", raw.prefill_tokens_per_s)?,
+            models,
+            decode_s_per_sequence: raw.decode_s_per_sequence,
+            step_tokens: raw.step_tokens,
+            bytes_per_token: positive("cost.bytes_per_token", raw.bytes_per_token)?,
+            learn_bytes_per_token: raw.learn_bytes_per_token,
+            uncached_weight: positive("cost.uncached_weight", raw.uncached_weight)?,
+        })
+    }
 }
 
 /// Scorer weights; a weight of 0 turns a scorer off.
@@ -136,6 +239,10 @@ struct RawConfig {
     #[serde(default)]
     aggregator: Option<AggregatorSettings>,
     #[serde(default)]
+    scorer: Scorer,
+    #[serde(default)]
+    cost: RawCost,
+    #[serde(default)]
     weights: Weights,
     #[serde(default)]
     hotspot: HotspotGuard,
@@ -145,6 +252,10 @@ struct RawConfig {
     block_size: usize,
     #[serde(default = "defaults::max_blocks")]
     max_blocks: usize,
+    #[serde(default = "defaults::dense_blocks")]
+    dense_blocks: usize,
+    #[serde(default = "defaults::blocks_per_doubling")]
+    blocks_per_doubling: usize,
     #[serde(default = "defaults::lru_blocks_per_endpoint")]
     lru_blocks_per_endpoint: usize,
     #[serde(default = "defaults::max_body_bytes")]
@@ -161,7 +272,13 @@ mod defaults {
         64
     }
     pub fn max_blocks() -> usize {
-        256
+        512
+    }
+    pub fn dense_blocks() -> usize {
+        128
+    }
+    pub fn blocks_per_doubling() -> usize {
+        64
     }
     pub fn lru_blocks_per_endpoint() -> usize {
         31_250
@@ -200,13 +317,21 @@ pub const MAX_ENDPOINTS: usize = 4096;
 #[derive(Clone, Debug, PartialEq)]
 pub struct PluginConfig {
     pub pool: Pool,
+    pub scorer: Scorer,
+    pub cost: CostParams,
+    /// The weighted scorer's weights (`weights.session` also applies to the cost scorer's
+    /// explanations only; a soft pin is followed unless it breaks).
     pub weights: Weights,
     pub hotspot: HotspotGuard,
     pub session: SessionPin,
     /// Bytes of prompt text per prefix block.
     pub block_size: usize,
-    /// Prefix blocks hashed per request at most.
+    /// Prefix keys per request at most.
     pub max_blocks: usize,
+    /// Leading keys of one block each; after them a key's span doubles every
+    /// `blocks_per_doubling` keys (see [`crate::prefix::KeySchedule`]).
+    pub dense_blocks: usize,
+    pub blocks_per_doubling: usize,
     /// Blocks remembered per endpoint (LRU).
     pub lru_blocks_per_endpoint: usize,
     pub max_body_bytes: usize,
@@ -235,6 +360,8 @@ pub enum ConfigError {
     BadKvUsage { index: usize, value: f64 },
     #[error("`endpoints[{index}].prefill_tokens_per_s` must be a number above 0, got {value}")]
     BadPrefillRate { index: usize, value: f64 },
+    #[error("`{field}` must be a number above 0, got {value}")]
+    NotPositive { field: String, value: f64 },
     #[error("`{field}` must be {expected}, got {value}")]
     OutOfRange {
         field: &'static str,
@@ -354,6 +481,9 @@ impl TryFrom<RawConfig> for PluginConfig {
                 raw.max_blocks,
             ));
         }
+        if raw.blocks_per_doubling == 0 {
+            return Err(out_of_range("blocks_per_doubling", "at least 1", 0));
+        }
         if !(1..=16_000_000).contains(&raw.lru_blocks_per_endpoint) {
             return Err(out_of_range(
                 "lru_blocks_per_endpoint",
@@ -373,11 +503,15 @@ impl TryFrom<RawConfig> for PluginConfig {
         }
         Ok(PluginConfig {
             pool: Pool::new(endpoints),
+            scorer: raw.scorer,
+            cost: CostParams::try_from(raw.cost)?,
             weights: w,
             hotspot: raw.hotspot,
             session: raw.session,
             block_size: raw.block_size,
             max_blocks: raw.max_blocks,
+            dense_blocks: raw.dense_blocks,
+            blocks_per_doubling: raw.blocks_per_doubling,
             lru_blocks_per_endpoint: raw.lru_blocks_per_endpoint,
             max_body_bytes: raw.max_body_bytes,
             on_invalid_body: raw.on_invalid_body,
@@ -445,7 +579,8 @@ mod tests {
             PluginConfig::from_json(br#"{"endpoints":[{"address":"127.0.0.1:1","models":["m"]}]}"#)
                 .unwrap();
         assert_eq!(cfg.block_size, 64);
-        assert_eq!(cfg.max_blocks, 256);
+        assert_eq!(cfg.max_blocks, 512);
+        assert_eq!((cfg.dense_blocks, cfg.blocks_per_doubling), (128, 64));
         assert_eq!(cfg.lru_blocks_per_endpoint, 31_250);
         assert_eq!(cfg.on_invalid_body, InvalidBodyPolicy::Reject);
         assert_eq!(cfg.weights, Weights::default());
@@ -486,6 +621,45 @@ mod tests {
             r#"{"endpoints":[{"address":"127.0.0.1:1","models":["m"]}],"weights":{"prefix":-1}}"#,
         );
         assert!(e.contains("weights.prefix"), "{e}");
+    }
+
+    #[test]
+    fn cost_section() {
+        let ep =
+            r#""endpoints":[{"address":"127.0.0.1:1","models":["m"],"prefill_tokens_per_s":9000}]"#;
+        let cfg = PluginConfig::from_json(format!("{{{ep}}}").as_bytes()).unwrap();
+        assert_eq!(cfg.scorer, Scorer::Cost);
+        assert_eq!(cfg.cost, CostParams::default());
+        let e = cfg.pool.get(crate::EndpointId(0)).unwrap();
+        assert_eq!(e.load.prefill_tokens_per_s, Some(9000.0));
+        let cfg = PluginConfig::from_json(
+            format!(
+                r#"{{{ep},"scorer":"weighted","cost":{{"prefill_tokens_per_s":15928,
+                "models":{{"m":{{"prefill_tokens_per_s":25000,"bytes_per_token":3.5}}}}}}}}"#
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+        assert_eq!(cfg.scorer, Scorer::Weighted);
+        assert_eq!(cfg.cost.model_rate("m"), 25000.0);
+        assert_eq!(cfg.cost.model_rate("other"), 15928.0);
+        assert_eq!(cfg.cost.model("m").unwrap().bytes_per_token, Some(3.5));
+        let e = err(&format!(r#"{{{ep},"scorer":"fastest"}}"#));
+        assert!(e.contains("cost") && e.contains("weighted"), "{e}");
+        let e = err(&format!(r#"{{{ep},"cost":{{"prefill_rate":1}}}}"#));
+        assert!(e.contains("unknown field `prefill_rate`"), "{e}");
+        let e = err(&format!(r#"{{{ep},"cost":{{"prefill_tokens_per_s":0}}}}"#));
+        assert!(e.contains("cost.prefill_tokens_per_s"), "{e}");
+        let e = err(&format!(
+            r#"{{{ep},"cost":{{"models":{{"m":{{"bytes_per_token":-1}}}}}}}}"#
+        ));
+        assert!(e.contains("cost.models.m.bytes_per_token"), "{e}");
+        let e = err(&format!(r#"{{{ep},"cost":{{"step_tokens":0}}}}"#));
+        assert!(e.contains("cost.step_tokens"), "{e}");
+        let e = err(
+            r#"{"endpoints":[{"address":"127.0.0.1:1","models":["m"],"prefill_tokens_per_s":-5}]}"#,
+        );
+        assert!(e.contains("endpoints[0].prefill_tokens_per_s"), "{e}");
     }
 
     #[test]

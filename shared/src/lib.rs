@@ -16,6 +16,7 @@
 //! ```
 
 mod config;
+pub mod cost;
 mod endpoint;
 pub mod flow;
 mod index;
@@ -31,10 +32,13 @@ pub mod session;
 pub mod snapshot;
 
 pub use config::{
-    AggregatorSettings, ConfigError, HotspotGuard, InvalidBodyPolicy, PluginConfig, SessionPin,
-    Weights, MAX_ENDPOINTS,
+    AggregatorSettings, ConfigError, HotspotGuard, InvalidBodyPolicy, PluginConfig, Scorer,
+    SessionPin, Weights, MAX_ENDPOINTS,
 };
-pub use endpoint::{Endpoint, EndpointId, EndpointLoad, Health, Pool};
+pub use cost::{CostParams, CostTerms};
+pub use endpoint::{
+    Endpoint, EndpointId, EndpointLoad, Health, Outstanding, OutstandingDelta, Pool,
+};
 pub use index::PrefixIndex;
 pub use lru::LruSet;
 pub use request::RequestError;

@@ -17,7 +17,7 @@
 
 use thiserror::Error;
 
-use crate::endpoint::EndpointId;
+use crate::endpoint::{EndpointId, Outstanding, OutstandingDelta};
 use crate::prefix::BlockKey;
 
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -121,6 +121,101 @@ impl InflightTable {
                 bytes.extend_from_slice(&c.to_le_bytes());
             }
             match store.set(&self.key, &bytes, cas) {
+                Ok(()) => return Ok(()),
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
+    }
+}
+
+/// Per-endpoint [`Outstanding`] work shared by all VMs of a proxy: one value of 12 bytes per
+/// endpoint (requests, prefilling, prefill tokens; little-endian `u32`s), changed by CAS. It
+/// feeds the cost model, so every worker sees the prefill work every other worker queued.
+#[derive(Debug, Clone)]
+pub struct OutstandingTable {
+    key: String,
+    endpoints: usize,
+    scratch: Vec<Outstanding>,
+    bytes: Vec<u8>,
+}
+
+const OUTSTANDING_BYTES: usize = 12;
+
+fn decode_outstanding(bytes: &[u8], limit: usize, out: &mut Vec<Outstanding>) {
+    out.clear();
+    out.extend(
+        bytes
+            .chunks_exact(OUTSTANDING_BYTES)
+            .take(limit)
+            .map(|c| Outstanding {
+                requests: u32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+                prefilling: u32::from_le_bytes([c[4], c[5], c[6], c[7]]),
+                prefill_tokens: u32::from_le_bytes([c[8], c[9], c[10], c[11]]),
+            }),
+    );
+}
+
+impl OutstandingTable {
+    pub fn new(namespace: &str, endpoints: usize) -> Self {
+        OutstandingTable {
+            key: format!("{namespace}.outstanding"),
+            endpoints,
+            scratch: Vec::new(),
+            bytes: Vec::new(),
+        }
+    }
+
+    /// Reads every endpoint's entry into `out` (one per id; zeros when nothing is stored).
+    pub fn read(&self, store: &impl SharedStore, out: &mut Vec<Outstanding>) {
+        match store.get(&self.key) {
+            Some((bytes, _)) => decode_outstanding(&bytes, self.endpoints, out),
+            None => out.clear(),
+        }
+        out.resize(self.endpoints, Outstanding::default());
+    }
+
+    /// Sizes reads to `endpoints` ids (the pool changed).
+    pub fn set_endpoints(&mut self, endpoints: usize) {
+        self.endpoints = endpoints;
+    }
+
+    /// Applies `delta` to `endpoint`'s entry. Entries of ids beyond this VM's pool are kept:
+    /// another VM may already route to them.
+    pub fn add(
+        &mut self,
+        store: &impl SharedStore,
+        endpoint: EndpointId,
+        delta: OutstandingDelta,
+    ) -> Result<(), StoreError> {
+        if endpoint.index() >= crate::MAX_ENDPOINTS {
+            return Ok(());
+        }
+        let mut last = StoreError::CasMismatch;
+        for _ in 0..CAS_RETRIES {
+            let cas = match store.get(&self.key) {
+                Some((b, cas)) => {
+                    decode_outstanding(&b, crate::MAX_ENDPOINTS, &mut self.scratch);
+                    cas
+                }
+                None => {
+                    self.scratch.clear();
+                    0
+                }
+            };
+            if self.scratch.len() <= endpoint.index() {
+                self.scratch
+                    .resize(endpoint.index() + 1, Outstanding::default());
+            }
+            self.scratch[endpoint.index()].apply(delta);
+            self.bytes.clear();
+            for o in &self.scratch {
+                self.bytes.extend_from_slice(&o.requests.to_le_bytes());
+                self.bytes.extend_from_slice(&o.prefilling.to_le_bytes());
+                self.bytes
+                    .extend_from_slice(&o.prefill_tokens.to_le_bytes());
+            }
+            match store.set(&self.key, &self.bytes, cas) {
                 Ok(()) => return Ok(()),
                 Err(e) => last = e,
             }
@@ -392,6 +487,65 @@ mod tests {
         t.add(&store, EndpointId(u16::MAX), 1).unwrap();
         wide.read(&store, &mut out);
         assert_eq!(out.len(), 10, "ids beyond MAX_ENDPOINTS are ignored");
+    }
+
+    #[test]
+    fn outstanding_work_is_shared_and_saturates() {
+        let store = MemoryStore::default();
+        let mut t = OutstandingTable::new("ns", 3);
+        let mut out = Vec::new();
+        t.read(&store, &mut out);
+        assert_eq!(out, vec![Outstanding::default(); 3]);
+        t.add(&store, EndpointId(1), OutstandingDelta::sent(700))
+            .unwrap();
+        t.add(&store, EndpointId(1), OutstandingDelta::sent(300))
+            .unwrap();
+        t.add(&store, EndpointId(2), OutstandingDelta::sent(50))
+            .unwrap();
+        let mut other = OutstandingTable::new("ns", 3);
+        other.read(&store, &mut out);
+        let want = |requests, prefilling, prefill_tokens| Outstanding {
+            requests,
+            prefilling,
+            prefill_tokens,
+        };
+        assert_eq!(out, vec![want(0, 0, 0), want(2, 2, 1000), want(1, 1, 50)]);
+        // One answered, then both finished: back to zero, never below.
+        other
+            .add(&store, EndpointId(1), OutstandingDelta::answered(700))
+            .unwrap();
+        t.read(&store, &mut out);
+        assert_eq!(out[1], want(2, 1, 300));
+        t.add(&store, EndpointId(1), OutstandingDelta::finished(700, true))
+            .unwrap();
+        t.add(
+            &store,
+            EndpointId(1),
+            OutstandingDelta::finished(300, false),
+        )
+        .unwrap();
+        t.add(
+            &store,
+            EndpointId(1),
+            OutstandingDelta::finished(300, false),
+        )
+        .unwrap();
+        t.read(&store, &mut out);
+        assert_eq!(out[1], want(0, 0, 0));
+        // Ids beyond the pool are kept; beyond MAX_ENDPOINTS ignored.
+        t.add(&store, EndpointId(7), OutstandingDelta::sent(1))
+            .unwrap();
+        t.add(&store, EndpointId(u16::MAX), OutstandingDelta::sent(1))
+            .unwrap();
+        t.set_endpoints(8);
+        t.read(&store, &mut out);
+        assert_eq!(out.len(), 8);
+        assert_eq!(out[7], want(1, 1, 1));
+        assert_eq!(out[2], want(1, 1, 50));
+        // A garbled value reads as what it can decode, padded with zeros.
+        store.set("ns.outstanding", &[1, 2, 3], 0).unwrap();
+        t.read(&store, &mut out);
+        assert_eq!(out, vec![Outstanding::default(); 8]);
     }
 
     /// A store that fails the first `n` CAS writes, as if another VM raced each one.

@@ -2,10 +2,11 @@
 
 use thiserror::Error;
 
-use crate::config::{InvalidBodyPolicy, PluginConfig};
-use crate::endpoint::{EndpointId, Pool};
+use crate::config::{InvalidBodyPolicy, PluginConfig, Scorer};
+use crate::cost::{self, CostTerms, RequestSize, TokenRatio};
+use crate::endpoint::{EndpointId, Outstanding, Pool};
 use crate::index::PrefixIndex;
-use crate::prefix::{BlockKey, PrefixHasher};
+use crate::prefix::{BlockKey, KeySchedule, PrefixHasher};
 use crate::request::{self, Api, RequestError};
 use crate::rng::Rng;
 use crate::score::{self, Candidate, EndpointScore};
@@ -20,6 +21,9 @@ pub struct Decision {
     pub request_blocks: u32,
     pub kind: DecisionKind,
     pub session: SessionOutcome,
+    /// Estimated prompt tokens the chosen endpoint computes for it (the cost model's
+    /// `uncached`): what the caller counts as pending prefill there until the answer begins.
+    pub prefill_tokens: u32,
 }
 
 /// What became of a request's session pin.
@@ -135,8 +139,16 @@ pub struct Router {
     ids: Vec<EndpointId>,
     candidates: Vec<Candidate>,
     scores: Vec<EndpointScore>,
+    costs: Vec<CostTerms>,
     keys: Vec<BlockKey>,
+    /// Bytes per token learned per model from the servers' `usage`.
+    ratio: TokenRatio,
+    /// Uncached tokens of a typical request routed here (EWMA): sizes a server's queue.
+    typical_tokens: Option<f64>,
 }
+
+/// Weight of the newest request in [`Router`]'s typical request size.
+const TYPICAL_ALPHA: f64 = 0.05;
 
 impl Router {
     /// `seed` drives tie-breaks and keys the index's hash maps.
@@ -146,7 +158,12 @@ impl Router {
             config.lru_blocks_per_endpoint,
             seed.rotate_left(17),
         );
-        let hasher = PrefixHasher::new(config.block_size, config.max_blocks);
+        let hasher = PrefixHasher::with_schedule(KeySchedule {
+            block_size: config.block_size,
+            max_keys: config.max_blocks,
+            dense: config.dense_blocks,
+            group: config.blocks_per_doubling,
+        });
         Router {
             pool: config.pool.clone(),
             config,
@@ -156,8 +173,29 @@ impl Router {
             ids: Vec::new(),
             candidates: Vec::new(),
             scores: Vec::new(),
+            costs: Vec::new(),
             keys: Vec::new(),
+            ratio: TokenRatio::default(),
+            typical_tokens: None,
         }
+    }
+
+    /// Records a server's own prompt-token count for a prompt of `prompt_bytes` bytes of
+    /// `model` (from a response's `usage`), to learn the model's bytes per token.
+    pub fn observe_usage(&mut self, model: &str, prompt_bytes: u64, prompt_tokens: u64) {
+        if self.config.cost.learn_bytes_per_token {
+            self.ratio.observe(model, prompt_bytes, prompt_tokens);
+        }
+    }
+
+    /// The bytes-per-token ratio used for `model`: learned, else configured, else the default.
+    pub fn bytes_per_token(&self, model: &str) -> f64 {
+        let cost = &self.config.cost;
+        self.ratio
+            .get(model)
+            .filter(|_| cost.learn_bytes_per_token)
+            .or_else(|| cost.model(model).and_then(|m| m.bytes_per_token))
+            .unwrap_or(cost.bytes_per_token)
     }
 
     pub fn config(&self) -> &PluginConfig {
@@ -199,9 +237,16 @@ impl Router {
         &self.keys
     }
 
-    /// Scores of the last scored decision, in the order of [`Router::last_candidates`].
+    /// Scores of the last decision of the weighted scorer, in the order of
+    /// [`Router::last_candidates`] (empty under the cost scorer).
     pub fn last_scores(&self) -> &[EndpointScore] {
         &self.scores
+    }
+
+    /// Cost terms of the last scored decision, in the order of [`Router::last_candidates`]
+    /// (computed under either scorer).
+    pub fn last_costs(&self) -> &[CostTerms] {
+        &self.costs
     }
 
     pub fn last_candidates(&self) -> &[Candidate] {
@@ -213,29 +258,40 @@ impl Router {
         self.index.record(endpoint, keys);
     }
 
-    fn fill_candidates(&mut self, inflight: &[u32]) {
+    fn fill_candidates(&mut self, outstanding: &[Outstanding], model_rate: f64) {
         self.candidates.clear();
+        let ends = self.hasher.ends();
         for &id in &self.ids {
             let load = self.pool.get(id).map(|e| e.load).unwrap_or_default();
+            let o = outstanding.get(id.index()).copied().unwrap_or_default();
+            let matched = self.index.matched(id, &self.keys);
+            let matched_bytes = match matched.checked_sub(1) {
+                Some(last) => ends.get(last).map_or(0, |&e| u64::from(e)),
+                None => 0,
+            };
             self.candidates.push(Candidate {
                 id,
-                matched: self.index.matched(id, &self.keys) as u32,
-                inflight: inflight.get(id.index()).copied().unwrap_or(0),
+                matched: matched as u32,
+                matched_bytes,
+                inflight: o.requests,
+                prefilling: o.prefilling.min(o.requests),
+                prefill_tokens: u64::from(o.prefill_tokens),
+                prefill_rate: load.prefill_tokens_per_s.unwrap_or(model_rate),
                 load,
                 pinned: false,
             });
         }
     }
 
-    /// Routes an OpenAI request body. `inflight` is this proxy's open-request count per
+    /// Routes an OpenAI request body. `outstanding` is what this proxy has outstanding per
     /// endpoint (by id); server loads come from the pool.
     pub fn route_body(
         &mut self,
         api: Api,
         body: &[u8],
-        inflight: &[u32],
+        outstanding: &[Outstanding],
     ) -> Result<Decision, RouteError> {
-        self.route_pinned(api, body, inflight, None)
+        self.route_pinned(api, body, outstanding, None)
     }
 
     /// [`Router::route_body`] for a request whose session is pinned to `pin` (an `ip:port`
@@ -245,7 +301,7 @@ impl Router {
         &mut self,
         api: Api,
         body: &[u8],
-        inflight: &[u32],
+        outstanding: &[Outstanding],
         pin: Option<&str>,
     ) -> Result<Decision, RouteError> {
         self.keys.clear();
@@ -256,7 +312,7 @@ impl Router {
                 return match self.config.on_invalid_body {
                     InvalidBodyPolicy::Reject => Err(RouteError::BadRequest(e)),
                     InvalidBodyPolicy::Fallback => {
-                        self.least_loaded(inflight, DecisionKind::Fallback)
+                        self.least_loaded(outstanding, DecisionKind::Fallback)
                     }
                 }
             }
@@ -269,27 +325,51 @@ impl Router {
             .hasher
             .hash(&req.model, req.cache_salt.as_deref(), &req.prompt);
         self.keys.extend_from_slice(keys);
-        self.fill_candidates(inflight);
+        let bytes_per_token = self.bytes_per_token(&req.model);
+        let prompt_tokens = req.prompt_len() as f64 / bytes_per_token;
+        let model_rate = self.config.cost.model_rate(&req.model);
+        self.fill_candidates(outstanding, model_rate);
         let mut session = match pin {
             None => SessionOutcome::None,
             Some(address) => self.apply_pin(address, &req.model),
         };
+        let size = RequestSize {
+            prompt_tokens,
+            bytes_per_token,
+            typical_tokens: self.typical_tokens.unwrap_or(prompt_tokens),
+        };
         let hard = self.config.session.hard;
         let pinned = self.candidates.iter().position(|c| c.pinned);
-        let chosen = match pinned {
-            Some(i) if hard => {
-                self.scores.clear();
+        self.scores.clear();
+        let chosen = match (self.config.scorer, pinned) {
+            (Scorer::Weighted, Some(i)) if hard => {
+                cost::fill(&self.candidates, &size, &self.config.cost, &mut self.costs);
                 i
             }
-            _ => score::pick(
-                &self.candidates,
-                self.keys.len(),
-                &self.config.weights,
-                &self.config.hotspot,
-                &mut self.rng,
-                &mut self.scores,
-            )
-            .ok_or(RouteError::NoEndpoint)?,
+            (Scorer::Weighted, _) => {
+                cost::fill(&self.candidates, &size, &self.config.cost, &mut self.costs);
+                score::pick(
+                    &self.candidates,
+                    self.hasher.ends().last().map_or(0, |&e| u64::from(e)),
+                    &self.config.weights,
+                    &self.config.hotspot,
+                    &mut self.rng,
+                    &mut self.scores,
+                )
+                .ok_or(RouteError::NoEndpoint)?
+            }
+            // A pin that did not break is followed (a soft one broke above if overloaded).
+            (Scorer::Cost, pinned) => {
+                let cheapest = cost::pick(
+                    &self.candidates,
+                    &size,
+                    &self.config.cost,
+                    &mut self.rng,
+                    &mut self.costs,
+                )
+                .ok_or(RouteError::NoEndpoint)?;
+                pinned.unwrap_or(cheapest)
+            }
         };
         if let Some(i) = pinned {
             session = if i == chosen {
@@ -300,12 +380,18 @@ impl Router {
         }
         let c = self.candidates[chosen];
         self.index.record(c.id, &self.keys);
+        let uncached = self.costs.get(chosen).map_or(0.0, |t| t.uncached_tokens);
+        self.typical_tokens = Some(match self.typical_tokens {
+            None => uncached,
+            Some(t) => t + TYPICAL_ALPHA * (uncached - t),
+        });
         Ok(Decision {
             endpoint: c.id,
             matched_blocks: c.matched,
             request_blocks: self.keys.len() as u32,
             kind: DecisionKind::Scored,
             session,
+            prefill_tokens: uncached.round().clamp(0.0, f64::from(u32::MAX)) as u32,
         })
     }
 
@@ -342,19 +428,24 @@ impl Router {
     }
 
     /// Routes a request whose body kvoy does not read (any endpoint of the pool will do).
-    pub fn route_passthrough(&mut self, inflight: &[u32]) -> Result<Decision, RouteError> {
+    pub fn route_passthrough(
+        &mut self,
+        outstanding: &[Outstanding],
+    ) -> Result<Decision, RouteError> {
         self.keys.clear();
-        self.least_loaded(inflight, DecisionKind::Passthrough)
+        self.least_loaded(outstanding, DecisionKind::Passthrough)
     }
 
     fn least_loaded(
         &mut self,
-        inflight: &[u32],
+        outstanding: &[Outstanding],
         kind: DecisionKind,
     ) -> Result<Decision, RouteError> {
         self.pool.all(&mut self.ids);
-        self.fill_candidates(inflight);
+        let rate = self.config.cost.prefill_tokens_per_s;
+        self.fill_candidates(outstanding, rate);
         self.scores.clear();
+        self.costs.clear();
         let chosen =
             score::least_loaded(&self.candidates, &mut self.rng).ok_or(RouteError::NoEndpoint)?;
         Ok(Decision {
@@ -363,6 +454,7 @@ impl Router {
             request_blocks: 0,
             kind,
             session: SessionOutcome::None,
+            prefill_tokens: 0,
         })
     }
 }
@@ -393,14 +485,18 @@ mod tests {
         let mut r = router("");
         let system = "You are a helpful assistant. ".repeat(40);
         let first = r
-            .route_body(Api::ChatCompletions, &chat("a", &system, "q0"), &[0; 3])
+            .route_body(
+                Api::ChatCompletions,
+                &chat("a", &system, "q0"),
+                &[Outstanding::default(); 3],
+            )
             .unwrap();
         for i in 1..20 {
             let d = r
                 .route_body(
                     Api::ChatCompletions,
                     &chat("a", &system, &format!("q{i}")),
-                    &[0; 3],
+                    &[Outstanding::default(); 3],
                 )
                 .unwrap();
             assert_eq!(d.endpoint, first.endpoint);
@@ -416,13 +512,17 @@ mod tests {
                 .route_body(
                     Api::ChatCompletions,
                     &chat("b", "s", &format!("{i}")),
-                    &[0; 3],
+                    &[Outstanding::default(); 3],
                 )
                 .unwrap();
             assert_eq!(d.endpoint, EndpointId(1));
         }
         let e = r
-            .route_body(Api::ChatCompletions, &chat("zzz", "s", "u"), &[0; 3])
+            .route_body(
+                Api::ChatCompletions,
+                &chat("zzz", "s", "u"),
+                &[Outstanding::default(); 3],
+            )
             .unwrap_err();
         assert_eq!(e.status(), 404);
         assert!(e.body().contains("model_not_found"));
@@ -432,20 +532,28 @@ mod tests {
     fn bad_bodies_per_policy() {
         let mut r = router("");
         let e = r
-            .route_body(Api::ChatCompletions, b"{nope", &[0; 3])
+            .route_body(Api::ChatCompletions, b"{nope", &[Outstanding::default(); 3])
             .unwrap_err();
         assert_eq!(e.status(), 400);
         let v: serde_json::Value = serde_json::from_str(&e.body()).unwrap();
         assert_eq!(v["error"]["type"], "invalid_request_error");
         let mut r = router(r#","on_invalid_body":"fallback","max_body_bytes":100"#);
         let d = r
-            .route_body(Api::ChatCompletions, b"{nope", &[3, 0, 5])
+            .route_body(
+                Api::ChatCompletions,
+                b"{nope",
+                &[3, 0, 5].map(Outstanding::requests),
+            )
             .unwrap();
         assert_eq!(d.kind, DecisionKind::Fallback);
         assert_eq!(d.endpoint, EndpointId(1));
         // too large is never a fallback
         let e = r
-            .route_body(Api::ChatCompletions, &[b' '; 101], &[0; 3])
+            .route_body(
+                Api::ChatCompletions,
+                &[b' '; 101],
+                &[Outstanding::default(); 3],
+            )
             .unwrap_err();
         assert_eq!(e.status(), 413);
     }
@@ -453,7 +561,9 @@ mod tests {
     #[test]
     fn passthrough_is_least_loaded() {
         let mut r = router("");
-        let d = r.route_passthrough(&[4, 2, 9]).unwrap();
+        let d = r
+            .route_passthrough(&[4, 2, 9].map(Outstanding::requests))
+            .unwrap();
         assert_eq!(
             (d.endpoint, d.kind),
             (EndpointId(1), DecisionKind::Passthrough)
@@ -465,10 +575,14 @@ mod tests {
         let mut a = router("");
         let mut b = router("");
         let body = chat("a", &"x".repeat(2000), "u");
-        let d = a.route_body(Api::ChatCompletions, &body, &[0; 3]).unwrap();
+        let d = a
+            .route_body(Api::ChatCompletions, &body, &[Outstanding::default(); 3])
+            .unwrap();
         b.apply_remote(d.endpoint, a.last_keys());
         for _ in 0..5 {
-            let e = b.route_body(Api::ChatCompletions, &body, &[0; 3]).unwrap();
+            let e = b
+                .route_body(Api::ChatCompletions, &body, &[Outstanding::default(); 3])
+                .unwrap();
             assert_eq!(e.endpoint, d.endpoint);
             assert_eq!(e.matched_blocks, e.request_blocks);
         }
@@ -480,7 +594,7 @@ mod tests {
         let system = "A long shared system prompt. ".repeat(40);
         let body = chat("a", &system, "q");
         let holder = r
-            .route_body(Api::ChatCompletions, &body, &[0; 3])
+            .route_body(Api::ChatCompletions, &body, &[Outstanding::default(); 3])
             .unwrap()
             .endpoint;
         let other = if holder == EndpointId(0) {
@@ -490,13 +604,23 @@ mod tests {
         };
         // A soft pin beats the prefix holder.
         let d = r
-            .route_pinned(Api::ChatCompletions, &body, &[0; 3], Some(other))
+            .route_pinned(
+                Api::ChatCompletions,
+                &body,
+                &[Outstanding::default(); 3],
+                Some(other),
+            )
             .unwrap();
         assert_eq!(r.pool().get(d.endpoint).unwrap().address_text, other);
         assert_eq!(d.session, SessionOutcome::Honoured);
         // Outside the pool: ignored, routed as usual.
         let d = r
-            .route_pinned(Api::ChatCompletions, &body, &[0; 3], Some("10.9.9.9:1"))
+            .route_pinned(
+                Api::ChatCompletions,
+                &body,
+                &[Outstanding::default(); 3],
+                Some("10.9.9.9:1"),
+            )
             .unwrap();
         assert_eq!(d.session, SessionOutcome::Broken(BreakReason::NotInPool));
         assert_eq!(
@@ -504,7 +628,12 @@ mod tests {
             "to a prefix holder, as without a pin"
         );
         let d = r
-            .route_pinned(Api::ChatCompletions, &body, &[0; 3], Some("garbage"))
+            .route_pinned(
+                Api::ChatCompletions,
+                &body,
+                &[Outstanding::default(); 3],
+                Some("garbage"),
+            )
             .unwrap();
         assert_eq!(d.session, SessionOutcome::Broken(BreakReason::NotInPool));
         // Model b is only on endpoint 1.
@@ -512,7 +641,7 @@ mod tests {
             .route_pinned(
                 Api::ChatCompletions,
                 &chat("b", "s", "u"),
-                &[0; 3],
+                &[Outstanding::default(); 3],
                 Some("10.0.0.1:8000"),
             )
             .unwrap();
@@ -522,7 +651,11 @@ mod tests {
             .route_pinned(
                 Api::ChatCompletions,
                 &body,
-                &[20, 0, 0],
+                &[
+                    Outstanding::requests(20),
+                    Outstanding::default(),
+                    Outstanding::default(),
+                ],
                 Some("10.0.0.1:8000"),
             )
             .unwrap();
@@ -533,7 +666,11 @@ mod tests {
             .route_pinned(
                 Api::ChatCompletions,
                 &body,
-                &[20, 0, 0],
+                &[
+                    Outstanding::requests(20),
+                    Outstanding::default(),
+                    Outstanding::default(),
+                ],
                 Some("10.0.0.1:8000"),
             )
             .unwrap();
@@ -547,7 +684,12 @@ mod tests {
         pool[0].1.health = crate::Health::Stale;
         r.set_pool(Pool::with_ids(pool));
         let d = r
-            .route_pinned(Api::ChatCompletions, &body, &[0; 3], Some("10.0.0.1:8000"))
+            .route_pinned(
+                Api::ChatCompletions,
+                &body,
+                &[Outstanding::default(); 3],
+                Some("10.0.0.1:8000"),
+            )
             .unwrap();
         assert_eq!(d.session, SessionOutcome::Broken(BreakReason::Unhealthy));
         assert_ne!(d.endpoint, EndpointId(0));
@@ -557,7 +699,9 @@ mod tests {
     fn a_new_cache_generation_forgets_the_endpoint() {
         let mut r = router("");
         let body = chat("a", &"x".repeat(2000), "u");
-        let d = r.route_body(Api::ChatCompletions, &body, &[0; 3]).unwrap();
+        let d = r
+            .route_body(Api::ChatCompletions, &body, &[Outstanding::default(); 3])
+            .unwrap();
         assert!(r.index().blocks(d.endpoint) > 0);
         let same: Vec<_> = r.pool().iter().map(|(id, e)| (id, e.clone())).collect();
         r.set_pool(Pool::with_ids(same.clone()));

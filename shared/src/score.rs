@@ -2,7 +2,7 @@
 //!
 //! Each scorer gives every candidate a score in [0, 1]; the picker takes the weighted sum and
 //! breaks ties at random:
-//! - prefix: matched blocks / request blocks;
+//! - prefix: prompt bytes matched / prompt bytes keyed;
 //! - in-flight: this proxy's open requests per endpoint, `(max - x) / (max - min)`;
 //! - queue: the server's waiting requests, same normalisation, when known;
 //! - KV cache: `1 - usage`, when known.
@@ -29,8 +29,16 @@ pub struct Candidate {
     pub id: EndpointId,
     /// Leading request blocks the endpoint holds.
     pub matched: u32,
+    /// Prompt bytes those blocks cover.
+    pub matched_bytes: u64,
     /// Requests this proxy has sent it that have not finished.
     pub inflight: u32,
+    /// Of those, the ones that have not yet produced a first response byte.
+    pub prefilling: u32,
+    /// Their estimated uncached prompt tokens.
+    pub prefill_tokens: u64,
+    /// The endpoint's prefill rate, tokens/s (see [`crate::cost`]).
+    pub prefill_rate: f64,
     pub load: EndpointLoad,
     /// The request's session is pinned here (scored with `weights.session`).
     pub pinned: bool,
@@ -84,7 +92,7 @@ fn normalise_low_is_good(
 /// or `None` when there are no candidates.
 pub fn pick(
     candidates: &[Candidate],
-    request_blocks: usize,
+    request_bytes: u64,
     weights: &Weights,
     guard: &HotspotGuard,
     rng: &mut Rng,
@@ -110,10 +118,10 @@ pub fn pick(
         let hot = load >= min_load.saturating_add(u64::from(guard.abs))
             && load as f64 > guard.rel * min_load as f64
             && load > min_load;
-        let prefix = if hot || request_blocks == 0 {
+        let prefix = if hot || request_bytes == 0 {
             0.0
         } else {
-            (f64::from(c.matched) / request_blocks as f64).min(1.0)
+            (c.matched_bytes as f64 / request_bytes as f64).min(1.0)
         };
         let s_inflight = inflight(Some(f64::from(c.inflight)));
         let s_queue = if waiting_known {
@@ -177,16 +185,20 @@ mod tests {
             pinned: false,
             id: EndpointId(id),
             matched,
+            matched_bytes: u64::from(matched) * 64,
             inflight,
+            prefilling: 0,
+            prefill_tokens: 0,
+            prefill_rate: 20_000.0,
             load: EndpointLoad::default(),
         }
     }
 
-    fn choose(c: &[Candidate], blocks: usize, seed: u64) -> usize {
+    fn choose(c: &[Candidate], blocks: u64, seed: u64) -> usize {
         let mut scores = Vec::new();
         pick(
             c,
-            blocks,
+            blocks * 64,
             &Weights::default(),
             &HotspotGuard::default(),
             &mut Rng::new(seed),
@@ -217,7 +229,7 @@ mod tests {
         let mut scores = Vec::new();
         pick(
             &c,
-            10,
+            640,
             &Weights::default(),
             &HotspotGuard::default(),
             &mut Rng::new(1),
@@ -236,7 +248,7 @@ mod tests {
         let mut scores = Vec::new();
         pick(
             &c,
-            10,
+            640,
             &Weights::default(),
             &HotspotGuard::default(),
             &mut Rng::new(1),

@@ -17,11 +17,14 @@
 
 use std::collections::HashMap;
 use std::net::{Ipv4Addr, SocketAddr};
+use std::time::Duration;
 
 use kvoy_shared::prefix::BlockKey;
 use kvoy_shared::request::Api;
 use kvoy_shared::snapshot::{EndpointStatus, Snapshot};
-use kvoy_shared::{live, ConfigError, EndpointId, PluginConfig, Router};
+use kvoy_shared::{
+    live, ConfigError, EndpointId, Outstanding, OutstandingDelta, PluginConfig, Router, Scorer,
+};
 
 use super::{argmin_random, Policy, Prefilled, RouteRequest, View};
 use crate::rng::Rng;
@@ -35,13 +38,41 @@ pub fn address(i: usize) -> SocketAddr {
     SocketAddr::from((Ipv4Addr::new(10, 1, a, b), 8000))
 }
 
-/// A kvoy configuration over `replicas` simulated endpoints with the crate's defaults.
-pub fn config(replicas: usize) -> Result<PluginConfig, ConfigError> {
+/// How the simulated kvoy is configured.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KvoyOptions {
+    /// Fed the aggregator's view (`kvoy-aggregator`).
+    pub aggregator: bool,
+    pub scorer: Scorer,
+    /// `cost.prefill_tokens_per_s`, as an operator sets it from `kvoy-aggregator calibrate`.
+    pub prefill_tokens_per_s: f64,
+}
+
+/// A kvoy configuration over `replicas` simulated endpoints with the crate's defaults but for
+/// the scorer and the model's prefill rate.
+pub fn config(replicas: usize, o: &KvoyOptions) -> Result<PluginConfig, ConfigError> {
     let endpoints: Vec<serde_json::Value> = (0..replicas)
         .map(|i| serde_json::json!({"address": address(i).to_string(), "models": [MODEL]}))
         .collect();
-    let json = serde_json::json!({ "endpoints": endpoints }).to_string();
+    let scorer = match o.scorer {
+        Scorer::Cost => "cost",
+        Scorer::Weighted => "weighted",
+    };
+    let json = serde_json::json!({
+        "endpoints": endpoints,
+        "scorer": scorer,
+        "cost": {"prefill_tokens_per_s": o.prefill_tokens_per_s},
+    })
+    .to_string();
     PluginConfig::from_json(json.as_bytes())
+}
+
+/// A request this proxy sent and has not seen finish.
+#[derive(Clone, Copy, Debug)]
+struct Sent {
+    endpoint: usize,
+    tokens: u32,
+    answered: bool,
 }
 
 pub struct Kvoy {
@@ -49,6 +80,9 @@ pub struct Kvoy {
     aggregator: bool,
     /// Keys of requests routed but not yet known cached (aggregator mode).
     pending: HashMap<u64, Vec<BlockKey>>,
+    /// What the filter keeps in its shared outstanding table, per endpoint.
+    outstanding: Vec<Outstanding>,
+    sent: HashMap<u64, Sent>,
     version: u64,
     fallback: Rng,
     /// Requests the router refused (routed to the least-loaded endpoint instead).
@@ -57,11 +91,13 @@ pub struct Kvoy {
 
 impl Kvoy {
     /// Fails when kvoy-shared refuses the pool (e.g. more than its endpoint limit).
-    pub fn new(replicas: usize, seed: u64, aggregator: bool) -> Result<Self, ConfigError> {
+    pub fn new(replicas: usize, seed: u64, options: &KvoyOptions) -> Result<Self, ConfigError> {
         Ok(Kvoy {
-            router: Router::new(config(replicas)?, seed),
-            aggregator,
+            router: Router::new(config(replicas, options)?, seed),
+            aggregator: options.aggregator,
             pending: HashMap::new(),
+            outstanding: vec![Outstanding::default(); replicas],
+            sent: HashMap::new(),
             version: 0,
             fallback: Rng::derive(seed, "kvoy/fallback", 0),
             refused: 0,
@@ -70,6 +106,12 @@ impl Kvoy {
 
     pub fn router(&self) -> &Router {
         &self.router
+    }
+
+    fn apply(&mut self, endpoint: usize, delta: OutstandingDelta) {
+        if let Some(o) = self.outstanding.get_mut(endpoint) {
+            o.apply(delta);
+        }
     }
 
     /// The aggregator's snapshot of the fleet.
@@ -108,14 +150,25 @@ impl Policy for Kvoy {
     fn pick(&mut self, request: &RouteRequest<'_>, view: &View<'_>) -> usize {
         match self
             .router
-            .route_body(Api::Completions, request.body, view.inflight)
+            .route_body(Api::Completions, request.body, &self.outstanding)
         {
             Ok(decision) => {
                 if self.aggregator {
                     self.pending
                         .insert(request.id, self.router.last_keys().to_vec());
                 }
-                decision.endpoint.index()
+                let endpoint = decision.endpoint.index();
+                let tokens = decision.prefill_tokens;
+                self.apply(endpoint, OutstandingDelta::sent(tokens));
+                self.sent.insert(
+                    request.id,
+                    Sent {
+                        endpoint,
+                        tokens,
+                        answered: false,
+                    },
+                );
+                endpoint
             }
             Err(e) => {
                 log::warn!("kvoy refused request {}: {e}", request.id);
@@ -125,6 +178,23 @@ impl Policy for Kvoy {
                     &mut self.fallback,
                 )
             }
+        }
+    }
+
+    fn on_first_token(&mut self, request: u64, _endpoint: usize, _now: Duration) {
+        if let Some(sent) = self.sent.get_mut(&request).filter(|s| !s.answered) {
+            sent.answered = true;
+            let (endpoint, tokens) = (sent.endpoint, sent.tokens);
+            self.apply(endpoint, OutstandingDelta::answered(tokens));
+        }
+    }
+
+    fn on_finished(&mut self, request: u64, _endpoint: usize, _now: Duration) {
+        if let Some(sent) = self.sent.remove(&request) {
+            self.apply(
+                sent.endpoint,
+                OutstandingDelta::finished(sent.tokens, sent.answered),
+            );
         }
     }
 
@@ -157,7 +227,16 @@ mod tests {
 
     #[test]
     fn same_prefix_same_endpoint_and_loads_from_scrapes() {
-        let mut p = Kvoy::new(4, 3, true).unwrap();
+        let mut p = Kvoy::new(
+            4,
+            3,
+            &KvoyOptions {
+                aggregator: true,
+                scorer: Scorer::Weighted,
+                prefill_tokens_per_s: 25_000.0,
+            },
+        )
+        .unwrap();
         let inflight = [0u32; 4];
         let mut metrics = [EndpointMetrics::default(); 4];
         let system = "abc ".repeat(500);

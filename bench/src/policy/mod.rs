@@ -95,6 +95,8 @@ pub enum PolicyKind {
     Random,
     Kvoy,
     KvoyAggregator,
+    /// kvoy's first scorer (weighted sum with the hot-spot guard), for comparison.
+    KvoyWeighted,
     LlmD,
     Sglang,
 }
@@ -115,12 +117,13 @@ pub struct PolicyOptions {
 }
 
 impl PolicyKind {
-    pub const ALL: [PolicyKind; 7] = [
+    pub const ALL: [PolicyKind; 8] = [
         PolicyKind::RoundRobin,
         PolicyKind::LeastRequest,
         PolicyKind::Random,
         PolicyKind::Kvoy,
         PolicyKind::KvoyAggregator,
+        PolicyKind::KvoyWeighted,
         PolicyKind::LlmD,
         PolicyKind::Sglang,
     ];
@@ -132,6 +135,7 @@ impl PolicyKind {
             PolicyKind::Random => "random",
             PolicyKind::Kvoy => "kvoy",
             PolicyKind::KvoyAggregator => "kvoy-aggregator",
+            PolicyKind::KvoyWeighted => "kvoy-weighted",
             PolicyKind::LlmD => "llm-d",
             PolicyKind::Sglang => "sglang",
         }
@@ -154,8 +158,18 @@ impl PolicyKind {
                 None => Box::new(basic::LeastRequest::new(rng)),
             },
             PolicyKind::Random => Box::new(basic::Random::new(rng)),
-            PolicyKind::Kvoy => Box::new(kvoy::Kvoy::new(o.replicas, o.seed, false)?),
-            PolicyKind::KvoyAggregator => Box::new(kvoy::Kvoy::new(o.replicas, o.seed, true)?),
+            PolicyKind::Kvoy | PolicyKind::KvoyAggregator | PolicyKind::KvoyWeighted => {
+                let options = kvoy::KvoyOptions {
+                    aggregator: self == PolicyKind::KvoyAggregator,
+                    scorer: if self == PolicyKind::KvoyWeighted {
+                        kvoy_shared::Scorer::Weighted
+                    } else {
+                        kvoy_shared::Scorer::Cost
+                    },
+                    prefill_tokens_per_s: o.profile.prefill_tokens_per_s,
+                };
+                Box::new(kvoy::Kvoy::new(o.replicas, o.seed, &options)?)
+            }
             PolicyKind::LlmD => Box::new(llmd::LlmD::new(o.replicas, rng)),
             PolicyKind::Sglang => {
                 let chars = o

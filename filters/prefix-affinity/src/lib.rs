@@ -4,7 +4,8 @@
 //! A thin adapter over [`kvoy_shared::Router`]: it pauses at request headers (Envoy needs
 //! `allow_on_headers_stop_iteration: true`), buffers the body, asks the router, and writes
 //! `x-gateway-destination-endpoint` for an `ORIGINAL_DST` cluster. Cross-worker state lives in
-//! Envoy shared data (see [`kvoy_shared::replica`]): in-flight counts per endpoint and a
+//! Envoy shared data (see [`kvoy_shared::replica`]): outstanding work per endpoint (requests,
+//! and the prefill tokens of those whose answer has not begun, for the cost model) and a
 //! bounded log of decisions that each worker replays into its own prefix index.
 //!
 //! Plugin configuration: the JSON of [`kvoy_shared::PluginConfig`], e.g.
@@ -22,8 +23,8 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{ContextType, LogLevel};
 
-use kvoy_shared::replica::{self, DecisionLog, InflightTable};
-use kvoy_shared::{PluginConfig, Router};
+use kvoy_shared::replica::{self, DecisionLog, OutstandingTable};
+use kvoy_shared::{Outstanding, PluginConfig, Router};
 
 use crate::metrics::Metrics;
 use crate::stream::RequestStream;
@@ -39,11 +40,11 @@ proxy_wasm::main! {{
 /// Everything one VM keeps between requests.
 pub(crate) struct VmState {
     pub router: Router,
-    pub inflight: InflightTable,
+    pub outstanding: OutstandingTable,
     pub log: DecisionLog,
     pub metrics: Metrics,
-    /// Scratch for in-flight counts read per request.
-    pub counts: Vec<u32>,
+    /// Scratch for the outstanding work read per request.
+    pub counts: Vec<Outstanding>,
     /// The aggregator's pool, when configured.
     pub live: Option<live::LivePool>,
 }
@@ -111,7 +112,7 @@ impl RootContext for PrefixAffinityRoot {
         );
         *self.state.borrow_mut() = Some(VmState {
             router: Router::new(config, seed),
-            inflight: InflightTable::new(&namespace, endpoints),
+            outstanding: OutstandingTable::new(&namespace, endpoints),
             log,
             metrics: Metrics::define(),
             counts: Vec::with_capacity(endpoints),

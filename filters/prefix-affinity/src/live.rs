@@ -58,7 +58,7 @@ pub(crate) fn refresh(vm: &mut VmState, now_ms: u64) {
     );
     Metrics::add(vm.metrics.pool_updates, 1);
     vm.router.set_pool(pool);
-    vm.inflight.set_endpoints(vm.router.pool().id_bound());
+    vm.outstanding.set_endpoints(vm.router.pool().id_bound());
     live.applied = Some(key);
 }
 

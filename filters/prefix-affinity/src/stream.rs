@@ -7,7 +7,9 @@ use proxy_wasm::types::{Action, MapType};
 
 use kvoy_shared::request::Api;
 use kvoy_shared::session::PIN_HEADER;
-use kvoy_shared::{Decision, DecisionKind, EndpointId, RequestError, RouteError, SessionOutcome};
+use kvoy_shared::{
+    Decision, DecisionKind, EndpointId, OutstandingDelta, RequestError, RouteError, SessionOutcome,
+};
 
 use crate::metrics::Metrics;
 use crate::{SharedState, VmState};
@@ -18,13 +20,22 @@ pub(crate) const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
 /// The endpoint that actually served the request, on the response.
 pub(crate) const SERVED_HEADER: &str = "x-gateway-destination-endpoint-served";
 
+/// What this request added to the outstanding table.
+#[derive(Clone, Copy)]
+struct Acquired {
+    endpoint: EndpointId,
+    prefill_tokens: u32,
+    /// The answer began (the prefill tokens were released).
+    answered: bool,
+}
+
 pub(crate) struct RequestStream {
     state: SharedState,
     /// Set while the body of an inference request is being buffered.
     api: Option<Api>,
     chosen: Option<EndpointId>,
-    /// Counted in the shared in-flight table; released once, when the stream ends.
-    acquired: Option<EndpointId>,
+    /// Counted in the shared outstanding table; released once, when the stream ends.
+    acquired: Option<Acquired>,
     /// The session pin `kvoy_session` handed over (validated against the pool when routing).
     pin: Option<String>,
 }
@@ -73,8 +84,21 @@ impl RequestStream {
             return self.reply_error(vm, &RouteError::NoEndpoint);
         }
         self.chosen = Some(decision.endpoint);
-        if vm.inflight.add(&HostStore, decision.endpoint, 1).is_ok() {
-            self.acquired = Some(decision.endpoint);
+        let tokens = decision.prefill_tokens;
+        if vm
+            .outstanding
+            .add(
+                &HostStore,
+                decision.endpoint,
+                OutstandingDelta::sent(tokens),
+            )
+            .is_ok()
+        {
+            self.acquired = Some(Acquired {
+                endpoint: decision.endpoint,
+                prefill_tokens: tokens,
+                answered: false,
+            });
         } else {
             Metrics::add(vm.metrics.shared_state_errors, 1);
         }
@@ -112,7 +136,7 @@ impl RequestStream {
     }
 
     /// Brings this VM's view up to date: the live pool, other workers' decisions and the
-    /// in-flight counts.
+    /// outstanding work.
     fn refresh(vm: &mut VmState) {
         if vm.live.is_some() {
             crate::live::refresh(vm, kvoy_filter_common::now_ms());
@@ -121,7 +145,7 @@ impl RequestStream {
             router,
             log,
             metrics,
-            inflight,
+            outstanding,
             counts,
             ..
         } = vm;
@@ -131,7 +155,7 @@ impl RequestStream {
         if applied > 0 {
             Metrics::add(metrics.remote_applied, applied as u64);
         }
-        inflight.read(&HostStore, counts);
+        outstanding.read(&HostStore, counts);
     }
 
     fn route_body(&mut self, api: Api, body: &[u8]) -> Action {
@@ -273,13 +297,36 @@ impl HttpContext for RequestStream {
         Action::Continue
     }
 
+    fn on_http_response_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
+        // The first byte of the answer: its prefill is done, release its pending tokens (the
+        // cost model's queue at that endpoint). Headers do not tell: a streamed answer's
+        // headers leave the server before its first token.
+        if let Some(a) = self.acquired.as_mut().filter(|a| !a.answered) {
+            a.answered = true;
+            let (endpoint, tokens) = (a.endpoint, a.prefill_tokens);
+            let state = self.state.clone();
+            let mut guard = state.borrow_mut();
+            if let Some(vm) = guard.as_mut() {
+                if vm
+                    .outstanding
+                    .add(&HostStore, endpoint, OutstandingDelta::answered(tokens))
+                    .is_err()
+                {
+                    Metrics::add(vm.metrics.shared_state_errors, 1);
+                }
+            }
+        }
+        Action::Continue
+    }
+
     fn on_log(&mut self) {
-        let Some(endpoint) = self.acquired.take() else {
+        let Some(a) = self.acquired.take() else {
             return;
         };
-        let guard = self.state.borrow();
-        if let Some(vm) = guard.as_ref() {
-            if vm.inflight.add(&HostStore, endpoint, -1).is_err() {
+        let mut guard = self.state.borrow_mut();
+        if let Some(vm) = guard.as_mut() {
+            let delta = OutstandingDelta::finished(a.prefill_tokens, a.answered);
+            if vm.outstanding.add(&HostStore, a.endpoint, delta).is_err() {
                 Metrics::add(vm.metrics.shared_state_errors, 1);
             }
         }

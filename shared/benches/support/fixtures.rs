@@ -41,7 +41,7 @@ pub fn bench_route(
     let config =
         kvoy_shared::PluginConfig::from_json(config_json().as_bytes()).expect("valid config");
     let mut router = kvoy_shared::Router::new(config, 1);
-    let inflight = [0u32; 8];
+    let inflight = [kvoy_shared::Outstanding::default(); 8];
     router
         .route_body(Api::ChatCompletions, body, &inflight)
         .expect("routes");

@@ -1,0 +1,431 @@
+//! The token cost model, kvoy's default scorer: each candidate's predicted time until this
+//! request's first token, lowest wins.
+//!
+//! For a candidate endpoint `e` and a request of `T` prompt tokens, `M_e` of them believed
+//! cached on `e`:
+//!
+//! ```text
+//! uncached_e = max(T - M_e, 1)                       the last token is always computed
+//! queued_e   = max(this proxy's prefill tokens pending at e,  server waiting x typical request)
+//! work_e     = queued_e + uncached_e
+//! prefill_e  = work_e / rate_e                        the prefill ahead of the first token
+//! decode_e   = (1 + work_e / step_tokens) x running_e x decode_s_per_sequence
+//! cost_e     = prefill_e + decode_e
+//! ```
+//!
+//! - *Pending prefill tokens* are the uncached-token estimates of the requests this proxy sent
+//!   to `e` that have not yet produced a first response byte, across all worker threads
+//!   ([`crate::replica::OutstandingTable`]); with the aggregator's figures, the server's own
+//!   queue (other proxies' requests included) stands in when it is larger.
+//! - The *decode term* is what running sequences add: every engine step that carries this
+//!   request's prefill (one per `step_tokens`, vLLM's `max_num_batched_tokens`) also runs one
+//!   decode token for each running sequence. It is what keeps a prefix holder that is busy
+//!   decoding from taking every request that shares its prefix.
+//! - Tokens are estimated from prompt bytes with a per-model ratio ([`TokenRatio`]), learned
+//!   from the servers' `usage` figures or configured.
+//! - `rate_e` is the endpoint's own prefill rate (configured, or the aggregator's estimate),
+//!   else its model's configured rate, else the default.
+//!
+//! A request with no match anywhere therefore goes where the pending work is least, not where
+//! the request count is; a burst sharing a prefix stays on its holder until the work queued
+//! there outweighs recomputing the prefix elsewhere, and the index then records the second
+//! holder, so a hot prefix gets a second replica instead of flip-flopping.
+
+use crate::rng::Rng;
+use crate::score::Candidate;
+
+/// The cost model's parameters (checked; see `cost` in the plugin configuration).
+#[derive(Clone, Debug, PartialEq)]
+pub struct CostParams {
+    /// Prefill tokens per second for a model with no rate of its own.
+    pub prefill_tokens_per_s: f64,
+    /// Per-model overrides.
+    pub models: Vec<ModelCost>,
+    /// Seconds one running sequence adds to each engine step.
+    pub decode_s_per_sequence: f64,
+    /// Prompt tokens one engine step prefills at most (vLLM `max_num_batched_tokens`).
+    pub step_tokens: u32,
+    /// Prompt bytes per token for a model with no ratio of its own.
+    pub bytes_per_token: f64,
+    /// Learn each model's bytes-per-token ratio from the servers' `usage` figures.
+    pub learn_bytes_per_token: bool,
+    /// How much more a token this request would compute counts than a token already queued.
+    pub uncached_weight: f64,
+}
+
+/// A model's own figures.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelCost {
+    pub model: String,
+    pub prefill_tokens_per_s: Option<f64>,
+    pub bytes_per_token: Option<f64>,
+}
+
+impl Default for CostParams {
+    fn default() -> Self {
+        CostParams {
+            // llm-d's calibrated `peakPrefillThroughput` (Qwen 32B, H100 TP2) is 15,928; an
+            // 8B model on one H100 does about 25,000. Calibrate (`kvoy-aggregator calibrate`)
+            // or let the aggregator measure it.
+            prefill_tokens_per_s: 20_000.0,
+            models: Vec::new(),
+            // An 8B model on an H100 at a few thousand tokens of context per sequence: about
+            // 0.06 ms of per-sequence work plus 0.2 ms of KV reads per decode step.
+            decode_s_per_sequence: 0.000_25,
+            step_tokens: 8192,
+            bytes_per_token: 4.0,
+            learn_bytes_per_token: true,
+            uncached_weight: 1.0,
+        }
+    }
+}
+
+impl CostParams {
+    pub fn model(&self, model: &str) -> Option<&ModelCost> {
+        self.models.iter().find(|m| m.model == model)
+    }
+
+    /// The configured prefill rate of `model`.
+    pub fn model_rate(&self, model: &str) -> f64 {
+        self.model(model)
+            .and_then(|m| m.prefill_tokens_per_s)
+            .unwrap_or(self.prefill_tokens_per_s)
+    }
+}
+
+/// One candidate's cost terms, for explaining a decision.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CostTerms {
+    /// Prompt tokens the endpoint would compute for this request.
+    pub uncached_tokens: f64,
+    /// Prefill tokens ahead of this request there.
+    pub queued_tokens: f64,
+    /// Sequences decoding there.
+    pub running: u32,
+    /// The prefill rate used, tokens/s.
+    pub rate: f64,
+    pub prefill_s: f64,
+    pub decode_s: f64,
+    /// Predicted time to first token (the cost), seconds.
+    pub total_s: f64,
+}
+
+/// What the cost model needs to know of the request.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RequestSize {
+    /// Estimated prompt tokens.
+    pub prompt_tokens: f64,
+    /// The model's bytes per token (to turn matched bytes into tokens).
+    pub bytes_per_token: f64,
+    /// Uncached tokens of a typical request of this proxy (to size a server queue).
+    pub typical_tokens: f64,
+}
+
+/// Prefill tokens queued at `c` ahead of a new request.
+fn queued(c: &Candidate, req: &RequestSize) -> f64 {
+    let ours = c.prefill_tokens as f64;
+    let server = c
+        .load
+        .waiting
+        .map_or(0.0, |w| f64::from(w) * req.typical_tokens);
+    ours.max(server)
+}
+
+/// The weight of this request's own uncached tokens: `uncached_weight` while some candidate
+/// has nothing queued, growing with the work queued at the least busy one. Computing a prefix
+/// again elsewhere costs the fleet capacity that every later request waits for once no
+/// endpoint is idle; so a saturated fleet keeps prefixes where they are instead of chasing
+/// short-lived queue differences.
+pub fn uncached_weight(candidates: &[Candidate], req: &RequestSize, params: &CostParams) -> f64 {
+    let least = candidates
+        .iter()
+        .map(|c| queued(c, req))
+        .fold(f64::INFINITY, f64::min);
+    if !least.is_finite() {
+        return params.uncached_weight;
+    }
+    params.uncached_weight * (1.0 + least / req.typical_tokens.max(1.0))
+}
+
+/// The cost terms of one candidate, its own uncached tokens weighted by `weight` (see
+/// [`uncached_weight`]).
+pub fn terms(c: &Candidate, req: &RequestSize, params: &CostParams, weight: f64) -> CostTerms {
+    let bpt = req.bytes_per_token.max(0.01);
+    let matched_tokens = c.matched_bytes as f64 / bpt;
+    let uncached = (req.prompt_tokens - matched_tokens).max(1.0);
+    let queued = queued(c, req);
+    let decoding_here = c.inflight.saturating_sub(c.prefilling);
+    let running = match c.load.running {
+        Some(r) => r.max(decoding_here),
+        None => decoding_here,
+    };
+    let rate = if c.prefill_rate.is_finite() && c.prefill_rate > 0.0 {
+        c.prefill_rate
+    } else {
+        params.prefill_tokens_per_s
+    };
+    let work = queued + uncached;
+    let prefill_s = (queued + weight * uncached) / rate;
+    let steps = 1.0 + work / f64::from(params.step_tokens.max(1));
+    let decode_s = steps * f64::from(running) * params.decode_s_per_sequence;
+    CostTerms {
+        uncached_tokens: uncached,
+        queued_tokens: queued,
+        running,
+        rate,
+        prefill_s,
+        decode_s,
+        total_s: prefill_s + decode_s,
+    }
+}
+
+/// Costs `candidates` into `out` (same order).
+pub fn fill(
+    candidates: &[Candidate],
+    req: &RequestSize,
+    params: &CostParams,
+    out: &mut Vec<CostTerms>,
+) {
+    out.clear();
+    let weight = uncached_weight(candidates, req, params);
+    out.extend(candidates.iter().map(|c| terms(c, req, params, weight)));
+}
+
+/// Costs `candidates` into `out` (same order) and returns the index of the cheapest, ties
+/// (within a nanosecond) at random; `None` when there are no candidates.
+pub fn pick(
+    candidates: &[Candidate],
+    req: &RequestSize,
+    params: &CostParams,
+    rng: &mut Rng,
+    out: &mut Vec<CostTerms>,
+) -> Option<usize> {
+    fill(candidates, req, params, out);
+    let best = out.iter().map(|t| t.total_s).fold(f64::INFINITY, f64::min);
+    const EPS: f64 = 1e-9;
+    let ties = out.iter().filter(|t| t.total_s <= best + EPS).count();
+    if ties == 0 {
+        return None;
+    }
+    let nth = rng.below(ties);
+    out.iter()
+        .enumerate()
+        .filter(|(_, t)| t.total_s <= best + EPS)
+        .nth(nth)
+        .map(|(i, _)| i)
+}
+
+/// Bytes per token for each model, learned from the servers' own `usage` figures: an
+/// exponentially weighted ratio of prompt bytes to prompt tokens, weighted by tokens so that
+/// long prompts (where the estimate matters) count most.
+#[derive(Clone, Debug, Default)]
+pub struct TokenRatio {
+    /// (model, weighted bytes, weighted tokens).
+    models: Vec<(String, f64, f64)>,
+}
+
+/// Evidence decays by half every this many observed tokens.
+const RATIO_HALF_LIFE_TOKENS: f64 = 2_000_000.0;
+/// Learned ratios are trusted once this many tokens were observed.
+const RATIO_MIN_TOKENS: f64 = 2_000.0;
+/// At most this many models are learned (bounded memory; others use the configuration).
+const RATIO_MAX_MODELS: usize = 64;
+
+impl TokenRatio {
+    /// Records that a prompt of `bytes` bytes was `tokens` tokens for `model`. Implausible
+    /// figures (below 0.5 or above 32 bytes a token) are ignored: a server's count can
+    /// include a chat template, never a tenfold error.
+    pub fn observe(&mut self, model: &str, bytes: u64, tokens: u64) {
+        if tokens == 0 || bytes == 0 {
+            return;
+        }
+        let ratio = bytes as f64 / tokens as f64;
+        if !(0.5..=32.0).contains(&ratio) {
+            return;
+        }
+        let i = match self.models.iter().position(|(m, _, _)| m == model) {
+            Some(i) => i,
+            None if self.models.len() < RATIO_MAX_MODELS => {
+                self.models.push((model.to_owned(), 0.0, 0.0));
+                self.models.len() - 1
+            }
+            None => return,
+        };
+        let (_, b, t) = &mut self.models[i];
+        let decay = 0.5f64.powf(tokens as f64 / RATIO_HALF_LIFE_TOKENS);
+        *b = *b * decay + bytes as f64;
+        *t = *t * decay + tokens as f64;
+    }
+
+    /// The learned ratio of `model`, once there is enough evidence.
+    pub fn get(&self, model: &str) -> Option<f64> {
+        self.models
+            .iter()
+            .find(|(m, _, _)| m == model)
+            .filter(|(_, _, t)| *t >= RATIO_MIN_TOKENS)
+            .map(|(_, b, t)| b / t)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::endpoint::{EndpointId, EndpointLoad};
+
+    fn cand(id: u16, matched_bytes: u64, inflight: u32, prefill_tokens: u64) -> Candidate {
+        Candidate {
+            id: EndpointId(id),
+            matched: (matched_bytes / 64) as u32,
+            matched_bytes,
+            inflight,
+            prefilling: u32::from(prefill_tokens > 0).min(inflight),
+            prefill_tokens,
+            prefill_rate: 20_000.0,
+            load: EndpointLoad::default(),
+            pinned: false,
+        }
+    }
+
+    fn req(tokens: f64) -> RequestSize {
+        RequestSize {
+            prompt_tokens: tokens,
+            bytes_per_token: 4.0,
+            typical_tokens: 1000.0,
+        }
+    }
+
+    fn choose(c: &[Candidate], r: &RequestSize) -> (usize, Vec<CostTerms>) {
+        let mut out = Vec::new();
+        let i = pick(c, r, &CostParams::default(), &mut Rng::new(1), &mut out).unwrap();
+        (i, out)
+    }
+
+    #[test]
+    fn the_holder_wins_until_its_queue_outweighs_the_prefix() {
+        // 8,000-token prompt, 6,000 cached on endpoint 1 (24,000 bytes).
+        let r = req(8000.0);
+        let (i, t) = choose(&[cand(0, 0, 0, 0), cand(1, 24_000, 0, 0)], &r);
+        assert_eq!(i, 1);
+        assert_eq!(t[1].uncached_tokens, 2000.0);
+        assert!((t[1].prefill_s - 0.1).abs() < 1e-12);
+        // 5,000 tokens already pending there: 7,000 vs 8,000, still the holder.
+        let (i, _) = choose(&[cand(0, 0, 0, 0), cand(1, 24_000, 1, 5_000)], &r);
+        assert_eq!(i, 1);
+        // 7,000 pending: 9,000 vs 8,000, the prefix is recomputed elsewhere.
+        let (i, _) = choose(&[cand(0, 0, 0, 0), cand(1, 24_000, 1, 7_000)], &r);
+        assert_eq!(i, 0);
+    }
+
+    #[test]
+    fn no_match_goes_where_pending_work_is_least_not_fewest_requests() {
+        let r = req(1000.0);
+        // Endpoint 0: one request of 20,000 pending tokens; endpoint 1: three small ones.
+        let mut a = cand(0, 0, 1, 20_000);
+        a.prefilling = 1;
+        let mut b = cand(1, 0, 3, 1_500);
+        b.prefilling = 3;
+        let (i, _) = choose(&[a, b], &r);
+        assert_eq!(i, 1);
+    }
+
+    #[test]
+    fn decoding_sequences_cost_each_step() {
+        let r = req(1000.0);
+        // Same prefix, same queue; endpoint 0 decodes 200 sequences, endpoint 1 none.
+        let a = cand(0, 0, 200, 0);
+        let b = cand(1, 0, 0, 0);
+        let (i, t) = choose(&[a, b], &r);
+        assert_eq!(i, 1);
+        assert_eq!(t[0].running, 200);
+        let steps = 1.0 + 1000.0 / 8192.0;
+        assert!((t[0].decode_s - steps * 200.0 * 0.000_25).abs() < 1e-12);
+        // The server's running count, when larger, is used.
+        let mut c = cand(2, 0, 0, 0);
+        c.load = EndpointLoad {
+            running: Some(50),
+            ..EndpointLoad::default()
+        };
+        assert_eq!(terms(&c, &r, &CostParams::default(), 1.0).running, 50);
+    }
+
+    #[test]
+    fn the_server_queue_counts_when_larger_than_ours() {
+        let r = req(1000.0);
+        let mut c = cand(0, 0, 1, 500);
+        c.load.waiting = Some(4);
+        assert_eq!(
+            terms(&c, &r, &CostParams::default(), 1.0).queued_tokens,
+            4000.0
+        );
+        c.load.waiting = Some(0);
+        assert_eq!(
+            terms(&c, &r, &CostParams::default(), 1.0).queued_tokens,
+            500.0
+        );
+    }
+
+    #[test]
+    fn a_faster_endpoint_takes_more() {
+        let r = req(4000.0);
+        let mut fast = cand(0, 0, 1, 4_000);
+        fast.prefill_rate = 40_000.0;
+        let slow = cand(1, 0, 0, 0);
+        // 8,000 tokens at 40k/s (0.2 s) beat 4,000 at 20k/s (0.2 s)? Tie; a bit more on the
+        // slow one tips it.
+        let mut slow_busy = slow;
+        slow_busy.prefill_tokens = 100;
+        slow_busy.inflight = 1;
+        slow_busy.prefilling = 1;
+        let (i, _) = choose(&[fast, slow_busy], &r);
+        assert_eq!(i, 0);
+        // A bad rate falls back to the default instead of dividing by zero.
+        let mut broken = slow;
+        broken.prefill_rate = 0.0;
+        assert_eq!(
+            terms(&broken, &r, &CostParams::default(), 1.0).rate,
+            20_000.0
+        );
+    }
+
+    #[test]
+    fn ties_break_at_random() {
+        let r = req(100.0);
+        let c = [cand(0, 0, 0, 0), cand(1, 0, 0, 0), cand(2, 0, 0, 0)];
+        let mut seen = [0; 3];
+        let mut rng = Rng::new(3);
+        let mut out = Vec::new();
+        for _ in 0..300 {
+            seen[pick(&c, &r, &CostParams::default(), &mut rng, &mut out).unwrap()] += 1;
+        }
+        assert!(seen.iter().all(|&n| n > 60), "{seen:?}");
+        assert_eq!(
+            pick(&[], &r, &CostParams::default(), &mut rng, &mut out),
+            None
+        );
+    }
+
+    #[test]
+    fn token_ratio_learns_and_ignores_nonsense() {
+        let mut t = TokenRatio::default();
+        assert_eq!(t.get("m"), None);
+        t.observe("m", 3000, 1000);
+        assert_eq!(t.get("m"), None, "too little evidence yet");
+        t.observe("m", 6000, 2000);
+        assert!((t.get("m").unwrap() - 3.0).abs() < 1e-9);
+        t.observe("m", 10, 100_000); // 0.0001 bytes a token: ignored
+        t.observe("m", 0, 0);
+        assert!((t.get("m").unwrap() - 3.0).abs() < 1e-9);
+        // New evidence moves it, old evidence fades.
+        for _ in 0..200 {
+            t.observe("m", 50_000, 10_000);
+        }
+        assert!((t.get("m").unwrap() - 5.0).abs() < 0.05, "{:?}", t.get("m"));
+        assert_eq!(t.get("other"), None);
+        // Bounded: models past the limit are not learned.
+        for i in 0..100 {
+            t.observe(&format!("x{i}"), 8000, 2000);
+        }
+        assert!(t.get("x10").is_some());
+        assert!(t.get("x99").is_none());
+    }
+}
