@@ -1,11 +1,32 @@
 #!/usr/bin/env bash
 # The reference run of the fleet simulation: every workload, every policy, 16 replicas of
-# llama-8b-h100, loads from 0.5x to 3x the estimated saturation. Writes bench/results/sim/.
-# The Mooncake trace is read from TRACE (never copied into the repository).
+# llama-8b-h100, loads from 0.5x to 3x the estimated saturation, twice: on the uniform fleet
+# into bench/results/sim/, then on the half-slow fleet (the odd-indexed replicas 2x slower)
+# into bench/results/sim-hetero/. The Mooncake trace is read from TRACE (never copied into the
+# repository). Arguments are passed to both runs.
+#
+# Environment: FLEETS (default "uniform half-slow") picks the runs; RESULTS (default
+# bench/results) is where their directories go; WORKLOADS (default "--all --trace $TRACE")
+# replaces the workload options, e.g. for a small check:
+#   RESULTS=/tmp/ref WORKLOADS="--workload no-sharing" bench/run-reference.sh --requests 40
+# (`--slow-factor F` applies to the half-slow run only: pass it with FLEETS=half-slow).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TRACE=${TRACE:-../shared/data/mooncake/conversation_trace.jsonl}
 CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target}
+RESULTS=${RESULTS:-bench/results}
+if [[ -n ${WORKLOADS:-} ]]; then
+    read -ra workloads <<<"$WORKLOADS"
+else
+    workloads=(--all --trace "$TRACE")
+fi
 cargo build --release -j "${JOBS:-2}" -p kvoy-bench
-time "$CARGO_TARGET_DIR/release/kvoy-bench" sim --all --trace "$TRACE" --replicas 16 \
-    --profile llama-8b-h100 --seed 1 --threads 2 --out bench/results/sim "$@"
+for fleet in ${FLEETS:-uniform half-slow}; do
+    case $fleet in
+        uniform) out=$RESULTS/sim ;;
+        half-slow) out=$RESULTS/sim-hetero ;;
+        *) echo "run-reference.sh: unknown fleet \`$fleet' (uniform or half-slow)" >&2; exit 2 ;;
+    esac
+    time "$CARGO_TARGET_DIR/release/kvoy-bench" sim "${workloads[@]}" --replicas 16 \
+        --profile llama-8b-h100 --fleet "$fleet" --seed 1 --threads 2 --out "$out" "$@"
+done

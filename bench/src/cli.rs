@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use kvoy_sim::engine::Profile;
 
+use crate::fleet::FleetKind;
 use crate::policy::PolicyKind;
 use crate::runner::{Grid, Rate};
 use crate::workload::{Agents, Count, NoSharing, SharedPrefix, Trace, TraceError, Workload};
@@ -25,6 +26,12 @@ usage: kvoy-bench sim [options]      (this page)
                         kvoy-aggregator, llm-d, sglang (default: all)
   --replicas N          engines in the fleet, 1-4096 (default 16)
   --profile NAME        llama-8b-h100 (default) or qwen-32b-h100-tp2
+  --fleet KIND          uniform (default): every replica runs the profile; half-slow: the
+                        odd-indexed replicas (1, 3, 5, ...) run it --slow-factor times slower
+                        (every step-time duration multiplied, same KV geometry); loads in `x`
+                        are multiples of that fleet's own saturation estimate
+  --slow-factor F       half-slow: how much slower the slow replicas are, at least 1
+                        (default 2)
   --rates LIST          comma-separated offered loads: `1.5x` is a multiple of the workload's
                         estimated saturation rate, `2t` a multiple of the trace's own rate
                         (mooncake), a plain number is requests/s
@@ -72,6 +79,14 @@ pub enum CliError {
     UnknownPolicy(String),
     #[error("unknown profile `{0}`; expected llama-8b-h100 or qwen-32b-h100-tp2")]
     UnknownProfile(String),
+    #[error("unknown fleet `{0}`; expected uniform or half-slow")]
+    UnknownFleet(String),
+    #[error("`--slow-factor` applies to `--fleet half-slow` only")]
+    SlowFactorWithoutSlowReplicas,
+    #[error(
+        "`--fleet half-slow` needs at least 2 replicas (the odd-indexed ones are slow), got {0}"
+    )]
+    HalfSlowReplicas(usize),
     #[error("the mooncake workload needs the trace: --trace PATH")]
     MissingTrace,
     #[error(transparent)]
@@ -85,6 +100,7 @@ pub struct SimArgs {
     pub policies: Vec<PolicyKind>,
     pub replicas: usize,
     pub profile: Profile,
+    pub fleet: FleetKind,
     pub rates: Vec<Rate>,
     pub scale: f64,
     /// `None`: each workload's default stage.
@@ -105,6 +121,7 @@ impl Default for SimArgs {
             policies: PolicyKind::ALL.to_vec(),
             replicas: 16,
             profile: Profile::llama_8b_h100(),
+            fleet: FleetKind::Uniform,
             rates: [0.5, 1.0, 2.0, 3.0]
                 .into_iter()
                 .map(Rate::Saturation)
@@ -215,6 +232,7 @@ pub fn parse(args: &[String]) -> Result<Command, CliError> {
     }
     let mut a = SimArgs::default();
     let mut all = false;
+    let mut slow_factor = None;
     while let Some(flag) = it.next() {
         let mut value = |name: &'static str| -> Result<&String, CliError> {
             it.next().ok_or(CliError::MissingValue(name))
@@ -252,6 +270,18 @@ pub fn parse(args: &[String]) -> Result<Command, CliError> {
                 let v = value("--profile")?;
                 a.profile =
                     Profile::by_name(v).ok_or_else(|| CliError::UnknownProfile(v.to_owned()))?;
+            }
+            "--fleet" => {
+                let v = value("--fleet")?.trim();
+                a.fleet = FleetKind::by_name(v, FleetKind::DEFAULT_SLOW_FACTOR)
+                    .ok_or_else(|| CliError::UnknownFleet(v.to_owned()))?;
+            }
+            "--slow-factor" => {
+                let v = value("--slow-factor")?;
+                match number::<f64>("--slow-factor", v, "a number at least 1")? {
+                    f if f.is_finite() && f >= 1.0 => slow_factor = Some(f),
+                    _ => return Err(bad("--slow-factor", v, "a number at least 1")),
+                }
             }
             "--rates" => {
                 a.rates = value("--rates")?
@@ -292,6 +322,16 @@ pub fn parse(args: &[String]) -> Result<Command, CliError> {
         a.workloads.push("shared-prefix".into());
     }
     a.workloads.dedup();
+    match &mut a.fleet {
+        FleetKind::Uniform if slow_factor.is_some() => {
+            return Err(CliError::SlowFactorWithoutSlowReplicas)
+        }
+        FleetKind::Uniform => {}
+        FleetKind::HalfSlow { .. } if a.replicas < 2 => {
+            return Err(CliError::HalfSlowReplicas(a.replicas))
+        }
+        FleetKind::HalfSlow { slow_factor: f } => *f = slow_factor.unwrap_or(*f),
+    }
     if a.workloads.iter().any(|w| w == "mooncake") && a.trace.is_none() {
         return Err(CliError::MissingTrace);
     }
@@ -350,6 +390,7 @@ impl SimArgs {
             rates: self.rates.clone(),
             profile: self.profile.clone(),
             replicas: self.replicas,
+            fleet: self.fleet,
             seed: self.seed,
             threads: self.threads,
             sglang_tree_chars: self.sglang_tree_chars,
@@ -399,6 +440,12 @@ mod tests {
         assert_eq!(parse(&args("--help")).unwrap(), Command::Help);
         let a = sim("sim --all --trace /t.jsonl");
         assert_eq!(a.workloads.len(), 4);
+        assert_eq!(a.fleet, FleetKind::Uniform);
+        let a = sim("sim --fleet half-slow");
+        assert_eq!(a.fleet, FleetKind::HalfSlow { slow_factor: 2.0 });
+        let a = sim("sim --slow-factor 3 --fleet half-slow --replicas 4");
+        assert_eq!(a.fleet, FleetKind::HalfSlow { slow_factor: 3.0 });
+        assert_eq!(a.grid().unwrap().fleet, a.fleet);
     }
 
     #[test]
@@ -411,6 +458,16 @@ mod tests {
         assert!(err("sim --workload foo").contains("unknown workload `foo`"));
         assert!(err("sim --policies kvoy,rr").contains("unknown policy `rr`"));
         assert!(err("sim --profile gpt").contains("unknown profile"));
+        let e = err("sim --fleet mixed");
+        assert!(
+            e.contains("`mixed`") && e.contains("uniform") && e.contains("half-slow"),
+            "{e}"
+        );
+        assert!(err("sim --fleet").contains("needs a value"));
+        assert!(err("sim --fleet half-slow --slow-factor 0.5").contains("at least 1"));
+        assert!(err("sim --fleet half-slow --slow-factor x").contains("--slow-factor"));
+        assert!(err("sim --slow-factor 2").contains("--fleet half-slow"));
+        assert!(err("sim --fleet half-slow --replicas 1").contains("at least 2 replicas"));
         assert!(err("sim --bogus").contains("unknown option"));
         assert!(err("sim --workload mooncake").contains("--trace"));
         assert!(err("bench").contains("unknown command"));

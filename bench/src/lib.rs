@@ -4,10 +4,11 @@
 //! calibrated step-time model) run in one discrete-event loop in virtual time, behind one proxy
 //! that routes every request with a [`policy::Policy`]: round-robin, least-request, random,
 //! kvoy's own [`kvoy_shared::Router`] (alone or fed the aggregator's view), the Gateway API
-//! Inference Extension's default scorers (llm-d) and SGLang's cache-aware policy. The
-//! [`workload`]s are seeded generators; the [`runner`] sweeps (workload, rate, policy) over a
-//! few threads and the [`report`] writes JSON, a Markdown summary and SVG plots. No wall clock
-//! and no unseeded randomness: the same arguments give the same report.
+//! Inference Extension's default scorers (llm-d) and SGLang's cache-aware policy. The replicas
+//! all run one engine profile or, on a [`fleet::FleetKind::HalfSlow`] fleet, half of them a slower
+//! version of it. The [`workload`]s are seeded generators; the [`runner`] sweeps (workload,
+//! rate, policy) over a few threads and the [`report`] writes JSON, a Markdown summary and SVG
+//! plots. No wall clock and no unseeded randomness: the same arguments give the same report.
 //!
 //! ```
 //! use kvoy_bench::policy::{PolicyKind, PolicyOptions};
@@ -20,6 +21,7 @@
 //!     replicas: 2,
 //!     seed: 1,
 //!     profile: Profile::llama_8b_h100(),
+//!     replica_profiles: vec![Profile::llama_8b_h100(); 2],
 //!     sglang_tree_chars: None,
 //!     envoy_workers: None,
 //! };
@@ -30,6 +32,7 @@
 //! ```
 
 pub mod cli;
+pub mod fleet;
 pub mod ideal;
 pub mod live;
 pub mod metrics;

@@ -6,10 +6,11 @@ use std::sync::{Mutex, OnceLock};
 
 use kvoy_sim::engine::Profile;
 
+use crate::fleet::FleetKind;
 use crate::metrics::RunFigures;
 use crate::policy::{PolicyKind, PolicyOptions};
 use crate::report::{Report, WorkloadReport};
-use crate::saturation::{capacity, measure};
+use crate::saturation::{fleet_capacity, measure};
 use crate::sim::{self, SimConfig, SimError};
 use crate::workload::Workload;
 
@@ -30,8 +31,10 @@ pub struct Grid {
     pub workloads: Vec<Workload>,
     pub policies: Vec<PolicyKind>,
     pub rates: Vec<Rate>,
+    /// The base profile; `fleet` says which replicas run a slowed version of it.
     pub profile: Profile,
     pub replicas: usize,
+    pub fleet: FleetKind,
     pub seed: u64,
     pub threads: usize,
     pub sglang_tree_chars: Option<usize>,
@@ -95,14 +98,16 @@ pub fn run(grid: &Grid, progress: &(dyn Fn(Progress<'_>) + Sync)) -> Result<Repo
     let mut jobs = Vec::new();
     let mut ideals = 0usize;
     let mut known: Vec<(usize, (u64, u64))> = Vec::new();
+    let slowdowns = grid.fleet.slowdowns(grid.replicas);
+    let profiles = grid.fleet.profiles(&grid.profile, grid.replicas);
     for (wi, w) in grid.workloads.iter().enumerate() {
         // The shape can depend on the number of requests (a cycled pool repeats prompts): measure
         // it at a first estimate of saturation, then once more at that rate.
         let mut shape = measure(&w.plan(1.0, grid.seed), &grid.profile);
-        let mut cap = capacity(&grid.profile, &shape, grid.replicas);
+        let mut cap = fleet_capacity(&grid.profile, &shape, &slowdowns);
         if w.content_depends_on_rate() {
             shape = measure(&w.plan(cap.rate, grid.seed), &grid.profile);
-            cap = capacity(&grid.profile, &shape, grid.replicas);
+            cap = fleet_capacity(&grid.profile, &shape, &slowdowns);
         }
         let mut rates = Vec::new();
         for r in &grid.rates {
@@ -179,7 +184,15 @@ pub fn run(grid: &Grid, progress: &(dyn Fn(Progress<'_>) + Sync)) -> Result<Repo
             break;
         };
         let cell = jobs[j].ideal.and_then(|i| ideal_cells.get(i));
-        let result = run_job(grid, &jobs[j], cell, &finished, jobs.len(), progress);
+        let result = run_job(
+            grid,
+            &profiles,
+            &jobs[j],
+            cell,
+            &finished,
+            jobs.len(),
+            progress,
+        );
         finished.fetch_add(1, Ordering::Relaxed);
         if let Ok(mut r) = results.lock() {
             r[j] = Some(result);
@@ -202,6 +215,7 @@ pub fn run(grid: &Grid, progress: &(dyn Fn(Progress<'_>) + Sync)) -> Result<Repo
         tool: "kvoy-bench sim",
         profile: grid.profile.name.clone(),
         replicas: grid.replicas,
+        fleet: grid.fleet,
         seed: grid.seed,
         scrape_interval_ms: grid.scrape_interval.as_millis() as u64,
         policies: grid.policies.iter().map(|p| p.name().to_owned()).collect(),
@@ -211,6 +225,7 @@ pub fn run(grid: &Grid, progress: &(dyn Fn(Progress<'_>) + Sync)) -> Result<Repo
 
 fn run_job(
     grid: &Grid,
+    profiles: &[Profile],
     job: &Job,
     ideal: Option<&OnceLock<(u64, u64)>>,
     finished: &AtomicUsize,
@@ -225,6 +240,7 @@ fn run_job(
             replicas: grid.replicas,
             seed: grid.seed,
             profile: grid.profile.clone(),
+            replica_profiles: profiles.to_vec(),
             sglang_tree_chars: grid.sglang_tree_chars,
             envoy_workers: grid.envoy_workers,
         })
@@ -232,7 +248,7 @@ fn run_job(
             policy: job.policy.name(),
             source,
         })?;
-    let mut cfg = SimConfig::new(grid.profile.clone(), grid.replicas);
+    let mut cfg = SimConfig::with_profiles(profiles.to_vec());
     cfg.scrape_interval = grid.scrape_interval;
     let ideal = ideal.map(|cell| {
         *cell.get_or_init(|| {

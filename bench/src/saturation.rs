@@ -16,6 +16,11 @@
 //! requests per second and the fleet `replicas / T`. Rates in `x` (e.g. `1x`) are multiples of
 //! this. It assumes perfect reuse and a steady full batch, so real routers saturate somewhat
 //! below it.
+//!
+//! A mixed fleet ([`fleet_capacity`]) sustains the sum of its replicas' rates. A replica slowed
+//! by `f` (every duration of the step-time model times `f`, same geometry, see
+//! [`crate::fleet::slowed`]) has the same batch and `f` times every term of `T`, so it sustains
+//! `1 / (f T)`: the fleet `Σ 1/f_i / T`, so that `1x` means saturation on any fleet.
 
 use serde::{Deserialize, Serialize};
 
@@ -123,9 +128,31 @@ pub fn capacity(profile: &Profile, shape: &Shape, replicas: usize) -> Capacity {
     }
 }
 
+/// The saturation estimate for `shape` on a fleet of `profile` whose replica `i` takes
+/// `slowdowns[i]` times as long for every step ([`crate::fleet::FleetKind::slowdowns`]): the sum of
+/// the replicas' rates. `per_replica_rate` and the step terms stay those of one replica of
+/// `profile`; with every slowdown 1 this is exactly [`capacity`] on `slowdowns.len()` replicas.
+pub fn fleet_capacity(profile: &Profile, shape: &Shape, slowdowns: &[f64]) -> Capacity {
+    let one = capacity(profile, shape, 1);
+    // Summing reciprocals of 1.0 counts the replicas exactly, so a uniform fleet's rate is
+    // bit-for-bit `capacity`'s.
+    let replicas: f64 = slowdowns
+        .iter()
+        .filter(|f| f.is_finite() && **f > 0.0)
+        .map(|f| 1.0 / f)
+        .sum();
+    let rate = one.per_replica_rate * replicas;
+    Capacity {
+        rate,
+        output_tokens_per_s: rate * shape.mean_output_tokens.max(1.0),
+        ..one
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fleet::{slowed, FleetKind};
 
     #[test]
     fn shared_prefix_estimate_is_plausible() {
@@ -155,5 +182,37 @@ mod tests {
             16,
         );
         assert!(cold.rate < c.rate);
+    }
+
+    #[test]
+    fn a_half_slow_fleet_sums_its_replicas_capacities() {
+        use crate::workload::{Agents, Count};
+        let base = Profile::llama_8b_h100();
+        let plan = Agents::new(Count::Fixed(300)).plan(10.0, 2);
+        let shape = measure(&plan, &base);
+        let uniform = capacity(&base, &shape, 16);
+        assert_eq!(
+            fleet_capacity(&base, &shape, &FleetKind::Uniform.slowdowns(16)),
+            uniform
+        );
+        let fleet = FleetKind::HalfSlow { slow_factor: 2.0 };
+        let mixed = fleet_capacity(&base, &shape, &fleet.slowdowns(16));
+        // 8 full-speed replicas and 8 at half speed: 12 replicas' worth.
+        assert!(
+            (mixed.rate / uniform.rate - 0.75).abs() < 1e-12,
+            "{mixed:?}"
+        );
+        assert_eq!(mixed.per_replica_rate, uniform.per_replica_rate);
+        // The slow half really has half the capacity: the estimate costed on the slowed profile
+        // itself (its own prefill times, its own step times) gives half the rate.
+        let slow = slowed(&base, 2.0);
+        let slow_half = capacity(&slow, &measure(&plan, &slow), 8);
+        let fast_half = capacity(&base, &shape, 8);
+        assert!((slow_half.rate / fast_half.rate - 0.5).abs() < 1e-6);
+        assert_eq!(slow_half.batch, fast_half.batch);
+        assert!((mixed.rate - (slow_half.rate + fast_half.rate)).abs() < 1e-6 * mixed.rate);
+        // An odd count: 3 fast and 2 slow.
+        let five = fleet_capacity(&base, &shape, &fleet.slowdowns(5));
+        assert!((five.rate / uniform.per_replica_rate - 4.0).abs() < 1e-12);
     }
 }

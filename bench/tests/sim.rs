@@ -5,10 +5,13 @@ use std::collections::HashSet;
 use std::path::Path;
 use std::sync::Arc;
 
+use kvoy_bench::fleet::FleetKind;
 use kvoy_bench::policy::{Policy, PolicyKind, PolicyOptions, Prefilled, RouteRequest, View};
 use kvoy_bench::runner::{self, Grid, Rate};
 use kvoy_bench::sim::{self, SimConfig};
-use kvoy_bench::workload::{Agents, Count, NoSharing, SharedPrefix, Trace, Workload};
+use kvoy_bench::workload::{
+    Agents, Count, NoSharing, Part, Plan, Session, SharedPrefix, Trace, Turn, Workload, TURN_SLOTS,
+};
 use kvoy_sim::engine::Profile;
 
 fn options(replicas: usize) -> PolicyOptions {
@@ -16,6 +19,7 @@ fn options(replicas: usize) -> PolicyOptions {
         replicas,
         seed: 7,
         profile: Profile::llama_8b_h100(),
+        replica_profiles: vec![Profile::llama_8b_h100(); replicas],
         sglang_tree_chars: None,
         envoy_workers: None,
     }
@@ -31,6 +35,7 @@ fn small_grid(threads: usize) -> Grid {
         rates: vec![Rate::Saturation(0.5), Rate::Absolute(30.0)],
         profile: Profile::llama_8b_h100(),
         replicas: 3,
+        fleet: FleetKind::Uniform,
         seed: 11,
         threads,
         sglang_tree_chars: None,
@@ -215,4 +220,122 @@ fn a_saved_report_reads_back_identically() {
     assert_eq!((&a.policy, a.completed), (&b.policy, b.completed));
     assert!((a.ttft_s.p90 - b.ttft_s.p90).abs() <= 1e-12 * b.ttft_s.p90.abs());
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The same 3,000-token prompt (200 tokens out) sent twice at time 0.
+fn same_request_twice() -> Plan {
+    let session = |si: u64| Session {
+        start: std::time::Duration::ZERO,
+        class: "chat",
+        turns: vec![Turn {
+            id: si * TURN_SLOTS,
+            append: vec![Part::Text {
+                seed: 42,
+                tokens: 3000,
+            }],
+            max_tokens: 200,
+            delay: std::time::Duration::ZERO,
+        }],
+    };
+    Plan {
+        sessions: vec![session(0), session(1)],
+    }
+}
+
+#[test]
+fn a_half_slow_fleets_slow_replicas_take_twice_as_long() {
+    let plan = same_request_twice();
+    let base = Profile::llama_8b_h100();
+    let run = |fleet: FleetKind| {
+        // Round-robin: the first request on replica 0, the second on replica 1.
+        let mut policy = PolicyKind::RoundRobin.build(&options(2)).unwrap();
+        let cfg = SimConfig::with_profiles(fleet.profiles(&base, 2));
+        let rec = sim::run(&plan, policy.as_mut(), &cfg, &mut |_, _| {}).unwrap();
+        assert_eq!(rec.per_endpoint, [1, 1]);
+        assert_eq!(rec.completed, 2);
+        rec
+    };
+    let uniform = run(FleetKind::Uniform);
+    assert_eq!(uniform.ttft[0], uniform.ttft[1]);
+    let mixed = run(FleetKind::HalfSlow { slow_factor: 2.0 });
+    // Figures in completion order: the fast replica's request first.
+    let (ttft, e2e) = (uniform.ttft[0], uniform.e2e[0]);
+    // A 3,000-token cold prefill: 7 ms + 120 ms + 5.9 ms of attention on the fast replica.
+    assert!((0.12..0.15).contains(&ttft), "{ttft}");
+    assert_eq!((mixed.ttft[0], mixed.e2e[0]), (ttft, e2e));
+    // Step durations are rounded to nanoseconds, so "twice" is to within a few of them.
+    assert!(
+        (mixed.ttft[1] - 2.0 * ttft).abs() < 1e-8,
+        "{:?}",
+        mixed.ttft
+    );
+    assert!((mixed.e2e[1] - 2.0 * e2e).abs() < 1e-6, "{:?}", mixed.e2e);
+    // The 199 decode steps after the first token, too.
+    let decode = (mixed.e2e[1] - mixed.ttft[1]) / (e2e - ttft);
+    assert!((decode - 2.0).abs() < 1e-6, "{decode}");
+}
+
+#[test]
+fn a_fleet_mixing_block_sizes_is_refused() {
+    let mut other = Profile::llama_8b_h100();
+    other.block_size = 32;
+    let cfg = SimConfig::with_profiles(vec![Profile::llama_8b_h100(), other]);
+    let mut policy = PolicyKind::RoundRobin.build(&options(2)).unwrap();
+    let err = sim::run(&same_request_twice(), policy.as_mut(), &cfg, &mut |_, _| {})
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        err.contains("replica 1") && err.contains("block size"),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_report_names_the_fleet_and_its_own_saturation() {
+    let quiet = |_: runner::Progress<'_>| {};
+    let mut grid = small_grid(2);
+    grid.workloads.truncate(1);
+    grid.policies = vec![PolicyKind::RoundRobin];
+    grid.rates = vec![Rate::Saturation(1.0)];
+    grid.replicas = 4;
+    let uniform = runner::run(&grid, &quiet).unwrap();
+    grid.fleet = FleetKind::HalfSlow { slow_factor: 2.0 };
+    let mixed = runner::run(&grid, &quiet).unwrap();
+    // 2 full-speed and 2 half-speed replicas: 3 replicas' worth.
+    let (u, m) = (&uniform.workloads[0], &mixed.workloads[0]);
+    assert!((m.saturation.rate / u.saturation.rate - 0.75).abs() < 1e-9);
+    assert!((m.rates[0] - m.saturation.rate).abs() < 1e-9);
+    let v: serde_json::Value = serde_json::from_str(&mixed.to_json().unwrap()).unwrap();
+    assert_eq!(v["fleet"]["kind"], "half-slow");
+    assert_eq!(v["fleet"]["slow_factor"], 2.0);
+    let v: serde_json::Value = serde_json::from_str(&uniform.to_json().unwrap()).unwrap();
+    assert_eq!(v["fleet"]["kind"], "uniform");
+    let header = kvoy_bench::report::summary(&mixed);
+    assert!(
+        header.contains("half-slow fleet: the 2 odd-indexed replicas"),
+        "{header}"
+    );
+    assert!(kvoy_bench::report::summary(&uniform).contains("uniform fleet"));
+}
+
+#[test]
+fn the_command_line_refuses_an_unknown_fleet() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvoy-bench"))
+        .args(["sim", "--fleet", "lopsided", "--quiet"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("unknown fleet `lopsided`")
+            && err.contains("uniform")
+            && err.contains("half-slow"),
+        "{err}"
+    );
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvoy-bench"))
+        .args(["sim", "--help"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("--fleet KIND"));
 }

@@ -70,6 +70,7 @@ pub fn simulate(grid: &LiveGrid, rates: &[f64]) -> Result<Report, RunError> {
         rates: rates.iter().map(|&r| Rate::Absolute(r)).collect(),
         profile: grid.profile.clone(),
         replicas: grid.replicas,
+        fleet: crate::fleet::FleetKind::Uniform,
         seed: grid.seed,
         threads: 2,
         sglang_tree_chars: None,

@@ -209,6 +209,7 @@ pub fn run(
         tool: "kvoy-bench live",
         profile: grid.profile.name.clone(),
         replicas: grid.replicas,
+        fleet: crate::fleet::FleetKind::Uniform,
         seed: grid.seed,
         scrape_interval_ms: fleet::AGGREGATOR_SCRAPE_MS,
         policies: grid.policies.iter().map(|p| p.name().to_owned()).collect(),

@@ -107,6 +107,10 @@ pub struct PolicyOptions {
     pub replicas: usize,
     pub seed: u64,
     pub profile: Profile,
+    /// Each replica's profile, by endpoint index (`replicas` of them; on a mixed fleet some are
+    /// slower versions of `profile`, see [`crate::fleet`]): what an operator who knows the fleet
+    /// can configure. No policy reads it yet.
+    pub replica_profiles: Vec<Profile>,
     /// SGLang's per-worker tree bound in characters (`None`: the replica's KV capacity in
     /// characters, see [`sglang`]).
     pub sglang_tree_chars: Option<usize>,

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::fleet::FleetKind;
 use crate::metrics::RunFigures;
 use crate::saturation::{Capacity, Shape};
 
@@ -17,8 +18,11 @@ pub use summary::summary;
 pub struct Report {
     /// `kvoy-bench sim` (or another producer of the same shape).
     pub tool: &'static str,
+    /// The base profile (on a mixed fleet, the fast replicas').
     pub profile: String,
     pub replicas: usize,
+    /// Which replicas run slower than `profile`.
+    pub fleet: FleetKind,
     pub seed: u64,
     pub scrape_interval_ms: u64,
     pub policies: Vec<String>,
@@ -34,6 +38,9 @@ struct SavedReport {
     tool: String,
     profile: String,
     replicas: usize,
+    /// Reports written before fleets had kinds ran uniform fleets.
+    #[serde(default)]
+    fleet: FleetKind,
     seed: u64,
     scrape_interval_ms: u64,
     policies: Vec<String>,
@@ -49,6 +56,7 @@ impl From<SavedReport> for Report {
                 .unwrap_or("kvoy-bench"),
             profile: r.profile,
             replicas: r.replicas,
+            fleet: r.fleet,
             seed: r.seed,
             scrape_interval_ms: r.scrape_interval_ms,
             policies: r.policies,

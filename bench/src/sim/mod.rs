@@ -1,5 +1,5 @@
-//! The discrete-event simulation: N `kvoy_sim` engines, one proxy running a [`Policy`], one
-//! virtual clock.
+//! The discrete-event simulation: N `kvoy_sim` engines (each with its own profile, see
+//! [`crate::fleet`]), one proxy running a [`Policy`], one virtual clock.
 //!
 //! Events are arrivals, engine step ends and metrics scrapes. An idle engine that receives a
 //! request starts a step at once: [`Engine::step`] decides the batch at the step's start and
@@ -28,8 +28,9 @@ use queue::{Event, Queue};
 /// The fleet.
 #[derive(Clone, Debug)]
 pub struct SimConfig {
-    pub profile: Profile,
-    pub replicas: usize,
+    /// The engine profile of each replica, by endpoint index (see [`crate::fleet`]); they may
+    /// differ in speed but must share the KV block size.
+    pub profiles: Vec<Profile>,
     /// How often metrics are scraped (the reference picker and kvoy-aggregator: 50 ms).
     pub scrape_interval: Duration,
     /// Count the ideal hit rate as requests arrive. Open-loop plans (whose requests do not
@@ -38,13 +39,22 @@ pub struct SimConfig {
 }
 
 impl SimConfig {
+    /// A uniform fleet: `replicas` engines of `profile`.
     pub fn new(profile: Profile, replicas: usize) -> Self {
+        Self::with_profiles(vec![profile; replicas])
+    }
+
+    /// One engine per profile.
+    pub fn with_profiles(profiles: Vec<Profile>) -> Self {
         SimConfig {
-            profile,
-            replicas,
+            profiles,
             scrape_interval: Duration::from_millis(50),
             track_ideal: true,
         }
+    }
+
+    pub fn replicas(&self) -> usize {
+        self.profiles.len()
     }
 }
 
@@ -54,6 +64,15 @@ pub enum SimError {
     Profile(#[from] ProfileError),
     #[error("the fleet needs at least one replica and at most 4096, got {0}")]
     Replicas(usize),
+    #[error(
+        "replica {replica}'s profile has KV blocks of {got} tokens, replica 0's of {expected}: \
+         a fleet shares one block size"
+    )]
+    BlockSize {
+        replica: usize,
+        expected: u32,
+        got: u32,
+    },
     #[error("the scrape interval must be above zero")]
     ScrapeInterval,
     #[error("the policy chose endpoint {chosen} of {replicas}")]
@@ -110,17 +129,38 @@ pub fn run(
     cfg: &SimConfig,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<Recorder, SimError> {
-    if cfg.replicas == 0 || cfg.replicas > kvoy_shared::MAX_ENDPOINTS {
-        return Err(SimError::Replicas(cfg.replicas));
+    let n = cfg.replicas();
+    let Some(first) = cfg
+        .profiles
+        .first()
+        .filter(|_| n <= kvoy_shared::MAX_ENDPOINTS)
+    else {
+        return Err(SimError::Replicas(n));
+    };
+    let block_size = first.block_size;
+    if let Some((replica, p)) = cfg
+        .profiles
+        .iter()
+        .enumerate()
+        .find(|(_, p)| p.block_size != block_size)
+    {
+        return Err(SimError::BlockSize {
+            replica,
+            expected: block_size,
+            got: p.block_size,
+        });
     }
     if cfg.scrape_interval.is_zero() {
         return Err(SimError::ScrapeInterval);
     }
-    let engine = Engine::new(&cfg.profile)?;
-    let n = cfg.replicas;
+    let engines = cfg
+        .profiles
+        .iter()
+        .map(Engine::new)
+        .collect::<Result<Vec<_>, _>>()?;
     let mut sim = Sim {
         plan,
-        engines: vec![engine; n],
+        engines,
         busy: vec![false; n],
         pending: vec![Vec::new(); n],
         inflight: vec![0; n],
@@ -131,12 +171,10 @@ pub fn run(
         contexts: vec![String::new(); plan.sessions.len()],
         text: String::new(),
         body: Vec::new(),
-        ideal: cfg
-            .track_ideal
-            .then(|| IdealCache::new(cfg.profile.block_size)),
+        ideal: cfg.track_ideal.then(|| IdealCache::new(block_size)),
         mirrors: (0..n).map(|_| CacheMirror::default()).collect(),
         hashes: Vec::new(),
-        block_size: cfg.profile.block_size as usize,
+        block_size: block_size as usize,
         queue: Queue::default(),
         rec: Recorder::new(n),
         done: 0,
