@@ -23,7 +23,8 @@ usage: kvoy-bench sim [options]      (this page)
                         with commas (default shared-prefix)
   --all                 every workload (mooncake needs --trace)
   --policies LIST       comma-separated among round-robin, least-request, random, kvoy,
-                        kvoy-aggregator, llm-d, sglang (default: all)
+                        kvoy-aggregator, llm-d, sglang, llm-d-1.0, llm-d-1.0-calibrated,
+                        dynamo (default: all)
   --replicas N          engines in the fleet, 1-4096 (default 16)
   --profile NAME        llama-8b-h100 (default) or qwen-32b-h100-tp2
   --fleet KIND          uniform (default): every replica runs the profile; half-slow: the
@@ -419,7 +420,7 @@ mod tests {
     fn defaults_and_flags() {
         let a = sim("sim");
         assert_eq!(a.workloads, ["shared-prefix"]);
-        assert_eq!(a.policies.len(), 7);
+        assert_eq!(a.policies.len(), PolicyKind::ALL.len());
         assert_eq!((a.replicas, a.threads, a.seed), (16, 2, 1));
         let a = sim("sim --workload agents,no-sharing --rates 0.5x,2t,12 --replicas 8 --policies kvoy,round-robin --requests 40 --scale 0.1");
         assert_eq!(a.workloads, ["agents", "no-sharing"]);

@@ -4,6 +4,7 @@
 use std::collections::HashSet;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use kvoy_bench::fleet::FleetKind;
 use kvoy_bench::policy::{Policy, PolicyKind, PolicyOptions, Prefilled, RouteRequest, View};
@@ -12,7 +13,7 @@ use kvoy_bench::sim::{self, SimConfig};
 use kvoy_bench::workload::{
     Agents, Count, NoSharing, Part, Plan, Session, SharedPrefix, Trace, Turn, Workload, TURN_SLOTS,
 };
-use kvoy_sim::engine::Profile;
+use kvoy_sim::engine::{KvEvent, Profile};
 
 fn options(replicas: usize) -> PolicyOptions {
     PolicyOptions {
@@ -57,7 +58,10 @@ fn same_seed_same_json_whatever_the_threads() {
         .unwrap();
     assert_eq!(a, b);
     let v: serde_json::Value = serde_json::from_str(&a).unwrap();
-    assert_eq!(v["workloads"][0]["runs"].as_array().unwrap().len(), 2 * 7);
+    assert_eq!(
+        v["workloads"][0]["runs"].as_array().unwrap().len(),
+        2 * PolicyKind::ALL.len()
+    );
     let mut other = small_grid(2);
     other.seed = 12;
     let c = runner::run(&other, &quiet).unwrap().to_json().unwrap();
@@ -77,6 +81,15 @@ impl Policy for Counting<'_> {
     }
     fn on_scrape(&mut self, view: &View<'_>, prefilled: &[Prefilled]) {
         self.inner.on_scrape(view, prefilled);
+    }
+    fn on_first_token(&mut self, request: u64, endpoint: usize, now: Duration) {
+        self.inner.on_first_token(request, endpoint, now);
+    }
+    fn on_finished(&mut self, request: u64, endpoint: usize, now: Duration) {
+        self.inner.on_finished(request, endpoint, now);
+    }
+    fn on_kv_events(&mut self, endpoint: usize, events: &[KvEvent], now: Duration) {
+        self.inner.on_kv_events(endpoint, events, now);
     }
 }
 

@@ -1,4 +1,5 @@
-//! The Gateway API Inference Extension's default picker (llm-d's endpoint picker), from its
+//! llm-d's pre-1.0 default picker (the Gateway API Inference Extension's, still llm-d-router's
+//! default when no configuration is given; llm-d 1.0's guides use [`super::llmd_v1`]), from its
 //! published algorithm:
 //!
 //! - queue scorer, weight 2: `1 - (q - min) / (max - min)` over the servers' waiting queues

@@ -4,19 +4,24 @@
 //! - [`basic`]: `round-robin`, `random`, `least-request` (fewest in flight at this proxy).
 //! - [`kvoy`]: kvoy-shared's [`Router`](kvoy_shared::Router), alone (`kvoy`) or fed the
 //!   aggregator's view (`kvoy-aggregator`).
-//! - [`llmd`]: the Gateway API Inference Extension's default scorers (`llm-d`).
+//! - [`llmd`]: llm-d's pre-1.0 default scorers, still its config-less default (`llm-d`).
+//! - [`llmd_v1`]: llm-d 1.0's guide default, "sticky until saturated" (`llm-d-1.0`, and
+//!   `llm-d-1.0-calibrated` with the guide's calibration recipe run on the simulated engine).
+//! - [`dynamo`]: NVIDIA Dynamo's KV router, fed the engines' KV events (`dynamo`).
 //! - [`sglang`]: SGLang router's cache-aware policy (`sglang`).
 
 pub mod basic;
+pub mod dynamo;
 pub mod kvoy;
 pub mod llmd;
+pub mod llmd_v1;
 pub mod radix;
 pub mod sglang;
 
 use std::time::Duration;
 
 use kvoy_shared::ConfigError;
-use kvoy_sim::engine::Profile;
+use kvoy_sim::engine::{KvEvent, Profile};
 
 use crate::rng::Rng;
 
@@ -85,6 +90,10 @@ pub trait Policy {
 
     /// Request `request` on `endpoint` finished (or was refused by the engine).
     fn on_finished(&mut self, _request: u64, _endpoint: usize, _now: Duration) {}
+
+    /// `endpoint` emitted `events` (blocks stored, evicted, cache cleared) at `now`: what a
+    /// router subscribed to the servers' KV events receives. In the order they must be applied.
+    fn on_kv_events(&mut self, _endpoint: usize, _events: &[KvEvent], _now: Duration) {}
 }
 
 /// The policies, by command-line name.
@@ -95,10 +104,15 @@ pub enum PolicyKind {
     Random,
     Kvoy,
     KvoyAggregator,
-    /// kvoy's first scorer (weighted sum with the hot-spot guard), for comparison.
-    KvoyWeighted,
     LlmD,
     Sglang,
+    // Appended after the first seven so that their discriminants (which seed their random
+    // streams) stay as they were.
+    LlmD1,
+    LlmD1Calibrated,
+    Dynamo,
+    /// kvoy's first scorer (weighted sum with the hot-spot guard), for comparison.
+    KvoyWeighted,
 }
 
 /// Settings shared by the policies that need them.
@@ -121,7 +135,7 @@ pub struct PolicyOptions {
 }
 
 impl PolicyKind {
-    pub const ALL: [PolicyKind; 8] = [
+    pub const ALL: [PolicyKind; 11] = [
         PolicyKind::RoundRobin,
         PolicyKind::LeastRequest,
         PolicyKind::Random,
@@ -130,6 +144,9 @@ impl PolicyKind {
         PolicyKind::KvoyWeighted,
         PolicyKind::LlmD,
         PolicyKind::Sglang,
+        PolicyKind::LlmD1,
+        PolicyKind::LlmD1Calibrated,
+        PolicyKind::Dynamo,
     ];
 
     pub fn name(self) -> &'static str {
@@ -141,6 +158,9 @@ impl PolicyKind {
             PolicyKind::KvoyAggregator => "kvoy-aggregator",
             PolicyKind::KvoyWeighted => "kvoy-weighted",
             PolicyKind::LlmD => "llm-d",
+            PolicyKind::LlmD1 => "llm-d-1.0",
+            PolicyKind::LlmD1Calibrated => "llm-d-1.0-calibrated",
+            PolicyKind::Dynamo => "dynamo",
             PolicyKind::Sglang => "sglang",
         }
     }
@@ -175,6 +195,21 @@ impl PolicyKind {
                 Box::new(kvoy::Kvoy::new(o.replicas, o.seed, &options)?)
             }
             PolicyKind::LlmD => Box::new(llmd::LlmD::new(o.replicas, rng)),
+            PolicyKind::LlmD1 => Box::new(llmd_v1::LlmDV1::new(
+                o.replicas,
+                llmd_v1::LlmDV1Config::default(),
+                rng,
+            )),
+            PolicyKind::LlmD1Calibrated => Box::new(llmd_v1::LlmDV1::new(
+                o.replicas,
+                llmd_v1::LlmDV1Config::calibrated(&o.profile),
+                rng,
+            )),
+            PolicyKind::Dynamo => Box::new(dynamo::Dynamo::new(
+                o.replicas,
+                dynamo::DynamoConfig::for_profile(&o.profile),
+                rng,
+            )),
             PolicyKind::Sglang => {
                 let chars = o
                     .sglang_tree_chars

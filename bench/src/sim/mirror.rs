@@ -15,8 +15,19 @@ use crate::ideal::PassThrough;
 
 /// The chained hashes of the full blocks of `tokens`, at most `max_blocks`, into `out`.
 pub fn block_hashes(tokens: &[u32], block_size: usize, max_blocks: usize, out: &mut Vec<u64>) {
-    out.clear();
     let mut scratch = Vec::with_capacity(9 + 4 * block_size);
+    block_hashes_into(tokens, block_size, max_blocks, out, &mut scratch);
+}
+
+/// [`block_hashes`] with a caller-owned scratch buffer (for callers that hash every request).
+pub fn block_hashes_into(
+    tokens: &[u32],
+    block_size: usize,
+    max_blocks: usize,
+    out: &mut Vec<u64>,
+    scratch: &mut Vec<u8>,
+) {
+    out.clear();
     let mut parent: Option<u64> = None;
     for block in tokens.chunks_exact(block_size.max(1)).take(max_blocks) {
         scratch.clear();
@@ -30,7 +41,7 @@ pub fn block_hashes(tokens: &[u32], block_size: usize, max_blocks: usize, out: &
         for t in block {
             scratch.extend_from_slice(&t.to_le_bytes());
         }
-        let h = xxh3_64(&scratch);
+        let h = xxh3_64(scratch);
         out.push(h);
         parent = Some(h);
     }

@@ -8,7 +8,8 @@
 //! timeline, all of them interleaved in time order. A request is routed at its arrival (routing
 //! costs no virtual time), counted in flight at its endpoint until its completion, and its next
 //! turn (if any) arrives `delay` after it completes. Every `scrape_interval` the engines' figures
-//! are read as a metrics scrape would, and the policy is told.
+//! are read as a metrics scrape would, and the policy is told. The KV events each step emits
+//! reach the policy as they happen ([`Policy::on_kv_events`]), as a router subscribed to them.
 
 mod mirror;
 mod queue;
@@ -22,7 +23,7 @@ use crate::metrics::Recorder;
 use crate::policy::{EndpointMetrics, Policy, Prefilled, RouteRequest, View};
 use crate::workload::text::render_all;
 use crate::workload::Plan;
-pub use mirror::{block_hashes, CacheMirror};
+pub use mirror::{block_hashes, block_hashes_into, CacheMirror};
 use queue::{Event, Queue};
 
 /// The fleet.
@@ -297,7 +298,7 @@ impl Sim<'_> {
                 });
                 self.open += 1;
                 if !self.busy[e] {
-                    self.start_step(now, e);
+                    self.start_step(now, e, policy);
                 }
             }
             Err(err) => {
@@ -331,9 +332,12 @@ impl Sim<'_> {
         }
     }
 
-    fn start_step(&mut self, now: Duration, e: usize) {
+    fn start_step(&mut self, now: Duration, e: usize, policy: &mut dyn Policy) {
         let step = self.engines[e].step(now);
         self.mirrors[e].apply(&step.events);
+        if !step.events.is_empty() {
+            policy.on_kv_events(e, &step.events, now);
+        }
         if step.outputs.is_empty() && step.duration.is_zero() {
             // Nothing could be scheduled: the engine waits for the next submission.
             self.busy[e] = false;
@@ -426,7 +430,7 @@ impl Sim<'_> {
             }
         }
         if self.engines[e].has_work() {
-            self.start_step(now, e);
+            self.start_step(now, e, policy);
         } else {
             self.busy[e] = false;
         }
