@@ -104,19 +104,25 @@ fn destination(stream: &HttpStream) -> String {
     dest
 }
 
-fn inflight(plugin: &Plugin, config: &str) -> Vec<u32> {
+/// The shared outstanding table: (requests, prefilling, prefill tokens) per endpoint.
+fn outstanding(plugin: &Plugin, config: &str) -> Vec<(u32, u32, u32)> {
     let key = format!(
-        "{}.inflight",
+        "{}.outstanding",
         replica::namespace("kvoy.pa", config.as_bytes())
     );
+    let word = |c: &[u8], i: usize| u32::from_le_bytes([c[i], c[i + 1], c[i + 2], c[i + 3]]);
     plugin
         .shared_data(&key)
         .map(|(b, _)| {
-            b.chunks_exact(4)
-                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            b.chunks_exact(12)
+                .map(|c| (word(c, 0), word(c, 4), word(c, 8)))
                 .collect()
         })
-        .unwrap_or_else(|| vec![0; POOL.len()])
+        .unwrap_or_else(|| vec![(0, 0, 0); POOL.len()])
+}
+
+fn inflight(plugin: &Plugin, config: &str) -> Vec<u32> {
+    outstanding(plugin, config).iter().map(|o| o.0).collect()
 }
 
 #[test]
@@ -170,8 +176,76 @@ fn distinct_prefixes_spread_over_the_pool() -> TestResult {
 }
 
 #[test]
-fn a_same_prefix_burst_spills_past_the_hot_endpoint() -> TestResult {
+fn the_cost_scorer_spills_a_burst_once_queued_work_outweighs_the_prefix() -> TestResult {
     let cfg = config(serde_json::json!({}));
+    let plugin = plugin_with(&cfg, 11)?;
+    // 2,800 shared bytes (700 tokens at 4 bytes a token), then a 1,200-byte task (300 tokens).
+    let system = "Shared agent instructions. ".repeat(100);
+    let task = |i: usize| format!("task {i:04} {}", "x".repeat(1190));
+    // A first request computes the prefix; its answer begins (its prefill is done).
+    let first = send(
+        &plugin,
+        0,
+        "/v1/chat/completions",
+        &chat(&system, &task(99)),
+        &[],
+    )?;
+    let holder = destination(&first);
+    first.send_response(&[(":status", "200")], b"{}")?;
+    first.finish()?;
+    let mut open = Vec::new();
+    let mut order = Vec::new();
+    for i in 0..30 {
+        let stream = send(
+            &plugin,
+            i % 2,
+            "/v1/chat/completions",
+            &chat(&system, &task(i)),
+            &[],
+        )?;
+        order.push(destination(&stream));
+        open.push(stream);
+    }
+    // The holder takes requests while its queued tokens plus 300 cost less than 1,000 tokens
+    // elsewhere: three of them (0, 300, 600 queued), then the prefix is computed again on
+    // another endpoint, which becomes a holder too.
+    assert!(
+        order[..3].iter().all(|d| *d == holder),
+        "{holder} {order:?}"
+    );
+    assert_ne!(order[3], holder, "{order:?}");
+    let mut per: BTreeMap<&str, u32> = BTreeMap::new();
+    for d in &order {
+        *per.entry(d.as_str()).or_default() += 1;
+    }
+    assert_eq!(per.len(), 3, "{per:?}");
+    let (min, max) = (
+        per.values().min().copied().unwrap_or(0),
+        per.values().max().copied().unwrap_or(0),
+    );
+    assert!(max - min <= 4, "holders share the burst: {per:?}");
+    // Every worker sees every open request and its pending prefill tokens.
+    let table = outstanding(&plugin, &cfg);
+    assert_eq!(table.iter().map(|o| o.0).sum::<u32>(), 30);
+    assert_eq!(table.iter().map(|o| o.1).sum::<u32>(), 30);
+    assert!(
+        table.iter().all(|o| o.2 >= 300 * (o.1.saturating_sub(1))),
+        "{table:?}"
+    );
+    // The answer's first byte releases a request's prefill tokens; the end releases the rest.
+    open[0].send_response(&[(":status", "200")], b"{}")?;
+    let after = outstanding(&plugin, &cfg);
+    assert_eq!(after.iter().map(|o| o.1).sum::<u32>(), 29);
+    for s in &open {
+        s.finish()?;
+    }
+    assert_eq!(outstanding(&plugin, &cfg), vec![(0, 0, 0); 3]);
+    Ok(())
+}
+
+#[test]
+fn a_same_prefix_burst_spills_past_the_hot_endpoint() -> TestResult {
+    let cfg = config(serde_json::json!({"scorer": "weighted"}));
     let plugin = plugin_with(&cfg, 11)?;
     let system = "Shared agent instructions. ".repeat(100);
     let mut open = Vec::new();

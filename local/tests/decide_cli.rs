@@ -48,7 +48,7 @@ fn decide_prints_choices_scores_and_times() {
     let (code, out, err) = kvoy_local(&["decide", "--config", &config, "--request", &requests]);
     assert_eq!(code, 0, "{err}");
     assert!(
-        out.contains("request 0: POST /v1/chat/completions -> 127.0.0.1:18002"),
+        out.contains("request 0: POST /v1/chat/completions -> 127.0.0.1:18001"),
         "{out}"
     );
     assert!(
@@ -56,6 +56,10 @@ fn decide_prints_choices_scores_and_times() {
         "{out}"
     );
     assert!(out.contains("time: kvoy_session"), "{out}");
+    assert!(
+        out.contains("cost scorer: predicted time to first token"),
+        "{out}"
+    );
 
     let (code, out, err) = kvoy_local(&[
         "decide",
@@ -68,18 +72,36 @@ fn decide_prints_choices_scores_and_times() {
     assert_eq!(code, 0, "{err}");
     let v: Value = serde_json::from_str(&out).expect("JSON output");
     let r = &v["requests"];
-    // The queue scorer decides the first request; the prefix keeps the second there.
+    // The queue (3 waiting on 18002) decides the first request; the prefix keeps the second
+    // on the same endpoint.
     assert_eq!(r[0]["outcome"], "routed");
-    assert_eq!(r[0]["endpoint"], "127.0.0.1:18002");
-    assert_eq!(r[1]["endpoint"], "127.0.0.1:18002");
+    assert_eq!(r[0]["endpoint"], "127.0.0.1:18001");
+    assert_eq!(r[1]["endpoint"], "127.0.0.1:18001");
+    assert_eq!(r[1]["scores"]["scorer"], "cost");
     let rows = r[1]["scores"]["rows"].as_array().expect("score rows");
     assert_eq!(rows.len(), 2);
     let chosen = rows
         .iter()
+        .find(|row| row["endpoint"] == "127.0.0.1:18001")
+        .unwrap();
+    let other = rows
+        .iter()
         .find(|row| row["endpoint"] == "127.0.0.1:18002")
         .unwrap();
-    assert!(chosen["prefix"].as_f64().unwrap() > 0.5, "{chosen}");
     assert_eq!(chosen["best"], true);
+    assert_eq!(other["best"], false);
+    // 1 KB of prompt matched: a few tokens to compute, against the whole prompt behind a
+    // queue of 3 elsewhere.
+    assert!(
+        chosen["uncached_tokens"].as_f64().unwrap() < 20.0,
+        "{chosen}"
+    );
+    assert!(
+        other["uncached_tokens"].as_f64().unwrap() > 250.0,
+        "{other}"
+    );
+    assert!(other["queued_tokens"].as_f64().unwrap() > 0.0, "{other}");
+    assert!(chosen["cost_s"].as_f64().unwrap() < other["cost_s"].as_f64().unwrap());
     assert_eq!(r[2]["outcome"], "local_reply");
     assert_eq!(r[2]["status"], 400);
     assert_eq!(r[3]["scores"]["kind"], "passthrough");

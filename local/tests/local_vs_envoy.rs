@@ -235,7 +235,9 @@ fn envoy_and_kvoy_local_route_the_same_sequence_the_same_way() {
     let mut config = StackConfig::new(pool.clone(), run_dir.join("envoy"));
     config.concurrency = 1;
     config.max_body_bytes = Some(256 * 1024);
-    config.extra_config = Some(json!({"endpoints": endpoints}));
+    // The weighted scorer: this sequence's expectations are built on its queue score (the
+    // test compares the two hosts; the cost scorer is the same code under both).
+    config.extra_config = Some(json!({"endpoints": endpoints, "scorer": "weighted"}));
     let steps = steps(&addrs);
 
     let stack = Stack::start(&config).unwrap_or_else(|e| panic!("starting Envoy: {e:#}"));

@@ -330,7 +330,10 @@ fn a_concurrent_burst_is_not_piled_on_one_backend() {
     let handles: Vec<_> = (0..n)
         .map(|i| {
             let barrier = barrier.clone();
-            let body = chat_body(MODEL, &system, &format!("burst question {i}"));
+            // Each question is 1 KB (about 260 tokens) against the 4 KB shared prompt: the
+            // holder's queue soon outweighs computing the prefix again elsewhere.
+            let question = format!("burst question {i} {}", "detail ".repeat(146));
+            let body = chat_body(MODEL, &system, &question);
             std::thread::spawn(move || {
                 barrier.wait();
                 http::post_json(

@@ -57,6 +57,8 @@ struct RawCost {
     bytes_per_token: f64,
     learn_bytes_per_token: bool,
     uncached_weight: f64,
+    kv_high: f64,
+    kv_full_s: f64,
 }
 
 impl Default for RawCost {
@@ -70,6 +72,8 @@ impl Default for RawCost {
             bytes_per_token: d.bytes_per_token,
             learn_bytes_per_token: d.learn_bytes_per_token,
             uncached_weight: d.uncached_weight,
+            kv_high: d.kv_high,
+            kv_full_s: d.kv_full_s,
         }
     }
 }
@@ -113,6 +117,16 @@ impl TryFrom<RawCost> for CostParams {
                 raw.decode_s_per_sequence,
             ));
         }
+        if !(0.0..=1.0).contains(&raw.kv_high) {
+            return Err(out_of_range("cost.kv_high", "within 0..=1", raw.kv_high));
+        }
+        if !(raw.kv_full_s.is_finite() && raw.kv_full_s >= 0.0) {
+            return Err(out_of_range(
+                "cost.kv_full_s",
+                "a finite number of seconds >= 0",
+                raw.kv_full_s,
+            ));
+        }
         if raw.step_tokens == 0 {
             return Err(out_of_range("cost.step_tokens", "at least 1", 0));
         }
@@ -124,6 +138,8 @@ impl TryFrom<RawCost> for CostParams {
             bytes_per_token: positive("cost.bytes_per_token", raw.bytes_per_token)?,
             learn_bytes_per_token: raw.learn_bytes_per_token,
             uncached_weight: positive("cost.uncached_weight", raw.uncached_weight)?,
+            kv_high: raw.kv_high,
+            kv_full_s: raw.kv_full_s,
         })
     }
 }

@@ -10,7 +10,8 @@
 //! work_e     = queued_e + uncached_e
 //! prefill_e  = work_e / rate_e                        the prefill ahead of the first token
 //! decode_e   = (1 + work_e / step_tokens) x running_e x decode_s_per_sequence
-//! cost_e     = prefill_e + decode_e
+//! kv_e       = kv_full_s x (kv_use_e - kv_high) / (1 - kv_high)   when kv_use_e > kv_high
+//! cost_e     = prefill_e + decode_e + kv_e
 //! ```
 //!
 //! - *Pending prefill tokens* are the uncached-token estimates of the requests this proxy sent
@@ -21,6 +22,10 @@
 //!   request's prefill (one per `step_tokens`, vLLM's `max_num_batched_tokens`) also runs one
 //!   decode token for each running sequence. It is what keeps a prefix holder that is busy
 //!   decoding from taking every request that shares its prefix.
+//! - The *KV term* (aggregator figures only): a nearly full cache admits a new sequence only
+//!   once running ones free blocks.
+//! - The uncached tokens are weighted by [`uncached_weight`] (1 while some endpoint has
+//!   nothing queued, more once all do).
 //! - Tokens are estimated from prompt bytes with a per-model ratio ([`TokenRatio`]), learned
 //!   from the servers' `usage` figures or configured.
 //! - `rate_e` is the endpoint's own prefill rate (configured, or the aggregator's estimate),
@@ -51,6 +56,11 @@ pub struct CostParams {
     pub learn_bytes_per_token: bool,
     /// How much more a token this request would compute counts than a token already queued.
     pub uncached_weight: f64,
+    /// KV-cache use (as the aggregator reports it) above which an endpoint may have to wait
+    /// for running sequences to free blocks before it admits this request.
+    pub kv_high: f64,
+    /// The wait predicted at a full KV cache, seconds (linear from `kv_high`).
+    pub kv_full_s: f64,
 }
 
 /// A model's own figures.
@@ -76,6 +86,8 @@ impl Default for CostParams {
             bytes_per_token: 4.0,
             learn_bytes_per_token: true,
             uncached_weight: 1.0,
+            kv_high: 0.95,
+            kv_full_s: 1.0,
         }
     }
 }
@@ -106,6 +118,8 @@ pub struct CostTerms {
     pub rate: f64,
     pub prefill_s: f64,
     pub decode_s: f64,
+    /// The KV-cache term: a wait for blocks to free on a nearly full cache.
+    pub kv_s: f64,
     /// Predicted time to first token (the cost), seconds.
     pub total_s: f64,
 }
@@ -168,6 +182,15 @@ pub fn terms(c: &Candidate, req: &RequestSize, params: &CostParams, weight: f64)
     let prefill_s = (queued + weight * uncached) / rate;
     let steps = 1.0 + work / f64::from(params.step_tokens.max(1));
     let decode_s = steps * f64::from(running) * params.decode_s_per_sequence;
+    // Only the blocks this request must allocate wait: a request whose prefix is cached needs
+    // few new ones.
+    let needs = (uncached / req.prompt_tokens.max(1.0)).min(1.0);
+    let kv_s = match c.load.kv_cache_usage {
+        Some(u) if u > params.kv_high && params.kv_high < 1.0 => {
+            ((u - params.kv_high) / (1.0 - params.kv_high)).min(1.0) * params.kv_full_s * needs
+        }
+        _ => 0.0,
+    };
     CostTerms {
         uncached_tokens: uncached,
         queued_tokens: queued,
@@ -175,7 +198,8 @@ pub fn terms(c: &Candidate, req: &RequestSize, params: &CostParams, weight: f64)
         rate,
         prefill_s,
         decode_s,
-        total_s: prefill_s + decode_s,
+        kv_s,
+        total_s: prefill_s + decode_s + kv_s,
     }
 }
 
@@ -385,6 +409,23 @@ mod tests {
             terms(&broken, &r, &CostParams::default(), 1.0).rate,
             20_000.0
         );
+    }
+
+    #[test]
+    fn a_nearly_full_kv_cache_costs_a_wait() {
+        let r = req(1000.0);
+        let mut c = cand(0, 0, 0, 0);
+        let p = CostParams::default();
+        c.load.kv_cache_usage = Some(0.9);
+        assert_eq!(terms(&c, &r, &p, 1.0).kv_s, 0.0);
+        c.load.kv_cache_usage = Some(0.975);
+        assert!((terms(&c, &r, &p, 1.0).kv_s - 0.5).abs() < 1e-9);
+        c.load.kv_cache_usage = Some(1.5);
+        assert!((terms(&c, &r, &p, 1.0).kv_s - 1.0).abs() < 1e-9);
+        // A request whose prefix is cached there (3,000 of 4,000 bytes) waits for a quarter.
+        c.matched_bytes = 3000;
+        let t = terms(&c, &r, &p, 1.0);
+        assert!((t.kv_s - 0.25).abs() < 1e-9, "{t:?}");
     }
 
     #[test]

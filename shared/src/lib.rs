@@ -10,7 +10,8 @@
 //!     {"address":"10.0.0.2:8000","models":["m"]}]}"#).unwrap();
 //! let mut router = Router::new(cfg, 7);
 //! let body = br#"{"model":"m","messages":[{"role":"user","content":"hello"}]}"#;
-//! let decision = router.route_body(Api::ChatCompletions, body, &[0, 0]).unwrap();
+//! let outstanding = [kvoy_shared::Outstanding::default(); 2];
+//! let decision = router.route_body(Api::ChatCompletions, body, &outstanding).unwrap();
 //! let address = &router.pool().get(decision.endpoint).unwrap().address_text;
 //! assert!(address.starts_with("10.0.0."));
 //! ```

@@ -50,9 +50,20 @@ pub struct KvoyOptions {
 
 /// A kvoy configuration over `replicas` simulated endpoints with the crate's defaults but for
 /// the scorer and the model's prefill rate.
-pub fn config(replicas: usize, o: &KvoyOptions) -> Result<PluginConfig, ConfigError> {
+pub fn config(
+    replicas: usize,
+    o: &KvoyOptions,
+    rates: &[f64],
+) -> Result<PluginConfig, ConfigError> {
+    let uniform = rates.windows(2).all(|w| w[0] == w[1]);
     let endpoints: Vec<serde_json::Value> = (0..replicas)
-        .map(|i| serde_json::json!({"address": address(i).to_string(), "models": [MODEL]}))
+        .map(|i| {
+            let mut e = serde_json::json!({"address": address(i).to_string(), "models": [MODEL]});
+            if let (false, Some(rate)) = (uniform, rates.get(i)) {
+                e["prefill_tokens_per_s"] = serde_json::json!(rate);
+            }
+            e
+        })
         .collect();
     let scorer = match o.scorer {
         Scorer::Cost => "cost",
@@ -91,9 +102,14 @@ pub struct Kvoy {
 
 impl Kvoy {
     /// Fails when kvoy-shared refuses the pool (e.g. more than its endpoint limit).
-    pub fn new(replicas: usize, seed: u64, options: &KvoyOptions) -> Result<Self, ConfigError> {
+    pub fn new(
+        replicas: usize,
+        seed: u64,
+        options: &KvoyOptions,
+        rates: &[f64],
+    ) -> Result<Self, ConfigError> {
         Ok(Kvoy {
-            router: Router::new(config(replicas, options)?, seed),
+            router: Router::new(config(replicas, options, rates)?, seed),
             aggregator: options.aggregator,
             pending: HashMap::new(),
             outstanding: vec![Outstanding::default(); replicas],
@@ -235,6 +251,7 @@ mod tests {
                 scorer: Scorer::Weighted,
                 prefill_tokens_per_s: 25_000.0,
             },
+            &[],
         )
         .unwrap();
         let inflight = [0u32; 4];

@@ -192,7 +192,12 @@ impl PolicyKind {
                     },
                     prefill_tokens_per_s: o.profile.prefill_tokens_per_s,
                 };
-                Box::new(kvoy::Kvoy::new(o.replicas, o.seed, &options)?)
+                let rates: Vec<f64> = o
+                    .replica_profiles
+                    .iter()
+                    .map(|p| p.prefill_tokens_per_s)
+                    .collect();
+                Box::new(kvoy::Kvoy::new(o.replicas, o.seed, &options, &rates)?)
             }
             PolicyKind::LlmD => Box::new(llmd::LlmD::new(o.replicas, rng)),
             PolicyKind::LlmD1 => Box::new(llmd_v1::LlmDV1::new(
