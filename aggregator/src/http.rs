@@ -14,10 +14,11 @@ use serde_json::json;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use kvoy_shared::snapshot::CONTENT_TYPE;
+use kvoy_shared::snapshot::{SnapshotFormat, CONTENT_TYPE};
 
 use crate::follow::KvCounters;
 use crate::pool::PoolView;
+use crate::prefill::PrefillReport;
 
 /// Counters of the API itself.
 #[derive(Debug, Default)]
@@ -73,20 +74,33 @@ fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
     reply(status, "text/plain; charset=utf-8", body)
 }
 
-/// `epoch` and `since` from a query string; anything unparsable counts as absent (which
-/// yields a full snapshot, always a correct answer).
-fn snapshot_query(query: &str) -> (Option<u64>, Option<u64>) {
-    let mut epoch = None;
-    let mut since = None;
+/// What a snapshot poll asks for.
+#[derive(Debug, PartialEq)]
+struct SnapshotQuery {
+    epoch: Option<u64>,
+    since: Option<u64>,
+    /// The newest format the poller reads (absent: format 1).
+    format: Option<u64>,
+}
+
+/// `epoch`, `since` and `format` from a query string; anything unparsable counts as absent
+/// (a full snapshot, always a correct answer; format 1, which every filter reads).
+fn snapshot_query(query: &str) -> SnapshotQuery {
+    let mut q = SnapshotQuery {
+        epoch: None,
+        since: None,
+        format: None,
+    };
     for pair in query.split('&') {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
         match k {
-            "epoch" => epoch = v.parse().ok(),
-            "since" => since = v.parse().ok(),
+            "epoch" => q.epoch = v.parse().ok(),
+            "since" => q.since = v.parse().ok(),
+            "format" => q.format = v.parse().ok(),
             _ => {}
         }
     }
-    (epoch, since)
+    q
 }
 
 impl Api {
@@ -128,10 +142,10 @@ impl Api {
     }
 
     fn snapshot(&self, view: &PoolView, query: &str) -> Response<Full<Bytes>> {
-        let (epoch, since) = snapshot_query(query);
-        let delta = view.history.delta_since(epoch, since);
+        let q = snapshot_query(query);
+        let delta = view.history.delta_since(q.epoch, q.since);
         let mut body = Vec::with_capacity(256);
-        delta.encode(&mut body);
+        delta.encode_format(SnapshotFormat::negotiate(q.format), &mut body);
         let kind = if delta.is_full() {
             &self.counters.snapshots_full
         } else {
@@ -166,6 +180,22 @@ fn kv_json(c: &KvCounters) -> serde_json::Value {
     })
 }
 
+fn prefill_json(p: &PrefillReport) -> serde_json::Value {
+    json!({
+        "tokens_per_s": p.estimate.map(|e| e.tokens_per_s),
+        "fixed_cost_ms": p.estimate.and_then(|e| e.fixed_s).map(|s| (s * 1e4).round() / 10.0),
+        "evidence_tokens": p.evidence_tokens.round(),
+        "evidence_requests": p.evidence_requests.round(),
+        "concurrency": (p.concurrency * 100.0).round() / 100.0,
+        "source": if p.from_histogram {
+            "vllm:request_prefill_kv_computed_tokens"
+        } else {
+            "vllm:prompt_tokens - vllm:prefix_cache_hits"
+        },
+        "resets": p.resets,
+    })
+}
+
 /// The JSON of `GET /v1/endpoints`.
 pub fn endpoints_json(view: &PoolView) -> serde_json::Value {
     let endpoints: Vec<_> = view
@@ -187,6 +217,8 @@ pub fn endpoints_json(view: &PoolView) -> serde_json::Value {
                 "cached_blocks": {"gpu": s.cached_blocks[0], "cpu": s.cached_blocks[1], "storage": s.cached_blocks[2]},
                 "cache_generation": s.cache_generation,
                 "prefix_hit_rate": s.prefix_hit_rate,
+                "prefill_tokens_per_s": s.prefill_tokens_per_s,
+                "prefill_estimate": prefill_json(&e.prefill),
                 "metrics_age_ms": e.metrics_age_ms,
                 "last_error": e.last_error,
                 "scrapes": e.scrape_counters.scrapes.load(Ordering::Relaxed),
@@ -354,7 +386,7 @@ pub fn render_metrics(view: &PoolView, api: &ApiCounters) -> String {
     );
 
     type Getter = fn(&crate::pool::EndpointView) -> Option<f64>;
-    let per_endpoint: [(&str, &str, &str, Getter); 9] = [
+    let per_endpoint: [(&str, &str, &str, Getter); 10] = [
         (
             "kvoy_aggregator_endpoint_ready",
             "gauge",
@@ -384,6 +416,12 @@ pub fn render_metrics(view: &PoolView, api: &ApiCounters) -> String {
             "gauge",
             "KV-cache use (0-1), as last scraped.",
             |e| Some(f64::from(e.status.kv_cache_usage)),
+        ),
+        (
+            "kvoy_aggregator_endpoint_prefill_tokens_per_second",
+            "gauge",
+            "Prefill rate estimated from the server's metrics (prompt tokens computed per second), once known.",
+            |e| e.status.prefill_tokens_per_s.map(f64::from),
         ),
         (
             "kvoy_aggregator_endpoint_cache_generation",
@@ -538,9 +576,18 @@ mod tests {
 
     #[test]
     fn query_parsing_is_lenient() {
-        assert_eq!(snapshot_query("epoch=5&since=7"), (Some(5), Some(7)));
-        assert_eq!(snapshot_query("since=x&epoch="), (None, None));
-        assert_eq!(snapshot_query(""), (None, None));
+        let q = |epoch, since, format| SnapshotQuery {
+            epoch,
+            since,
+            format,
+        };
+        assert_eq!(snapshot_query("epoch=5&since=7"), q(Some(5), Some(7), None));
+        assert_eq!(
+            snapshot_query("since=x&epoch=&format=2"),
+            q(None, None, Some(2))
+        );
+        assert_eq!(snapshot_query("format=v2&x"), q(None, None, None));
+        assert_eq!(snapshot_query(""), q(None, None, None));
         assert_eq!(label("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
     }
 }

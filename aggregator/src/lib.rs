@@ -9,6 +9,8 @@
 //! - [`kv_index`]: per endpoint and medium, the blocks cached, keyed by the aggregator's own
 //!   hash of token ids; [`follow`]: the thread that feeds it from the ZMQ stream, with gap
 //!   recovery through the replay socket.
+//! - [`prefill`]: each endpoint's prefill rate, estimated online from its metrics (pure);
+//!   [`calibrate`]: the `calibrate` command, which measures it on a live server.
 //! - [`status`]: statuses and pool gauges (pure); [`pool`]: the actor that owns the endpoints
 //!   and the snapshot history; [`http`]: the API.
 //!
@@ -24,12 +26,14 @@
 //! # Ok(()) }
 //! ```
 
+pub mod calibrate;
 pub mod config;
 pub mod follow;
 pub mod http;
 pub mod k8s;
 pub mod kv_index;
 pub mod pool;
+pub mod prefill;
 pub mod prom;
 pub mod scrape;
 pub mod source;

@@ -20,6 +20,7 @@ use kvoy_shared::MAX_ENDPOINTS;
 
 use crate::config::EndpointSpec;
 use crate::follow::{Follower, KvCounters, KvSummary};
+use crate::prefill::PrefillReport;
 use crate::scrape::Scraper;
 use crate::source::EndpointSource;
 use crate::status::{self, PoolGauges, ScrapeState, Thresholds};
@@ -50,6 +51,8 @@ pub struct EndpointView {
     pub metrics_age_ms: Option<u64>,
     pub scrape_counters: Arc<ScrapeCounters>,
     pub kv: Option<(KvSummary, Arc<KvCounters>)>,
+    /// What the prefill-rate estimator has seen.
+    pub prefill: PrefillReport,
 }
 
 /// Everything the HTTP API reads, replaced as a whole at every pool tick.
@@ -322,6 +325,7 @@ impl Pool {
                 }),
                 scrape_counters: rt.scrape_counters.clone(),
                 kv: rt.follower.as_ref().map(|f| (f.summary(), f.counters())),
+                prefill: scrape.prefill.report(),
             });
         }
         self.view.gauges = status::pool_gauges(&self.statuses);

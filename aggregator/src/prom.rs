@@ -109,6 +109,19 @@ pub struct ServerMetrics {
     /// `vllm:prefix_cache_hits[_total]` (else `vllm:gpu_prefix_cache_hits`)
     /// | `sglang:cached_tokens_total`; tokens, summed.
     pub prefix_cache_hits: Option<f64>,
+    /// `vllm:prompt_tokens[_total]` | `sglang:prompt_tokens_total`: prompt tokens of requests
+    /// that reached their first token (cached ones included), summed.
+    pub prompt_tokens: Option<f64>,
+    /// `vllm:generation_tokens[_total]` | `sglang:generation_tokens_total`, summed.
+    pub generation_tokens: Option<f64>,
+    /// `vllm:request_prefill_time_seconds` (first scheduled to first token, observed when a
+    /// request finishes): `_sum` and `_count`, summed.
+    pub prefill_time: Option<HistogramTotals>,
+    /// `vllm:request_queue_time_seconds` (arrival at the engine to first scheduled).
+    pub queue_time: Option<HistogramTotals>,
+    /// `vllm:request_prefill_kv_computed_tokens` (prompt tokens computed, cached ones
+    /// excluded; vLLM >= 0.11), observed with the prefill time of the same requests.
+    pub prefill_computed_tokens: Option<HistogramTotals>,
     /// `vllm:lora_requests_info{running_lora_adapters}` of the newest series.
     pub running_lora_adapters: Vec<String>,
     /// `vllm:lora_requests_info{waiting_lora_adapters}` of the newest series.
@@ -117,6 +130,13 @@ pub struct ServerMetrics {
     pub max_lora: Option<u32>,
     /// Lines skipped as malformed.
     pub malformed_lines: u32,
+}
+
+/// The `_sum` and `_count` of a histogram, summed over its series (engines).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct HistogramTotals {
+    pub sum: f64,
+    pub count: f64,
 }
 
 /// Parses a `/metrics` body. `Err(PromError::NoServerMetrics)` if none of the known
@@ -153,8 +173,17 @@ enum Series {
     SNumPages,
     SPromptTokens,
     SCachedTokens,
+    VPromptTokens,
+    VGenerationTokens,
+    SGenerationTokens,
+    VPrefillTimeSum,
+    VPrefillTimeCount,
+    VQueueTimeSum,
+    VQueueTimeCount,
+    VComputedSum,
+    VComputedCount,
 }
-const SERIES: usize = Series::SCachedTokens as usize + 1;
+const SERIES: usize = Series::VComputedCount as usize + 1;
 
 fn series(name: &str) -> Option<Series> {
     use Series::*;
@@ -176,6 +205,15 @@ fn series(name: &str) -> Option<Series> {
         "sglang:num_pages" => SNumPages,
         "sglang:prompt_tokens_total" => SPromptTokens,
         "sglang:cached_tokens_total" => SCachedTokens,
+        "vllm:prompt_tokens_total" | "vllm:prompt_tokens" => VPromptTokens,
+        "vllm:generation_tokens_total" | "vllm:generation_tokens" => VGenerationTokens,
+        "sglang:generation_tokens_total" => SGenerationTokens,
+        "vllm:request_prefill_time_seconds_sum" => VPrefillTimeSum,
+        "vllm:request_prefill_time_seconds_count" => VPrefillTimeCount,
+        "vllm:request_queue_time_seconds_sum" => VQueueTimeSum,
+        "vllm:request_queue_time_seconds_count" => VQueueTimeCount,
+        "vllm:request_prefill_kv_computed_tokens_sum" => VComputedSum,
+        "vllm:request_prefill_kv_computed_tokens_count" => VComputedCount,
         _ => return None,
     })
 }
@@ -253,6 +291,10 @@ impl<'a> Acc<'a> {
         // `sglang:cache_hit_rate` is reset to 0 on every decode report, so the counters are the
         // reliable source: prompt tokens (queries) and cached prompt tokens (hits), as a pair.
         let (sg_queries, sg_hits) = sum(SPromptTokens).zip(sum(SCachedTokens)).unzip();
+        let histogram = |sum_of: Series, count_of: Series| {
+            let (sum, count) = sum(sum_of).zip(sum(count_of))?;
+            Some(HistogramTotals { sum, count })
+        };
         let lora_label = |name| self.lora.as_ref().and_then(|s| s.label(name));
         let adapters = |name| lora_label(name).map(|v| split_list(&v)).unwrap_or_default();
         Ok(ServerMetrics {
@@ -265,6 +307,11 @@ impl<'a> Acc<'a> {
             num_gpu_blocks: self.num_gpu_blocks.filter(|&n| n > 0).or(sg_blocks),
             prefix_cache_queries: sum(VQueries).or(sum(VGpuQueries)).or(sg_queries),
             prefix_cache_hits: sum(VHits).or(sum(VGpuHits)).or(sg_hits),
+            prompt_tokens: sum(VPromptTokens).or(sum(SPromptTokens)),
+            generation_tokens: sum(VGenerationTokens).or(sum(SGenerationTokens)),
+            prefill_time: histogram(VPrefillTimeSum, VPrefillTimeCount),
+            queue_time: histogram(VQueueTimeSum, VQueueTimeCount),
+            prefill_computed_tokens: histogram(VComputedSum, VComputedCount),
             running_lora_adapters: adapters("running_lora_adapters"),
             waiting_lora_adapters: adapters("waiting_lora_adapters"),
             max_lora: lora_label("max_lora").and_then(|v| parse_u32(&v)),
@@ -466,7 +513,9 @@ mod tests {
         vllm:gpu_prefix_cache_queries counter 123456.0 65432.0
         vllm:prefix_cache_queries counter 123456.0 65432.0
         vllm:prefix_cache_hits counter 100000.0 40000.0
-        vllm:num_preemptions counter 3.0 0.0";
+        vllm:num_preemptions counter 3.0 0.0
+        vllm:prompt_tokens counter 5000.0 3000.0
+        vllm:generation_tokens counter 700.0 300.0";
     const V1_REST: &str = r#"# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
 # TYPE vllm:time_to_first_token_seconds histogram
 vllm:time_to_first_token_seconds_sum{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.2346
@@ -475,6 +524,21 @@ vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="meta-lla
 vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="meta-llama/Llama-3.1-8B-Instruct"} 7.0
 vllm:time_to_first_token_seconds_count{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 7.0
 vllm:time_to_first_token_seconds_bucket{engine="1",le="+Inf",model_name="meta-llama/Llama-3.1-8B-Instruct"} 2.0
+# HELP vllm:request_prefill_time_seconds Histogram of time spent in PREFILL phase for request.
+# TYPE vllm:request_prefill_time_seconds histogram
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 1.25
+vllm:request_prefill_time_seconds_bucket{engine="0",le="0.3",model_name="meta-llama/Llama-3.1-8B-Instruct"} 5.0
+vllm:request_prefill_time_seconds_bucket{engine="0",le="+Inf",model_name="meta-llama/Llama-3.1-8B-Instruct"} 7.0
+vllm:request_prefill_time_seconds_count{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 7.0
+vllm:request_prefill_time_seconds_created{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 1.7409e+09
+vllm:request_prefill_time_seconds_sum{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.5
+vllm:request_prefill_time_seconds_count{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 2.0
+vllm:request_queue_time_seconds_sum{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.125
+vllm:request_queue_time_seconds_count{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 7.0
+vllm:request_prefill_kv_computed_tokens_sum{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 21000.0
+vllm:request_prefill_kv_computed_tokens_count{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 7.0
+vllm:request_prefill_kv_computed_tokens_sum{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 9000.0
+vllm:request_prefill_kv_computed_tokens_count{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 2.0
 # HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
 # TYPE vllm:cache_config_info gauge
 vllm:cache_config_info{block_size="16",gpu_memory_utilization="0.9",swap_space="4",cache_dtype="auto",is_attention_free="False",num_gpu_blocks_override="None",sliding_window="None",enable_prefix_caching="True",prefix_caching_hash_algo="sha256",cpu_offload_gb="0",calculate_kv_scales="False",kv_cache_memory_bytes="None",num_gpu_blocks="27536",num_cpu_blocks="None",engine="0"} 1.0
@@ -523,13 +587,30 @@ vllm:lora_requests_info{max_lora="4",waiting_lora_adapters="",running_lora_adapt
             num_gpu_blocks: Some(27536),
             prefix_cache_queries: Some(188888.0), // the deprecated copy is not added
             prefix_cache_hits: Some(140000.0),
+            prompt_tokens: Some(8000.0),
+            generation_tokens: Some(1000.0),
+            prefill_time: Some(HistogramTotals {
+                sum: 1.75,
+                count: 9.0,
+            }),
+            queue_time: Some(HistogramTotals {
+                sum: 0.125,
+                count: 7.0,
+            }),
+            prefill_computed_tokens: Some(HistogramTotals {
+                sum: 30000.0,
+                count: 9.0,
+            }),
             running_lora_adapters: vec!["sql-lora".into(), "fr-lora".into()],
             waiting_lora_adapters: vec!["chat-lora".into()],
             max_lora: Some(4),
             malformed_lines: 0,
         };
         assert_eq!(parse_server_metrics(&body).unwrap(), expected);
-        let inf = |s: &Sample| s.label("le").as_deref() == Some("+Inf");
+        let inf = |s: &Sample| {
+            s.name.starts_with("vllm:time_to_first_token")
+                && s.label("le").as_deref() == Some("+Inf")
+        };
         let buckets: Vec<_> = samples(&body).map(Result::unwrap).filter(inf).collect();
         let engines: Vec<_> = buckets
             .iter()
@@ -584,6 +665,7 @@ vllm:gpu_prefix_cache_hit_rate{model_name="m"} -1.0
             num_gpu_blocks: Some(65088), // 1041408 / 16
             prefix_cache_queries: Some(8.128902e6),
             prefix_cache_hits: Some(3.2e6),
+            prompt_tokens: Some(8.128902e6),
             ..ServerMetrics::default()
         };
         assert_eq!(parse_server_metrics(&body).unwrap(), expected);
@@ -594,33 +676,49 @@ vllm:gpu_prefix_cache_hit_rate{model_name="m"} -1.0
         assert_eq!((m.block_size, m.num_gpu_blocks), (None, None));
     }
 
-    /// The exact shape `kvoy-sim` renders (simulator/src/server/metrics.rs): one `model_name`
-    /// label, Rust's float formatting ("3", "0.30000000000000004", "1"), `le` after the labels.
+    /// The exact shape `kvoy-sim` renders (simulator/src/server/metrics.rs): `engine` and
+    /// `model_name` labels sorted as prometheus_client sorts them, Rust's float formatting ("3",
+    /// "0.30000000000000004", "1"), `le` between the labels.
     #[test]
     fn simulator_shape() {
-        let body = r#"# HELP vllm:num_requests_running Requests in the running batch.
+        let body = r#"# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{model_name="sim"} 3
-# HELP vllm:num_requests_waiting Requests waiting to be scheduled.
+vllm:num_requests_running{engine="0",model_name="sim"} 3
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
 # TYPE vllm:num_requests_waiting gauge
-vllm:num_requests_waiting{model_name="sim"} 0
-# HELP vllm:kv_cache_usage_perc KV-cache usage, 1 means 100 percent.
+vllm:num_requests_waiting{engine="0",model_name="sim"} 0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
 # TYPE vllm:kv_cache_usage_perc gauge
-vllm:kv_cache_usage_perc{model_name="sim"} 0.30000000000000004
-# HELP vllm:cache_config_info Information of the KV cache configuration.
+vllm:kv_cache_usage_perc{engine="0",model_name="sim"} 0.30000000000000004
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
 # TYPE vllm:cache_config_info gauge
-vllm:cache_config_info{model_name="sim",block_size="16",num_gpu_blocks="2048"} 1
-# HELP vllm:prefix_cache_queries_total Prompt tokens looked up in the prefix cache.
+vllm:cache_config_info{block_size="16",enable_prefix_caching="True",engine="0",num_gpu_blocks="2048"} 1
+# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
 # TYPE vllm:prefix_cache_queries_total counter
-vllm:prefix_cache_queries_total{model_name="sim"} 1200
-# HELP vllm:prefix_cache_hits_total Prompt tokens found in the prefix cache.
+vllm:prefix_cache_queries_total{engine="0",model_name="sim"} 1200
+# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
 # TYPE vllm:prefix_cache_hits_total counter
-vllm:prefix_cache_hits_total{model_name="sim"} 960
+vllm:prefix_cache_hits_total{engine="0",model_name="sim"} 960
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="sim"} 1200
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="sim"} 6
 # TYPE vllm:time_to_first_token_seconds histogram
-vllm:time_to_first_token_seconds_bucket{model_name="sim",le="0.001"} 0
-vllm:time_to_first_token_seconds_bucket{model_name="sim",le="+Inf"} 2
-vllm:time_to_first_token_seconds_sum{model_name="sim"} 0.75
-vllm:time_to_first_token_seconds_count{model_name="sim"} 2
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="sim"} 0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="sim"} 2
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="sim"} 0.75
+vllm:time_to_first_token_seconds_count{engine="0",model_name="sim"} 2
+# TYPE vllm:request_prefill_time_seconds histogram
+vllm:request_prefill_time_seconds_bucket{engine="0",le="0.3",model_name="sim"} 2
+vllm:request_prefill_time_seconds_bucket{engine="0",le="+Inf",model_name="sim"} 2
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="sim"} 0.0625
+vllm:request_prefill_time_seconds_count{engine="0",model_name="sim"} 2
+# TYPE vllm:request_prefill_kv_computed_tokens histogram
+vllm:request_prefill_kv_computed_tokens_bucket{engine="0",le="1",model_name="sim"} 0
+vllm:request_prefill_kv_computed_tokens_sum{engine="0",model_name="sim"} 240
+vllm:request_prefill_kv_computed_tokens_count{engine="0",model_name="sim"} 2
 "#;
         let m = parse_server_metrics(body).unwrap();
         assert_eq!((m.running, m.waiting), (Some(3.0), Some(0.0)));
@@ -630,7 +728,18 @@ vllm:time_to_first_token_seconds_count{model_name="sim"} 2
             (m.prefix_cache_queries, m.prefix_cache_hits),
             (Some(1200.0), Some(960.0))
         );
+        assert_eq!(
+            (m.prompt_tokens, m.generation_tokens),
+            (Some(1200.0), Some(6.0))
+        );
+        let totals = |sum, count| Some(HistogramTotals { sum, count });
+        assert_eq!(m.prefill_time, totals(0.0625, 2.0));
+        assert_eq!(m.prefill_computed_tokens, totals(240.0, 2.0));
+        assert_eq!(m.queue_time, None);
         assert_eq!(m.malformed_lines, 0);
+        // a histogram with only one of `_sum` and `_count` is unknown
+        let half = body.replace("vllm:request_prefill_time_seconds_count", "other");
+        assert_eq!(parse_server_metrics(&half).unwrap().prefill_time, None);
     }
 
     #[test]

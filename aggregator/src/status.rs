@@ -7,6 +7,7 @@ use kvoy_shared::snapshot::EndpointStatus;
 
 use crate::config::EndpointSpec;
 use crate::follow::KvSummary;
+use crate::prefill::{PrefillEstimator, PrefillSample};
 use crate::prom::ServerMetrics;
 
 /// The scrape history of one endpoint, as its scrape task keeps it.
@@ -20,6 +21,8 @@ pub struct ScrapeState {
     /// Times the server's counters went backwards: it restarted (and lost its cache), even if
     /// no scrape failed in between.
     pub restarts: u64,
+    /// The endpoint's prefill rate, estimated from every successful scrape.
+    pub prefill: PrefillEstimator,
 }
 
 impl ScrapeState {
@@ -31,6 +34,8 @@ impl ScrapeState {
                 self.restarts += 1;
             }
         }
+        self.prefill
+            .observe(PrefillSample::from_metrics(&metrics), now);
         self.last_success = Some(now);
         self.consecutive_failures = 0;
         self.metrics = Some(metrics);
@@ -92,6 +97,7 @@ pub fn endpoint_status(
         cached_blocks: kv.cached,
         cache_generation: kv.generation,
         prefix_hit_rate,
+        prefill_tokens_per_s: scrape.prefill.estimate().map(|e| e.tokens_per_s as f32),
     }
 }
 
@@ -251,6 +257,41 @@ mod tests {
         s.record(with(Some(150.0)), t0);
         s.record(with(Some(3.0)), t0);
         assert_eq!(s.restarts, 1);
+    }
+
+    #[test]
+    fn scrapes_feed_the_prefill_estimate() {
+        use crate::prom::HistogramTotals;
+        let t0 = Instant::now();
+        let mut scrape = ScrapeState::default();
+        let status = |s: &ScrapeState| endpoint_status(0, &spec(), s, None, t0, T);
+        // one 2,000-token request a second, 10 ms + 2,000 / 20,000 tokens/s each
+        for i in 0..40u32 {
+            let n = f64::from(i);
+            let lengths = 2000.0 * n;
+            let metrics = ServerMetrics {
+                prefill_time: Some(HistogramTotals {
+                    sum: n * 0.010 + lengths / 20_000.0,
+                    count: n,
+                }),
+                prefill_computed_tokens: Some(HistogramTotals {
+                    sum: lengths,
+                    count: n,
+                }),
+                ..ServerMetrics::default()
+            };
+            scrape.record(metrics, t0 + Duration::from_secs(u64::from(i)));
+            if i == 10 {
+                assert_eq!(
+                    status(&scrape).prefill_tokens_per_s,
+                    None,
+                    "too little evidence"
+                );
+            }
+        }
+        // one prompt length: the average rate, 2,000 / 0.11 s
+        let rate = status(&scrape).prefill_tokens_per_s.unwrap();
+        assert!((rate / 18_181.8 - 1.0).abs() < 0.01, "{rate}");
     }
 
     #[test]

@@ -270,6 +270,7 @@ fn status(slot: u16, waiting: u32, stale: bool) -> kvoy_shared::snapshot::Endpoi
         cached_blocks: [0; 3],
         cache_generation: 0,
         prefix_hit_rate: None,
+        prefill_tokens_per_s: None,
     }
 }
 

@@ -50,6 +50,7 @@ fn status(slot: u16, port: u16) -> EndpointStatus {
         cached_blocks: [0; 3],
         cache_generation: 0,
         prefix_hit_rate: None,
+        prefill_tokens_per_s: None,
     }
 }
 
@@ -147,7 +148,7 @@ fn routes_by_the_aggregators_pool_and_survives_its_loss() -> TestResult {
     let call = next_poll(&plugin)?;
     assert_eq!(
         call.headers.get(":path"),
-        Some("/v1/snapshot"),
+        Some("/v1/snapshot?format=2"),
         "the first poll is full"
     );
     answer(&plugin, &call, &history)?;

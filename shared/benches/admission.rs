@@ -27,6 +27,7 @@ fn endpoints(n: u16) -> Vec<EndpointStatus> {
             cached_blocks: [1000, 0, 0],
             cache_generation: 1,
             prefix_hit_rate: Some(0.5),
+            prefill_tokens_per_s: None,
         })
         .collect()
 }

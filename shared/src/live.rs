@@ -11,7 +11,7 @@
 use crate::config::AggregatorSettings;
 use crate::endpoint::{Endpoint, EndpointId, EndpointLoad, Health, Pool};
 use crate::replica::{SharedStore, StoreError};
-use crate::snapshot::{Snapshot, SnapshotDelta, SnapshotError};
+use crate::snapshot::{Snapshot, SnapshotDelta, SnapshotError, SnapshotFormat};
 
 /// What the board says about the published snapshot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -163,7 +163,8 @@ pub fn choose(
 }
 
 /// The pool a snapshot describes: ids are the aggregator's slots. Not-ready endpoints are
-/// kept (with [`Health::NotReady`]) so that the pool still routes if nothing is ready.
+/// kept (with [`Health::NotReady`]) so that the pool still routes if nothing is ready. The
+/// load figures (queue, KV use, prefill rate) only `with_loads`, of ready, fresh endpoints.
 pub fn live_pool(snapshot: &Snapshot, with_loads: bool) -> Pool {
     Pool::with_ids(snapshot.endpoints.iter().map(|s| {
         let health = if !s.ready {
@@ -178,7 +179,7 @@ pub fn live_pool(snapshot: &Snapshot, with_loads: bool) -> Pool {
                 waiting: Some(s.waiting),
                 running: Some(s.running),
                 kv_cache_usage: Some(f64::from(s.kv_cache_usage)),
-                prefill_tokens_per_s: None,
+                prefill_tokens_per_s: s.prefill_tokens_per_s.map(f64::from),
             }
         } else {
             EndpointLoad::default()
@@ -208,18 +209,21 @@ pub enum PollError {
     Mismatch(SnapshotError),
 }
 
-/// The path of the next poll: incremental from `have` unless a full snapshot is wanted.
+/// The path of the next poll: incremental from `have` unless a full snapshot is wanted, and
+/// naming the newest snapshot format this build reads (an aggregator that knows no `format`
+/// ignores it and answers format 1, which this build reads too).
 pub fn poll_path(settings: &AggregatorSettings, have: &Snapshot, want_full: bool) -> String {
     let sep = if settings.path.contains('?') {
         '&'
     } else {
         '?'
     };
+    let format = SnapshotFormat::LATEST as u8;
     if want_full || have.epoch == 0 {
-        settings.path.clone()
+        format!("{}{sep}format={format}", settings.path)
     } else {
         format!(
-            "{}{sep}epoch={}&since={}",
+            "{}{sep}epoch={}&since={}&format={format}",
             settings.path, have.epoch, have.version
         )
     }
@@ -272,6 +276,7 @@ mod tests {
             cached_blocks: [1, 0, 0],
             cache_generation: 2,
             prefix_hit_rate: None,
+            prefill_tokens_per_s: Some(12_000.0),
         }
     }
 
@@ -353,11 +358,12 @@ mod tests {
             (e0.health, e0.load.waiting, e0.cache_generation),
             (Health::Ready, Some(3), 2)
         );
+        assert_eq!(e0.load.prefill_tokens_per_s, Some(12_000.0));
         assert_eq!(pool.get(EndpointId(2)).unwrap().health, Health::NotReady);
         let e5 = pool.get(EndpointId(5)).unwrap();
         assert_eq!(
-            (e5.health, e5.load.waiting),
-            (Health::Stale, None),
+            (e5.health, e5.load.waiting, e5.load.prefill_tokens_per_s),
+            (Health::Stale, None, None),
             "stale loads are not used"
         );
         let mut ids = Vec::new();
@@ -376,13 +382,20 @@ mod tests {
         let mut history = SnapshotHistory::new(9);
         history.update(vec![status(0, 1, true, false)]);
         let mut mine = Snapshot::default();
-        assert_eq!(poll_path(&s, &mine, false), "/v1/snapshot");
+        assert_eq!(poll_path(&s, &mine, false), "/v1/snapshot?format=2");
         let mut body = Vec::new();
         history.delta_since(None, None).encode(&mut body);
         assert_eq!(apply_poll(&mut mine, Some(200), &body), Ok(true));
         assert_eq!(
             poll_path(&s, &mine, false),
-            format!("/v1/snapshot?epoch=9&since={}", mine.version)
+            format!("/v1/snapshot?epoch=9&since={}&format=2", mine.version)
+        );
+        assert_eq!(poll_path(&s, &mine, true), "/v1/snapshot?format=2");
+        let mut tagged = s.clone();
+        tagged.path = "/v1/snapshot?pool=a".into();
+        assert_eq!(
+            poll_path(&tagged, &Snapshot::default(), false),
+            "/v1/snapshot?pool=a&format=2"
         );
 
         history.update(vec![status(0, 1, true, false), status(1, 2, true, false)]);

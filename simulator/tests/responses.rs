@@ -387,7 +387,7 @@ async fn faults_and_metrics_as_for_the_other_endpoints() {
     assert!(head.contains(&format!("x-served-by: {addr}")));
     let m = request(addr, "GET", "/metrics", "").await.body;
     assert!(
-        m.contains("kvoy_sim_request_errors_total{model_name=\"m\"} 1"),
+        m.contains("kvoy_sim_request_errors_total{engine=\"0\",model_name=\"m\"} 1"),
         "{m}"
     );
 
@@ -398,9 +398,9 @@ async fn faults_and_metrics_as_for_the_other_endpoints() {
     }
     let m = request(addr, "GET", "/metrics", "").await.body;
     for line in [
-        "vllm:request_success_total{model_name=\"m\"} 2",
-        "vllm:time_to_first_token_seconds_count{model_name=\"m\"} 2",
-        "vllm:inter_token_latency_seconds_count{model_name=\"m\"} 4",
+        "vllm:request_success_total{engine=\"0\",finished_reason=\"length\",model_name=\"m\"} 2",
+        "vllm:time_to_first_token_seconds_count{engine=\"0\",model_name=\"m\"} 2",
+        "vllm:inter_token_latency_seconds_count{engine=\"0\",model_name=\"m\"} 4",
     ] {
         assert!(m.contains(line), "missing {line}:\n{m}");
     }

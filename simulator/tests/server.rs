@@ -100,10 +100,10 @@ async fn openai_api_shapes() {
 
     let r = request(addr, "GET", "/metrics", "").await;
     for name in [
-        "vllm:num_requests_running{model_name=\"m\"} 0",
-        "vllm:num_requests_waiting{model_name=\"m\"} 0",
+        "vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 0",
+        "vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 0",
         "vllm:kv_cache_usage_perc",
-        "vllm:cache_config_info{model_name=\"m\",block_size=\"16\",num_gpu_blocks=\"25600\"} 1",
+        "vllm:cache_config_info{block_size=\"16\",enable_prefix_caching=\"True\",engine=\"0\",num_gpu_blocks=\"25600\"} 1",
         "vllm:prefix_cache_queries_total",
         "vllm:prefix_cache_hits_total",
         "vllm:time_to_first_token_seconds_bucket",
@@ -159,7 +159,7 @@ fn median(mut v: Vec<Duration>) -> Duration {
     v[v.len() / 2]
 }
 
-/// The server's own TTFT total (`vllm:time_to_first_token_seconds_sum`), in simulated time.
+/// The server's own TTFT total (`vllm:time_to_first_token_seconds_sum`), wall clock.
 async fn ttft_sum(addr: SocketAddr) -> Duration {
     let r = request(addr, "GET", "/metrics", "").await;
     let line = r
@@ -171,12 +171,13 @@ async fn ttft_sum(addr: SocketAddr) -> Duration {
     Duration::from_secs_f64(v)
 }
 
-/// The TTFT the server recorded for one request (as vLLM's metric: arrival to first token).
-async fn server_ttft(addr: SocketAddr, body: &str) -> Duration {
+/// The TTFT the server recorded for one request (as vLLM's metric: arrival to first token),
+/// in simulated time (the metric's wall-clock seconds times the speedup).
+async fn server_ttft(addr: SocketAddr, body: &str, speedup: f64) -> Duration {
     let before = ttft_sum(addr).await;
     let r = request(addr, "POST", "/v1/chat/completions", body).await;
     assert_eq!(r.status, 200);
-    ttft_sum(addr).await - before
+    (ttft_sum(addr).await - before).mul_f64(speedup)
 }
 
 /// Measures cold and warm TTFT of an 8k-token prompt as the server records it, and the mean
@@ -209,8 +210,8 @@ async fn calibration(speedup: f64, tolerance: f64, server_overhead: Duration) {
             tokenize_bytes(&parsed.prompt.concat())
         };
         expected.get_or_insert_with(|| model_ttft(&profile, &prompt));
-        cold.push(server_ttft(addr, &body).await);
-        warm.push(server_ttft(addr, &body).await);
+        cold.push(server_ttft(addr, &body, speedup).await);
+        warm.push(server_ttft(addr, &body, speedup).await);
         let r = request(
             addr,
             "POST",
@@ -424,7 +425,7 @@ async fn fault_injection_by_flag() {
     let m = request(addr, "GET", "/metrics", "").await;
     assert!(
         m.body
-            .contains("kvoy_sim_request_errors_total{model_name=\"m\"} 1"),
+            .contains("kvoy_sim_request_errors_total{engine=\"0\",model_name=\"m\"} 1"),
         "{}",
         m.body
     );
@@ -503,4 +504,30 @@ async fn kv_events_array_form_and_replay() {
 async fn calibration_at_speedup_20() {
     let _serial = SERIAL.lock().await;
     calibration(20.0, 0.25, Duration::from_micros(500)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompts_over_the_context_are_refused_before_streaming() {
+    let _serial = SERIAL.lock().await;
+    let profile = Profile {
+        max_model_len: 100,
+        ..Profile::llama_8b_h100()
+    };
+    let (addr, _) = start(profile, 50.0).await;
+    let body = |tokens: usize| {
+        serde_json::json!({"model": "m", "prompt": "abcd".repeat(tokens), "max_tokens": 2,
+            "stream": true})
+        .to_string()
+    };
+    // as vLLM: 400 before the stream opens, not an error event in a 200 stream
+    let r = request(addr, "POST", "/v1/completions", &body(99)).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(
+        r.body
+            .contains("maximum context length is 100 tokens, but 101"),
+        "{}",
+        r.body
+    );
+    let r = request(addr, "POST", "/v1/completions", &body(98)).await;
+    assert_eq!(r.status, 200, "{}", r.body);
 }

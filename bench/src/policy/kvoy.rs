@@ -152,6 +152,8 @@ impl Kvoy {
                 // The simulated servers never drop their cache.
                 cache_generation: 0,
                 prefix_hit_rate: m.prefix_hit_rate.map(|r| r as f32),
+                // The fleet simulation runs no aggregator estimator.
+                prefill_tokens_per_s: None,
             })
             .collect();
         Snapshot {

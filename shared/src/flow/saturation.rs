@@ -163,6 +163,7 @@ mod tests {
             cached_blocks: [0; 3],
             cache_generation: 1,
             prefix_hit_rate: None,
+            prefill_tokens_per_s: None,
         }
     }
 

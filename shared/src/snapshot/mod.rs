@@ -22,6 +22,7 @@
 //!     cached_blocks: [900, 0, 0],
 //!     cache_generation: 1,
 //!     prefix_hit_rate: Some(0.5),
+//!     prefill_tokens_per_s: Some(24_000.0),
 //! };
 //! // aggregator
 //! let mut history = SnapshotHistory::new(7);
@@ -39,6 +40,13 @@
 //! snapshot.apply(delta).unwrap();
 //! assert_eq!(snapshot, history.snapshot());
 //! ```
+//!
+//! # Formats
+//! The first byte after the magic is the format. Format 2 adds each endpoint's prefill rate;
+//! format 1 is format 2 without it. The decoder reads both. A filter names the newest format
+//! it reads in its poll (`format=2`) and the aggregator answers with the newest it knows up
+//! to that ([`SnapshotFormat::negotiate`]), format 1 when the poll names none: old filters and
+//! new aggregators, and new filters and old aggregators, keep working during a rollout.
 
 use std::collections::VecDeque;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -58,7 +66,6 @@ pub const MAX_MODEL_NAME_BYTES: usize = 256;
 pub const MAX_TOMBSTONES: usize = 4096;
 
 const MAGIC: &[u8; 3] = b"KVS";
-const FORMAT: u8 = 1;
 const KIND_FULL: u8 = 0;
 const KIND_INCREMENTAL: u8 = 1;
 const FAMILY_V4: u8 = 4;
@@ -66,9 +73,49 @@ const FAMILY_V6: u8 = 6;
 const FLAG_READY: u8 = 1;
 const FLAG_STALE: u8 = 2;
 const FLAG_HIT_RATE: u8 = 4;
-const FLAGS_KNOWN: u8 = FLAG_READY | FLAG_STALE | FLAG_HIT_RATE;
+const FLAG_PREFILL_RATE: u8 = 8;
 /// The fewest bytes one encoded endpoint takes (IPv4, every varint one byte, no model).
 const MIN_ENDPOINT_BYTES: usize = 1 + (1 + 4 + 2) + 1 + 2 + 4 + 2 + 3 + 1 + 1;
+
+/// A snapshot encoding format (the byte after the magic).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum SnapshotFormat {
+    /// The first format: no prefill rate.
+    V1 = 1,
+    /// Adds each endpoint's prefill rate.
+    V2 = 2,
+}
+
+impl SnapshotFormat {
+    /// The newest format this build reads and writes.
+    pub const LATEST: SnapshotFormat = SnapshotFormat::V2;
+
+    /// The format to answer a poll that reads formats up to `requested` with: the newest
+    /// known up to it; [`SnapshotFormat::V1`] when the poll names none (a filter older than
+    /// format 2) or names 0.
+    pub fn negotiate(requested: Option<u64>) -> SnapshotFormat {
+        match requested {
+            Some(n) if n >= SnapshotFormat::V2 as u64 => SnapshotFormat::V2,
+            _ => SnapshotFormat::V1,
+        }
+    }
+
+    fn from_byte(b: u8) -> Option<SnapshotFormat> {
+        match b {
+            1 => Some(SnapshotFormat::V1),
+            2 => Some(SnapshotFormat::V2),
+            _ => None,
+        }
+    }
+
+    /// The endpoint flags this format defines.
+    fn known_flags(self) -> u8 {
+        match self {
+            SnapshotFormat::V1 => FLAG_READY | FLAG_STALE | FLAG_HIT_RATE,
+            SnapshotFormat::V2 => FLAG_READY | FLAG_STALE | FLAG_HIT_RATE | FLAG_PREFILL_RATE,
+        }
+    }
+}
 
 /// One endpoint as the filters see it.
 #[derive(Clone, Debug, PartialEq)]
@@ -96,6 +143,9 @@ pub struct EndpointStatus {
     pub cache_generation: u32,
     /// Prefix-cache hit rate in 0..=1 from the server's counters, when known.
     pub prefix_hit_rate: Option<f32>,
+    /// Prefill rate in prompt tokens per second (finite, above 0), estimated by the
+    /// aggregator from the server's metrics, when known. Not carried by format 1.
+    pub prefill_tokens_per_s: Option<f32>,
 }
 
 /// The whole pool at one version. `endpoints` is sorted by slot, slots unique.
@@ -151,7 +201,8 @@ impl EndpointStatus {
     }
 
     /// Checks what decoding checks of one endpoint: slot range, usage and hit rate finite in
-    /// 0..=1, at most [`MAX_MODELS`] models named by 1..=[`MAX_MODEL_NAME_BYTES`] bytes.
+    /// 0..=1, a prefill rate finite and above 0, at most [`MAX_MODELS`] models named by
+    /// 1..=[`MAX_MODEL_NAME_BYTES`] bytes.
     pub fn validate(&self) -> Result<(), SnapshotError> {
         if usize::from(self.slot) >= MAX_ENDPOINTS {
             return Err(Invalid("slot out of range"));
@@ -162,6 +213,11 @@ impl EndpointStatus {
         if let Some(rate) = self.prefix_hit_rate {
             if !(0.0..=1.0).contains(&rate) {
                 return Err(Invalid("prefix hit rate out of range"));
+            }
+        }
+        if let Some(rate) = self.prefill_tokens_per_s {
+            if !(rate.is_finite() && rate > 0.0) {
+                return Err(Invalid("prefill rate out of range"));
             }
         }
         if self.models.len() > MAX_MODELS {
@@ -180,8 +236,8 @@ impl EndpointStatus {
 
     /// Brings a status the aggregator built into what [`EndpointStatus::validate`] accepts:
     /// `None` for a slot out of range; usage clamped into 0..=1 (NaN counts as full); a
-    /// non-finite hit rate is unknown, a finite one clamped; invalid model names dropped and
-    /// the list cut to [`MAX_MODELS`].
+    /// non-finite hit rate is unknown, a finite one clamped; a prefill rate that is not finite
+    /// and above 0 is unknown; invalid model names dropped and the list cut to [`MAX_MODELS`].
     fn normalized(mut self) -> Option<Self> {
         if usize::from(self.slot) >= MAX_ENDPOINTS {
             return None;
@@ -195,6 +251,9 @@ impl EndpointStatus {
             .prefix_hit_rate
             .filter(|r| r.is_finite())
             .map(|r| r.clamp(0.0, 1.0));
+        self.prefill_tokens_per_s = self
+            .prefill_tokens_per_s
+            .filter(|r| r.is_finite() && *r > 0.0);
         self.models
             .retain(|m| !m.is_empty() && m.len() <= MAX_MODEL_NAME_BYTES);
         self.models.truncate(MAX_MODELS);
@@ -267,27 +326,37 @@ impl SnapshotDelta {
         Ok(())
     }
 
-    /// Appends the encoding to `out`. It does not validate: encode what
-    /// [`SnapshotDelta::validate`] accepts, or the filters will refuse it.
+    /// Appends the encoding in [`SnapshotFormat::LATEST`] to `out`; see
+    /// [`SnapshotDelta::encode_format`].
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        self.encode_format(SnapshotFormat::LATEST, out);
+    }
+
+    /// Appends the encoding in `format` to `out` (format 1 leaves the prefill rates out). It
+    /// does not validate: encode what [`SnapshotDelta::validate`] accepts, or the filters will
+    /// refuse it.
     ///
     /// Layout, integers as LEB128 varints unless noted:
     ///
     /// ```text
-    /// delta    = "KVS" format:u8=1 kind:u8 (0 full, 1 incremental)
+    /// delta    = "KVS" format:u8 (1 or 2) kind:u8 (0 full, 1 incremental)
     ///            epoch [base, incremental only] version
     ///            count endpoint*count  count slot*count (removed)
     /// endpoint = slot address flags:u8 waiting running kv_cache_usage:f32le
     ///            block_size capacity_blocks cached_gpu cached_cpu cached_storage
     ///            cache_generation [prefix_hit_rate:f32le, if flags & 4]
+    ///            [prefill_tokens_per_s:f32le, if flags & 8 (format 2)]
     ///            count (len utf8-bytes)*count (models)
     /// address  = 4:u8 octets[4] port:u16be | 6:u8 octets[16] port:u16be
-    /// flags    = 1 ready | 2 stale | 4 prefix_hit_rate present; other bits zero
+    /// flags    = 1 ready | 2 stale | 4 prefix_hit_rate present
+    ///            | 8 prefill_tokens_per_s present (format 2); other bits zero
     /// ```
     ///
     /// Varints are canonical (the decoder refuses overlong ones); `u32` fields must fit a `u32`
     /// and slots stay below [`MAX_ENDPOINTS`]. IPv6 flow info and scope id are not carried.
-    pub fn encode(&self, out: &mut Vec<u8>) {
+    pub fn encode_format(&self, format: SnapshotFormat, out: &mut Vec<u8>) {
         encode_parts(
+            format,
             self.epoch,
             self.base,
             self.version,
@@ -305,10 +374,9 @@ impl SnapshotDelta {
         if magic != MAGIC {
             return Err(SnapshotError::BadMagic);
         }
-        let format = r.u8()?;
-        if format != FORMAT {
-            return Err(SnapshotError::UnsupportedFormat(format));
-        }
+        let byte = r.u8()?;
+        let format =
+            SnapshotFormat::from_byte(byte).ok_or(SnapshotError::UnsupportedFormat(byte))?;
         let kind = r.u8()?;
         let epoch = r.varint()?;
         let base = match kind {
@@ -320,7 +388,7 @@ impl SnapshotDelta {
         let count = r.count(MAX_ENDPOINTS, "too many endpoints")?;
         let mut upserts = Vec::with_capacity(r.capacity(count, MIN_ENDPOINT_BYTES));
         for _ in 0..count {
-            upserts.push(r.endpoint()?);
+            upserts.push(r.endpoint(format)?);
         }
         let count = r.count(MAX_ENDPOINTS, "too many endpoints")?;
         let mut removed = Vec::with_capacity(r.capacity(count, 1));
@@ -417,9 +485,18 @@ impl Snapshot {
             .and_then(|i| self.endpoints.get(i))
     }
 
-    /// Appends `self.full()`'s encoding (see [`SnapshotDelta::encode`]) without cloning.
+    /// Appends `self.full()`'s encoding in [`SnapshotFormat::LATEST`] (see
+    /// [`SnapshotDelta::encode_format`]) without cloning.
     pub fn encode(&self, out: &mut Vec<u8>) {
-        encode_parts(self.epoch, None, self.version, &self.endpoints, &[], out);
+        encode_parts(
+            SnapshotFormat::LATEST,
+            self.epoch,
+            None,
+            self.version,
+            &self.endpoints,
+            &[],
+            out,
+        );
     }
 
     /// Decodes a full delta into a snapshot; an incremental one is an error.
@@ -437,6 +514,7 @@ impl Snapshot {
 }
 
 fn encode_parts(
+    format: SnapshotFormat,
     epoch: u64,
     base: Option<u64>,
     version: u64,
@@ -445,7 +523,7 @@ fn encode_parts(
     out: &mut Vec<u8>,
 ) {
     out.extend_from_slice(MAGIC);
-    out.push(FORMAT);
+    out.push(format as u8);
     out.push(if base.is_some() {
         KIND_INCREMENTAL
     } else {
@@ -458,7 +536,7 @@ fn encode_parts(
     put_varint(out, version);
     put_varint(out, upserts.len() as u64);
     for e in upserts {
-        encode_endpoint(e, out);
+        encode_endpoint(format, e, out);
     }
     put_varint(out, removed.len() as u64);
     for &slot in removed {
@@ -466,7 +544,10 @@ fn encode_parts(
     }
 }
 
-fn encode_endpoint(e: &EndpointStatus, out: &mut Vec<u8>) {
+fn encode_endpoint(format: SnapshotFormat, e: &EndpointStatus, out: &mut Vec<u8>) {
+    let prefill_rate = e
+        .prefill_tokens_per_s
+        .filter(|_| format >= SnapshotFormat::V2);
     put_varint(out, u64::from(e.slot));
     match e.address.ip() {
         IpAddr::V4(ip) => {
@@ -489,6 +570,9 @@ fn encode_endpoint(e: &EndpointStatus, out: &mut Vec<u8>) {
     if e.prefix_hit_rate.is_some() {
         flags |= FLAG_HIT_RATE;
     }
+    if prefill_rate.is_some() {
+        flags |= FLAG_PREFILL_RATE;
+    }
     out.push(flags);
     put_varint(out, u64::from(e.waiting));
     put_varint(out, u64::from(e.running));
@@ -500,7 +584,7 @@ fn encode_endpoint(e: &EndpointStatus, out: &mut Vec<u8>) {
     {
         put_varint(out, u64::from(v));
     }
-    if let Some(rate) = e.prefix_hit_rate {
+    for rate in [e.prefix_hit_rate, prefill_rate].into_iter().flatten() {
         out.extend_from_slice(&rate.to_le_bytes());
     }
     put_varint(out, e.models.len() as u64);
@@ -602,11 +686,11 @@ impl<'a> Reader<'a> {
         Ok(SocketAddr::new(ip, port))
     }
 
-    fn endpoint(&mut self) -> Result<EndpointStatus, SnapshotError> {
+    fn endpoint(&mut self, format: SnapshotFormat) -> Result<EndpointStatus, SnapshotError> {
         let slot = self.slot()?;
         let address = self.address()?;
         let flags = self.u8()?;
-        if flags & !FLAGS_KNOWN != 0 {
+        if flags & !format.known_flags() != 0 {
             return Err(Invalid("unknown endpoint flags"));
         }
         let waiting = self.u32()?;
@@ -617,6 +701,11 @@ impl<'a> Reader<'a> {
         let cached_blocks = [self.u32()?, self.u32()?, self.u32()?];
         let cache_generation = self.u32()?;
         let prefix_hit_rate = if flags & FLAG_HIT_RATE != 0 {
+            Some(self.f32()?)
+        } else {
+            None
+        };
+        let prefill_tokens_per_s = if flags & FLAG_PREFILL_RATE != 0 {
             Some(self.f32()?)
         } else {
             None
@@ -647,6 +736,7 @@ impl<'a> Reader<'a> {
             cached_blocks,
             cache_generation,
             prefix_hit_rate,
+            prefill_tokens_per_s,
         })
     }
 }

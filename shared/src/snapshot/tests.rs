@@ -21,6 +21,7 @@ fn status(slot: u16) -> EndpointStatus {
         cached_blocks: [12_000, 0, 0],
         cache_generation: 1,
         prefix_hit_rate: Some(0.6),
+        prefill_tokens_per_s: Some(24_200.0),
     }
 }
 
@@ -89,7 +90,7 @@ fn round_trips_empty_pool() {
     let empty = Snapshot::default();
     let mut bytes = Vec::new();
     empty.encode(&mut bytes);
-    assert_eq!(bytes, b"KVS\x01\x00\x00\x00\x00\x00");
+    assert_eq!(bytes, b"KVS\x02\x00\x00\x00\x00\x00");
     assert_eq!(Snapshot::decode(&bytes), Ok(empty));
     round_trip(&incremental(5, 5, vec![]));
 }
@@ -115,11 +116,15 @@ fn eight_endpoints_are_small() {
     let mut snapshot = pool(8, 1_767_225_600_000, 12_345);
     let mut full = Vec::new();
     snapshot.encode(&mut full);
-    assert_eq!(full.len(), 335);
+    // 4 bytes per endpoint for the prefill rate (format 1: 335)
+    assert_eq!(full.len(), 367);
+    let mut v1 = Vec::new();
+    snapshot.full().encode_format(SnapshotFormat::V1, &mut v1);
+    assert_eq!(v1.len(), 335);
     snapshot.endpoints[3].waiting += 1;
     let delta =
         incremental(12_345, 12_346, vec![snapshot.endpoints[3].clone()]).with_epoch(snapshot.epoch);
-    assert_eq!(encoded(&delta).len(), 57);
+    assert_eq!(encoded(&delta).len(), 61);
     let nothing = incremental(12_346, 12_346, vec![]).with_epoch(snapshot.epoch);
     assert_eq!(encoded(&nothing).len(), 17);
 }
@@ -184,6 +189,22 @@ fn decode_rejects_invalid_values() {
             "model name too long",
         ),
         (incremental(5, 4, vec![]), "version older than base"),
+        (
+            with(&|s| s.prefill_tokens_per_s = Some(f32::NAN)),
+            "prefill rate out of range",
+        ),
+        (
+            with(&|s| s.prefill_tokens_per_s = Some(0.0)),
+            "prefill rate out of range",
+        ),
+        (
+            with(&|s| s.prefill_tokens_per_s = Some(-5.0)),
+            "prefill rate out of range",
+        ),
+        (
+            with(&|s| s.prefill_tokens_per_s = Some(f32::INFINITY)),
+            "prefill rate out of range",
+        ),
     ];
     for (delta, reason) in cases {
         assert_eq!(delta.validate(), Err(Invalid(reason)), "{delta:?}");
@@ -214,9 +235,16 @@ fn decode_rejects_malformed_bytes() {
     };
     assert_eq!(patched(0..1, b"X"), Err(SnapshotError::BadMagic));
     assert_eq!(
-        patched(3..4, &[2]),
-        Err(SnapshotError::UnsupportedFormat(2))
+        patched(3..4, &[3]),
+        Err(SnapshotError::UnsupportedFormat(3))
     );
+    assert_eq!(
+        patched(3..4, &[0]),
+        Err(SnapshotError::UnsupportedFormat(0))
+    );
+    // format 1 has no prefill rate: its flag is unknown there
+    assert_eq!(good[16] & FLAG_PREFILL_RATE, FLAG_PREFILL_RATE);
+    assert_eq!(patched(3..4, &[1]), Err(Invalid("unknown endpoint flags")));
     assert_eq!(patched(4..5, &[2]), Err(Invalid("unknown kind")));
     assert_eq!(patched(9..10, &[5]), Err(Invalid("unknown address family")));
     assert_eq!(
@@ -263,19 +291,19 @@ fn decode_rejects_malformed_bytes() {
     assert_eq!(SnapshotDelta::decode(&short), Err(SnapshotError::Truncated));
     assert_eq!(SnapshotDelta::decode(b""), Err(SnapshotError::Truncated));
     assert_eq!(SnapshotDelta::decode(b"KVS"), Err(SnapshotError::Truncated));
-    let mut many = b"KVS\x01\x00\x01\x01".to_vec();
+    let mut many = b"KVS\x02\x00\x01\x01".to_vec();
     many.extend(encoded_varint(MAX_ENDPOINTS as u64 + 1));
     assert_eq!(
         SnapshotDelta::decode(&many),
         Err(Invalid("too many endpoints"))
     );
-    let mut huge = b"KVS\x01\x00\x01\x01".to_vec();
+    let mut huge = b"KVS\x02\x00\x01\x01".to_vec();
     huge.extend(encoded_varint(u64::MAX));
     assert_eq!(
         SnapshotDelta::decode(&huge),
         Err(Invalid("too many endpoints"))
     );
-    let mut claims = b"KVS\x01\x00\x01\x01".to_vec();
+    let mut claims = b"KVS\x02\x00\x01\x01".to_vec();
     claims.extend(encoded_varint(MAX_ENDPOINTS as u64));
     assert_eq!(
         SnapshotDelta::decode(&claims),
@@ -314,6 +342,68 @@ fn varints_round_trip_at_the_edges() {
         assert!(r.bytes.is_empty());
     }
     assert_eq!(encoded_varint(u64::MAX).len(), 10);
+}
+
+/// Format 1 as the first aggregators wrote it, byte by byte: what a filter of this build still
+/// reads, and what an aggregator of this build writes for a filter that names no format.
+#[test]
+fn format_1_is_read_and_written_as_before() {
+    let e = status(1);
+    let mut v1 = b"KVS\x01\x00\x01\x01\x01".to_vec(); // full, epoch 1, version 1, 1 endpoint
+    v1.extend([1, 4, 10, 0, 0, 1, 0x1f, 0x40]); // slot 1, 10.0.0.1:8000
+    v1.extend([1 | 4, 3, 20]); // ready, hit rate; waiting, running
+    v1.extend(0.42f32.to_le_bytes());
+    v1.extend([16, 0xb0, 0xea, 0x01, 0xe0, 0x5d, 0, 0, 1]); // 16, 30000, 12000, 0, 0, gen 1
+    v1.extend(0.6f32.to_le_bytes());
+    v1.extend([1, 10]);
+    v1.extend(b"llama-3-8b");
+    v1.push(0); // nothing removed
+    let delta = SnapshotDelta {
+        epoch: 1,
+        base: None,
+        version: 1,
+        upserts: vec![e.clone()],
+        removed: vec![],
+    };
+    let mut written = Vec::new();
+    delta.encode_format(SnapshotFormat::V1, &mut written);
+    assert_eq!(written, v1);
+    let without_rate = EndpointStatus {
+        prefill_tokens_per_s: None,
+        ..e
+    };
+    let read = SnapshotDelta::decode(&v1).unwrap();
+    assert_eq!(read.upserts, vec![without_rate.clone()]);
+    // format 2: the same plus the flag and the rate after the hit rate
+    let v2 = encoded(&delta);
+    assert_eq!(v2.len(), v1.len() + 4);
+    assert_eq!((v2[3], v2[16]), (2, 1 | 4 | 8));
+    assert_eq!(SnapshotDelta::decode(&v2), Ok(delta.clone()));
+    // without a rate, format 2 is format 1 but for the format byte
+    let none = SnapshotDelta {
+        upserts: vec![without_rate],
+        ..delta
+    };
+    let mut v2_none = encoded(&none);
+    assert_eq!(v2_none[3], 2);
+    v2_none[3] = 1;
+    assert_eq!(v2_none, v1);
+}
+
+#[test]
+fn formats_are_negotiated() {
+    use SnapshotFormat::{V1, V2};
+    for (asked, answered) in [
+        (None, V1),
+        (Some(0), V1),
+        (Some(1), V1),
+        (Some(2), V2),
+        (Some(3), V2),
+        (Some(u64::MAX), V2),
+    ] {
+        assert_eq!(SnapshotFormat::negotiate(asked), answered, "{asked:?}");
+    }
+    assert_eq!(SnapshotFormat::LATEST, V2);
 }
 
 #[test]
@@ -507,9 +597,11 @@ fn history_normalizes_what_would_not_decode() {
         "ok".into(),
         "x".repeat(MAX_MODEL_NAME_BYTES + 1),
     ];
+    wild.prefill_tokens_per_s = Some(f32::NAN);
     let mut clamped = status(4);
     clamped.kv_cache_usage = 1.5;
     clamped.prefix_hit_rate = Some(-2.0);
+    clamped.prefill_tokens_per_s = Some(-1.0);
     h.update(vec![
         waiting(3, 0),
         wild,
@@ -524,8 +616,10 @@ fn history_normalizes_what_would_not_decode() {
         (e.prefix_hit_rate, e.models.clone()),
         (None, vec!["ok".to_string()])
     );
+    assert_eq!(e.prefill_tokens_per_s, None);
     let e = &s.endpoints[1];
     assert_eq!((e.kv_cache_usage, e.prefix_hit_rate), (1.0, Some(0.0)));
+    assert_eq!(e.prefill_tokens_per_s, None);
     let mut bytes = Vec::new();
     s.encode(&mut bytes);
     assert_eq!(Snapshot::decode(&bytes), Ok(s));
@@ -558,7 +652,14 @@ fn arb_status(slot: u16) -> impl Strategy<Value = EndpointStatus> {
             [arb_u32(), arb_u32(), arb_u32()],
             arb_u32(),
         ),
-        prop::option::of(arb_unit()),
+        (
+            prop::option::of(arb_unit()),
+            prop::option::of(prop_oneof![
+                Just(f32::MIN_POSITIVE),
+                Just(f32::MAX),
+                1.0f32..1e7
+            ]),
+        ),
     )
         .prop_map(
             move |(
@@ -567,7 +668,7 @@ fn arb_status(slot: u16) -> impl Strategy<Value = EndpointStatus> {
                 (ready, stale),
                 (waiting, running, kv_cache_usage),
                 (block_size, capacity_blocks, cached_blocks, cache_generation),
-                prefix_hit_rate,
+                (prefix_hit_rate, prefill_tokens_per_s),
             )| EndpointStatus {
                 slot,
                 address,
@@ -582,6 +683,7 @@ fn arb_status(slot: u16) -> impl Strategy<Value = EndpointStatus> {
                 cached_blocks,
                 cache_generation,
                 prefix_hit_rate,
+                prefill_tokens_per_s,
             },
         )
 }
@@ -647,9 +749,12 @@ proptest! {
     #[test]
     fn random_bytes_never_panic(
         bytes in prop::collection::vec(any::<u8>(), 0..256),
-        with_header in any::<bool>(),
+        header in 0u8..4,
     ) {
-        let mut input = if with_header { b"KVS\x01".to_vec() } else { Vec::new() };
+        let mut input = match header {
+            0 => Vec::new(),
+            h => vec![b'K', b'V', b'S', h],
+        };
         input.extend(bytes);
         let _ = SnapshotDelta::decode(&input);
         let _ = Snapshot::decode(&input);
@@ -659,6 +764,14 @@ proptest! {
     fn deltas_round_trip(delta in arb_delta()) {
         let bytes = encoded(&delta);
         prop_assert_eq!(SnapshotDelta::decode(&bytes), Ok(delta.clone()));
+        // format 1 carries everything but the prefill rates
+        let mut v1 = Vec::new();
+        delta.encode_format(SnapshotFormat::V1, &mut v1);
+        let mut without = delta.clone();
+        for e in &mut without.upserts {
+            e.prefill_tokens_per_s = None;
+        }
+        prop_assert_eq!(SnapshotDelta::decode(&v1), Ok(without));
         if delta.is_full() && delta.removed.is_empty() {
             let mut snapshot = Snapshot::default();
             snapshot.apply(delta).unwrap();
@@ -672,8 +785,11 @@ proptest! {
     fn truncations_and_corruptions_are_errors(
         delta in arb_delta(),
         flips in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..4),
+        v1: bool,
     ) {
-        let bytes = encoded(&delta);
+        let format = if v1 { SnapshotFormat::V1 } else { SnapshotFormat::V2 };
+        let mut bytes = Vec::new();
+        delta.encode_format(format, &mut bytes);
         for cut in 0..bytes.len() {
             prop_assert!(SnapshotDelta::decode(&bytes[..cut]).is_err(), "cut at {}", cut);
             prop_assert!(Snapshot::decode(&bytes[..cut]).is_err());

@@ -37,6 +37,9 @@ struct Seq {
     blocks: SeqBlocks,
     cached_tokens: u32,
     arrival: Duration,
+    /// Start of the step that first scheduled it (kept through preemptions, as vLLM's
+    /// `scheduled_ts`).
+    first_scheduled: Option<Duration>,
 }
 
 /// A simulated vLLM engine. Deterministic: the same calls give the same results.
@@ -51,6 +54,8 @@ pub struct Engine {
     prefix_cache_queries: u64,
     prefix_cache_hits: u64,
     preemptions: u64,
+    prompt_tokens: u64,
+    generation_tokens: u64,
 }
 
 fn to_u32(n: usize) -> u32 {
@@ -71,6 +76,8 @@ impl Engine {
             prefix_cache_queries: 0,
             prefix_cache_hits: 0,
             preemptions: 0,
+            prompt_tokens: 0,
+            generation_tokens: 0,
         })
     }
 
@@ -117,6 +124,7 @@ impl Engine {
                 blocks: SeqBlocks::default(),
                 cached_tokens: 0,
                 arrival: now,
+                first_scheduled: None,
             },
         );
         self.waiting.push_back(request.id);
@@ -163,6 +171,8 @@ impl Engine {
             prefix_cache_queries: self.prefix_cache_queries,
             prefix_cache_hits: self.prefix_cache_hits,
             preemptions: self.preemptions,
+            prompt_tokens: self.prompt_tokens,
+            generation_tokens: self.generation_tokens,
         }
     }
 
@@ -179,7 +189,7 @@ impl Engine {
         let mut outputs = Vec::new();
         let preempted = self.schedule_running(&mut budget, &mut batch, &mut outputs);
         if !preempted {
-            self.schedule_waiting(&mut budget, &mut batch);
+            self.schedule_waiting(&mut budget, &mut batch, now);
         }
         let items: Vec<BatchItem> = batch.iter().map(|(_, item)| *item).collect();
         let duration = self.profile.step_duration(&items);
@@ -248,8 +258,13 @@ impl Engine {
         self.preemptions += 1;
     }
 
-    /// Admits waiting requests in FIFO order.
-    fn schedule_waiting(&mut self, budget: &mut usize, batch: &mut Vec<(u64, BatchItem)>) {
+    /// Admits waiting requests in FIFO order into the step starting at `now`.
+    fn schedule_waiting(
+        &mut self,
+        budget: &mut usize,
+        batch: &mut Vec<(u64, BatchItem)>,
+        now: Duration,
+    ) {
         let bs = self.cache.block_size();
         while *budget > 0 && self.running.len() < self.profile.max_num_seqs as usize {
             let Some(&id) = self.waiting.front() else {
@@ -271,6 +286,7 @@ impl Engine {
             self.prefix_cache_queries += seq.tokens.len() as u64;
             self.prefix_cache_hits += hit_tokens as u64;
             seq.num_computed = hit_tokens;
+            seq.first_scheduled.get_or_insert(now);
             if seq.generated == 0 {
                 seq.cached_tokens = to_u32(hit_tokens);
             }
@@ -294,11 +310,19 @@ impl Engine {
         let token = generated_token(id, index);
         seq.tokens.push(token);
         seq.generated += 1;
+        self.generation_tokens += 1;
         let kind = if index == 0 {
+            self.prompt_tokens += seq.prompt_len as u64;
+            // A step may start before `submit`'s `now` (the real-time runtime starts the step
+            // at the request's HTTP arrival, before it was parsed): the queue time is then 0
+            // and the prefill time still the whole steps'.
+            let scheduled = seq.first_scheduled.unwrap_or(seq.arrival);
             OutputKind::FirstToken {
                 token,
                 cached_tokens: seq.cached_tokens,
                 ttft: end.saturating_sub(seq.arrival),
+                queue_time: scheduled.saturating_sub(seq.arrival),
+                prefill_time: end.saturating_sub(scheduled),
             }
         } else {
             OutputKind::Token { token, index }

@@ -31,7 +31,9 @@ pub struct Usage {
 pub enum OutputKind {
     /// The first generated token. `cached_tokens` counts the prompt tokens served from the cache
     /// at the admission that produced it (after a preemption, the re-admission counts); `ttft`
-    /// runs from `submit`'s `now` to the end of this step.
+    /// runs from `submit`'s `now` to the end of this step, split as vLLM's metrics split it
+    /// into `queue_time` (to the start of the step that first scheduled the request) and
+    /// `prefill_time` (from there to the end of this step, preemptions included).
     FirstToken {
         /// Token id (`tokenizer::generated_token(id, 0)`).
         token: u32,
@@ -39,6 +41,12 @@ pub enum OutputKind {
         cached_tokens: u32,
         /// Time to first token.
         ttft: Duration,
+        /// From `submit`'s `now` to the first scheduling (`vllm:request_queue_time_seconds`;
+        /// a server takes new requests between steps, so it misses the end of the step in
+        /// progress when the request arrived, as vLLM's does).
+        queue_time: Duration,
+        /// First scheduling to first token (`vllm:request_prefill_time_seconds`).
+        prefill_time: Duration,
     },
     /// A later generated token.
     Token {
@@ -106,6 +114,11 @@ pub struct EngineStats {
     pub prefix_cache_hits: u64,
     /// `vllm:num_preemptions_total`.
     pub preemptions: u64,
+    /// `vllm:prompt_tokens_total`: prompt tokens of the requests that produced their first
+    /// token (counted then, once per request, cached tokens included, as vLLM counts them).
+    pub prompt_tokens: u64,
+    /// `vllm:generation_tokens_total`: tokens generated.
+    pub generation_tokens: u64,
 }
 
 /// Why `submit` refused a request (vLLM refuses the same at validation, HTTP 400).

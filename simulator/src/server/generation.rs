@@ -7,7 +7,7 @@ use std::convert::Infallible;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::BodyExt;
@@ -17,6 +17,7 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 
 use super::api::{ApiError, Usage};
+use super::metrics::FinishedRequest;
 use super::runtime::Progress;
 use super::{error, json, HttpBody, Simulator};
 
@@ -60,6 +61,8 @@ pub struct Generation {
     progress: mpsc::UnboundedReceiver<Progress>,
     /// When the request arrived: TTFT counts from there, as vLLM's does.
     arrived: Instant,
+    /// The first token: when, and the engine's queue and prefill times (wall clock).
+    first: Option<(Instant, Duration, Duration)>,
     last: Option<Instant>,
     text: String,
 }
@@ -74,34 +77,65 @@ impl Generation {
             sim,
             progress,
             arrived,
+            first: None,
             last: None,
             text: String::new(),
         }
     }
 
-    /// The next step; records the token timings and, at the end, the request's outcome.
+    /// The request's figures for the per-request histograms, once it is done.
+    fn finished(&self, usage: &Usage) -> FinishedRequest {
+        let (first_at, queue, prefill) =
+            self.first
+                .unwrap_or((self.arrived, Duration::ZERO, Duration::ZERO));
+        let last = self.last.unwrap_or(first_at);
+        FinishedRequest {
+            queue,
+            prefill,
+            decode: last.saturating_duration_since(first_at),
+            e2e: last.saturating_duration_since(self.arrived),
+            prompt_tokens: usage.prompt_tokens,
+            generation_tokens: usage.completion_tokens,
+            cached_tokens: usage.cached_tokens,
+        }
+    }
+
+    /// The next step; records the token timings (wall clock, as a client sees them) and, at
+    /// the end, the request's outcome.
     async fn next(&mut self) -> Step {
         let recorder = &self.sim.recorder;
         match self.progress.recv().await {
-            Some(Progress::First { word, at, .. } | Progress::Token { word, at }) => {
-                match self.last {
-                    None => recorder.ttft(self.sim.simulated(at - self.arrived)),
-                    Some(prev) => recorder.inter_token(self.sim.simulated(at - prev)),
+            Some(Progress::First {
+                word,
+                at,
+                queue,
+                prefill,
+                ..
+            }) => {
+                recorder.ttft(at.saturating_duration_since(self.arrived));
+                self.first = Some((at, queue, prefill));
+                self.last = Some(at);
+                self.text.push_str(word);
+                Step::Token(word)
+            }
+            Some(Progress::Token { word, at }) => {
+                if let Some(prev) = self.last {
+                    recorder.inter_token(at.saturating_duration_since(prev));
                 }
                 self.last = Some(at);
                 self.text.push_str(word);
                 Step::Token(word)
             }
             Some(Progress::Done(usage)) => {
-                recorder.finished(true);
+                recorder.completed(&self.finished(&usage));
                 Step::Done(usage)
             }
             Some(Progress::Failed(message)) => {
-                recorder.finished(false);
+                recorder.failed();
                 Step::Failed(ApiError::bad_request(message))
             }
             None => {
-                recorder.finished(false);
+                recorder.failed();
                 Step::Failed(ApiError {
                     status: 500,
                     kind: "InternalServerError",
@@ -141,7 +175,7 @@ fn streamed(mut g: Generation, mut w: Box<dyn Writer>) -> Response<HttpBody> {
     tokio::spawn(async move {
         let opening = w.opening();
         if !opening.is_empty() && tx.send(Bytes::from(opening)).await.is_err() {
-            g.sim.recorder.finished(false);
+            g.sim.recorder.failed();
             return;
         }
         loop {
@@ -156,7 +190,7 @@ fn streamed(mut g: Generation, mut w: Box<dyn Writer>) -> Response<HttpBody> {
             if tx.send(Bytes::from(frame)).await.is_err() {
                 if !last {
                     // The client left: dropping `g` makes the engine abort the request.
-                    g.sim.recorder.finished(false);
+                    g.sim.recorder.failed();
                 }
                 return;
             }

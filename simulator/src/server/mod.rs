@@ -25,6 +25,7 @@ use kvoy_shared::request::Api;
 use kvoy_shared::Rng;
 
 use crate::engine::tokenizer::tokenize_bytes;
+use crate::engine::SubmitError;
 use api::{ApiError, ClassicWriter};
 use generation::{Generation, Prepared};
 use metrics::Recorder;
@@ -84,15 +85,15 @@ pub struct Simulator {
 impl Simulator {
     pub fn new(engine: EngineHandle, options: HttpOptions, served_by: String) -> Arc<Simulator> {
         Arc::new(Simulator {
-            engine,
             served_by,
             faults: Mutex::new(Rng::new(options.seed)),
             responses: Arc::new(ResponseStore::new(
                 options.max_stored_responses,
                 options.max_stored_response_bytes,
             )),
+            recorder: Recorder::new(engine.max_model_len()),
+            engine,
             options,
-            recorder: Recorder::default(),
         })
     }
 
@@ -105,11 +106,6 @@ impl Simulator {
             Err(poisoned) => poisoned.into_inner().next_u64(),
         };
         (draw >> 11) as f64 / (1u64 << 53) as f64 <= self.options.error_rate
-    }
-
-    /// Real time converted to simulated time.
-    fn simulated(&self, real: Duration) -> Duration {
-        real.mul_f64(self.options.speedup.max(f64::MIN_POSITIVE))
     }
 }
 
@@ -226,6 +222,17 @@ async fn handle(sim: Arc<Simulator>, req: Request<Incoming>) -> Response<HttpBod
         Ok(p) => p,
         Err(e) => return error(&e),
     };
+    // Like vLLM, a prompt over the context is refused before anything streams.
+    let prompt_tokens = prepared.tokens.len() as u64;
+    let requested = prompt_tokens + u64::from(prepared.max_tokens);
+    if requested > sim.engine.max_model_len() {
+        let e = SubmitError::TooLong {
+            requested,
+            prompt_tokens,
+            max_model_len: sim.engine.max_model_len(),
+        };
+        return error(&ApiError::bad_request(e.to_string()));
+    }
     let delay = sim
         .options
         .added_latency
@@ -234,7 +241,7 @@ async fn handle(sim: Arc<Simulator>, req: Request<Incoming>) -> Response<HttpBod
         tokio::time::sleep(delay).await;
     }
     if sim.inject_error() {
-        sim.recorder.finished(false);
+        sim.recorder.failed();
         return error(&ApiError {
             status: 500,
             kind: "InternalServerError",

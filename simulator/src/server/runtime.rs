@@ -24,6 +24,10 @@ pub enum Progress {
         cached_tokens: u32,
         /// When the engine produced it (what the TTFT metric counts, as in vLLM's engine).
         at: Instant,
+        /// Waiting before the first scheduling, wall clock (simulated time / speedup).
+        queue: Duration,
+        /// First scheduling to this token, wall clock (simulated time / speedup).
+        prefill: Duration,
     },
     Token {
         word: &'static str,
@@ -62,6 +66,7 @@ pub enum StartError {
 pub struct EngineHandle {
     commands: std_mpsc::Sender<Command>,
     stats: Arc<Mutex<EngineStats>>,
+    max_model_len: u64,
 }
 
 impl EngineHandle {
@@ -73,6 +78,7 @@ impl EngineHandle {
     ) -> Result<EngineHandle, StartError> {
         let (tx, rx) = std_mpsc::channel::<Command>();
         let mut engine = Engine::new(&profile)?;
+        let max_model_len = engine.max_model_len();
         let stats = Arc::new(Mutex::new(engine.stats()));
         let shared = stats.clone();
         let speedup = if speedup.is_finite() && speedup > 0.0 {
@@ -86,7 +92,13 @@ impl EngineHandle {
         Ok(EngineHandle {
             commands: tx,
             stats,
+            max_model_len,
         })
+    }
+
+    /// The longest prompt + `max_tokens` the engine accepts.
+    pub fn max_model_len(&self) -> u64 {
+        self.max_model_len
     }
 
     /// Submits a request; progress arrives on the returned channel. Dropping the receiver
@@ -241,15 +253,24 @@ fn run(
         due += step.duration.div_f64(speedup);
         oversleep.sleep_until(due);
         let produced = Instant::now();
+        // Counters first, so that a client holding its answer finds them in `/metrics`.
+        publish_stats(engine, stats);
         let mut gone = Vec::new();
         for output in step.outputs {
             let id = output.id;
             let (progress, last) = match output.kind {
-                OutputKind::FirstToken { cached_tokens, .. } => (
+                OutputKind::FirstToken {
+                    cached_tokens,
+                    queue_time,
+                    prefill_time,
+                    ..
+                } => (
                     Progress::First {
                         word: generated_word(id, 0),
                         cached_tokens,
                         at: produced,
+                        queue: queue_time.div_f64(speedup),
+                        prefill: prefill_time.div_f64(speedup),
                     },
                     false,
                 ),
