@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::live::hop::HopFigures;
 use crate::metrics::RunFigures;
 use crate::saturation::{Capacity, Shape};
 
@@ -23,6 +24,9 @@ pub struct Report {
     pub scrape_interval_ms: u64,
     pub policies: Vec<String>,
     pub workloads: Vec<WorkloadReport>,
+    /// Live runs: what each proxy's hop adds to a tiny request (empty in the simulation).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub hops: Vec<HopFigures>,
 }
 
 /// The producers a report may name, so that `tool` stays a `&'static str` when read back.
@@ -38,6 +42,8 @@ struct SavedReport {
     scrape_interval_ms: u64,
     policies: Vec<String>,
     workloads: Vec<WorkloadReport>,
+    #[serde(default)]
+    hops: Vec<HopFigures>,
 }
 
 impl From<SavedReport> for Report {
@@ -53,6 +59,7 @@ impl From<SavedReport> for Report {
             scrape_interval_ms: r.scrape_interval_ms,
             policies: r.policies,
             workloads: r.workloads,
+            hops: r.hops,
         }
     }
 }

@@ -62,6 +62,7 @@ pub enum StartError {
 pub struct EngineHandle {
     commands: std_mpsc::Sender<Command>,
     stats: Arc<Mutex<EngineStats>>,
+    max_model_len: u32,
 }
 
 impl EngineHandle {
@@ -72,6 +73,7 @@ impl EngineHandle {
         mut sink: EventSink,
     ) -> Result<EngineHandle, StartError> {
         let (tx, rx) = std_mpsc::channel::<Command>();
+        let max_model_len = profile.max_model_len;
         let mut engine = Engine::new(&profile)?;
         let stats = Arc::new(Mutex::new(engine.stats()));
         let shared = stats.clone();
@@ -86,7 +88,13 @@ impl EngineHandle {
         Ok(EngineHandle {
             commands: tx,
             stats,
+            max_model_len,
         })
+    }
+
+    /// The profile's `max_model_len` (prompt plus output tokens).
+    pub fn max_model_len(&self) -> u32 {
+        self.max_model_len
     }
 
     /// Submits a request; progress arrives on the returned channel. Dropping the receiver
