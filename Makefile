@@ -7,6 +7,7 @@
 #                   it); kvoy-stack flags go in RUN_ARGS, e.g. make run RUN_ARGS='--backend echo'
 #   make test       deps, wasm, fmt check, clippy -D warnings, all tests (incl. real Envoy e2e)
 #   make bench      the live benchmark, small: real Envoy + simulators + aggregator, every policy
+#                   and the real SGLang / vLLM routers (installed with pip when missing)
 #                   on the same plan (kvoy-bench live; results in bench/results/live), then the
 #                   filters' added latency over plain Envoy (kvoy-bench overhead; bench/results/overhead)
 #   make bench-sim  the fleet-scale simulation of every workload (bench/run-reference.sh)

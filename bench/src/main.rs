@@ -86,18 +86,41 @@ fn run_live(options: kvoy_bench::live::cli::LiveArgs) -> Result<(), Box<dyn std:
     let quiet = options.quiet;
     let mut last_line = Instant::now();
     let mut progress = |p: kvoy_bench::live::LiveProgress<'_>| {
-        // At most a line a second, and the last one of each run.
-        if quiet || (p.done < p.total && last_line.elapsed().as_secs() < 1) {
+        if quiet {
+            return;
+        }
+        let elapsed = started.elapsed().as_secs_f64();
+        let what = format!(
+            "{} | {} at {:.2}x ({:.1} req/s)",
+            p.workload, p.policy, p.load, p.rate
+        );
+        if let Some(f) = p.finished {
+            // One line per finished run, with its result and the time left.
+            let left = elapsed / p.finished_runs.max(1) as f64
+                * (p.runs.saturating_sub(p.finished_runs)) as f64;
+            eprintln!(
+                "[{elapsed:>6.1}s] run {:>2}/{} done | {what}: {}/{} completed, TTFT p90 {:.2} s, \
+                 hit {:.1}% | about {:.0} min left",
+                p.finished_runs,
+                p.runs,
+                f.completed,
+                f.requests,
+                f.ttft_s.p90,
+                f.hit_rate * 100.0,
+                left / 60.0
+            );
+            last_line = Instant::now();
+            return;
+        }
+        // While a run goes: at most a line every 5 s.
+        if last_line.elapsed().as_secs() < 5 {
             return;
         }
         last_line = Instant::now();
         eprintln!(
-            "[{:>6.1}s] run {:>2}/{} | {} at {:.2} req/s: {}% ({}/{})",
-            started.elapsed().as_secs_f64(),
+            "[{elapsed:>6.1}s] run {:>2}/{}      | {what}: {}% ({}/{})",
             p.finished_runs + 1,
             p.runs,
-            p.policy,
-            p.rate,
             p.done * 100 / p.total.max(1),
             p.done,
             p.total
@@ -114,20 +137,24 @@ fn run_live(options: kvoy_bench::live::cli::LiveArgs) -> Result<(), Box<dyn std:
     let open_loop = options.grid.arrivals == kvoy_bench::live::Arrivals::Open;
     if (options.sim_check || options.sim_check_only) && open_loop {
         use kvoy_bench::live::compare;
-        let rates: Vec<f64> = report
-            .workloads
-            .iter()
-            .flat_map(|w| w.rates.iter().copied())
-            .collect();
-        let sim = compare::simulate(&options.grid, &rates)?;
+        eprintln!(
+            "[{:>6.1}s] simulating the same plans for the check",
+            started.elapsed().as_secs_f64()
+        );
+        let sim = compare::simulate(&options.grid, &compare::live_rates(&report))?;
         let check = compare::compare(&report, &sim);
         eprintln!(
             "kvoy-bench live: the simulation of the same plan: rankings agree: {}, kvoy's TTFT \
-             ratios within {:.0}%: {} (largest deviation {:+.1}%)",
+             ratios within {:.0}%: {} (largest deviation {:+.1}%){}",
             check.ranking_agrees,
             compare::RATIO_TOLERANCE * 100.0,
             check.ratios_within,
-            check.worst_deviation * 100.0
+            check.worst_deviation * 100.0,
+            if check.not_simulated.is_empty() {
+                String::new()
+            } else {
+                format!("; not simulated: {}", check.not_simulated.join(", "))
+            }
         );
         let md = options.out.join("sim-check.md");
         std::fs::write(&md, compare::markdown(&check))?;

@@ -220,6 +220,7 @@ pub fn run(grid: &Grid, progress: &(dyn Fn(Progress<'_>) + Sync)) -> Result<Repo
         scrape_interval_ms: grid.scrape_interval.as_millis() as u64,
         policies: grid.policies.iter().map(|p| p.name().to_owned()).collect(),
         workloads: reports,
+        hops: Vec::new(),
     })
 }
 

@@ -20,7 +20,7 @@ fn kvoy_hits_the_cache_more_than_round_robin_live() {
     let mut workload = SharedPrefix::new(0.1, Count::Fixed(60));
     workload.groups = 6;
     let grid = LiveGrid {
-        workload: Workload::SharedPrefix(workload),
+        workloads: vec![Workload::SharedPrefix(workload)],
         policies: vec![LivePolicy::RoundRobin, LivePolicy::Kvoy],
         rates: vec![Rate::Saturation(0.05)],
         profile: Profile::llama_8b_h100(),
@@ -29,6 +29,7 @@ fn kvoy_hits_the_cache_more_than_round_robin_live() {
         seed: 7,
         arrivals: Arrivals::Open,
         run_deadline: Duration::from_secs(60),
+        hop_probes: 0,
         run_dir: run_dir.clone(),
     };
     let report = live::run(&grid, &mut |p| {

@@ -531,3 +531,77 @@ async fn prompts_over_the_context_are_refused_before_streaming() {
     let r = request(addr, "POST", "/v1/completions", &body(98)).await;
     assert_eq!(r.status, 200, "{}", r.body);
 }
+
+/// vLLM's tokenizer endpoints give the engine's own prompt tokens (what vLLM's router renders
+/// before routing by token ids).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenize_and_render_give_the_prompt_tokens() {
+    let _serial = SERIAL.lock().await;
+    let (addr, _) = start(Profile::llama_8b_h100(), 50.0).await;
+    let body = chat(
+        "A system prompt. ".repeat(20).as_str(),
+        "a question",
+        1,
+        false,
+    );
+    let r = request(addr, "POST", "/tokenize", &body).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let t: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+    assert_eq!(t["max_model_len"], 131_072);
+    let r = request(addr, "POST", "/v1/chat/completions/render", &body).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let rendered: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+    assert_eq!(rendered["token_ids"], t["tokens"]);
+    let r = request(addr, "POST", "/v1/chat/completions", &body).await;
+    assert_eq!(usage(&r.body)["prompt_tokens"], t["count"]);
+    let r = request(
+        addr,
+        "POST",
+        "/tokenize",
+        r#"{"model":"x","prompt":"abcd"}"#,
+    )
+    .await;
+    assert_eq!(r.status, 404, "{}", r.body);
+}
+
+/// One streamed request on a kept-alive connection; returns when its last chunk is in.
+async fn stream_on(s: &mut TcpStream, body: &str) -> Duration {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: sim\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let sent = Instant::now();
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut raw = Vec::new();
+    let mut buf = vec![0u8; 16 * 1024];
+    while !raw.ends_with(b"0\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(n > 0, "connection closed early");
+        raw.extend_from_slice(&buf[..n]);
+    }
+    sent.elapsed()
+}
+
+/// A stream is many small writes. On a connection a proxy keeps open (its ACKs delayed, unlike
+/// a fresh connection's), each write would wait up to 40 ms for the ACK of the previous one
+/// unless the server sets TCP_NODELAY, as vLLM and SGLang do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_on_kept_alive_connections_do_not_wait_for_acks() {
+    let _serial = SERIAL.lock().await;
+    let (addr, _) = start(Profile::llama_8b_h100(), 100.0).await;
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.set_nodelay(true).unwrap();
+    let body = chat("short", "q", 3, true);
+    let mut took = Vec::new();
+    for _ in 0..7 {
+        took.push(stream_on(&mut s, &body).await);
+    }
+    // Three tokens at speedup 100 take well under a millisecond of model time.
+    let m = median(took.clone());
+    assert!(m < Duration::from_millis(20), "median {m:?} of {took:?}");
+}

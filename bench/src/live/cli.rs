@@ -14,23 +14,31 @@ pub const USAGE: &str = "\
 kvoy-bench live [options]
 
 Real Envoy, kvoy-sim simulators (HTTP, SSE, ZMQ KV events) and kvoy-aggregator on 127.0.0.1;
-the same seeded plan through Envoy's ROUND_ROBIN, LEAST_REQUEST and RANDOM and through the kvoy
-filters (per-proxy index, then with the aggregator), the simulators' caches reset before every
-run. Times are reported in the modelled GPU's seconds (real time x --speedup).
+the same seeded plan through Envoy's ROUND_ROBIN, LEAST_REQUEST and RANDOM, through the kvoy
+filters (per-proxy index, then with the aggregator) and through the real peer routers, installed
+with pip when missing: SGLang's model gateway (sglang-router==0.3.2, `smg`; policies
+cache_aware and round_robin) and vLLM's router (vllm-router==0.1.17; cache_aware), at their
+default settings. Every run gets a fresh proxy and empty simulator caches. Times are reported in
+the modelled GPU's seconds (real time x --speedup).
 
-  --workload NAME       shared-prefix (default), agents or no-sharing
+  --workload LIST       comma-separated among shared-prefix, agents, no-sharing
+                        (default: shared-prefix,agents)
   --policies LIST       comma-separated among round-robin, least-request, random, kvoy,
-                        kvoy-aggregator (default: all)
+                        kvoy-aggregator, smg-cache-aware, smg-round-robin, vllm-router
+                        (default: all)
   --replicas N          simulators, 1-64 (default 4)
   --profile NAME        llama-8b-h100 (default) or qwen-32b-h100-tp2
   --speedup F           simulators and arrivals this much faster than the model (default 2)
   --rates LIST          `1.5x` multiples of the estimated saturation rate, or requests/s of
-                        the model's time (default 0.5x,1x,2x,3x)
+                        the model's time (default 1x,2x,3x)
   --output-scale F      shared-prefix: multiply the 1,000 output tokens (default 0.1)
   --scale F             shared-prefix: multiply the prompt lengths too (default 1)
-  --requests N          requests per run (default 500)
+  --requests N          requests per run (default: 400 for shared-prefix and no-sharing, 800
+                        for agents, whose closed-loop sessions need more to overlap)
   --closed N            closed loop at N sessions in flight instead of open-loop arrivals
   --run-deadline S      real seconds one run may take at most (default 180)
+  --hop-probes N        tiny requests sent direct and through the proxy before each run, for
+                        the proxy's added latency (default 20)
   --seed N              (default 1)
   --no-sim-check        skip simulating the same plan afterwards (sim-check.md: do the policies
                         rank the same, are kvoy's TTFT ratios within 25%?)
@@ -97,19 +105,19 @@ fn rate(v: &str) -> Result<Rate, CliError> {
 
 /// Parses the options after `live`.
 pub fn parse(args: &[String]) -> Result<LiveArgs, CliError> {
-    let mut workload = "shared-prefix".to_owned();
+    let mut workloads = "shared-prefix,agents".to_owned();
     let mut policies = LivePolicy::ALL.to_vec();
     let mut replicas = 4usize;
     let mut profile = Profile::llama_8b_h100();
     let mut speedup = 2.0f64;
     let mut rates = vec![
-        Rate::Saturation(0.5),
         Rate::Saturation(1.0),
         Rate::Saturation(2.0),
         Rate::Saturation(3.0),
     ];
     let (mut output_scale, mut scale) = (0.1f64, 1.0f64);
-    let mut requests = 500usize;
+    let mut requests: Option<usize> = None;
+    let mut hop_probes = 20usize;
     let mut arrivals = Arrivals::Open;
     let mut deadline = 180u64;
     let mut seed = 1u64;
@@ -120,7 +128,9 @@ pub fn parse(args: &[String]) -> Result<LiveArgs, CliError> {
     let mut it = args.iter();
     while let Some(flag) = it.next() {
         match flag.as_str() {
-            "--workload" => workload = value(&mut it, "--workload")?.to_owned(),
+            "--workload" | "--workloads" => {
+                workloads = value(&mut it, "--workload")?.to_owned();
+            }
             "--policies" => {
                 policies = value(&mut it, "--policies")?
                     .split(',')
@@ -170,7 +180,11 @@ pub fn parse(args: &[String]) -> Result<LiveArgs, CliError> {
             }
             "--scale" => scale = number(value(&mut it, "--scale")?, "--scale", "a number > 0")?,
             "--requests" => {
-                requests = number(value(&mut it, "--requests")?, "--requests", "a count")?;
+                requests = Some(number(
+                    value(&mut it, "--requests")?,
+                    "--requests",
+                    "a count",
+                )?);
             }
             "--closed" => {
                 let n: usize = number(value(&mut it, "--closed")?, "--closed", "a count > 0")?;
@@ -182,6 +196,9 @@ pub fn parse(args: &[String]) -> Result<LiveArgs, CliError> {
                     "--run-deadline",
                     "seconds",
                 )?;
+            }
+            "--hop-probes" => {
+                hop_probes = number(value(&mut it, "--hop-probes")?, "--hop-probes", "a count")?;
             }
             "--seed" => seed = number(value(&mut it, "--seed")?, "--seed", "an integer")?,
             "--out" => out = PathBuf::from(value(&mut it, "--out")?),
@@ -200,23 +217,26 @@ pub fn parse(args: &[String]) -> Result<LiveArgs, CliError> {
             });
         }
     }
-    let count = Count::Fixed(requests.max(1));
-    let workload = match workload.as_str() {
-        "shared-prefix" => {
-            let mut w = SharedPrefix::new(scale, count);
-            let full = SharedPrefix::default();
-            w.output_tokens =
-                ((f64::from(full.output_tokens) * output_scale).round() as u32).max(1);
-            Workload::SharedPrefix(w)
-        }
-        "agents" => Workload::Agents(Agents::new(count)),
-        "no-sharing" => Workload::NoSharing(NoSharing::new(count)),
-        other => return Err(CliError::UnknownWorkload(other.to_owned())),
-    };
+    let count = |default: usize| Count::Fixed(requests.unwrap_or(default).max(1));
+    let workloads = workloads
+        .split(',')
+        .map(|name| match name.trim() {
+            "shared-prefix" => {
+                let mut w = SharedPrefix::new(scale, count(400));
+                let full = SharedPrefix::default();
+                w.output_tokens =
+                    ((f64::from(full.output_tokens) * output_scale).round() as u32).max(1);
+                Ok(Workload::SharedPrefix(w))
+            }
+            "agents" => Ok(Workload::Agents(Agents::new(count(800)))),
+            "no-sharing" => Ok(Workload::NoSharing(NoSharing::new(count(400)))),
+            other => Err(CliError::UnknownWorkload(other.to_owned())),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     let run_dir = std::env::temp_dir().join(format!("kvoy-bench-live-{}", std::process::id()));
     Ok(LiveArgs {
         grid: LiveGrid {
-            workload,
+            workloads,
             policies,
             rates,
             profile,
@@ -225,6 +245,7 @@ pub fn parse(args: &[String]) -> Result<LiveArgs, CliError> {
             seed,
             arrivals,
             run_deadline: Duration::from_secs(deadline.max(1)),
+            hop_probes,
             run_dir,
         },
         out,
@@ -258,9 +279,10 @@ mod tests {
     #[test]
     fn defaults_and_flags() {
         let a = parse(&[]).unwrap();
-        assert_eq!(a.grid.policies.len(), 5);
+        assert_eq!(a.grid.policies.len(), 8);
         assert_eq!(a.grid.replicas, 4);
-        match &a.grid.workload {
+        assert_eq!(a.grid.workloads.len(), 2);
+        match &a.grid.workloads[0] {
             Workload::SharedPrefix(w) => {
                 assert_eq!(
                     (w.system_tokens, w.question_tokens, w.output_tokens),
@@ -269,6 +291,22 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+        assert!(matches!(
+            a.grid.workloads[1],
+            Workload::Agents(Agents {
+                count: Count::Fixed(800)
+            })
+        ));
+        assert_eq!(a.grid.rates.len(), 3);
+        let a = parse(&args(
+            "--workload agents --policies smg-cache-aware,vllm-router",
+        ))
+        .unwrap();
+        assert_eq!(a.grid.workloads.len(), 1);
+        assert_eq!(
+            a.grid.policies,
+            vec![LivePolicy::SmgCacheAware, LivePolicy::VllmRouter]
+        );
         let a = parse(&args(
             "--policies kvoy,random --rates 1x,20 --closed 8 --replicas 2",
         ))
@@ -293,6 +331,8 @@ mod tests {
             ("--rates 1y", "--rates"),
             ("--policies llm-d", "llm-d"),
             ("--workload mooncake", "mooncake"),
+            ("--workload agents,nope", "nope"),
+            ("--hop-probes x", "--hop-probes"),
             ("--bogus", "--bogus"),
             ("--seed", "--seed"),
         ] {

@@ -1,5 +1,5 @@
 //! The live fleet: kvoy-sim simulators with KV events, kvoy-aggregator following them, and one
-//! proxy at a time in front of them (a baseline Envoy or the kvoy stack).
+//! proxy at a time in front of them (a baseline Envoy, the kvoy stack or a real router).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -11,6 +11,8 @@ use kvoy_e2e::{
     aggregator_yaml, free_port, http, AggregatedEndpoint, EnvoyProcess, LocalAggregator,
     PoolEndpoint, SimFleet, Stack, StackConfig,
 };
+
+use super::routers::{RouterKind, RouterProcess};
 
 /// The model every simulator serves.
 pub const MODEL: &str = "kvoy-bench";
@@ -34,6 +36,21 @@ pub struct Fleet {
     run_dir: PathBuf,
 }
 
+/// What to put in front of the fleet.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ProxyKind {
+    /// Plain Envoy with this load balancer (`ROUND_ROBIN`, ...).
+    Envoy(&'static str),
+    /// Envoy with the kvoy filters, polling the aggregator or not.
+    Kvoy { aggregator: bool },
+    /// A real router process: `binary` of `kind`, with its `policy`.
+    Router {
+        kind: RouterKind,
+        policy: &'static str,
+        binary: PathBuf,
+    },
+}
+
 /// A proxy in front of the fleet; stopped on drop.
 pub enum Proxy {
     Baseline {
@@ -41,6 +58,7 @@ pub enum Proxy {
         listen: SocketAddr,
     },
     Kvoy(Box<Stack>),
+    Router(RouterProcess),
 }
 
 impl Proxy {
@@ -48,6 +66,7 @@ impl Proxy {
         match self {
             Proxy::Baseline { listen, .. } => *listen,
             Proxy::Kvoy(stack) => stack.listen,
+            Proxy::Router(router) => router.listen,
         }
     }
 }
@@ -149,29 +168,34 @@ impl Fleet {
         Ok(())
     }
 
-    /// Starts the proxy of a policy: a baseline Envoy with load balancer `lb`, or (`lb` None)
-    /// the kvoy stack, polling the aggregator when `aggregator` is set.
-    pub fn proxy(&self, lb: Option<&str>, aggregator: bool) -> anyhow::Result<Proxy> {
-        let pool: Vec<PoolEndpoint> = self
-            .addrs
-            .iter()
-            .map(|a| PoolEndpoint::new(*a, &[MODEL]))
-            .collect();
-        match lb {
-            Some(lb) => baseline_proxy(lb, &self.addrs, &self.run_dir),
-            None => {
-                let name = if aggregator {
-                    "kvoy-aggregator"
-                } else {
-                    "kvoy"
-                };
+    /// Starts a proxy of `kind`; its files go under the run directory, in `name`.
+    pub fn proxy(&self, kind: &ProxyKind, name: &str) -> anyhow::Result<Proxy> {
+        match kind {
+            ProxyKind::Envoy(lb) => baseline_proxy(lb, &self.addrs, &self.run_dir),
+            ProxyKind::Kvoy { aggregator } => {
+                let pool: Vec<PoolEndpoint> = self
+                    .addrs
+                    .iter()
+                    .map(|a| PoolEndpoint::new(*a, &[MODEL]))
+                    .collect();
                 let mut config = StackConfig::new(pool, self.run_dir.join(name));
                 config.concurrency = 2;
-                if aggregator {
+                if *aggregator {
                     config.aggregator = Some(self.aggregator.addr());
                 }
                 Ok(Proxy::Kvoy(Box::new(Stack::start(&config)?)))
             }
+            ProxyKind::Router {
+                kind,
+                policy,
+                binary,
+            } => Ok(Proxy::Router(RouterProcess::start(
+                *kind,
+                binary,
+                policy,
+                &self.addrs,
+                &self.run_dir.join(name),
+            )?)),
         }
     }
 }

@@ -2,10 +2,13 @@
 //! kvoy-aggregator on 127.0.0.1, the same seeded plan sent through each policy in turn.
 //!
 //! Policies: Envoy's own `ROUND_ROBIN`, `LEAST_REQUEST` and `RANDOM` over a STATIC cluster of
-//! the simulators (`bench/envoy/baseline.yaml`, no kvoy filter), and `envoy/kvoy.yaml` with the
+//! the simulators (`bench/envoy/baseline.yaml`, no kvoy filter), `envoy/kvoy.yaml` with the
 //! kvoy filters, once with the per-proxy index only (`kvoy`) and once polling the aggregator
-//! (`kvoy-aggregator`). Before every run the simulators' prefix caches are reset and the fleet
-//! is idle.
+//! (`kvoy-aggregator`), and the real peer routers as processes of their own ([`routers`]):
+//! SGLang's model gateway with its `cache_aware` and `round_robin` policies and vLLM's router
+//! with `cache_aware`, at their published defaults. Every run starts a fresh proxy (no routing
+//! state left from an earlier run), measures its hop ([`hop`]), then empties the simulators'
+//! prefix caches once the fleet is idle, and sends the plan.
 //!
 //! Time: the simulators run `speedup` times faster than the modelled GPU, and the plan is sent
 //! `speedup` times faster too (arrival times and delays divided by it); every duration
@@ -18,16 +21,20 @@ pub mod cli;
 pub mod compare;
 pub mod driver;
 mod fleet;
+pub mod hop;
+pub mod routers;
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use kvoy_sim::engine::Profile;
 
 pub use driver::{Arrivals, Outcome};
-pub use fleet::{baseline_proxy, Fleet, Proxy};
+pub use fleet::{baseline_proxy, Fleet, Proxy, ProxyKind};
+pub use routers::RouterKind;
 
-use crate::metrics::Recorder;
+use crate::metrics::{Recorder, RunFigures};
 use crate::report::{Report, WorkloadReport};
 use crate::runner::Rate;
 use crate::saturation::{capacity, measure};
@@ -43,15 +50,24 @@ pub enum LivePolicy {
     Kvoy,
     /// kvoy's filters polling the aggregator.
     KvoyAggregator,
+    /// SGLang's model gateway (`smg`), policy `cache_aware`.
+    SmgCacheAware,
+    /// SGLang's model gateway, policy `round_robin`.
+    SmgRoundRobin,
+    /// vLLM's router, policy `cache_aware`.
+    VllmRouter,
 }
 
 impl LivePolicy {
-    pub const ALL: [LivePolicy; 5] = [
+    pub const ALL: [LivePolicy; 8] = [
         LivePolicy::RoundRobin,
         LivePolicy::LeastRequest,
         LivePolicy::Random,
         LivePolicy::Kvoy,
         LivePolicy::KvoyAggregator,
+        LivePolicy::SmgCacheAware,
+        LivePolicy::SmgRoundRobin,
+        LivePolicy::VllmRouter,
     ];
 
     /// The name in reports (the simulation's names where the policies are the same).
@@ -62,11 +78,24 @@ impl LivePolicy {
             LivePolicy::Random => "random",
             LivePolicy::Kvoy => "kvoy",
             LivePolicy::KvoyAggregator => "kvoy-aggregator",
+            LivePolicy::SmgCacheAware => "smg-cache-aware",
+            LivePolicy::SmgRoundRobin => "smg-round-robin",
+            LivePolicy::VllmRouter => "vllm-router",
         }
     }
 
     pub fn parse(name: &str) -> Option<LivePolicy> {
         LivePolicy::ALL.into_iter().find(|p| p.name() == name)
+    }
+
+    /// The real router and its policy name, for the peer routers.
+    pub fn router(self) -> Option<(RouterKind, &'static str)> {
+        match self {
+            LivePolicy::SmgCacheAware => Some((RouterKind::Smg, "cache_aware")),
+            LivePolicy::SmgRoundRobin => Some((RouterKind::Smg, "round_robin")),
+            LivePolicy::VllmRouter => Some((RouterKind::VllmRouter, "cache_aware")),
+            _ => None,
+        }
     }
 
     /// Envoy's load balancer for the cache-blind baselines.
@@ -75,15 +104,40 @@ impl LivePolicy {
             LivePolicy::RoundRobin => Some("ROUND_ROBIN"),
             LivePolicy::LeastRequest => Some("LEAST_REQUEST"),
             LivePolicy::Random => Some("RANDOM"),
-            LivePolicy::Kvoy | LivePolicy::KvoyAggregator => None,
+            _ => None,
         }
     }
+
+    /// What runs this policy; `binaries` holds the installed routers' commands.
+    fn proxy_kind(self, binaries: &BTreeMap<&'static str, PathBuf>) -> Result<ProxyKind, String> {
+        if let Some(lb) = self.envoy_lb() {
+            return Ok(ProxyKind::Envoy(lb));
+        }
+        match self.router() {
+            Some((kind, policy)) => binaries
+                .get(kind.package())
+                .map(|binary| ProxyKind::Router {
+                    kind,
+                    policy,
+                    binary: binary.clone(),
+                })
+                .ok_or_else(|| format!("{} is not installed", kind.requirement())),
+            None => Ok(ProxyKind::Kvoy {
+                aggregator: self == LivePolicy::KvoyAggregator,
+            }),
+        }
+    }
+}
+
+/// Whether the policy named `policy` is one of the real peer routers (for the reports).
+pub fn is_real_router(policy: &str) -> bool {
+    LivePolicy::parse(policy).is_some_and(|p| p.router().is_some())
 }
 
 /// What to run live.
 #[derive(Clone, Debug)]
 pub struct LiveGrid {
-    pub workload: Workload,
+    pub workloads: Vec<Workload>,
     pub policies: Vec<LivePolicy>,
     pub rates: Vec<Rate>,
     pub profile: Profile,
@@ -93,25 +147,34 @@ pub struct LiveGrid {
     pub arrivals: Arrivals,
     /// Bound on each run, real time (requests still running then count as errors).
     pub run_deadline: Duration,
-    /// Envoy's configuration and logs, the aggregator's configuration.
+    /// Tiny requests sent direct and through the proxy before each run, for its hop.
+    pub hop_probes: usize,
+    /// Envoy's configuration and logs, the aggregator's configuration, the routers' logs.
     pub run_dir: PathBuf,
 }
 
 /// Progress of the live grid, for a progress line.
 #[derive(Clone, Copy, Debug)]
 pub struct LiveProgress<'a> {
+    pub workload: &'a str,
     pub policy: &'a str,
     pub rate: f64,
+    /// `rate` / the workload's estimated saturation rate.
+    pub load: f64,
     pub done: usize,
     pub total: usize,
     pub finished_runs: usize,
     pub runs: usize,
+    /// The run's figures, once it has finished (then `finished_runs` counts it).
+    pub finished: Option<&'a RunFigures>,
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum LiveError {
     #[error("setting up the live fleet: {0}")]
     Setup(String),
+    #[error("installing the real routers: {0}")]
+    Install(#[from] routers::InstallError),
     #[error("{policy}: {message}")]
     Proxy {
         policy: &'static str,
@@ -119,29 +182,50 @@ pub enum LiveError {
     },
     #[error("a `t` rate is a multiple of a trace's own rate; use `x` or req/s")]
     TraceRate,
-    #[error("{policy} at {rate:.2} req/s: no request completed (first error: {error})")]
+    #[error(
+        "{workload} / {policy} at {rate:.2} req/s: no request completed (first error: {error})"
+    )]
     NothingCompleted {
+        workload: &'static str,
         policy: &'static str,
         rate: f64,
         error: String,
     },
 }
 
-/// Runs every (rate, policy) of `grid` on one fleet and returns the report (same shape as the
-/// simulation's, `tool: "kvoy-bench live"`).
-pub fn run(
+/// Installs (if needed) every real router that `policies` use; returns their commands by
+/// package.
+pub fn install_routers(
+    policies: &[LivePolicy],
+) -> Result<BTreeMap<&'static str, PathBuf>, routers::InstallError> {
+    let mut binaries = BTreeMap::new();
+    for (kind, _) in policies.iter().filter_map(|p| p.router()) {
+        if !binaries.contains_key(kind.package()) {
+            binaries.insert(kind.package(), routers::ensure_installed(kind)?);
+        }
+    }
+    Ok(binaries)
+}
+
+/// A workload's saturation estimate and absolute rates.
+fn workload_rates(
+    w: &Workload,
     grid: &LiveGrid,
-    progress: &mut dyn FnMut(LiveProgress<'_>),
-) -> Result<Report, LiveError> {
-    let speedup = grid.speedup.max(1e-3);
-    let w = &grid.workload;
+) -> Result<
+    (
+        crate::saturation::Shape,
+        crate::saturation::Capacity,
+        Vec<f64>,
+    ),
+    LiveError,
+> {
     let mut shape = measure(&w.plan(1.0, grid.seed), &grid.profile);
     let mut cap = capacity(&grid.profile, &shape, grid.replicas);
     if w.content_depends_on_rate() {
         shape = measure(&w.plan(cap.rate, grid.seed), &grid.profile);
         cap = capacity(&grid.profile, &shape, grid.replicas);
     }
-    let rates: Vec<f64> = grid
+    let rates = grid
         .rates
         .iter()
         .map(|r| match *r {
@@ -150,60 +234,111 @@ pub fn run(
             Rate::Trace(m) => w.native_rate().map(|n| m * n).ok_or(LiveError::TraceRate),
         })
         .collect::<Result<_, _>>()?;
+    Ok((shape, cap, rates))
+}
 
+/// Runs every (workload, rate, policy) of `grid` on one fleet, in that order (all policies of
+/// one load run back to back, so that they see the machine in the same state), and returns the
+/// report (same shape as the simulation's, `tool: "kvoy-bench live"`, plus every proxy's hop).
+pub fn run(
+    grid: &LiveGrid,
+    progress: &mut dyn FnMut(LiveProgress<'_>),
+) -> Result<Report, LiveError> {
+    let speedup = grid.speedup.max(1e-3);
+    let binaries = install_routers(&grid.policies)?;
+    let mut reports = Vec::with_capacity(grid.workloads.len());
+    for w in &grid.workloads {
+        let (shape, saturation, rates) = workload_rates(w, grid)?;
+        reports.push(WorkloadReport {
+            name: w.name().to_owned(),
+            description: w.describe(),
+            shape,
+            saturation,
+            rates,
+            runs: Vec::new(),
+        });
+    }
     let fleet = Fleet::start(grid.replicas, &grid.profile.name, speedup, &grid.run_dir)
         .map_err(|e| LiveError::Setup(format!("{e:#}")))?;
-    let runs = rates.len() * grid.policies.len();
-    let mut figures = Vec::with_capacity(runs);
+    let runs = reports.iter().map(|r| r.rates.len()).sum::<usize>() * grid.policies.len();
+    let mut hops: BTreeMap<&'static str, hop::HopSamples> = BTreeMap::new();
     let mut finished_runs = 0;
-    for &policy in &grid.policies {
-        let proxy = fleet
-            .proxy(policy.envoy_lb(), policy == LivePolicy::KvoyAggregator)
-            .map_err(|e| LiveError::Proxy {
-                policy: policy.name(),
-                message: format!("{e:#}"),
-            })?;
-        for &rate in &rates {
-            fleet.reset().map_err(|e| LiveError::Proxy {
-                policy: policy.name(),
-                message: format!("resetting the simulators: {e:#}"),
-            })?;
+    for (w, report) in grid.workloads.iter().zip(&mut reports) {
+        for &rate in &report.rates.clone() {
+            let load = rate / report.saturation.rate;
             let plan = w.plan(rate, grid.seed);
             let ideal = measure(&plan, &grid.profile);
             let plan = scale_plan(&plan, 1.0 / speedup);
-            let drive = driver::Drive {
-                proxy: proxy.listen(),
-                model: fleet::MODEL.to_owned(),
-                arrivals: grid.arrivals,
-                request_timeout: Duration::from_secs(120),
-                deadline: grid.run_deadline,
-            };
-            let outcomes = driver::run(&plan, &drive, &mut |done, total| {
-                progress(LiveProgress {
+            for &policy in &grid.policies {
+                let failed = |message: String| LiveError::Proxy {
                     policy: policy.name(),
-                    rate,
-                    done,
-                    total,
+                    message,
+                };
+                let kind = policy.proxy_kind(&binaries).map_err(failed)?;
+                let proxy = fleet
+                    .proxy(&kind, policy.name())
+                    .map_err(|e| failed(format!("{e:#}")))?;
+                hops.entry(policy.name()).or_default().extend(hop::probe(
+                    proxy.listen(),
+                    fleet.addrs(),
+                    fleet::MODEL,
                     finished_runs,
-                    runs,
+                    grid.hop_probes,
+                ));
+                fleet
+                    .reset()
+                    .map_err(|e| failed(format!("resetting the simulators: {e:#}")))?;
+                let drive = driver::Drive {
+                    proxy: proxy.listen(),
+                    model: fleet::MODEL.to_owned(),
+                    arrivals: grid.arrivals,
+                    request_timeout: Duration::from_secs(120),
+                    deadline: grid.run_deadline,
+                };
+                let mut tick = |done, total, finished_runs, finished| {
+                    progress(LiveProgress {
+                        workload: w.name(),
+                        policy: policy.name(),
+                        rate,
+                        load,
+                        done,
+                        total,
+                        finished_runs,
+                        runs,
+                        finished,
+                    })
+                };
+                let outcomes = driver::run(&plan, &drive, &mut |done, total| {
+                    tick(done, total, finished_runs, None);
                 });
-            });
-            let mut recorder = Recorder::new(grid.replicas);
-            driver::record(&outcomes, fleet.addrs(), &mut recorder);
-            if recorder.completed == 0 {
-                return Err(LiveError::NothingCompleted {
-                    policy: policy.name(),
-                    rate,
-                    error: driver::first_error(&outcomes).unwrap_or_else(|| "none".into()),
-                });
+                drop(proxy);
+                let mut recorder = Recorder::new(grid.replicas);
+                driver::record(&outcomes, fleet.addrs(), &mut recorder);
+                if recorder.completed == 0 {
+                    return Err(LiveError::NothingCompleted {
+                        workload: w.name(),
+                        policy: policy.name(),
+                        rate,
+                        error: driver::first_error(&outcomes).unwrap_or_else(|| "none".into()),
+                    });
+                }
+                // Every planned request that did not complete is an error: refused, failed,
+                // abandoned at the deadline, or never sent because its session broke off.
+                recorder.rejected = (plan.requests() as u64).saturating_sub(recorder.completed);
+                scale_recorder(&mut recorder, speedup);
+                recorder.ideal_hit_tokens = ideal.ideal_hit_tokens;
+                recorder.ideal_prompt_tokens = ideal.prompt_tokens;
+                let figures = recorder.figures(w.name(), policy.name(), rate, load);
+                finished_runs += 1;
+                tick(
+                    figures.completed as usize,
+                    plan.requests(),
+                    finished_runs,
+                    Some(&figures),
+                );
+                report.runs.push(figures);
             }
-            scale_recorder(&mut recorder, speedup);
-            recorder.ideal_hit_tokens = ideal.ideal_hit_tokens;
-            recorder.ideal_prompt_tokens = ideal.prompt_tokens;
-            figures.push(recorder.figures(w.name(), policy.name(), rate, rate / cap.rate));
-            finished_runs += 1;
         }
-        drop(proxy);
     }
     Ok(Report {
         tool: "kvoy-bench live",
@@ -213,14 +348,12 @@ pub fn run(
         seed: grid.seed,
         scrape_interval_ms: fleet::AGGREGATOR_SCRAPE_MS,
         policies: grid.policies.iter().map(|p| p.name().to_owned()).collect(),
-        workloads: vec![WorkloadReport {
-            name: w.name().to_owned(),
-            description: w.describe(),
-            shape,
-            saturation: cap,
-            rates,
-            runs: figures,
-        }],
+        workloads: reports,
+        hops: grid
+            .policies
+            .iter()
+            .filter_map(|p| hops.get(p.name()).map(|h| h.figures(p.name())))
+            .collect(),
     })
 }
 

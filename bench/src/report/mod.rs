@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::fleet::FleetKind;
+use crate::live::hop::HopFigures;
 use crate::metrics::RunFigures;
 use crate::saturation::{Capacity, Shape};
 
@@ -27,6 +28,9 @@ pub struct Report {
     pub scrape_interval_ms: u64,
     pub policies: Vec<String>,
     pub workloads: Vec<WorkloadReport>,
+    /// Live runs: what each proxy's hop adds to a tiny request (empty in the simulation).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub hops: Vec<HopFigures>,
 }
 
 /// The producers a report may name, so that `tool` stays a `&'static str` when read back.
@@ -45,6 +49,8 @@ struct SavedReport {
     scrape_interval_ms: u64,
     policies: Vec<String>,
     workloads: Vec<WorkloadReport>,
+    #[serde(default)]
+    hops: Vec<HopFigures>,
 }
 
 impl From<SavedReport> for Report {
@@ -61,6 +67,7 @@ impl From<SavedReport> for Report {
             scrape_interval_ms: r.scrape_interval_ms,
             policies: r.policies,
             workloads: r.workloads,
+            hops: r.hops,
         }
     }
 }

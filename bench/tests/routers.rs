@@ -1,0 +1,98 @@
+//! The real peer routers in the live benchmark, small: SGLang's model gateway (`smg`) and
+//! vLLM's router, installed with pip if missing, each in front of two kvoy-sim simulators on
+//! 127.0.0.1 with its `cache_aware` policy, on a scaled-down shared-prefix plan. Every request
+//! must go through (answered by a simulator, counted per endpoint), the hop must be measured,
+//! and both routers must find the cached prefixes (vLLM's router through kvoy-sim's `/tokenize`
+//! and render endpoints).
+//!
+//! Skips, saying so, only when pip cannot reach PyPI; any other install failure fails.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use kvoy_bench::live::routers::{ensure_installed, InstallError, RouterKind};
+use kvoy_bench::live::{self, Arrivals, LiveGrid, LivePolicy};
+use kvoy_bench::runner::Rate;
+use kvoy_bench::workload::{Count, SharedPrefix, Workload};
+use kvoy_sim::engine::Profile;
+
+const REQUESTS: u64 = 40;
+
+#[test]
+fn smg_and_vllm_router_route_every_request_to_the_simulators() {
+    for kind in [RouterKind::Smg, RouterKind::VllmRouter] {
+        match ensure_installed(kind) {
+            Ok(binary) => eprintln!("[routers] {} at {}", kind.requirement(), binary.display()),
+            Err(e @ InstallError::Unreachable { .. }) => {
+                eprintln!("SKIPPED: the real-router test needs PyPI, which pip cannot reach: {e}");
+                return;
+            }
+            Err(e) => panic!("installing {}: {e}", kind.requirement()),
+        }
+    }
+    let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join("kvoy-bench-routers")
+        .join(std::process::id().to_string());
+    let mut workload = SharedPrefix::new(0.1, Count::Fixed(REQUESTS as usize));
+    workload.groups = 4;
+    let grid = LiveGrid {
+        workloads: vec![Workload::SharedPrefix(workload)],
+        policies: vec![LivePolicy::SmgCacheAware, LivePolicy::VllmRouter],
+        rates: vec![Rate::Saturation(0.05)],
+        profile: Profile::llama_8b_h100(),
+        replicas: 2,
+        speedup: 10.0,
+        seed: 7,
+        arrivals: Arrivals::Open,
+        run_deadline: Duration::from_secs(60),
+        hop_probes: 5,
+        run_dir: run_dir.clone(),
+    };
+    let report = live::run(&grid, &mut |p| {
+        if let Some(f) = p.finished {
+            eprintln!(
+                "[routers] {} at {:.2} req/s: {}/{} completed",
+                p.policy, p.rate, f.completed, f.requests
+            );
+        }
+    })
+    .unwrap();
+    for r in &report.workloads[0].runs {
+        eprintln!(
+            "[routers] {:<16} completed {}/{} hit {:.2} (ideal {:.2}) ttft p90 {:.3}s spread {:?}",
+            r.policy,
+            r.completed,
+            r.requests,
+            r.hit_rate,
+            r.ideal_hit_rate,
+            r.ttft_s.p90,
+            r.spread.requests
+        );
+        assert_eq!(
+            r.completed, REQUESTS,
+            "{}: every request completes",
+            r.policy
+        );
+        assert_eq!(r.rejected, 0, "{}", r.policy);
+        assert_eq!(
+            r.spread.requests.iter().sum::<u64>(),
+            REQUESTS,
+            "{}: every answer names the simulator that served it",
+            r.policy
+        );
+        assert!(
+            r.hit_rate >= 0.8 * r.ideal_hit_rate,
+            "{}: hit rate {:.2} against an ideal {:.2}",
+            r.policy,
+            r.hit_rate,
+            r.ideal_hit_rate
+        );
+    }
+    assert_eq!(report.hops.len(), 2);
+    for h in &report.hops {
+        assert_eq!((h.samples, h.failed), (5, 0), "{h:?}");
+        assert!(h.proxied_ms.p50 > 0.0 && h.direct_ms.p50 > 0.0, "{h:?}");
+    }
+    let _ = std::fs::remove_dir_all(&run_dir);
+}
