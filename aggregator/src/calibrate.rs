@@ -484,11 +484,10 @@ impl Calibration {
             serde_json::json!(rate)
         };
         let _ = writeln!(out, "kvoy configuration (the rate at the typical length):");
-        let _ = writeln!(
-            out,
-            "  model {:?}:  \"prefill_tokens_per_s\": {number}",
-            self.model
-        );
+        let model = serde_json::json!({
+            "cost": {"models": {self.model.as_str(): {"prefill_tokens_per_s": number}}}
+        });
+        let _ = writeln!(out, "  per model:  {model}");
         let endpoint = serde_json::json!({
             "address": self.address.to_string(),
             "models": [self.model],

@@ -75,6 +75,15 @@ async fn recovers_the_configured_rate() {
     let report = c.report();
     let line = format!("\"prefill_tokens_per_s\":{}", c.configured_rate());
     assert!(report.contains(&line), "{report}");
+    // The per-model line is a `cost` section kvoy's filter accepts as it is.
+    let per_model = report
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("per model:"))
+        .unwrap_or_else(|| panic!("no per-model line: {report}"));
+    let mut cfg: serde_json::Value = serde_json::from_str(per_model.trim()).unwrap();
+    cfg["endpoints"] = serde_json::json!([{"address": addr.to_string(), "models": ["m"]}]);
+    let parsed = kvoy_shared::PluginConfig::from_json(cfg.to_string().as_bytes()).unwrap();
+    assert_eq!(parsed.cost.model_rate("m"), c.configured_rate());
     assert!(
         report.contains(&format!("\"address\":\"{addr}\"")),
         "{report}"

@@ -222,7 +222,10 @@ fn concurrent_burst_is_not_piled_on_one_backend() {
     let handles: Vec<_> = (0..n)
         .map(|i| {
             let barrier = Arc::clone(&barrier);
-            let body = chat_body(&system, &format!("burst question {i}"));
+            // Each question is 1 KB (about 260 tokens) against the 4 KB shared prompt: the
+            // holder's queued prefill soon outweighs computing the prefix again elsewhere.
+            let question = format!("burst question {i} {}", "detail ".repeat(146));
+            let body = chat_body(&system, &question);
             thread::spawn(move || {
                 barrier.wait();
                 http::post_json(

@@ -12,6 +12,10 @@
 //! `filter/native/N` is `Router::route_body` on the same body with a warmed index.
 //! `filter/wasm_passthrough/get` is the per-stream floor: a `GET /v1/models` the filter routes
 //! at the headers, with no body to parse.
+//! `filter/wasm_weighted/N` is the same filter with `scorer: "weighted"` (the cost scorer's cost
+//! alone), and `filter/wasm_previous/N` with the previous defaults as well (weighted, 256 dense
+//! keys: a prompt keyed over its first 16 KB only), so the new defaults' cost per request is
+//! read side by side in one run.
 //!
 //! Needs `make wasm`. `KVOY_BENCH_WASM=path/to/filter.wasm` benches another build of the filter
 //! (e.g. one built with `-C target-feature=+simd128`); see BENCHMARKS.md.
@@ -78,15 +82,39 @@ fn counter(plugin: &Plugin, name: &str) -> u64 {
     plugin.counter(name).unwrap_or(0)
 }
 
+/// `config_json()` with `extra` fields.
+fn config_with(extra: &str) -> String {
+    let base = config_json();
+    match base.strip_suffix('}') {
+        Some(head) if !extra.is_empty() => format!("{head},{extra}}}"),
+        _ => base,
+    }
+}
+
 fn bench(c: &mut Criterion) {
     let host = load_host();
-    let config = config_json();
-    let plugin = host
-        .plugin()
-        .configuration(config.as_bytes())
-        .vms(VMS)
-        .start()
-        .expect("plugin starts");
+    let start = |config: String| {
+        host.plugin()
+            .configuration(config.as_bytes())
+            .vms(VMS)
+            .start()
+            .expect("plugin starts")
+    };
+    let plugin = start(config_with(""));
+    let variants = [
+        ("wasm", plugin),
+        (
+            "wasm_weighted",
+            start(config_with(r#""scorer":"weighted""#)),
+        ),
+        (
+            "wasm_previous",
+            start(config_with(
+                r#""scorer":"weighted","max_blocks":256,"dense_blocks":256"#,
+            )),
+        ),
+    ];
+    let plugin = &variants[0].1;
     let mut g = c.benchmark_group("filter");
 
     // The fixed cost of a stream: `GET /v1/models` is routed at the headers (least loaded, no
@@ -120,27 +148,29 @@ fn bench(c: &mut Criterion) {
         ];
         g.throughput(Throughput::Bytes(body.len() as u64));
 
-        // Warm both VMs' indexes, then check that a request matches its whole chain.
-        for vm in 0..VMS {
-            request(&plugin, vm, &headers, &body);
-        }
-        let (requested, matched) = (counter(&plugin, REQUESTED), counter(&plugin, MATCHED));
-        request(&plugin, 0, &headers, &body);
-        let requested = counter(&plugin, REQUESTED) - requested;
-        let matched = counter(&plugin, MATCHED) - matched;
-        assert!(
-            requested > 0 && matched == requested,
-            "warm request matched {matched} of {requested} blocks"
-        );
+        for (name, plugin) in &variants {
+            // Warm both VMs' indexes, then check that a request matches its whole chain.
+            for vm in 0..VMS {
+                request(plugin, vm, &headers, &body);
+            }
+            let (requested, matched) = (counter(plugin, REQUESTED), counter(plugin, MATCHED));
+            request(plugin, 0, &headers, &body);
+            let requested = counter(plugin, REQUESTED) - requested;
+            let matched = counter(plugin, MATCHED) - matched;
+            assert!(
+                requested > 0 && matched == requested,
+                "{name}: warm request matched {matched} of {requested} blocks"
+            );
 
-        let mut next_vm = 0;
-        g.bench_with_input(BenchmarkId::new("wasm", tokens), &body, |b, body| {
-            b.iter(|| {
-                request(&plugin, next_vm, &headers, black_box(body));
-                next_vm = (next_vm + 1) % VMS;
-            })
-        });
-        assert_eq!(counter(&plugin, SHARED_ERRORS), 0, "shared state errors");
+            let mut next_vm = 0;
+            g.bench_with_input(BenchmarkId::new(*name, tokens), &body, |b, body| {
+                b.iter(|| {
+                    request(plugin, next_vm, &headers, black_box(body));
+                    next_vm = (next_vm + 1) % VMS;
+                })
+            });
+            assert_eq!(counter(plugin, SHARED_ERRORS), 0, "shared state errors");
+        }
 
         bench_route(&mut g, BenchmarkId::new("native", tokens), &body);
     }
