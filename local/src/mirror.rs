@@ -77,7 +77,7 @@ pub struct ScoreRow {
     pub prefill_s: f64,
     pub decode_s: f64,
     pub cost_s: f64,
-    /// The endpoint the router chose.
+    /// Among the best (the endpoint chosen, or tied with it).
     pub best: bool,
 }
 
@@ -196,7 +196,30 @@ impl Prepared {
         };
         let scores = self.router.last_scores();
         let costs = self.router.last_costs();
-        let chosen = result.as_ref().ok().map(|d| d.endpoint);
+        // The filter breaks ties with its own randomness: every row that ties with this
+        // router's choice is marked (the filter's pick is one of them).
+        let chosen = result.as_ref().ok().and_then(|d| {
+            self.router
+                .last_candidates()
+                .iter()
+                .position(|c| c.id == d.endpoint)
+        });
+        let weighted = self.router.config().scorer == Scorer::Weighted;
+        let ties = |i: usize| -> bool {
+            let Some(k) = chosen else {
+                return false;
+            };
+            if weighted && !scores.is_empty() {
+                let (a, b) = (scores.get(i), scores.get(k));
+                return a
+                    .zip(b)
+                    .is_some_and(|(a, b)| (a.total - b.total).abs() < 1e-9);
+            }
+            match (costs.get(i), costs.get(k)) {
+                (Some(a), Some(b)) => (a.total_s - b.total_s).abs() < 1e-9,
+                _ => i == k,
+            }
+        };
         let rows = self
             .router
             .last_candidates()
@@ -224,7 +247,7 @@ impl Prepared {
                     prefill_s: t.prefill_s,
                     decode_s: t.decode_s,
                     cost_s: t.total_s,
-                    best: chosen == Some(c.id),
+                    best: ties(i),
                 }
             })
             .collect();
