@@ -176,6 +176,25 @@ fn complete(sim: SocketAddr, prompt: &str) {
     assert_eq!(status, 200);
 }
 
+/// Sends fresh prompts to `sim` (every half second, for up to 20 s) until `f` holds. A SUB
+/// socket only receives once its subscription reached the publisher (ZMQ's slow joiner),
+/// which on a loaded machine can be after the first message.
+fn publish_until(sim: SocketAddr, what: &str, mut f: impl FnMut() -> bool) {
+    let mut sent_at: Option<Instant> = None;
+    let mut nth = 0;
+    wait_for(what, Duration::from_secs(20), || {
+        if sent_at.is_none_or(|t| t.elapsed() > Duration::from_millis(500)) {
+            nth += 1;
+            complete(
+                sim,
+                &format!("a fresh prompt {nth} to publish one more batch ").repeat(8),
+            );
+            sent_at = Some(Instant::now());
+        }
+        f()
+    });
+}
+
 fn config() -> AggregatorConfig {
     AggregatorConfig::from_yaml("scrape_interval_ms: 50\nstale_after_ms: 500\n").unwrap()
 }
@@ -211,13 +230,7 @@ fn follows_simulators_and_serves_snapshots() {
         s.endpoints.len() == 2 && s.endpoints.iter().all(|e| e.ready && !e.stale)
     });
     // A message on the live stream makes the follower notice it missed seq 0.. and replay.
-    complete(
-        sims[0].addr,
-        "a fresh prompt to publish one more batch "
-            .repeat(8)
-            .as_str(),
-    );
-    wait_for("replayed history", Duration::from_secs(10), || {
+    publish_until(sims[0].addr, "replayed history", || {
         current(api).endpoints[0].cached_blocks[0] >= 10
     });
 
@@ -237,8 +250,7 @@ fn follows_simulators_and_serves_snapshots() {
         assert!(idle_bytes < full_bytes, "{idle_bytes} vs {full_bytes}");
     }
     let before = current(api);
-    complete(sims[1].addr, &"another prompt entirely ".repeat(30));
-    wait_for("sim 1 cache", Duration::from_secs(10), || {
+    publish_until(sims[1].addr, "sim 1 cache", || {
         current(api).endpoints[1].cached_blocks[0] > 0
     });
     let (delta, _) = snapshot(

@@ -13,11 +13,16 @@
 //!   causal join of the design (a request's text keys linked to the server blocks its prefill
 //!   stored): when a request's prompt is known cached on its endpoint (its first token came out
 //!   before the scrape), its keys are applied with [`Router::apply_remote`]. Evictions cannot be
-//!   applied: the index has no removal (its LRU bound stands in for them).
+//!   applied: the index has no removal (its LRU bound stands in for them). Each endpoint's
+//!   prefill rate is kvoy-aggregator's own online estimate ([`PrefillEstimator`]) from the
+//!   engines' prefill-time and computed-token histograms, observed as vLLM observes them (when
+//!   a request finishes); before it has enough evidence, the model's configured rate stands.
 
 use std::collections::HashMap;
 use std::net::{Ipv4Addr, SocketAddr};
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use kvoy_aggregator::prefill::{PrefillEstimator, PrefillSample};
 
 use kvoy_shared::prefix::BlockKey;
 use kvoy_shared::request::Api;
@@ -95,6 +100,10 @@ pub struct Kvoy {
     outstanding: Vec<Outstanding>,
     sent: HashMap<u64, Sent>,
     version: u64,
+    /// The aggregator's prefill-rate estimate per endpoint, from the scraped metrics.
+    prefill: Vec<PrefillEstimator>,
+    /// Virtual time 0 as the estimator's clock (it reads only differences).
+    epoch: Instant,
     fallback: Rng,
     /// Requests the router refused (routed to the least-loaded endpoint instead).
     pub refused: u64,
@@ -115,6 +124,8 @@ impl Kvoy {
             outstanding: vec![Outstanding::default(); replicas],
             sent: HashMap::new(),
             version: 0,
+            prefill: (0..replicas).map(|_| PrefillEstimator::default()).collect(),
+            epoch: Instant::now(),
             fallback: Rng::derive(seed, "kvoy/fallback", 0),
             refused: 0,
         })
@@ -133,6 +144,16 @@ impl Kvoy {
     /// The aggregator's snapshot of the fleet.
     fn snapshot(&mut self, view: &View<'_>) -> Snapshot {
         self.version += 1;
+        let now = self.epoch + view.now;
+        for (e, m) in self.prefill.iter_mut().zip(view.metrics) {
+            let p = m.prefill;
+            let sample = PrefillSample::from_histogram(
+                p.seconds,
+                p.requests as f64,
+                p.computed_tokens as f64,
+            );
+            e.observe(Some(sample), now);
+        }
         let endpoints = view
             .metrics
             .iter()
@@ -152,8 +173,7 @@ impl Kvoy {
                 // The simulated servers never drop their cache.
                 cache_generation: 0,
                 prefix_hit_rate: m.prefix_hit_rate.map(|r| r as f32),
-                // The fleet simulation runs no aggregator estimator.
-                prefill_tokens_per_s: None,
+                prefill_tokens_per_s: self.prefill[i].estimate().map(|e| e.tokens_per_s as f32),
             })
             .collect();
         Snapshot {
@@ -311,5 +331,45 @@ mod tests {
             prompt_tokens: 0,
         };
         assert_ne!(p.pick(&req3, &view), first, "the hot-spot guard spills");
+    }
+
+    #[test]
+    fn the_aggregator_view_carries_each_endpoints_estimated_prefill_rate() {
+        let options = KvoyOptions {
+            aggregator: true,
+            scorer: Scorer::Cost,
+            prefill_tokens_per_s: 25_000.0,
+        };
+        let mut p = Kvoy::new(2, 1, &options, &[]).unwrap();
+        let inflight = [0u32; 2];
+        let mut metrics = [EndpointMetrics::default(); 2];
+        let rate = |p: &Kvoy, i: u16| {
+            let e = p.router().pool().get(EndpointId(i)).unwrap();
+            e.load.prefill_tokens_per_s
+        };
+        // Endpoint 1 prefills at half endpoint 0's speed: a request a second, alone, 2,000
+        // computed tokens each (10 ms fixed cost).
+        for s in 0..120u64 {
+            for (i, m) in metrics.iter_mut().enumerate() {
+                let r = [40_000.0, 20_000.0][i];
+                m.prefill.requests += 1;
+                m.prefill.computed_tokens += 2_000;
+                m.prefill.seconds += 0.010 + 2_000.0 / r;
+            }
+            let view = View {
+                now: Duration::from_secs(s),
+                inflight: &inflight,
+                metrics: &metrics,
+            };
+            p.on_scrape(&view, &[]);
+            if s == 0 {
+                assert_eq!(rate(&p, 0), None, "no estimate without evidence");
+            }
+        }
+        let (fast, slow) = (rate(&p, 0).unwrap(), rate(&p, 1).unwrap());
+        // One prompt length does not separate the fixed cost: the average rate, fixed cost
+        // included (2,000 / 0.060 and 2,000 / 0.110 tokens/s).
+        assert!((fast / 33_333.0 - 1.0).abs() < 0.02, "{fast}");
+        assert!((slow / 18_182.0 - 1.0).abs() < 0.02, "{slow}");
     }
 }

@@ -54,6 +54,18 @@ pub struct EndpointMetrics {
     pub block_size: u32,
     /// `prefix_cache_hits / prefix_cache_queries` so far, when any query was made.
     pub prefix_hit_rate: Option<f64>,
+    /// `vllm:request_prefill_time_seconds` sum and count, and
+    /// `vllm:request_prefill_kv_computed_tokens` sum, of the requests finished so far (vLLM
+    /// observes both when a request finishes): what kvoy-aggregator estimates prefill rates from.
+    pub prefill: PrefillTotals,
+}
+
+/// Cumulative prefill figures of the requests an engine finished.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PrefillTotals {
+    pub seconds: f64,
+    pub requests: u64,
+    pub computed_tokens: u64,
 }
 
 /// What a proxy observes when it routes.

@@ -20,7 +20,7 @@ use kvoy_sim::engine::{tokenizer, Engine, EngineRequest, OutputKind, Profile, Pr
 
 use crate::ideal::IdealCache;
 use crate::metrics::Recorder;
-use crate::policy::{EndpointMetrics, Policy, Prefilled, RouteRequest, View};
+use crate::policy::{EndpointMetrics, Policy, PrefillTotals, Prefilled, RouteRequest, View};
 use crate::workload::text::render_all;
 use crate::workload::Plan;
 pub use mirror::{block_hashes, block_hashes_into, CacheMirror};
@@ -94,6 +94,8 @@ struct Live {
     /// Preempted before its first token: the engine then reports the hits of its re-admission,
     /// which include the request's own blocks.
     preempted_early: bool,
+    /// First scheduling to first token, as the engine reported it.
+    prefill_time: Duration,
 }
 
 struct Sim<'a> {
@@ -104,6 +106,8 @@ struct Sim<'a> {
     pending: Vec<Vec<kvoy_sim::engine::Output>>,
     inflight: Vec<u32>,
     metrics: Vec<EndpointMetrics>,
+    /// Per engine, what its prefill metrics have counted.
+    prefill: Vec<PrefillTotals>,
     prefilled: Vec<Prefilled>,
     /// The open request of each session, by session index.
     live: Vec<Option<Live>>,
@@ -166,6 +170,7 @@ pub fn run(
         pending: vec![Vec::new(); n],
         inflight: vec![0; n],
         metrics: vec![EndpointMetrics::default(); n],
+        prefill: vec![PrefillTotals::default(); n],
         prefilled: Vec::new(),
         live: vec![None; plan.sessions.len()],
         open: 0,
@@ -295,6 +300,7 @@ impl Sim<'_> {
                     arrival_hit,
                     first_token: false,
                     preempted_early: false,
+                    prefill_time: Duration::ZERO,
                 });
                 self.open += 1;
                 if !self.busy[e] {
@@ -372,7 +378,10 @@ impl Sim<'_> {
                 self.rec.window_output_tokens += 1;
             }
             match out.kind {
-                OutputKind::FirstToken { ttft, .. } => {
+                OutputKind::FirstToken {
+                    ttft, prefill_time, ..
+                } => {
+                    live.prefill_time = prefill_time;
                     live.last_token = now;
                     live.first_token = true;
                     let class = self.plan.sessions[si].class;
@@ -400,6 +409,11 @@ impl Sim<'_> {
                     self.open -= 1;
                     self.inflight[endpoint] = self.inflight[endpoint].saturating_sub(1);
                     policy.on_finished(id, endpoint, now);
+                    let totals = &mut self.prefill[endpoint];
+                    totals.seconds += live.prefill_time.as_secs_f64();
+                    totals.requests += 1;
+                    totals.computed_tokens +=
+                        u64::from(usage.prompt_tokens.saturating_sub(usage.cached_tokens));
                     self.rec.e2e.push(latency.as_secs_f64());
                     self.rec.prompt_tokens += u64::from(usage.prompt_tokens);
                     let cached = if live.preempted_early {
@@ -437,7 +451,12 @@ impl Sim<'_> {
     }
 
     fn scrape(&mut self, now: Duration, policy: &mut dyn Policy) {
-        for (m, engine) in self.metrics.iter_mut().zip(&self.engines) {
+        for ((m, engine), prefill) in self
+            .metrics
+            .iter_mut()
+            .zip(&self.engines)
+            .zip(&self.prefill)
+        {
             let s = engine.stats();
             *m = EndpointMetrics {
                 waiting: s.waiting as u32,
@@ -448,6 +467,7 @@ impl Sim<'_> {
                 block_size: s.block_size,
                 prefix_hit_rate: (s.prefix_cache_queries > 0)
                     .then(|| s.prefix_cache_hits as f64 / s.prefix_cache_queries as f64),
+                prefill: *prefill,
             };
         }
         let view = View {
