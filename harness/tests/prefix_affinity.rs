@@ -244,6 +244,63 @@ fn the_cost_scorer_spills_a_burst_once_queued_work_outweighs_the_prefix() -> Tes
 }
 
 #[test]
+fn the_servers_usage_teaches_the_bytes_per_token() -> TestResult {
+    let cfg = config(serde_json::json!({}));
+    let plugin = plugin_with(&cfg, 5)?;
+    // Prompts of 4,000 bytes that the server counts as 2,000 tokens (2 bytes a token, not the
+    // configured 4); each request's own prefix, so all of it is uncached.
+    let prompt = |i: usize| format!("{i:04} {}", "y".repeat(3995));
+    let body = |i: usize| {
+        serde_json::json!({"model": "m", "prompt": prompt(i)})
+            .to_string()
+            .into_bytes()
+    };
+    let pending = |s: &HttpStream| -> Result<u32, Error> {
+        let table = outstanding(&plugin, &cfg);
+        let d = destination(s);
+        let i = POOL.iter().position(|a| *a == d).unwrap_or(0);
+        Ok(table[i].2)
+    };
+    let first = send(&plugin, 0, "/v1/completions", &body(0), &[])?;
+    assert_eq!(
+        pending(&first)?,
+        1000,
+        "4,000 bytes at the configured 4 a token"
+    );
+    // The answer's usage, split inside the key across two chunks (the first answer of a VM
+    // is sampled).
+    first.send_response_headers(&[(":status", "200")], false)?;
+    first.send_response_body(
+        br#"{"choices":[{"text":"\"prompt_tokens\":9"}],"usage":{"prompt_to"#,
+        false,
+    )?;
+    first.send_response_body(br#"kens":2000,"completion_tokens":1}}"#, true)?;
+    first.finish()?;
+    assert_eq!(
+        plugin.counter("kvoy_prefix_affinity_usage_observed_total"),
+        Some(1)
+    );
+    // The same VM now counts that model's prompts at 2 bytes a token.
+    let second = send(&plugin, 0, "/v1/completions", &body(1), &[])?;
+    assert_eq!(pending(&second)?, 2000, "learned from the server's count");
+    second.send_response(
+        &[(":status", "200")],
+        br#"{"usage":{"prompt_tokens":2000}}"#,
+    )?;
+    second.finish()?;
+    // Unsampled answers are not read: only every 8th request of a VM is.
+    assert_eq!(
+        plugin.counter("kvoy_prefix_affinity_usage_observed_total"),
+        Some(1)
+    );
+    // The other VM has learned nothing yet.
+    let other = send(&plugin, 1, "/v1/completions", &body(2), &[])?;
+    assert_eq!(pending(&other)?, 1000);
+    other.finish()?;
+    Ok(())
+}
+
+#[test]
 fn a_same_prefix_burst_spills_past_the_hot_endpoint() -> TestResult {
     let cfg = config(serde_json::json!({"scorer": "weighted"}));
     let plugin = plugin_with(&cfg, 11)?;

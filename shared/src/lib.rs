@@ -31,6 +31,7 @@ mod router;
 mod score;
 pub mod session;
 pub mod snapshot;
+pub mod usage;
 
 pub use config::{
     AggregatorSettings, ConfigError, HotspotGuard, InvalidBodyPolicy, PluginConfig, Scorer,

@@ -145,6 +145,9 @@ pub struct Router {
     ratio: TokenRatio,
     /// Uncached tokens of a typical request routed here (EWMA): sizes a server's queue.
     typical_tokens: Option<f64>,
+    /// The model and prompt bytes of the last request routed by its body.
+    last_model: String,
+    last_prompt_bytes: u64,
 }
 
 /// Weight of the newest request in [`Router`]'s typical request size.
@@ -177,6 +180,8 @@ impl Router {
             keys: Vec::new(),
             ratio: TokenRatio::default(),
             typical_tokens: None,
+            last_model: String::new(),
+            last_prompt_bytes: 0,
         }
     }
 
@@ -245,6 +250,12 @@ impl Router {
 
     /// Cost terms of the last scored decision, in the order of [`Router::last_candidates`]
     /// (computed under either scorer).
+    /// The model and prompt bytes of the last request routed by its body: what a caller
+    /// passes to [`Router::observe_usage`] with the server's count for that request.
+    pub fn last_prompt(&self) -> (&str, u64) {
+        (&self.last_model, self.last_prompt_bytes)
+    }
+
     pub fn last_costs(&self) -> &[CostTerms] {
         &self.costs
     }
@@ -327,6 +338,9 @@ impl Router {
         self.keys.extend_from_slice(keys);
         let bytes_per_token = self.bytes_per_token(&req.model);
         let prompt_tokens = req.prompt_len() as f64 / bytes_per_token;
+        self.last_model.clear();
+        self.last_model.push_str(&req.model);
+        self.last_prompt_bytes = req.prompt_len() as u64;
         let model_rate = self.config.cost.model_rate(&req.model);
         self.fill_candidates(outstanding, model_rate);
         let mut session = match pin {

@@ -47,6 +47,9 @@ pub(crate) struct VmState {
     pub counts: Vec<Outstanding>,
     /// The aggregator's pool, when configured.
     pub live: Option<live::LivePool>,
+    /// Requests routed by their body; every [`stream::USAGE_SAMPLE_EVERY`]th has its answer's
+    /// `usage` read, to learn the model's bytes per token.
+    pub scored: u64,
 }
 
 pub(crate) type SharedState = Rc<RefCell<Option<VmState>>>;
@@ -117,6 +120,7 @@ impl RootContext for PrefixAffinityRoot {
             metrics: Metrics::define(),
             counts: Vec::with_capacity(endpoints),
             live,
+            scored: 0,
         });
         true
     }

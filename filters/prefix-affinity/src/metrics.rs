@@ -32,6 +32,8 @@ pub(crate) struct Metrics {
     pub pool_endpoints: Option<u32>,
     pub pool_live: Option<u32>,
     pub session_honoured: Option<u32>,
+    /// Server prompt-token counts read from answers (the bytes-per-token evidence).
+    pub usage_observed: Option<u32>,
     session_breaks: [Option<u32>; 5],
 }
 
@@ -55,6 +57,7 @@ impl Metrics {
             pool_endpoints: gauge("kvoy_prefix_affinity_pool_endpoints"),
             pool_live: gauge("kvoy_prefix_affinity_pool_live"),
             session_honoured: counter("kvoy_prefix_affinity_session_pins_honoured_total"),
+            usage_observed: counter("kvoy_prefix_affinity_usage_observed_total"),
             session_breaks: BREAKS.map(|r| {
                 counter(&format!(
                     "kvoy_prefix_affinity_session_pins_broken_{}_total",

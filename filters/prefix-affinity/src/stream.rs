@@ -7,6 +7,7 @@ use proxy_wasm::types::{Action, MapType};
 
 use kvoy_shared::request::Api;
 use kvoy_shared::session::PIN_HEADER;
+use kvoy_shared::usage::UsageScanner;
 use kvoy_shared::{
     Decision, DecisionKind, EndpointId, OutstandingDelta, RequestError, RouteError, SessionOutcome,
 };
@@ -19,6 +20,17 @@ use kvoy_filter_common::HostStore;
 pub(crate) const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
 /// The endpoint that actually served the request, on the response.
 pub(crate) const SERVED_HEADER: &str = "x-gateway-destination-endpoint-served";
+
+/// One answer in this many (of requests routed by their body) has its `usage` read: enough to
+/// learn a model's bytes per token within minutes, without scanning every answer.
+pub(crate) const USAGE_SAMPLE_EVERY: u64 = 8;
+
+/// An answer whose prompt-token count is being looked for.
+struct UsageProbe {
+    scanner: UsageScanner,
+    model: String,
+    prompt_bytes: u64,
+}
 
 /// What this request added to the outstanding table.
 #[derive(Clone, Copy)]
@@ -38,6 +50,10 @@ pub(crate) struct RequestStream {
     acquired: Option<Acquired>,
     /// The session pin `kvoy_session` handed over (validated against the pool when routing).
     pin: Option<String>,
+    /// Set when this answer's `usage` is sampled.
+    usage: Option<UsageProbe>,
+    /// The API of the request being routed by its body (kept for its answer's `usage`).
+    routed_api: Option<Api>,
 }
 
 impl RequestStream {
@@ -48,6 +64,8 @@ impl RequestStream {
             chosen: None,
             acquired: None,
             pin: None,
+            usage: None,
+            routed_api: None,
         }
     }
 
@@ -105,6 +123,18 @@ impl RequestStream {
         Metrics::add(vm.metrics.decisions, 1);
         match decision.kind {
             DecisionKind::Scored => {
+                vm.scored += 1;
+                let learn = vm.router.config().cost.learn_bytes_per_token;
+                if let Some(api) = self.routed_api.filter(|_| learn) {
+                    if vm.scored % USAGE_SAMPLE_EVERY == 1 {
+                        let (model, prompt_bytes) = vm.router.last_prompt();
+                        self.usage = Some(UsageProbe {
+                            scanner: UsageScanner::new(api),
+                            model: model.to_owned(),
+                            prompt_bytes,
+                        });
+                    }
+                }
                 Metrics::add(
                     vm.metrics.blocks_requested,
                     u64::from(decision.request_blocks),
@@ -165,6 +195,7 @@ impl RequestStream {
             return Action::Continue;
         };
         Self::refresh(vm);
+        self.routed_api = Some(api);
         let counts = std::mem::take(&mut vm.counts);
         let result = vm
             .router
@@ -173,6 +204,41 @@ impl RequestStream {
         match result {
             Ok(decision) => self.commit(vm, decision),
             Err(err) => self.reply_error(vm, &err),
+        }
+    }
+}
+
+impl RequestStream {
+    /// Feeds a sampled answer's chunk to its usage scanner; a count found teaches the router
+    /// the model's bytes per token.
+    fn read_usage(&mut self, body_size: usize, end_of_stream: bool) {
+        let Some(probe) = self.usage.as_mut() else {
+            return;
+        };
+        let mut found = None;
+        if body_size > 0 {
+            if let Ok(Some(chunk)) = hostcalls::get_buffer(
+                proxy_wasm::types::BufferType::HttpResponseBody,
+                0,
+                body_size,
+            ) {
+                found = probe.scanner.feed(&chunk);
+            }
+        }
+        if found.is_none() && end_of_stream {
+            found = probe.scanner.finish();
+        }
+        let give_up = probe.scanner.done();
+        if let Some(tokens) = found {
+            let mut guard = self.state.borrow_mut();
+            if let Some(vm) = guard.as_mut() {
+                vm.router
+                    .observe_usage(&probe.model, probe.prompt_bytes, tokens);
+                Metrics::add(vm.metrics.usage_observed, 1);
+            }
+        }
+        if found.is_some() || give_up || end_of_stream {
+            self.usage = None;
         }
     }
 }
@@ -297,7 +363,8 @@ impl HttpContext for RequestStream {
         Action::Continue
     }
 
-    fn on_http_response_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        self.read_usage(body_size, end_of_stream);
         // The first byte of the answer: its prefill is done, release its pending tokens (the
         // cost model's queue at that endpoint). Headers do not tell: a streamed answer's
         // headers leave the server before its first token.
