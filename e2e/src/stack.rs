@@ -14,6 +14,9 @@ use crate::bootstrap::{
 };
 use crate::envoy::{free_port, EnvoyProcess};
 
+/// The `allowed_destinations` of the kit's pools (simulators and echo backends on loopback).
+pub const LOOPBACK_CIDR: &str = "127.0.0.0/8";
+
 /// The bootstrap's cluster for kvoy-aggregator.
 pub const AGGREGATOR_CLUSTER: &str = "kvoy_aggregator";
 
@@ -261,11 +264,14 @@ impl Stack {
             .extra_config
             .clone()
             .unwrap_or_else(|| Value::Object(Default::default()));
-        if config.aggregator.is_some() {
-            if let Value::Object(map) = &mut extra {
+        if let Value::Object(map) = &mut extra {
+            if config.aggregator.is_some() {
                 map.entry("aggregator")
                     .or_insert_with(|| serde_json::json!({"cluster": AGGREGATOR_CLUSTER}));
             }
+            // Everything of this kit listens on loopback: the pool may be nowhere else.
+            map.entry("allowed_destinations")
+                .or_insert_with(|| serde_json::json!([{"cidr": LOOPBACK_CIDR}]));
         }
         let filter_config =
             prefix_affinity_config(&config.pool, config.max_body_bytes, Some(&extra));

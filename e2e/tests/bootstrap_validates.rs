@@ -25,7 +25,8 @@ fn rendered_bootstrap_passes_envoy_validate() {
         ),
     ];
     // Quotes, backslashes and newlines in the config must survive YAML escaping.
-    let extra = json!({"on_invalid_body": "reject", "aggregator": {"cluster": "kvoy_aggregator"}});
+    let extra = json!({"on_invalid_body": "reject", "aggregator": {"cluster": "kvoy_aggregator"},
+        "allowed_destinations": [{"cidr": "127.0.0.0/8", "ports": ["18001-18002"]}]});
     let config = prefix_affinity_config(&pool, Some(1 << 20), Some(&extra));
     let params = BootstrapParams {
         listen_port: 18000,

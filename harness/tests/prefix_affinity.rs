@@ -104,21 +104,33 @@ fn destination(stream: &HttpStream) -> String {
     dest
 }
 
-/// The shared outstanding table: (requests, prefilling, prefill tokens) per endpoint.
+/// The shared outstanding table: (requests, prefilling, prefill tokens) per pool endpoint, in
+/// `POOL` order. The table is keyed by address (`kvoy_shared::replica::OutstandingTable`:
+/// family, 16 address bytes, port, three counts per entry) and holds only live work.
 fn outstanding(plugin: &Plugin, config: &str) -> Vec<(u32, u32, u32)> {
     let key = format!(
         "{}.outstanding",
         replica::namespace("kvoy.pa", config.as_bytes())
     );
     let word = |c: &[u8], i: usize| u32::from_le_bytes([c[i], c[i + 1], c[i + 2], c[i + 3]]);
-    plugin
-        .shared_data(&key)
-        .map(|(b, _)| {
-            b.chunks_exact(12)
-                .map(|c| (word(c, 0), word(c, 4), word(c, 8)))
-                .collect()
-        })
-        .unwrap_or_else(|| vec![(0, 0, 0); POOL.len()])
+    let mut out = vec![(0, 0, 0); POOL.len()];
+    if let Some((b, _)) = plugin.shared_data(&key) {
+        for c in b.chunks_exact(replica::OUTSTANDING_ENTRY_BYTES) {
+            let ip = std::net::Ipv6Addr::from(<[u8; 16]>::try_from(&c[1..17]).unwrap());
+            let ip: std::net::IpAddr = match c[0] {
+                4 => ip.to_ipv4_mapped().unwrap().into(),
+                _ => ip.into(),
+            };
+            let port = u16::from_le_bytes([c[17], c[18]]);
+            let address = std::net::SocketAddr::new(ip, port).to_string();
+            let i = POOL
+                .iter()
+                .position(|p| *p == address)
+                .unwrap_or_else(|| panic!("{address} is not a pool endpoint"));
+            out[i] = (word(c, 19), word(c, 23), word(c, 27));
+        }
+    }
+    out
 }
 
 fn inflight(plugin: &Plugin, config: &str) -> Vec<u32> {

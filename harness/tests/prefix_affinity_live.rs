@@ -21,6 +21,7 @@ fn config() -> String {
     serde_json::json!({
         "endpoints": STATIC_POOL.iter().map(|a| serde_json::json!({"address": a, "models": ["m"]})).collect::<Vec<_>>(),
         "aggregator": {"cluster": CLUSTER, "authority": "aggregator.local"},
+        "allowed_destinations": [{"cidr": "127.0.0.0/8"}],
     })
     .to_string()
 }

@@ -164,7 +164,7 @@ impl Mirror {
         );
         log.poll(&store, |endpoint, keys| router.apply_remote(endpoint, keys));
         let mut counts = Vec::new();
-        OutstandingTable::new(&self.namespace, router.pool().id_bound()).read(&store, &mut counts);
+        OutstandingTable::new(&self.namespace).read(&store, router.pool(), &mut counts);
         Prepared {
             router,
             counts,

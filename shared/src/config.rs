@@ -13,8 +13,10 @@ use std::net::SocketAddr;
 use serde::Deserialize;
 use thiserror::Error;
 
+use crate::allow::{Allowlist, AllowlistError, RawAllowlist, Refusal};
 use crate::cost::{CostParams, ModelCost};
 use crate::endpoint::{Endpoint, EndpointLoad, Pool};
+use crate::index::PrefixIndex;
 
 /// What to do with a body that is not a valid OpenAI request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
@@ -245,6 +247,9 @@ pub struct AggregatorSettings {
     /// A snapshot older than this is dropped for the static `endpoints` (when there are any).
     #[serde(default = "defaults::snapshot_max_age_ms")]
     pub snapshot_max_age_ms: u64,
+    /// A snapshot answer larger than this is not copied into the VM (counted, logged once).
+    #[serde(default = "defaults::max_snapshot_bytes")]
+    pub max_snapshot_bytes: usize,
 }
 
 #[derive(Debug, Deserialize)]
@@ -280,6 +285,12 @@ struct RawConfig {
     on_invalid_body: InvalidBodyPolicy,
     #[serde(default = "defaults::decision_log_slots")]
     decision_log_slots: u32,
+    #[serde(default)]
+    allowed_destinations: Option<RawAllowlist>,
+    #[serde(default = "defaults::max_endpoints")]
+    max_endpoints: usize,
+    #[serde(default = "defaults::max_prompt_segments")]
+    max_prompt_segments: usize,
 }
 
 mod defaults {
@@ -323,11 +334,32 @@ mod defaults {
     pub fn snapshot_max_age_ms() -> u64 {
         30_000
     }
+    pub fn max_snapshot_bytes() -> usize {
+        4 << 20
+    }
+    pub fn max_endpoints() -> usize {
+        256
+    }
+    pub fn max_prompt_segments() -> usize {
+        crate::request::DEFAULT_MAX_SEGMENTS
+    }
 }
 
 /// Largest pool one filter instance accepts; endpoint ids are `u16` and the in-flight table is
 /// one shared-data value, so keep it small enough to copy on every request.
 pub const MAX_ENDPOINTS: usize = 4096;
+
+/// Most memory one VM's prefix index may take at its configured size
+/// (`lru_blocks_per_endpoint` x endpoints): a wasm32 VM addresses 4 GiB at most, and the
+/// request bodies, the snapshot and the allocator need the rest.
+pub const INDEX_MEMORY_LIMIT: u64 = 2 << 30;
+
+/// A static endpoint left out of the pool by `allowed_destinations`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RefusedEndpoint {
+    pub address: SocketAddr,
+    pub reason: Refusal,
+}
 
 /// A checked plugin configuration.
 #[derive(Clone, Debug, PartialEq)]
@@ -356,6 +388,14 @@ pub struct PluginConfig {
     pub decision_log_slots: u32,
     /// The aggregator, when the live pool comes from one.
     pub aggregator: Option<AggregatorSettings>,
+    /// Where the filter may route: every pool (static or live) is filtered through it.
+    pub allowed_destinations: Allowlist,
+    /// Static endpoints `allowed_destinations` left out (to count and log at start).
+    pub refused_endpoints: Vec<RefusedEndpoint>,
+    /// Largest pool routed over; a live pool's extra endpoints are refused.
+    pub max_endpoints: usize,
+    /// Prompt runs a request body may have (see [`crate::request::parse_with`]).
+    pub max_prompt_segments: usize,
 }
 
 #[derive(Debug, Error, PartialEq)]
@@ -378,6 +418,28 @@ pub enum ConfigError {
     BadPrefillRate { index: usize, value: f64 },
     #[error("`{field}` must be a number above 0, got {value}")]
     NotPositive { field: String, value: f64 },
+    #[error(transparent)]
+    Allowlist(#[from] AllowlistError),
+    #[error(
+        "`allowed_destinations` is required with `aggregator`: list the CIDR blocks (and ports) \
+         of the model servers, so that no snapshot can route outside them"
+    )]
+    AllowlistRequired,
+    #[error("every endpoint of `endpoints` is outside `allowed_destinations` (first: {0})")]
+    AllEndpointsRefused(String),
+    #[error(
+        "the prefix index needs up to {need} bytes per VM (`lru_blocks_per_endpoint` {blocks} x \
+         {endpoints} endpoints, `max_endpoints` with an aggregator), over the {limit} a wasm32 VM \
+         can give it: lower `lru_blocks_per_endpoint` or `max_endpoints`"
+    )]
+    IndexTooLarge {
+        need: u64,
+        blocks: usize,
+        endpoints: usize,
+        limit: u64,
+    },
+    #[error("`endpoints` lists {count} endpoints, more than `max_endpoints` ({max})")]
+    OverMaxEndpoints { count: usize, max: usize },
     #[error("`{field}` must be {expected}, got {value}")]
     OutOfRange {
         field: &'static str,
@@ -417,6 +479,33 @@ impl TryFrom<RawConfig> for PluginConfig {
         if raw.endpoints.len() > MAX_ENDPOINTS {
             return Err(ConfigError::TooManyEndpoints(raw.endpoints.len()));
         }
+        let allowed = match raw.allowed_destinations {
+            Some(list) => Allowlist::try_from(list)?,
+            None if raw.aggregator.is_some() => return Err(ConfigError::AllowlistRequired),
+            None => Allowlist::any(),
+        };
+        if !(1..=MAX_ENDPOINTS).contains(&raw.max_endpoints) {
+            return Err(out_of_range(
+                "max_endpoints",
+                "within 1..=4096",
+                raw.max_endpoints,
+            ));
+        }
+        if raw.endpoints.len() > raw.max_endpoints {
+            return Err(ConfigError::OverMaxEndpoints {
+                count: raw.endpoints.len(),
+                max: raw.max_endpoints,
+            });
+        }
+        if !(16..=1_048_576).contains(&raw.max_prompt_segments) {
+            return Err(out_of_range(
+                "max_prompt_segments",
+                "within 16..=1048576",
+                raw.max_prompt_segments,
+            ));
+        }
+        let configured = raw.endpoints.len();
+        let mut refused_endpoints = Vec::new();
         let mut seen = HashSet::new();
         let mut endpoints = Vec::with_capacity(raw.endpoints.len());
         for (index, e) in raw.endpoints.into_iter().enumerate() {
@@ -446,6 +535,10 @@ impl TryFrom<RawConfig> for PluginConfig {
                 if !(value.is_finite() && value > 0.0) {
                     return Err(ConfigError::BadPrefillRate { index, value });
                 }
+            }
+            if let Err(reason) = allowed.check(address) {
+                refused_endpoints.push(RefusedEndpoint { address, reason });
+                continue;
             }
             endpoints.push(Endpoint {
                 load: EndpointLoad {
@@ -517,6 +610,27 @@ impl TryFrom<RawConfig> for PluginConfig {
                 raw.decision_log_slots,
             ));
         }
+        if configured > 0 && endpoints.is_empty() && raw.aggregator.is_none() {
+            let first = refused_endpoints
+                .first()
+                .map(|r| format!("{} ({})", r.address, r.reason))
+                .unwrap_or_default();
+            return Err(ConfigError::AllEndpointsRefused(first));
+        }
+        let index_endpoints = if raw.aggregator.is_some() {
+            raw.max_endpoints
+        } else {
+            endpoints.len()
+        };
+        let need = PrefixIndex::max_bytes(index_endpoints, raw.lru_blocks_per_endpoint);
+        if need > INDEX_MEMORY_LIMIT {
+            return Err(ConfigError::IndexTooLarge {
+                need,
+                blocks: raw.lru_blocks_per_endpoint,
+                endpoints: index_endpoints,
+                limit: INDEX_MEMORY_LIMIT,
+            });
+        }
         Ok(PluginConfig {
             pool: Pool::new(endpoints),
             scorer: raw.scorer,
@@ -533,6 +647,10 @@ impl TryFrom<RawConfig> for PluginConfig {
             on_invalid_body: raw.on_invalid_body,
             decision_log_slots: raw.decision_log_slots,
             aggregator: raw.aggregator,
+            allowed_destinations: allowed,
+            refused_endpoints,
+            max_endpoints: raw.max_endpoints,
+            max_prompt_segments: raw.max_prompt_segments,
         })
     }
 }
@@ -546,6 +664,13 @@ pub(crate) fn check_aggregator(a: &AggregatorSettings) -> Result<(), ConfigError
             "aggregator.path",
             "a path starting with /",
             &a.path,
+        ));
+    }
+    if !(1024..=(64 << 20)).contains(&a.max_snapshot_bytes) {
+        return Err(out_of_range(
+            "aggregator.max_snapshot_bytes",
+            "within 1024..=67108864",
+            a.max_snapshot_bytes,
         ));
     }
     // Each bound sits beside the text that names it.
@@ -680,14 +805,22 @@ mod tests {
 
     #[test]
     fn aggregator_section() {
-        let cfg =
-            PluginConfig::from_json(br#"{"aggregator":{"cluster":"kvoy_aggregator"}}"#).unwrap();
+        let e = err(r#"{"aggregator":{"cluster":"kvoy_aggregator"}}"#);
+        assert!(e.contains("`allowed_destinations` is required"), "{e}");
+        let cfg = PluginConfig::from_json(
+            br#"{"aggregator":{"cluster":"kvoy_aggregator"},"allowed_destinations":[{"cidr":"10.0.0.0/8"}]}"#,
+        )
+        .unwrap();
         assert!(cfg.pool.is_empty());
+        assert_eq!(cfg.max_endpoints, 256);
         let a = cfg.aggregator.unwrap();
         assert_eq!(
             (a.path.as_str(), a.poll_interval_ms, a.timeout_ms),
             ("/v1/snapshot", 100, 250)
         );
+        assert_eq!(a.max_snapshot_bytes, 4 << 20);
+        let e = err(r#"{"aggregator":{"cluster":"c","max_snapshot_bytes":10}}"#);
+        assert!(e.contains("aggregator.max_snapshot_bytes"), "{e}");
         let e = err(r#"{"aggregator":{"cluster":"c","poll_interval_ms":0}}"#);
         assert!(e.contains("aggregator.poll_interval_ms"), "{e}");
         let e = err(r#"{"aggregator":{"cluster":"c","path":"v1"}}"#);
@@ -696,5 +829,79 @@ mod tests {
         assert!(e.contains("unknown field `interval`"), "{e}");
         let e = err(r#"{}"#);
         assert!(e.contains("aggregator"), "{e}");
+    }
+
+    #[test]
+    fn allowed_destinations_drop_static_endpoints_outside() {
+        let cfg = PluginConfig::from_json(
+            br#"{"endpoints":[{"address":"10.0.0.1:8000","models":["m"]},
+                             {"address":"10.0.0.2:9901","models":["m"]},
+                             {"address":"169.254.169.254:80","models":["m"]}],
+                 "allowed_destinations":[{"cidr":"10.0.0.0/8","ports":["8000-8100"]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(cfg.pool.len(), 1);
+        assert_eq!(
+            cfg.refused_endpoints,
+            vec![
+                RefusedEndpoint {
+                    address: "10.0.0.2:9901".parse().unwrap(),
+                    reason: Refusal::Port
+                },
+                RefusedEndpoint {
+                    address: "169.254.169.254:80".parse().unwrap(),
+                    reason: Refusal::Address
+                },
+            ]
+        );
+        let e = err(
+            r#"{"endpoints":[{"address":"10.0.0.1:8000","models":["m"]}],
+                "allowed_destinations":[{"cidr":"127.0.0.0/8"}]}"#,
+        );
+        assert!(
+            e.contains("outside `allowed_destinations`") && e.contains("10.0.0.1:8000"),
+            "{e}"
+        );
+        let e = err(
+            r#"{"endpoints":[{"address":"10.0.0.1:8000","models":["m"]}],
+                "allowed_destinations":[{"cidr":"10.0.0.0/33"}]}"#,
+        );
+        assert!(e.contains("allowed_destinations[0].cidr"), "{e}");
+        let e = err(
+            r#"{"endpoints":[{"address":"10.0.0.1:8000","models":["m"]}],
+                "allowed_destinations":[{"cidr":"10.0.0.0/8","prots":[1]}]}"#,
+        );
+        assert!(e.contains("unknown field `prots`"), "{e}");
+    }
+
+    #[test]
+    fn bounds_are_checked_at_configuration() {
+        let agg = r#""aggregator":{"cluster":"c"},"allowed_destinations":[{"cidr":"10.0.0.0/8"}]"#;
+        // 4096 endpoints of the default 31,250 blocks: about 4 GiB of index, over a wasm32 VM.
+        let e = err(&format!(r#"{{{agg},"max_endpoints":4096}}"#));
+        assert!(
+            e.contains("prefix index")
+                && e.contains("lru_blocks_per_endpoint")
+                && e.contains("max_endpoints"),
+            "{e}"
+        );
+        let cfg = PluginConfig::from_json(
+            format!(r#"{{{agg},"max_endpoints":4096,"lru_blocks_per_endpoint":4000}}"#).as_bytes(),
+        )
+        .unwrap();
+        assert_eq!(cfg.max_endpoints, 4096);
+        let e = err(&format!(r#"{{{agg},"max_endpoints":0}}"#));
+        assert!(e.contains("max_endpoints"), "{e}");
+        let e = err(
+            r#"{"endpoints":[{"address":"10.0.0.1:1","models":["m"]},{"address":"10.0.0.1:2","models":["m"]}],"max_endpoints":1}"#,
+        );
+        assert!(e.contains("more than `max_endpoints`"), "{e}");
+        let e = err(&format!(r#"{{{agg},"max_prompt_segments":3}}"#));
+        assert!(e.contains("max_prompt_segments"), "{e}");
+        let cfg = PluginConfig::from_json(format!(r#"{{{agg}}}"#).as_bytes()).unwrap();
+        assert_eq!(
+            cfg.max_prompt_segments,
+            crate::request::DEFAULT_MAX_SEGMENTS
+        );
     }
 }

@@ -1,7 +1,11 @@
 //! The configured pool: endpoints, their addresses and the models they serve.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::net::SocketAddr;
+
+use crate::allow::{Allowlist, Refusal};
+use crate::config::RefusedEndpoint;
 
 /// Index of an endpoint in the configured pool. Every VM of a proxy loads the same
 /// configuration, so an id means the same endpoint on every worker thread.
@@ -163,6 +167,8 @@ impl Outstanding {
 pub struct Pool {
     slots: Vec<Option<Endpoint>>,
     count: usize,
+    /// Each member's id by address (outstanding work is shared by address).
+    ids: HashMap<SocketAddr, EndpointId>,
 }
 
 impl Pool {
@@ -172,7 +178,20 @@ impl Pool {
         Pool {
             slots: endpoints.into_iter().map(Some).collect(),
             count,
+            ids: HashMap::new(),
         }
+        .indexed()
+    }
+
+    /// Fills the address map (a repeated address keeps its lowest id).
+    fn indexed(mut self) -> Pool {
+        self.ids.clear();
+        for (i, e) in self.slots.iter().enumerate() {
+            if let Some(e) = e {
+                self.ids.entry(e.address).or_insert(EndpointId(i as u16));
+            }
+        }
+        self
     }
 
     /// A pool with the given ids; on a repeated id the last entry wins. Ids beyond
@@ -189,7 +208,47 @@ impl Pool {
             slots[id.index()] = Some(e);
         }
         let count = slots.iter().flatten().count();
-        Pool { slots, count }
+        Pool {
+            slots,
+            count,
+            ids: HashMap::new(),
+        }
+        .indexed()
+    }
+
+    /// This pool without the endpoints `allowed` refuses, and with at most `max` endpoints
+    /// (the lowest ids kept); what was left out is appended to `refused`.
+    pub fn admit(
+        mut self,
+        allowed: &Allowlist,
+        max: usize,
+        refused: &mut Vec<RefusedEndpoint>,
+    ) -> Pool {
+        let mut kept = 0;
+        for slot in &mut self.slots {
+            let Some(e) = slot else {
+                continue;
+            };
+            let verdict = match allowed.check(e.address) {
+                Ok(()) if kept >= max => Err(Refusal::TooMany),
+                v => v,
+            };
+            match verdict {
+                Ok(()) => kept += 1,
+                Err(reason) => {
+                    refused.push(RefusedEndpoint {
+                        address: e.address,
+                        reason,
+                    });
+                    *slot = None;
+                }
+            }
+        }
+        while self.slots.last().is_some_and(Option::is_none) {
+            self.slots.pop();
+        }
+        self.count = kept;
+        self.indexed()
     }
 
     /// Number of endpoints.
@@ -221,9 +280,12 @@ impl Pool {
     /// from outside (upstream properties, session tokens): anything else is not ours.
     pub fn find(&self, address: &str) -> Option<EndpointId> {
         let addr: SocketAddr = address.trim().parse().ok()?;
-        self.iter()
-            .find(|(_, e)| e.address == addr)
-            .map(|(id, _)| id)
+        self.id_of(addr)
+    }
+
+    /// The pool member at `address`, if any.
+    pub fn id_of(&self, address: SocketAddr) -> Option<EndpointId> {
+        self.ids.get(&address).copied()
     }
 
     /// Ids of the healthiest endpoints (see [`Health`]) that match, into `out` (cleared).

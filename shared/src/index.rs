@@ -27,6 +27,16 @@ impl PrefixIndex {
         index
     }
 
+    /// The most memory an index of `endpoints` endpoints of `capacity_per_endpoint` blocks
+    /// holds (see [`LruSet::max_bytes`]); checked against [`crate::INDEX_MEMORY_LIMIT`] when the
+    /// configuration is read.
+    pub fn max_bytes(endpoints: usize, capacity_per_endpoint: usize) -> u64 {
+        let full = LruSet::max_bytes(capacity_per_endpoint);
+        // Every set full, and one growing (its old table, half the size, still held).
+        full.saturating_mul(endpoints as u64)
+            .saturating_add(full / 2)
+    }
+
     /// Grows or shrinks the id space to `endpoints` (the pool changed). New endpoints start
     /// empty; those cut off are forgotten.
     pub fn resize(&mut self, endpoints: usize) {

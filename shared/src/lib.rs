@@ -16,6 +16,7 @@
 //! assert!(address.starts_with("10.0.0."));
 //! ```
 
+pub mod allow;
 mod config;
 pub mod cost;
 mod endpoint;
@@ -23,6 +24,7 @@ pub mod flow;
 mod index;
 pub mod live;
 mod lru;
+mod once;
 pub mod prefix;
 pub mod replica;
 pub mod request;
@@ -34,8 +36,8 @@ pub mod snapshot;
 pub mod usage;
 
 pub use config::{
-    AggregatorSettings, ConfigError, HotspotGuard, InvalidBodyPolicy, PluginConfig, Scorer,
-    SessionPin, Weights, MAX_ENDPOINTS,
+    AggregatorSettings, ConfigError, HotspotGuard, InvalidBodyPolicy, PluginConfig,
+    RefusedEndpoint, Scorer, SessionPin, Weights, INDEX_MEMORY_LIMIT, MAX_ENDPOINTS,
 };
 pub use cost::{CostParams, CostTerms};
 pub use endpoint::{
@@ -43,6 +45,7 @@ pub use endpoint::{
 };
 pub use index::PrefixIndex;
 pub use lru::LruSet;
+pub use once::LogOnce;
 pub use request::RequestError;
 pub use rng::Rng;
 pub use router::{BreakReason, Decision, DecisionKind, RouteError, Router, SessionOutcome};

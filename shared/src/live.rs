@@ -207,6 +207,27 @@ pub enum PollError {
     Decode(SnapshotError),
     #[error("the changes do not apply to our version: {0}")]
     Mismatch(SnapshotError),
+    #[error("the answer is {size} bytes, over aggregator.max_snapshot_bytes ({limit}); not read")]
+    TooLarge { size: usize, limit: usize },
+}
+
+impl PollError {
+    /// The kind of failure, for metrics and for logging each kind once.
+    pub fn label(&self) -> &'static str {
+        match self {
+            PollError::Status(_) => "status",
+            PollError::NoAnswer => "no_answer",
+            PollError::Decode(_) => "decode",
+            PollError::Mismatch(_) => "mismatch",
+            PollError::TooLarge { .. } => "too_large",
+        }
+    }
+
+    /// Whether the aggregator's answer itself was refused (too large or undecodable), as
+    /// opposed to no usable answer at all.
+    pub fn is_rejected_input(&self) -> bool {
+        matches!(self, PollError::Decode(_) | PollError::TooLarge { .. })
+    }
 }
 
 /// The path of the next poll: incremental from `have` unless a full snapshot is wanted, and
@@ -255,10 +276,12 @@ mod tests {
     use crate::snapshot::{EndpointStatus, SnapshotHistory};
 
     fn settings() -> AggregatorSettings {
-        crate::PluginConfig::from_json(br#"{"aggregator":{"cluster":"agg"}}"#)
-            .unwrap()
-            .aggregator
-            .unwrap()
+        crate::PluginConfig::from_json(
+            br#"{"aggregator":{"cluster":"agg"},"allowed_destinations":[{"cidr":"10.0.0.0/8"}]}"#,
+        )
+        .unwrap()
+        .aggregator
+        .unwrap()
     }
 
     fn status(slot: u16, port: u16, ready: bool, stale: bool) -> EndpointStatus {

@@ -62,6 +62,18 @@ impl LruSet {
         self.len
     }
 
+    /// The memory a set of `capacity` keys holds once full: its table (at most half full, a
+    /// power of two of 16-byte slots). While it grows, the old table (half that) is held too.
+    pub fn max_bytes(capacity: usize) -> u64 {
+        let slots = capacity
+            .max(1)
+            .saturating_mul(2)
+            .checked_next_power_of_two()
+            .unwrap_or(usize::MAX)
+            .max(MIN_SLOTS) as u64;
+        slots.saturating_mul(std::mem::size_of::<Slot>() as u64)
+    }
+
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }

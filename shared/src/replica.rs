@@ -17,7 +17,9 @@
 
 use thiserror::Error;
 
-use crate::endpoint::{EndpointId, Outstanding, OutstandingDelta};
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+
+use crate::endpoint::{EndpointId, Outstanding, OutstandingDelta, Pool};
 use crate::prefix::BlockKey;
 
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -26,6 +28,8 @@ pub enum StoreError {
     CasMismatch,
     #[error("shared data unavailable: {0}")]
     Unavailable(String),
+    #[error("the shared table is full")]
+    Full,
 }
 
 /// Envoy's shared data: values with a version (`cas`); `set` with `cas` 0 is unconditional.
@@ -129,73 +133,113 @@ impl InflightTable {
     }
 }
 
-/// Per-endpoint [`Outstanding`] work shared by all VMs of a proxy: one value of 12 bytes per
-/// endpoint (requests, prefilling, prefill tokens; little-endian `u32`s), changed by CAS. It
-/// feeds the cost model, so every worker sees the prefill work every other worker queued.
+/// Per-endpoint [`Outstanding`] work shared by all VMs of a proxy, keyed by the endpoint's
+/// address: one value of [`OUTSTANDING_ENTRY_BYTES`] per endpoint with work outstanding
+/// (address, then requests, prefilling, prefill tokens as little-endian `u32`s), changed by
+/// CAS. It feeds the cost model, so every worker sees the prefill work every other worker
+/// queued. Keyed by address, not by pool id: a pool change or an aggregator restart renumbers
+/// endpoints, and a request that started before must still release what it charged, at the
+/// endpoint it was sent to, whatever id that endpoint has now (or had on another worker).
+/// Entries whose counts are back to zero are dropped, so the value holds only live work.
 #[derive(Debug, Clone)]
 pub struct OutstandingTable {
     key: String,
-    endpoints: usize,
-    scratch: Vec<Outstanding>,
+    scratch: Vec<(SocketAddr, Outstanding)>,
     bytes: Vec<u8>,
 }
 
-const OUTSTANDING_BYTES: usize = 12;
+/// Bytes of one entry: family (1), address (16), port (2), three counts (12).
+pub const OUTSTANDING_ENTRY_BYTES: usize = 31;
+/// Entries the table holds at most (twice the largest pool: a pool change may leave the old
+/// endpoints' work outstanding for a while).
+const OUTSTANDING_MAX_ENTRIES: usize = 2 * crate::MAX_ENDPOINTS;
 
-fn decode_outstanding(bytes: &[u8], limit: usize, out: &mut Vec<Outstanding>) {
+fn encode_entry(address: SocketAddr, o: &Outstanding, out: &mut Vec<u8>) {
+    let (family, ip) = match address.ip() {
+        IpAddr::V4(a) => (4u8, a.to_ipv6_mapped().octets()),
+        IpAddr::V6(a) => (6u8, a.octets()),
+    };
+    out.push(family);
+    out.extend_from_slice(&ip);
+    out.extend_from_slice(&address.port().to_le_bytes());
+    out.extend_from_slice(&o.requests.to_le_bytes());
+    out.extend_from_slice(&o.prefilling.to_le_bytes());
+    out.extend_from_slice(&o.prefill_tokens.to_le_bytes());
+}
+
+fn decode_entry(c: &[u8]) -> Option<(SocketAddr, Outstanding)> {
+    let ip: [u8; 16] = c.get(1..17)?.try_into().ok()?;
+    let ip = Ipv6Addr::from(ip);
+    let ip = match c.first()? {
+        4 => IpAddr::V4(ip.to_ipv4_mapped()?),
+        6 => IpAddr::V6(ip),
+        _ => return None,
+    };
+    let word =
+        |i: usize| -> Option<u32> { Some(u32::from_le_bytes(c.get(i..i + 4)?.try_into().ok()?)) };
+    let port = u16::from_le_bytes(c.get(17..19)?.try_into().ok()?);
+    Some((
+        SocketAddr::new(ip, port),
+        Outstanding {
+            requests: word(19)?,
+            prefilling: word(23)?,
+            prefill_tokens: word(27)?,
+        },
+    ))
+}
+
+fn decode_outstanding(bytes: &[u8], out: &mut Vec<(SocketAddr, Outstanding)>) {
     out.clear();
     out.extend(
         bytes
-            .chunks_exact(OUTSTANDING_BYTES)
-            .take(limit)
-            .map(|c| Outstanding {
-                requests: u32::from_le_bytes([c[0], c[1], c[2], c[3]]),
-                prefilling: u32::from_le_bytes([c[4], c[5], c[6], c[7]]),
-                prefill_tokens: u32::from_le_bytes([c[8], c[9], c[10], c[11]]),
-            }),
+            .chunks_exact(OUTSTANDING_ENTRY_BYTES)
+            .take(OUTSTANDING_MAX_ENTRIES)
+            .filter_map(decode_entry),
     );
 }
 
 impl OutstandingTable {
-    pub fn new(namespace: &str, endpoints: usize) -> Self {
+    pub fn new(namespace: &str) -> Self {
         OutstandingTable {
             key: format!("{namespace}.outstanding"),
-            endpoints,
             scratch: Vec::new(),
             bytes: Vec::new(),
         }
     }
 
-    /// Reads every endpoint's entry into `out` (one per id; zeros when nothing is stored).
-    pub fn read(&self, store: &impl SharedStore, out: &mut Vec<Outstanding>) {
-        match store.get(&self.key) {
-            Some((bytes, _)) => decode_outstanding(&bytes, self.endpoints, out),
-            None => out.clear(),
+    /// Reads the work outstanding at each member of `pool` into `out`, indexed by id (one per
+    /// id up to [`Pool::id_bound`]; zeros for members with none). Work at addresses outside
+    /// `pool` is not this pool's and is skipped.
+    pub fn read(&self, store: &impl SharedStore, pool: &Pool, out: &mut Vec<Outstanding>) {
+        out.clear();
+        out.resize(pool.id_bound(), Outstanding::default());
+        if let Some((bytes, _)) = store.get(&self.key) {
+            for c in bytes
+                .chunks_exact(OUTSTANDING_ENTRY_BYTES)
+                .take(OUTSTANDING_MAX_ENTRIES)
+            {
+                let Some((address, o)) = decode_entry(c) else {
+                    continue;
+                };
+                if let Some(slot) = pool.id_of(address).and_then(|id| out.get_mut(id.index())) {
+                    *slot = o;
+                }
+            }
         }
-        out.resize(self.endpoints, Outstanding::default());
     }
 
-    /// Sizes reads to `endpoints` ids (the pool changed).
-    pub fn set_endpoints(&mut self, endpoints: usize) {
-        self.endpoints = endpoints;
-    }
-
-    /// Applies `delta` to `endpoint`'s entry. Entries of ids beyond this VM's pool are kept:
-    /// another VM may already route to them.
+    /// Applies `delta` to the entry of `address` (saturating at 0 and `u32::MAX`).
     pub fn add(
         &mut self,
         store: &impl SharedStore,
-        endpoint: EndpointId,
+        address: SocketAddr,
         delta: OutstandingDelta,
     ) -> Result<(), StoreError> {
-        if endpoint.index() >= crate::MAX_ENDPOINTS {
-            return Ok(());
-        }
         let mut last = StoreError::CasMismatch;
         for _ in 0..CAS_RETRIES {
             let cas = match store.get(&self.key) {
                 Some((b, cas)) => {
-                    decode_outstanding(&b, crate::MAX_ENDPOINTS, &mut self.scratch);
+                    decode_outstanding(&b, &mut self.scratch);
                     cas
                 }
                 None => {
@@ -203,17 +247,20 @@ impl OutstandingTable {
                     0
                 }
             };
-            if self.scratch.len() <= endpoint.index() {
-                self.scratch
-                    .resize(endpoint.index() + 1, Outstanding::default());
+            let full = self.scratch.len() >= OUTSTANDING_MAX_ENTRIES;
+            match self.scratch.iter_mut().find(|(a, _)| *a == address) {
+                Some((_, o)) => o.apply(delta),
+                None if full => return Err(StoreError::Full),
+                None => {
+                    let mut o = Outstanding::default();
+                    o.apply(delta);
+                    self.scratch.push((address, o));
+                }
             }
-            self.scratch[endpoint.index()].apply(delta);
+            self.scratch.retain(|(_, o)| *o != Outstanding::default());
             self.bytes.clear();
-            for o in &self.scratch {
-                self.bytes.extend_from_slice(&o.requests.to_le_bytes());
-                self.bytes.extend_from_slice(&o.prefilling.to_le_bytes());
-                self.bytes
-                    .extend_from_slice(&o.prefill_tokens.to_le_bytes());
+            for (a, o) in &self.scratch {
+                encode_entry(*a, o, &mut self.bytes);
             }
             match store.set(&self.key, &self.bytes, cas) {
                 Ok(()) => return Ok(()),
@@ -456,6 +503,7 @@ impl SharedStore for MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::endpoint::Endpoint;
 
     fn keys(v: &[u64]) -> Vec<BlockKey> {
         v.iter().copied().map(BlockKey).collect()
@@ -489,21 +537,32 @@ mod tests {
         assert_eq!(out.len(), 10, "ids beyond MAX_ENDPOINTS are ignored");
     }
 
+    fn pool_of(ports: &[u16]) -> Pool {
+        Pool::new(
+            ports
+                .iter()
+                .map(|&p| Endpoint::new(SocketAddr::from(([10, 0, 0, 1], p)), vec!["m".into()]))
+                .collect(),
+        )
+    }
+
+    fn at(port: u16) -> SocketAddr {
+        SocketAddr::from(([10, 0, 0, 1], port))
+    }
+
     #[test]
     fn outstanding_work_is_shared_and_saturates() {
         let store = MemoryStore::default();
-        let mut t = OutstandingTable::new("ns", 3);
+        let pool = pool_of(&[1, 2, 3]);
+        let mut t = OutstandingTable::new("ns");
         let mut out = Vec::new();
-        t.read(&store, &mut out);
+        t.read(&store, &pool, &mut out);
         assert_eq!(out, vec![Outstanding::default(); 3]);
-        t.add(&store, EndpointId(1), OutstandingDelta::sent(700))
-            .unwrap();
-        t.add(&store, EndpointId(1), OutstandingDelta::sent(300))
-            .unwrap();
-        t.add(&store, EndpointId(2), OutstandingDelta::sent(50))
-            .unwrap();
-        let mut other = OutstandingTable::new("ns", 3);
-        other.read(&store, &mut out);
+        t.add(&store, at(2), OutstandingDelta::sent(700)).unwrap();
+        t.add(&store, at(2), OutstandingDelta::sent(300)).unwrap();
+        t.add(&store, at(3), OutstandingDelta::sent(50)).unwrap();
+        let mut other = OutstandingTable::new("ns");
+        other.read(&store, &pool, &mut out);
         let want = |requests, prefilling, prefill_tokens| Outstanding {
             requests,
             prefilling,
@@ -512,40 +571,66 @@ mod tests {
         assert_eq!(out, vec![want(0, 0, 0), want(2, 2, 1000), want(1, 1, 50)]);
         // One answered, then both finished: back to zero, never below.
         other
-            .add(&store, EndpointId(1), OutstandingDelta::answered(700))
+            .add(&store, at(2), OutstandingDelta::answered(700))
             .unwrap();
-        t.read(&store, &mut out);
+        t.read(&store, &pool, &mut out);
         assert_eq!(out[1], want(2, 1, 300));
-        t.add(&store, EndpointId(1), OutstandingDelta::finished(700, true))
+        t.add(&store, at(2), OutstandingDelta::finished(700, true))
             .unwrap();
-        t.add(
-            &store,
-            EndpointId(1),
-            OutstandingDelta::finished(300, false),
-        )
-        .unwrap();
-        t.add(
-            &store,
-            EndpointId(1),
-            OutstandingDelta::finished(300, false),
-        )
-        .unwrap();
-        t.read(&store, &mut out);
+        t.add(&store, at(2), OutstandingDelta::finished(300, false))
+            .unwrap();
+        t.add(&store, at(2), OutstandingDelta::finished(300, false))
+            .unwrap();
+        t.read(&store, &pool, &mut out);
         assert_eq!(out[1], want(0, 0, 0));
-        // Ids beyond the pool are kept; beyond MAX_ENDPOINTS ignored.
-        t.add(&store, EndpointId(7), OutstandingDelta::sent(1))
-            .unwrap();
-        t.add(&store, EndpointId(u16::MAX), OutstandingDelta::sent(1))
-            .unwrap();
-        t.set_endpoints(8);
-        t.read(&store, &mut out);
-        assert_eq!(out.len(), 8);
-        assert_eq!(out[7], want(1, 1, 1));
-        assert_eq!(out[2], want(1, 1, 50));
+        // Only live work is stored: one entry left (port 3).
+        let (bytes, _) = store.get("ns.outstanding").unwrap();
+        assert_eq!(bytes.len(), OUTSTANDING_ENTRY_BYTES);
+        // Work at addresses outside the pool is kept for whoever routes there.
+        t.add(&store, at(9), OutstandingDelta::sent(1)).unwrap();
+        t.add(
+            &store,
+            SocketAddr::from(([0xfd00, 0, 0, 0, 0, 0, 0, 1], 9)),
+            OutstandingDelta::sent(4),
+        )
+        .unwrap();
+        t.read(&store, &pool_of(&[9, 3]), &mut out);
+        assert_eq!(out, vec![want(1, 1, 1), want(1, 1, 50)]);
         // A garbled value reads as what it can decode, padded with zeros.
         store.set("ns.outstanding", &[1, 2, 3], 0).unwrap();
-        t.read(&store, &mut out);
-        assert_eq!(out, vec![Outstanding::default(); 8]);
+        t.read(&store, &pool, &mut out);
+        assert_eq!(out, vec![Outstanding::default(); 3]);
+    }
+
+    #[test]
+    fn outstanding_work_follows_the_address_across_renumbering() {
+        // A request charged 10.0.0.1:1 while it was id 0; an aggregator restart renumbers the
+        // pool (it is id 1 now, and id 0 is another server); the release still lands on it.
+        let store = MemoryStore::default();
+        let mut t = OutstandingTable::new("ns");
+        let before = pool_of(&[1, 2]);
+        let after = pool_of(&[2, 1]);
+        t.add(&store, at(1), OutstandingDelta::sent(100)).unwrap();
+        t.add(&store, at(2), OutstandingDelta::sent(5)).unwrap();
+        let mut out = Vec::new();
+        t.read(&store, &before, &mut out);
+        assert_eq!((out[0].requests, out[1].requests), (1, 1));
+        t.read(&store, &after, &mut out);
+        assert_eq!((out[0].prefill_tokens, out[1].prefill_tokens), (5, 100));
+        t.add(&store, at(1), OutstandingDelta::finished(100, false))
+            .unwrap();
+        t.read(&store, &after, &mut out);
+        assert_eq!(
+            out,
+            vec![
+                Outstanding {
+                    requests: 1,
+                    prefilling: 1,
+                    prefill_tokens: 5
+                },
+                Outstanding::default()
+            ]
+        );
     }
 
     /// A store that fails the first `n` CAS writes, as if another VM raced each one.

@@ -2,7 +2,7 @@
 
 use thiserror::Error;
 
-use crate::config::{InvalidBodyPolicy, PluginConfig, Scorer};
+use crate::config::{InvalidBodyPolicy, PluginConfig, RefusedEndpoint, Scorer};
 use crate::cost::{self, CostTerms, RequestSize, TokenRatio};
 use crate::endpoint::{EndpointId, Outstanding, Pool};
 use crate::index::PrefixIndex;
@@ -148,6 +148,8 @@ pub struct Router {
     /// The model and prompt bytes of the last request routed by its body.
     last_model: String,
     last_prompt_bytes: u64,
+    /// What the last [`Router::set_pool`] left out.
+    refused: Vec<RefusedEndpoint>,
 }
 
 /// Weight of the newest request in [`Router`]'s typical request size.
@@ -182,6 +184,7 @@ impl Router {
             typical_tokens: None,
             last_model: String::new(),
             last_prompt_bytes: 0,
+            refused: Vec::new(),
         }
     }
 
@@ -217,9 +220,17 @@ impl Router {
     }
 
     /// Switches to another pool (a new aggregator snapshot, or back to the configured one).
-    /// What the prefix index knows of an id is dropped when the id now names another address
-    /// or its cache generation changed (the server dropped its cache).
-    pub fn set_pool(&mut self, pool: Pool) {
+    /// Endpoints outside `allowed_destinations`, and those beyond `max_endpoints`, are left
+    /// out: the router never routes to them; they are returned, with why, for the caller to
+    /// count and log. What the prefix index knows of an id is dropped when the id now names
+    /// another address or its cache generation changed (the server dropped its cache).
+    pub fn set_pool(&mut self, pool: Pool) -> &[RefusedEndpoint] {
+        self.refused.clear();
+        let pool = pool.admit(
+            &self.config.allowed_destinations,
+            self.config.max_endpoints,
+            &mut self.refused,
+        );
         let bound = self.pool.id_bound().max(pool.id_bound());
         for i in 0..bound {
             let id = EndpointId(i as u16);
@@ -235,6 +246,7 @@ impl Router {
         }
         self.index.resize(pool.id_bound());
         self.pool = pool;
+        &self.refused
     }
 
     /// Prefix keys of the last request routed by [`Router::route_body`] (empty otherwise).
@@ -316,9 +328,17 @@ impl Router {
         pin: Option<&str>,
     ) -> Result<Decision, RouteError> {
         self.keys.clear();
-        let req = match request::parse(api, body, self.config.max_body_bytes) {
+        let req = match request::parse_with(
+            api,
+            body,
+            self.config.max_body_bytes,
+            self.config.max_prompt_segments,
+        ) {
             Ok(req) => req,
-            Err(e @ RequestError::TooLarge { .. }) => return Err(RouteError::BadRequest(e)),
+            // Bounds are never waved through, whatever `on_invalid_body` says.
+            Err(e @ (RequestError::TooLarge { .. } | RequestError::TooManySegments { .. })) => {
+                return Err(RouteError::BadRequest(e))
+            }
             Err(e) => {
                 return match self.config.on_invalid_body {
                     InvalidBodyPolicy::Reject => Err(RouteError::BadRequest(e)),
@@ -728,5 +748,54 @@ mod tests {
             0,
             "the server dropped its cache"
         );
+    }
+
+    #[test]
+    fn a_pool_never_leaves_allowed_destinations() {
+        use crate::allow::Refusal;
+        use crate::endpoint::Endpoint;
+        let mut r = router(
+            r#","allowed_destinations":[{"cidr":"10.0.0.0/24","ports":[8000]}],"max_endpoints":3"#,
+        );
+        let ep = |a: &str| Endpoint::new(a.parse().unwrap(), vec!["a".into()]);
+        // A snapshot naming the proxy's admin port, a metadata address and one too many.
+        let pool = Pool::with_ids([
+            (EndpointId(0), ep("10.0.0.1:8000")),
+            (EndpointId(1), ep("10.0.0.1:9901")),
+            (EndpointId(2), ep("169.254.169.254:80")),
+            (EndpointId(3), ep("10.0.0.2:8000")),
+            (EndpointId(4), ep("10.0.0.3:8000")),
+            (EndpointId(5), ep("10.0.0.4:8000")),
+        ]);
+        let refused: Vec<_> = r
+            .set_pool(pool)
+            .iter()
+            .map(|x| (x.address.to_string(), x.reason))
+            .collect();
+        assert_eq!(
+            refused,
+            [
+                ("10.0.0.1:9901".to_owned(), Refusal::Port),
+                ("169.254.169.254:80".to_owned(), Refusal::Address),
+                ("10.0.0.4:8000".to_owned(), Refusal::TooMany),
+            ]
+        );
+        assert_eq!((r.pool().len(), r.pool().id_bound()), (3, 5));
+        let outstanding = [Outstanding::default(); 5];
+        for i in 0..30 {
+            let d = r
+                .route_body(
+                    Api::ChatCompletions,
+                    &chat("a", "s", &format!("q{i}")),
+                    &outstanding,
+                )
+                .unwrap();
+            let addr = r.pool().get(d.endpoint).unwrap().address.to_string();
+            assert!(
+                ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"].contains(&addr.as_str()),
+                "{addr}"
+            );
+        }
+        assert_eq!(r.pool().find("169.254.169.254:80"), None);
     }
 }

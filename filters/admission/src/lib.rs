@@ -235,12 +235,19 @@ impl Context for AdmissionRoot {
         body_size: usize,
         _num_trailers: usize,
     ) {
-        let (status, body) = kvoy_filter_common::call_response(num_headers, body_size);
         if let Some(vm) = self.state.borrow_mut().as_mut() {
             if let Some(live) = vm.live.as_mut() {
+                let limit = live.settings().max_snapshot_bytes;
+                let (status, body) =
+                    kvoy_filter_common::call_response(num_headers, body_size, limit);
                 match live.on_response(token_id, status, &body, now_ms()) {
                     Some(Ok(())) => kvoy_filter_common::add(vm.metrics.snapshot_polls, 1),
-                    Some(Err(_)) => kvoy_filter_common::add(vm.metrics.snapshot_poll_failures, 1),
+                    Some(Err(e)) => {
+                        kvoy_filter_common::add(vm.metrics.snapshot_poll_failures, 1);
+                        if e.is_rejected_input() {
+                            kvoy_filter_common::add(vm.metrics.snapshot_rejected, 1);
+                        }
+                    }
                     None => {}
                 }
             }

@@ -36,6 +36,8 @@ pub(crate) struct Metrics {
     pub wait_ms: Option<u32>,
     pub snapshot_polls: Option<u32>,
     pub snapshot_poll_failures: Option<u32>,
+    /// Snapshot answers refused (over `max_snapshot_bytes`, or undecodable).
+    pub snapshot_rejected: Option<u32>,
     /// Per band the configuration can produce (every objective's priority and the default),
     /// highest first.
     pub bands: Vec<BandGauges>,
@@ -73,6 +75,7 @@ impl Metrics {
             wait_ms: histogram("kvoy_admission_wait_ms"),
             snapshot_polls: counter("kvoy_admission_snapshot_polls_total"),
             snapshot_poll_failures: counter("kvoy_admission_snapshot_poll_failures_total"),
+            snapshot_rejected: counter("kvoy_admission_snapshot_rejected_total"),
             bands,
         }
     }

@@ -65,6 +65,8 @@ pub(crate) struct AdmissionStream {
     id: u32,
     /// Paused in the queue (until released, expired or gone).
     held: bool,
+    /// The end of the stream was handled.
+    finished: bool,
 }
 
 impl AdmissionStream {
@@ -73,11 +75,17 @@ impl AdmissionStream {
             state,
             id,
             held: false,
+            finished: false,
         }
     }
 }
 
-impl Context for AdmissionStream {}
+impl Context for AdmissionStream {
+    fn on_done(&mut self) -> bool {
+        self.finish();
+        true
+    }
+}
 
 impl HttpContext for AdmissionStream {
     fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
@@ -130,10 +138,27 @@ impl HttpContext for AdmissionStream {
     }
 
     fn on_http_request_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
+        self.hold()
+    }
+
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        // A request ending with trailers (HTTP/2, chunked HTTP/1.1) stays held too: the SDK's
+        // default would let it go on while it still waits in the queue, uncounted.
+        self.hold()
+    }
+
+    fn on_log(&mut self) {
+        self.finish();
+    }
+}
+
+impl AdmissionStream {
+    /// `Pause` while this request waits in the queue (Envoy would continue it when its body
+    /// or trailers arrive), `Continue` otherwise.
+    fn hold(&mut self) -> Action {
         if !self.held {
             return Action::Continue;
         }
-        // A held request must not move on when its body arrives (Envoy would continue it).
         let still_held = self
             .state
             .borrow()
@@ -147,7 +172,13 @@ impl HttpContext for AdmissionStream {
         }
     }
 
-    fn on_log(&mut self) {
+    /// The stream ended (done or log, whichever comes first; the second finds nothing): out
+    /// of the queue if still held, its in-flight count released.
+    fn finish(&mut self) {
+        if self.finished {
+            return;
+        }
+        self.finished = true;
         let state = self.state.clone();
         let mut guard = state.borrow_mut();
         let Some(vm) = guard.as_mut() else {

@@ -6,7 +6,7 @@
 
 mod live;
 
-pub use live::{call_response, LiveSnapshot, PollStart};
+pub use live::{call_response, CallBody, LiveSnapshot, PollStart};
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{MetricType, Status};

@@ -9,7 +9,7 @@ use proxy_wasm::hostcalls;
 
 use kvoy_shared::live::{self, BoardMeta, PollError, PoolChoice, SnapshotBoard};
 use kvoy_shared::snapshot::Snapshot;
-use kvoy_shared::AggregatorSettings;
+use kvoy_shared::{AggregatorSettings, LogOnce};
 
 use crate::HostStore;
 
@@ -34,6 +34,8 @@ pub struct LiveSnapshot {
     poll: Option<(u32, u64)>,
     want_full: bool,
     failures_logged: u32,
+    /// Each kind of poll failure is logged once (and counted every time by the filter).
+    logged: LogOnce,
 }
 
 impl LiveSnapshot {
@@ -47,6 +49,7 @@ impl LiveSnapshot {
             poll: None,
             want_full: false,
             failures_logged: 0,
+            logged: LogOnce::new(16),
         }
     }
 
@@ -144,7 +147,7 @@ impl LiveSnapshot {
         &mut self,
         token: u32,
         status: Option<u32>,
-        body: &[u8],
+        body: &CallBody,
         now_ms: u64,
     ) -> Option<Result<(), PollError>> {
         if self.poll.map(|(t, _)| t) != Some(token) {
@@ -152,7 +155,15 @@ impl LiveSnapshot {
         }
         self.poll = None;
         let mut next = self.snapshot.clone();
-        let result = match live::apply_poll(&mut next, status, body) {
+        let applied = match body {
+            CallBody::Read(body) => live::apply_poll(&mut next, status, body),
+            CallBody::TooLarge(size) if status == Some(200) => Err(PollError::TooLarge {
+                size: *size,
+                limit: self.settings.max_snapshot_bytes,
+            }),
+            CallBody::TooLarge(_) => live::apply_poll(&mut next, status, b""),
+        };
+        let result = match applied {
             Ok(changed) => {
                 self.want_full = false;
                 let published = if changed {
@@ -170,7 +181,12 @@ impl LiveSnapshot {
                 if matches!(e, PollError::Mismatch(_)) {
                     self.want_full = true;
                 }
-                debug!("snapshot poll: {e}");
+                if self.logged.first(e.label()) {
+                    warn!(
+                        "aggregator snapshot from cluster {:?} refused: {e} (logged once; counted in the snapshot poll metrics)",
+                        self.settings.cluster
+                    );
+                }
                 Err(e)
             }
         };
@@ -179,12 +195,24 @@ impl LiveSnapshot {
     }
 }
 
+/// The body of an HTTP call's response, as far as it was read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CallBody {
+    Read(Vec<u8>),
+    /// Larger than the caller's limit: not copied into the VM. Its size.
+    TooLarge(usize),
+}
+
 /// The `:status` and body of an HTTP call's response, read safely: a failed call (reset,
 /// timeout) has no header map (Envoy answers BadArgument, on which the SDK panics), so the
-/// maps are only read when there are headers.
-pub fn call_response(num_headers: usize, body_size: usize) -> (Option<u32>, Vec<u8>) {
+/// maps are only read when there are headers; a body over `limit` bytes is not copied in.
+pub fn call_response(
+    num_headers: usize,
+    body_size: usize,
+    limit: usize,
+) -> (Option<u32>, CallBody) {
     if num_headers == 0 {
-        return (None, Vec::new());
+        return (None, CallBody::Read(Vec::new()));
     }
     let status = hostcalls::get_map_value(
         proxy_wasm::types::MapType::HttpCallResponseHeaders,
@@ -193,6 +221,9 @@ pub fn call_response(num_headers: usize, body_size: usize) -> (Option<u32>, Vec<
     .ok()
     .flatten()
     .and_then(|s| s.trim().parse::<u32>().ok());
+    if body_size > limit {
+        return (status, CallBody::TooLarge(body_size));
+    }
     let body = if status.is_some() && body_size > 0 {
         hostcalls::get_buffer(
             proxy_wasm::types::BufferType::HttpCallResponseBody,
@@ -205,5 +236,5 @@ pub fn call_response(num_headers: usize, body_size: usize) -> (Option<u32>, Vec<
     } else {
         Vec::new()
     };
-    (status, body)
+    (status, CallBody::Read(body))
 }

@@ -18,13 +18,13 @@ mod stream;
 use std::cell::RefCell;
 use std::rc::Rc;
 
-use log::{error, info};
+use log::{error, info, warn};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{ContextType, LogLevel};
 
 use kvoy_shared::replica::{self, DecisionLog, OutstandingTable};
-use kvoy_shared::{Outstanding, PluginConfig, Router};
+use kvoy_shared::{LogOnce, Outstanding, PluginConfig, Router};
 
 use crate::metrics::Metrics;
 use crate::stream::RequestStream;
@@ -50,6 +50,8 @@ pub(crate) struct VmState {
     /// Requests routed by their body; every [`stream::USAGE_SAMPLE_EVERY`]th has its answer's
     /// `usage` read, to learn the model's bytes per token.
     pub scored: u64,
+    /// Refused endpoints and requests already logged (each is logged once, counted always).
+    pub logged: LogOnce,
 }
 
 pub(crate) type SharedState = Rc<RefCell<Option<VmState>>>;
@@ -67,8 +69,12 @@ impl Context for PrefixAffinityRoot {
         body_size: usize,
         _num_trailers: usize,
     ) {
-        let (status, body) = kvoy_filter_common::call_response(num_headers, body_size);
         if let Some(vm) = self.state.borrow_mut().as_mut() {
+            let limit = vm
+                .live
+                .as_ref()
+                .map_or(0, |l| l.snapshot.settings().max_snapshot_bytes);
+            let (status, body) = kvoy_filter_common::call_response(num_headers, body_size, limit);
             live::on_poll_response(vm, token_id, status, &body);
         }
     }
@@ -92,6 +98,22 @@ impl RootContext for PrefixAffinityRoot {
         let namespace = replica::namespace("kvoy.pa", &raw);
         let seed = kvoy_filter_common::vm_seed(self.context_id);
         let endpoints = config.pool.id_bound();
+        let metrics = Metrics::define();
+        for r in &config.refused_endpoints {
+            warn!(
+                "kvoy_prefix_affinity: endpoint {} left out of the pool: {}",
+                r.address, r.reason
+            );
+        }
+        Metrics::add(
+            metrics.endpoints_refused,
+            config.refused_endpoints.len() as u64,
+        );
+        if config.aggregator.is_none() && !config.allowed_destinations.is_restricted() {
+            info!(
+                "kvoy_prefix_affinity: no allowed_destinations: the static endpoints are the pool"
+            );
+        }
         let live = config
             .aggregator
             .clone()
@@ -115,12 +137,13 @@ impl RootContext for PrefixAffinityRoot {
         );
         *self.state.borrow_mut() = Some(VmState {
             router: Router::new(config, seed),
-            outstanding: OutstandingTable::new(&namespace, endpoints),
+            outstanding: OutstandingTable::new(&namespace),
             log,
-            metrics: Metrics::define(),
+            metrics,
             counts: Vec::with_capacity(endpoints),
             live,
             scored: 0,
+            logged: LogOnce::new(256),
         });
         true
     }

@@ -1,9 +1,9 @@
 //! The live pool from kvoy-aggregator: the router's pool follows the snapshot
 //! ([`LiveSnapshot`]) or the static endpoints, per [`kvoy_shared::live::choose`].
 
-use log::debug;
+use log::{debug, warn};
 
-use kvoy_filter_common::{now_ms, LiveSnapshot, PollStart};
+use kvoy_filter_common::{now_ms, CallBody, LiveSnapshot, PollStart};
 use kvoy_shared::live::{self, PoolChoice};
 use kvoy_shared::AggregatorSettings;
 
@@ -51,15 +51,25 @@ pub(crate) fn refresh(vm: &mut VmState, now_ms: u64) {
         snap.version,
         pool.len()
     );
-    Metrics::set(vm.metrics.pool_endpoints, pool.len() as u64);
+    live.applied = Some(key);
+    let refused = vm.router.set_pool(pool);
+    // No address the aggregator names leaves `allowed_destinations` (nor the index budget).
+    for r in refused {
+        if vm.logged.first(&("refused", r.address, r.reason)) {
+            warn!(
+                "kvoy_prefix_affinity: aggregator endpoint {} refused: {} (logged once, counted in kvoy_prefix_affinity_endpoints_refused_total)",
+                r.address, r.reason
+            );
+        }
+    }
+    Metrics::add(vm.metrics.endpoints_refused, refused.len() as u64);
+    Metrics::set(vm.metrics.pool_endpoints_refused, refused.len() as u64);
+    Metrics::set(vm.metrics.pool_endpoints, vm.router.pool().len() as u64);
     Metrics::set(
         vm.metrics.pool_live,
         u64::from(matches!(choice, PoolChoice::Live { .. })),
     );
     Metrics::add(vm.metrics.pool_updates, 1);
-    vm.router.set_pool(pool);
-    vm.outstanding.set_endpoints(vm.router.pool().id_bound());
-    live.applied = Some(key);
 }
 
 /// On a tick: refresh, then poll if this VM holds the lease.
@@ -75,7 +85,7 @@ pub(crate) fn on_tick(vm: &mut VmState) {
 }
 
 /// The answer to a poll: apply it, publish it, use it.
-pub(crate) fn on_poll_response(vm: &mut VmState, token: u32, status: Option<u32>, body: &[u8]) {
+pub(crate) fn on_poll_response(vm: &mut VmState, token: u32, status: Option<u32>, body: &CallBody) {
     let now = now_ms();
     let Some(live) = vm.live.as_mut() else {
         return;
@@ -83,7 +93,12 @@ pub(crate) fn on_poll_response(vm: &mut VmState, token: u32, status: Option<u32>
     match live.snapshot.on_response(token, status, body, now) {
         None => return,
         Some(Ok(())) => Metrics::add(vm.metrics.snapshot_polls, 1),
-        Some(Err(_)) => Metrics::add(vm.metrics.snapshot_poll_failures, 1),
+        Some(Err(e)) => {
+            Metrics::add(vm.metrics.snapshot_poll_failures, 1);
+            if e.is_rejected_input() {
+                Metrics::add(vm.metrics.snapshot_rejected, 1);
+            }
+        }
     }
     refresh(vm, now);
 }

@@ -31,6 +31,14 @@ pub(crate) struct Metrics {
     /// Endpoints in the pool routed to, and whether it is the aggregator's (1) or static (0).
     pub pool_endpoints: Option<u32>,
     pub pool_live: Option<u32>,
+    /// Endpoints left out of a pool by `allowed_destinations` or `max_endpoints` (each time a
+    /// pool is built), and how many the current pool left out.
+    pub endpoints_refused: Option<u32>,
+    pub pool_endpoints_refused: Option<u32>,
+    /// Snapshot answers refused (over `max_snapshot_bytes`, or undecodable).
+    pub snapshot_rejected: Option<u32>,
+    /// Request bodies refused for having too many prompt parts (also in `bad_request`).
+    pub rejected_too_many_segments: Option<u32>,
     pub session_honoured: Option<u32>,
     /// Server prompt-token counts read from answers (the bytes-per-token evidence).
     pub usage_observed: Option<u32>,
@@ -56,6 +64,12 @@ impl Metrics {
             pool_updates: counter("kvoy_prefix_affinity_pool_updates_total"),
             pool_endpoints: gauge("kvoy_prefix_affinity_pool_endpoints"),
             pool_live: gauge("kvoy_prefix_affinity_pool_live"),
+            endpoints_refused: counter("kvoy_prefix_affinity_endpoints_refused_total"),
+            pool_endpoints_refused: gauge("kvoy_prefix_affinity_pool_endpoints_refused"),
+            snapshot_rejected: counter("kvoy_prefix_affinity_snapshot_rejected_total"),
+            rejected_too_many_segments: counter(
+                "kvoy_prefix_affinity_errors_too_many_segments_total",
+            ),
             session_honoured: counter("kvoy_prefix_affinity_session_pins_honoured_total"),
             usage_observed: counter("kvoy_prefix_affinity_usage_observed_total"),
             session_breaks: BREAKS.map(|r| {

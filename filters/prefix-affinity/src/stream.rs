@@ -1,11 +1,13 @@
 //! One HTTP request through the filter.
 
+use std::net::SocketAddr;
+
 use log::{debug, warn};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, MapType};
 
-use kvoy_shared::request::Api;
+use kvoy_shared::request::{classify_path, Api, PathClass};
 use kvoy_shared::session::PIN_HEADER;
 use kvoy_shared::usage::UsageScanner;
 use kvoy_shared::{
@@ -32,10 +34,11 @@ struct UsageProbe {
     prompt_bytes: u64,
 }
 
-/// What this request added to the outstanding table.
+/// What this request added to the outstanding table, at the endpoint's address (its id may
+/// change with the pool before the request ends).
 #[derive(Clone, Copy)]
 struct Acquired {
-    endpoint: EndpointId,
+    endpoint: SocketAddr,
     prefill_tokens: u32,
     /// The answer began (the prefill tokens were released).
     answered: bool,
@@ -45,6 +48,9 @@ pub(crate) struct RequestStream {
     state: SharedState,
     /// Set while the body of an inference request is being buffered.
     api: Option<Api>,
+    /// Bytes buffered so far (the last body callback's size), for a body that ends with
+    /// trailers.
+    body_size: usize,
     chosen: Option<EndpointId>,
     /// Counted in the shared outstanding table; released once, when the stream ends.
     acquired: Option<Acquired>,
@@ -61,6 +67,7 @@ impl RequestStream {
         RequestStream {
             state,
             api: None,
+            body_size: 0,
             chosen: None,
             acquired: None,
             pin: None,
@@ -75,8 +82,26 @@ impl RequestStream {
             .flatten()
     }
 
-    fn reply_error(&self, vm: &VmState, err: &RouteError) -> Action {
+    fn reply_error(&self, vm: &mut VmState, err: &RouteError) -> Action {
         Metrics::add(vm.metrics.rejected(err.reason()), 1);
+        if let RouteError::BadRequest(
+            e @ (RequestError::TooManySegments { .. } | RequestError::BadPath),
+        ) = err
+        {
+            if matches!(e, RequestError::TooManySegments { .. }) {
+                Metrics::add(vm.metrics.rejected_too_many_segments, 1);
+            }
+            // A bound or a bad path: say why once, count every time.
+            if vm
+                .logged
+                .first(&("request", err.reason(), std::mem::discriminant(e)))
+            {
+                warn!(
+                    "kvoy_prefix_affinity: request refused {}: {err} (logged once)",
+                    err.status()
+                );
+            }
+        }
         debug!("kvoy_prefix_affinity: {} {}", err.status(), err);
         let body = err.body();
         let _ = hostcalls::send_http_response(
@@ -92,6 +117,7 @@ impl RequestStream {
         let Some(endpoint) = vm.router.pool().get(decision.endpoint) else {
             return self.reply_error(vm, &RouteError::NoEndpoint);
         };
+        let address = endpoint.address;
         if hostcalls::set_map_value(
             MapType::HttpRequestHeaders,
             DESTINATION_HEADER,
@@ -105,15 +131,11 @@ impl RequestStream {
         let tokens = decision.prefill_tokens;
         if vm
             .outstanding
-            .add(
-                &HostStore,
-                decision.endpoint,
-                OutstandingDelta::sent(tokens),
-            )
+            .add(&HostStore, address, OutstandingDelta::sent(tokens))
             .is_ok()
         {
             self.acquired = Some(Acquired {
-                endpoint: decision.endpoint,
+                endpoint: address,
                 prefill_tokens: tokens,
                 answered: false,
             });
@@ -185,7 +207,37 @@ impl RequestStream {
         if applied > 0 {
             Metrics::add(metrics.remote_applied, applied as u64);
         }
-        outstanding.read(&HostStore, counts);
+        outstanding.read(&HostStore, router.pool(), counts);
+    }
+
+    /// The whole body is buffered (`size` bytes): read it and route.
+    fn finish_body(&mut self, api: Api, size: usize) -> Action {
+        self.api = None;
+        let body =
+            match hostcalls::get_buffer(proxy_wasm::types::BufferType::HttpRequestBody, 0, size) {
+                Ok(Some(b)) => b,
+                Ok(None) => Vec::new(),
+                Err(status) => {
+                    warn!("kvoy_prefix_affinity: cannot read the request body: {status:?}");
+                    Vec::new()
+                }
+            };
+        self.route_body(api, &body)
+    }
+
+    /// Releases what this request charged to the outstanding table, once, at the address it
+    /// was sent to.
+    fn release(&mut self) {
+        let Some(a) = self.acquired.take() else {
+            return;
+        };
+        let mut guard = self.state.borrow_mut();
+        if let Some(vm) = guard.as_mut() {
+            let delta = OutstandingDelta::finished(a.prefill_tokens, a.answered);
+            if vm.outstanding.add(&HostStore, a.endpoint, delta).is_err() {
+                Metrics::add(vm.metrics.shared_state_errors, 1);
+            }
+        }
     }
 
     fn route_body(&mut self, api: Api, body: &[u8]) -> Action {
@@ -243,7 +295,14 @@ impl RequestStream {
     }
 }
 
-impl Context for RequestStream {}
+impl Context for RequestStream {
+    fn on_done(&mut self) -> bool {
+        // Whichever comes first of done and log releases (a reset, a local reply, an upstream
+        // failure all end here); the other finds nothing left.
+        self.release();
+        true
+    }
+}
 
 impl HttpContext for RequestStream {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
@@ -261,10 +320,18 @@ impl HttpContext for RequestStream {
             return Action::Continue;
         };
         let method = self.header(":method").unwrap_or_default();
-        let api = self
+        let class = self
             .header(":path")
-            .and_then(|p| Api::from_path(&p))
-            .filter(|_| method.eq_ignore_ascii_case("POST"));
+            .map_or(PathClass::Other, |p| classify_path(&p));
+        let api = match class {
+            PathClass::Api(api) => Some(api),
+            PathClass::Other => None,
+            // `/v1/chat%2Fcompletions` and the like: never guess whether to read the body.
+            PathClass::Ambiguous => {
+                return self.reply_error(vm, &RouteError::BadRequest(RequestError::BadPath));
+            }
+        }
+        .filter(|_| method.eq_ignore_ascii_case("POST"));
         let Some(api) = api else {
             Self::refresh(vm);
             let counts = std::mem::take(&mut vm.counts);
@@ -308,8 +375,8 @@ impl HttpContext for RequestStream {
         if body_size > limit {
             self.api = None;
             let state = self.state.clone();
-            let guard = state.borrow();
-            if let Some(vm) = guard.as_ref() {
+            let mut guard = state.borrow_mut();
+            if let Some(vm) = guard.as_mut() {
                 let err = RouteError::BadRequest(RequestError::TooLarge {
                     size: body_size,
                     limit,
@@ -319,22 +386,20 @@ impl HttpContext for RequestStream {
             return Action::Pause;
         }
         if !end_of_stream {
+            self.body_size = body_size;
             return Action::Pause;
         }
-        self.api = None;
-        let body = match hostcalls::get_buffer(
-            proxy_wasm::types::BufferType::HttpRequestBody,
-            0,
-            body_size,
-        ) {
-            Ok(Some(b)) => b,
-            Ok(None) => Vec::new(),
-            Err(status) => {
-                warn!("kvoy_prefix_affinity: cannot read the request body: {status:?}");
-                Vec::new()
-            }
+        self.finish_body(api, body_size)
+    }
+
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        // An HTTP/2 (or chunked HTTP/1.1) request that ends with trailers: the body callbacks
+        // never saw the end of the stream, so the body is complete now. Routed like any other;
+        // without this, the SDK's default would let it go on with no destination set.
+        let Some(api) = self.api else {
+            return Action::Continue;
         };
-        self.route_body(api, &body)
+        self.finish_body(api, self.body_size)
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
@@ -387,15 +452,6 @@ impl HttpContext for RequestStream {
     }
 
     fn on_log(&mut self) {
-        let Some(a) = self.acquired.take() else {
-            return;
-        };
-        let mut guard = self.state.borrow_mut();
-        if let Some(vm) = guard.as_mut() {
-            let delta = OutstandingDelta::finished(a.prefill_tokens, a.answered);
-            if vm.outstanding.add(&HostStore, a.endpoint, delta).is_err() {
-                Metrics::add(vm.metrics.shared_state_errors, 1);
-            }
-        }
+        self.release();
     }
 }

@@ -25,6 +25,8 @@ pub(crate) struct SessionStream {
     state: SharedState,
     /// Waiting for the whole body of a Responses API request, to read its keys.
     reading_body: bool,
+    /// Bytes buffered so far, for a body that ends with trailers.
+    body_size: usize,
     /// Header-borne keys, kept until the body is read.
     header: Option<String>,
     cookie: Option<String>,
@@ -44,10 +46,39 @@ fn request_header(name: &str) -> Option<String> {
 }
 
 impl SessionStream {
+    /// The whole Responses API body is buffered (`body_size` bytes): read its keys and pin.
+    fn read_body(&mut self, body_size: usize) -> Action {
+        self.reading_body = false;
+        let state = self.state.clone();
+        let guard = state.borrow();
+        let Some(vm) = guard.as_ref() else {
+            return Action::Continue;
+        };
+        let body = if body_size <= vm.config.max_body_bytes {
+            hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size)
+                .ok()
+                .flatten()
+                .unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        // A body that does not parse just has no body keys; the prefix-affinity filter
+        // answers it.
+        match request::parse(Api::Responses, &body, vm.config.max_body_bytes) {
+            Ok(req) => {
+                let (prev, conv) = (req.previous_response_id.clone(), req.conversation.clone());
+                self.pin(vm, prev.as_deref(), conv.as_deref());
+            }
+            Err(_) => self.pin(vm, None, None),
+        }
+        Action::Continue
+    }
+
     pub fn new(state: SharedState) -> Self {
         SessionStream {
             state,
             reading_body: false,
+            body_size: 0,
             header: None,
             cookie: None,
             token: None,
@@ -138,32 +169,19 @@ impl HttpContext for SessionStream {
             return Action::Continue;
         }
         if !end_of_stream {
+            self.body_size = body_size;
             return Action::Pause;
         }
-        self.reading_body = false;
-        let state = self.state.clone();
-        let guard = state.borrow();
-        let Some(vm) = guard.as_ref() else {
+        self.read_body(body_size)
+    }
+
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        // A Responses API request that ends with trailers: its body is complete now (the body
+        // callbacks never saw the end of the stream). Without this it would go on unpinned.
+        if !self.reading_body {
             return Action::Continue;
-        };
-        let body = if body_size <= vm.config.max_body_bytes {
-            hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size)
-                .ok()
-                .flatten()
-                .unwrap_or_default()
-        } else {
-            Vec::new()
-        };
-        // A body that does not parse just has no body keys; the prefix-affinity filter
-        // answers it.
-        match request::parse(Api::Responses, &body, vm.config.max_body_bytes) {
-            Ok(req) => {
-                let (prev, conv) = (req.previous_response_id.clone(), req.conversation.clone());
-                self.pin(vm, prev.as_deref(), conv.as_deref());
-            }
-            Err(_) => self.pin(vm, None, None),
         }
-        Action::Continue
+        self.read_body(self.body_size)
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {

@@ -6,7 +6,31 @@ use std::borrow::Cow;
 use super::json::{unescape, Cursor, JsonError};
 use super::{Api, ParsedRequest, RequestError, SEP_PART, SEP_ROLE};
 
-type Segments<'a> = Vec<&'a [u8]>;
+/// The prompt's byte runs, at most `limit` of them: a body of many tiny messages or parts
+/// cannot grow the list (and the work per request) without bound.
+struct Segments<'a> {
+    parts: Vec<&'a [u8]>,
+    limit: usize,
+}
+
+impl<'a> Segments<'a> {
+    fn new(limit: usize) -> Self {
+        Segments {
+            parts: Vec::new(),
+            limit,
+        }
+    }
+
+    fn push(&mut self, run: &'a [u8]) -> Result<()> {
+        if self.parts.len() >= self.limit {
+            return Err(FieldError::Shape(RequestError::TooManySegments {
+                limit: self.limit,
+            }));
+        }
+        self.parts.push(run);
+        Ok(())
+    }
+}
 
 /// An error inside a field: a JSON error, or a well-formed value of the wrong shape.
 enum FieldError {
@@ -121,7 +145,11 @@ fn opt_raw<'a>(cur: &mut Cursor<'a>) -> Result<Option<&'a [u8]>> {
     Ok(Some(cur.value()?))
 }
 
-pub(super) fn parse_body(api: Api, body: &[u8]) -> Result<ParsedRequest<'_>, RequestError> {
+pub(super) fn parse_body(
+    api: Api,
+    body: &[u8],
+    max_segments: usize,
+) -> Result<ParsedRequest<'_>, RequestError> {
     let mut cur = Cursor::new(body);
     let mut f = BodyFields::default();
     let main_field = match api {
@@ -149,15 +177,15 @@ pub(super) fn parse_body(api: Api, body: &[u8]) -> Result<ParsedRequest<'_>, Req
             (b"tools", _) => f.tools = opt_raw(c)?,
             (b"instructions", Api::Responses) => f.instructions = opt_raw(c)?,
             (b"messages", Api::ChatCompletions) => {
-                let mut segs = Vec::new();
+                let mut segs = Segments::new(max_segments);
                 if c.peek() != Some(b'[') {
                     return Err(shape(c, "messages", "an array of message objects"));
                 }
                 walk_array(c, |c| message(c, &mut segs, "messages"))?;
                 f.main = Some(segs);
             }
-            (b"prompt", Api::Completions) => f.main = Some(completion_prompt(c)?),
-            (b"input", Api::Responses) => f.main = Some(responses_input(c)?),
+            (b"prompt", Api::Completions) => f.main = Some(completion_prompt(c, max_segments)?),
+            (b"input", Api::Responses) => f.main = Some(responses_input(c, max_segments)?),
             _ => {
                 c.value()?;
             }
@@ -170,21 +198,26 @@ pub(super) fn parse_body(api: Api, body: &[u8]) -> Result<ParsedRequest<'_>, Req
         .model
         .filter(|m| !m.is_empty())
         .ok_or(RequestError::MissingModel)?;
-    let mut prompt = f
+    let main = f
         .main
         .ok_or(RequestError::MissingField { field: main_field })?;
-    let mut head: Segments<'_> = Vec::new();
+    let mut prompt = Segments::new(max_segments);
     if let Some(tools) = f.tools {
-        head.push(tools);
-        head.push(SEP_PART);
+        prompt.push(tools)?;
+        prompt.push(SEP_PART)?;
     }
     if let Some(instructions) = f.instructions {
-        head.push(text_or_raw(instructions));
-        head.push(SEP_PART);
+        prompt.push(text_or_raw(instructions))?;
+        prompt.push(SEP_PART)?;
     }
-    if !head.is_empty() {
-        prompt.splice(0..0, head);
-    }
+    let prompt = if prompt.parts.is_empty() {
+        main.parts
+    } else {
+        for run in main.parts {
+            prompt.push(run)?;
+        }
+        prompt.parts
+    };
     Ok(ParsedRequest {
         api,
         model,
@@ -238,21 +271,21 @@ fn message<'a>(c: &mut Cursor<'a>, out: &mut Segments<'a>, field: &'static str) 
                 c.value()?;
             }
             b"role" => {
-                out.push(text_or_raw(c.value()?));
-                out.push(SEP_ROLE);
+                out.push(text_or_raw(c.value()?))?;
+                out.push(SEP_ROLE)?;
             }
             b"content" => content(c, out)?,
             _ => {
                 let raw = c.value()?;
                 if raw != b"null" {
-                    out.push(text_or_raw(raw));
-                    out.push(SEP_ROLE);
+                    out.push(text_or_raw(raw))?;
+                    out.push(SEP_ROLE)?;
                 }
             }
         }
         Ok(())
     })?;
-    out.push(SEP_PART);
+    out.push(SEP_PART)?;
     Ok(())
 }
 
@@ -260,23 +293,23 @@ fn message<'a>(c: &mut Cursor<'a>, out: &mut Segments<'a>, field: &'static str) 
 /// images and the like). Text parts contribute their text; other parts their raw fields.
 fn content<'a>(c: &mut Cursor<'a>, out: &mut Segments<'a>) -> Result<()> {
     match c.peek() {
-        Some(b'"') => out.push(c.string()?),
+        Some(b'"') => out.push(c.string()?)?,
         Some(b'n') => {
             c.null()?;
         }
         Some(b'[') => walk_array(c, |c| {
             match c.peek() {
-                Some(b'"') => out.push(c.string()?),
+                Some(b'"') => out.push(c.string()?)?,
                 Some(b'{') => walk_object(c, |c, key| {
                     let raw = c.value()?;
                     if !matches!(key_text(key).as_ref(), b"type" | b"cache_control") {
-                        out.push(text_or_raw(raw));
+                        out.push(text_or_raw(raw))?;
                     }
                     Ok(())
                 })?,
                 _ => return Err(shape(c, "content", "an array of part objects or strings")),
             }
-            out.push(SEP_PART);
+            out.push(SEP_PART)?;
             Ok(())
         })?,
         _ => return Err(shape(c, "content", "a string, an array of parts or null")),
@@ -285,13 +318,13 @@ fn content<'a>(c: &mut Cursor<'a>, out: &mut Segments<'a>) -> Result<()> {
 }
 
 /// `/v1/completions` `prompt`: a string, or a list of strings (or token ids), as sent.
-fn completion_prompt<'a>(c: &mut Cursor<'a>) -> Result<Segments<'a>> {
-    let mut out = Vec::new();
+fn completion_prompt<'a>(c: &mut Cursor<'a>, limit: usize) -> Result<Segments<'a>> {
+    let mut out = Segments::new(limit);
     match c.peek() {
-        Some(b'"') => out.push(c.string()?),
+        Some(b'"') => out.push(c.string()?)?,
         Some(b'[') => walk_array(c, |c| {
-            out.push(text_or_raw(c.value()?));
-            out.push(SEP_PART);
+            out.push(text_or_raw(c.value()?))?;
+            out.push(SEP_PART)?;
             Ok(())
         })?,
         _ => return Err(shape(c, "prompt", "a string or an array")),
@@ -300,16 +333,16 @@ fn completion_prompt<'a>(c: &mut Cursor<'a>) -> Result<Segments<'a>> {
 }
 
 /// `/v1/responses` `input`: a string or a list of items (messages, tool calls, outputs).
-fn responses_input<'a>(c: &mut Cursor<'a>) -> Result<Segments<'a>> {
-    let mut out = Vec::new();
+fn responses_input<'a>(c: &mut Cursor<'a>, limit: usize) -> Result<Segments<'a>> {
+    let mut out = Segments::new(limit);
     match c.peek() {
-        Some(b'"') => out.push(c.string()?),
+        Some(b'"') => out.push(c.string()?)?,
         Some(b'[') => walk_array(c, |c| {
             if c.peek() == Some(b'{') {
                 message(c, &mut out, "input")
             } else {
-                out.push(text_or_raw(c.value()?));
-                out.push(SEP_PART);
+                out.push(text_or_raw(c.value()?))?;
+                out.push(SEP_PART)?;
                 Ok(())
             }
         })?,

@@ -24,6 +24,76 @@ fn api_from_path() {
 }
 
 #[test]
+fn encoded_paths_cannot_skip_the_body() {
+    // What Envoy's normalize_path + merge_slashes make of them, the filter makes too.
+    for path in [
+        "/v1/%63hat/completions",
+        "/v1/chat/%63%6Fmpletions",
+        "//v1//chat/completions",
+        "/v1/./chat/completions",
+        "/v1/x/../chat/completions",
+        "/%761/chat/completions?stream=1",
+    ] {
+        assert_eq!(
+            classify_path(path),
+            PathClass::Api(Api::ChatCompletions),
+            "{path}"
+        );
+    }
+    // An encoded separator or a broken escape is never guessed at.
+    for path in [
+        "/v1/chat%2Fcompletions",
+        "/v1/chat%2fcompletions",
+        "/v1%5Cchat/completions",
+        "/v1/chat\\completions",
+        "/v1/chat/completions%",
+        "/v1/chat/completions%zz",
+        "/v1/chat/completions%00",
+    ] {
+        assert_eq!(classify_path(path), PathClass::Ambiguous, "{path}");
+        assert_eq!(Api::from_path(path), None, "{path}");
+    }
+    assert_eq!(classify_path("/v1/models"), PathClass::Other);
+    assert_eq!(classify_path("/v1/chat/completions%20"), PathClass::Other);
+    assert_eq!(classify_path(&"/a".repeat(5000)), PathClass::Other);
+}
+
+#[test]
+fn prompt_segments_are_capped() {
+    let messages: Vec<String> = (0..100)
+        .map(|i| format!(r#"{{"role":"user","content":"m{i}"}}"#))
+        .collect();
+    let body = format!(r#"{{"model":"m","messages":[{}]}}"#, messages.join(","));
+    // Each message is role, separator, content, separator: 400 runs.
+    assert_eq!(
+        parse_with(Api::ChatCompletions, body.as_bytes(), LIMIT, 400)
+            .unwrap()
+            .prompt
+            .len(),
+        400
+    );
+    assert_eq!(
+        parse_with(Api::ChatCompletions, body.as_bytes(), LIMIT, 399),
+        Err(RequestError::TooManySegments { limit: 399 })
+    );
+    let parts: Vec<String> = (0..50).map(|i| format!(r#""p{i}""#)).collect();
+    let body = format!(r#"{{"model":"m","prompt":[{}]}}"#, parts.join(","));
+    assert!(matches!(
+        parse_with(Api::Completions, body.as_bytes(), LIMIT, 20),
+        Err(RequestError::TooManySegments { .. })
+    ));
+    let body = br#"{"model":"m","tools":[1],"instructions":"x","input":"a"}"#;
+    assert_eq!(
+        parse_with(Api::Responses, body, LIMIT, 5)
+            .unwrap()
+            .prompt
+            .len(),
+        5
+    );
+    assert!(parse_with(Api::Responses, body, LIMIT, 4).is_err());
+}
+
+#[test]
 fn chat_string_and_parts_content() {
     let body = br#"{"model":"m","stream":true,"user":"u1","cache_salt":"s",
         "messages":[{"role":"system","content":"be brief"},
