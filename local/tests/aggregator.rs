@@ -40,7 +40,7 @@ fn serve_polls_a_live_aggregator_through_its_cluster() {
     .unwrap();
     // No static endpoints: only the aggregator's pool can route.
     let prefix = json!({"aggregator": {"cluster": "kvoy_aggregator", "poll_interval_ms": 50},
-            "allowed_destinations": [{"cidr": "127.0.0.0/8"}]})
+            "allowed_destinations": [{"cidr": "127.0.0.0/8"}, {"cidr": "10.0.0.0/8"}]})
     .to_string();
     let mut config = common::chain_config("{}", &json!({"endpoints": 2}).to_string(), &prefix, 2);
     config["clusters"] = json!({"kvoy_aggregator": aggregator.addr().to_string()});
@@ -105,7 +105,7 @@ fn decide_routes_over_a_snapshot_file() {
     // A static fallback pool that must not be used once the snapshot is in.
     let prefix = json!({"endpoints": [{"address": "127.0.0.1:9", "models": [MODEL]}],
         "aggregator": {"cluster": "kvoy_aggregator"},
-        "allowed_destinations": [{"cidr": "127.0.0.0/8"}]})
+        "allowed_destinations": [{"cidr": "127.0.0.0/8"}, {"cidr": "10.0.0.0/8"}]})
     .to_string();
     let (config, _) = common::load(
         "decide_snapshot",
