@@ -61,6 +61,123 @@ struct RawConfig {
     endpoints: Vec<RawEndpoint>,
     #[serde(default)]
     kubernetes: Option<crate::k8s::RawKubernetes>,
+    #[serde(default)]
+    api_token_file: Option<String>,
+    #[serde(default)]
+    limits: RawLimits,
+}
+
+/// The `limits:` section: bounds on what peers can make the aggregator hold.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawLimits {
+    kv_events_max_message_bytes: u64,
+    replay_max_batches: u64,
+    replay_max_bytes: u64,
+    replay_timeout_ms: u64,
+    blocks_per_capacity_block: u64,
+    blocks_without_capacity: u64,
+    http_max_connections: u64,
+    http_header_read_timeout_ms: u64,
+}
+
+impl Default for RawLimits {
+    fn default() -> Self {
+        let d = Limits::default();
+        RawLimits {
+            kv_events_max_message_bytes: d.kv_events_max_message_bytes as u64,
+            replay_max_batches: d.replay_max_batches as u64,
+            replay_max_bytes: d.replay_max_bytes as u64,
+            replay_timeout_ms: d.replay_timeout.as_millis() as u64,
+            blocks_per_capacity_block: d.blocks_per_capacity_block as u64,
+            blocks_without_capacity: d.blocks_without_capacity as u64,
+            http_max_connections: d.http_max_connections as u64,
+            http_header_read_timeout_ms: d.http_header_read_timeout.as_millis() as u64,
+        }
+    }
+}
+
+/// Bounds on what peers can make the aggregator hold (`limits:` in the file).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// ZMQ frames larger than this drop the publisher's connection (`ZMQ_MAXMSGSIZE`).
+    pub kv_events_max_message_bytes: usize,
+    /// One replay returns at most this many batches ...
+    pub replay_max_batches: usize,
+    /// ... of at most this many payload bytes in all ...
+    pub replay_max_bytes: usize,
+    /// ... within this long.
+    pub replay_timeout: Duration,
+    /// An endpoint's block cap: this many blocks per block of its capacity
+    /// (`num_gpu_blocks`), room for the GPU and the offload tiers.
+    pub blocks_per_capacity_block: usize,
+    /// The block cap while an endpoint's capacity is unknown.
+    pub blocks_without_capacity: usize,
+    /// Open HTTP connections at most; more are closed at once.
+    pub http_max_connections: usize,
+    /// A connection must send its request headers within this long.
+    pub http_header_read_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            kv_events_max_message_bytes: 16 << 20,
+            replay_max_batches: 10_000,
+            replay_max_bytes: 64 << 20,
+            replay_timeout: Duration::from_secs(1),
+            blocks_per_capacity_block: 4,
+            blocks_without_capacity: 1 << 20,
+            http_max_connections: 1024,
+            http_header_read_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl Limits {
+    /// The block cap of an endpoint whose capacity is `capacity_blocks` (0: unknown).
+    pub fn block_cap(&self, capacity_blocks: u32) -> usize {
+        if capacity_blocks == 0 {
+            self.blocks_without_capacity
+        } else {
+            (capacity_blocks as usize).saturating_mul(self.blocks_per_capacity_block)
+        }
+    }
+}
+
+/// A bearer token the API requires (redacted in `Debug`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct ApiToken(String);
+
+impl ApiToken {
+    /// A token from text (surrounding whitespace trimmed): 16 to 4096 visible ASCII characters.
+    pub fn new(text: &str) -> Option<ApiToken> {
+        let t = text.trim();
+        let ok = (16..=4096).contains(&t.len()) && t.bytes().all(|b| b.is_ascii_graphic());
+        ok.then(|| ApiToken(t.to_owned()))
+    }
+
+    /// Reads a token file (a mounted Secret).
+    pub fn from_file(path: &Path) -> Result<ApiToken, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
+            path: format!("the API token file {}", path.display()),
+            reason: e.to_string(),
+        })?;
+        ApiToken::new(&text).ok_or(ConfigError::BadToken {
+            origin: path.display().to_string(),
+        })
+    }
+
+    /// The token's bytes.
+    pub fn expose(&self) -> &[u8] {
+        self.0.as_bytes()
+    }
+}
+
+impl std::fmt::Debug for ApiToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ApiToken(<redacted>)")
+    }
 }
 
 mod defaults {
@@ -118,6 +235,13 @@ pub struct AggregatorConfig {
     pub endpoints: Vec<EndpointSpec>,
     /// Endpoints from an InferencePool instead of `endpoints` ([`crate::k8s`]).
     pub kubernetes: Option<KubernetesConfig>,
+    /// The file holding the bearer token `/v1/snapshot` and `/v1/endpoints` require (a
+    /// mounted Secret), read when the aggregator starts.
+    pub api_token_file: Option<std::path::PathBuf>,
+    /// The token itself (the command line's `--token-file` / `KVOY_AGGREGATOR_TOKEN`); wins
+    /// over `api_token_file`. Neither: the API is open.
+    pub api_token: Option<ApiToken>,
+    pub limits: Limits,
 }
 
 #[derive(Debug, Error, PartialEq)]
@@ -162,6 +286,8 @@ pub enum ConfigError {
     BadKubernetesModels,
     #[error("`kubernetes` and `endpoints` are exclusive: with `kubernetes` the endpoints come from the InferencePool")]
     KubernetesWithEndpoints,
+    #[error("the API token from {origin} must be 16 to 4096 visible ASCII characters")]
+    BadToken { origin: String },
 }
 
 impl AggregatorConfig {
@@ -326,6 +452,11 @@ impl TryFrom<RawConfig> for AggregatorConfig {
         if raw.endpoints.len() > MAX_ENDPOINTS {
             return Err(ConfigError::TooManyEndpoints(raw.endpoints.len()));
         }
+        let limits = limits(&raw.limits)?;
+        let api_token_file = match raw.api_token_file.as_deref().map(str::trim) {
+            None | Some("") => None,
+            Some(path) => Some(std::path::PathBuf::from(path)),
+        };
         let mut seen = HashSet::new();
         let mut endpoints = Vec::with_capacity(raw.endpoints.len());
         for (index, e) in raw.endpoints.into_iter().enumerate() {
@@ -345,8 +476,68 @@ impl TryFrom<RawConfig> for AggregatorConfig {
             reload_interval,
             endpoints,
             kubernetes,
+            api_token_file,
+            api_token: None,
+            limits,
         })
     }
+}
+
+fn limits(raw: &RawLimits) -> Result<Limits, ConfigError> {
+    let check =
+        |field: &'static str, value: u64, (min, max, expected): (u64, u64, &'static str)| {
+            if (min..=max).contains(&value) {
+                Ok(usize::try_from(value).unwrap_or(usize::MAX))
+            } else {
+                Err(ConfigError::OutOfRange {
+                    field,
+                    expected,
+                    value,
+                })
+            }
+        };
+    Ok(Limits {
+        kv_events_max_message_bytes: check(
+            "limits.kv_events_max_message_bytes",
+            raw.kv_events_max_message_bytes,
+            (4096, 1 << 30, "within 4096..=1073741824"),
+        )?,
+        replay_max_batches: check(
+            "limits.replay_max_batches",
+            raw.replay_max_batches,
+            (1, 1_000_000, "within 1..=1000000"),
+        )?,
+        replay_max_bytes: check(
+            "limits.replay_max_bytes",
+            raw.replay_max_bytes,
+            (4096, 1 << 32, "within 4096..=4294967296"),
+        )?,
+        replay_timeout: ms_in(
+            "limits.replay_timeout_ms",
+            raw.replay_timeout_ms,
+            (10, 60_000, "within 10..=60000"),
+        )?,
+        blocks_per_capacity_block: check(
+            "limits.blocks_per_capacity_block",
+            raw.blocks_per_capacity_block,
+            (1, 1024, "within 1..=1024"),
+        )?,
+        blocks_without_capacity: check(
+            "limits.blocks_without_capacity",
+            raw.blocks_without_capacity,
+            (1, 1 << 32, "within 1..=4294967296"),
+        )?,
+        http_max_connections: check(
+            "limits.http_max_connections",
+            raw.http_max_connections,
+            (1, 1_000_000, "within 1..=1000000"),
+        )?,
+        http_header_read_timeout: ms_in(
+            "limits.http_header_read_timeout_ms",
+            raw.http_header_read_timeout_ms,
+            (10, 600_000, "within 10..=600000"),
+        )?,
+    })
 }
 
 #[cfg(test)]
@@ -421,6 +612,30 @@ kubernetes:
     }
 
     #[test]
+    fn limits_and_token() {
+        let cfg = AggregatorConfig::from_yaml("limits: {http_max_connections: 8}").unwrap();
+        assert_eq!(cfg.limits.http_max_connections, 8);
+        assert_eq!(
+            cfg.limits.replay_max_batches,
+            Limits::default().replay_max_batches
+        );
+        assert_eq!(cfg.limits.block_cap(1000), 4000);
+        assert_eq!(cfg.limits.block_cap(0), 1 << 20);
+        assert_eq!((&cfg.api_token, &cfg.api_token_file), (&None, &None));
+        let cfg = AggregatorConfig::from_yaml("api_token_file: /run/secret/token").unwrap();
+        assert_eq!(
+            cfg.api_token_file.as_deref(),
+            Some(Path::new("/run/secret/token")),
+            "read when the aggregator starts"
+        );
+        assert!(ApiToken::new("short").is_none());
+        assert!(ApiToken::new("sixteen chars!!!").is_none(), "no spaces");
+        let t = ApiToken::new(" 0123456789abcdef\n").unwrap();
+        assert_eq!(t.expose(), b"0123456789abcdef");
+        assert_eq!(format!("{t:?}"), "ApiToken(<redacted>)");
+    }
+
+    #[test]
     fn json_and_empty() {
         let cfg = AggregatorConfig::from_json(
             r#"{"endpoints":[{"address":"10.0.0.1:8000","models":["m"]}]}"#,
@@ -474,6 +689,11 @@ kubernetes:
             ("kubernetes: {inference_pool: p, models: [m], kv_events_replay_port: 5558}", "kubernetes.kv_events_replay_port"),
             ("kubernetes: {inference_pool: p, models: [m], kv_events_topic: t}", "kubernetes.kv_events_topic"),
             ("kubernetes: {inference_pool: p, models: [m], request_timeout_ms: 5}", "kubernetes.request_timeout_ms"),
+            ("limits: {kv_events_max_message_bytes: 10}", "limits.kv_events_max_message_bytes"),
+            ("limits: {http_max_connections: 0}", "limits.http_max_connections"),
+            ("limits: {http_header_read_timeout_ms: 0}", "limits.http_header_read_timeout_ms"),
+            ("limits: {blocks_per_capacity_block: 0}", "limits.blocks_per_capacity_block"),
+            ("limits: {replay_bytes: 5}", "replay_bytes"),
             (
                 "kubernetes: {inference_pool: p, models: [m]}\nendpoints: [{address: '1.2.3.4:1', models: [m]}]",
                 "`kubernetes` and `endpoints`",

@@ -13,17 +13,18 @@ use log::{debug, info, warn};
 use tokio::sync::watch;
 
 use kvoy_kvevents::{
-    decode_batch, ReplayClient, SeqStatus, SeqTracker, Subscriber, TransportError, ZmqContext,
+    decode_batch, ReplayClient, ReplayLimits, SeqStatus, SeqTracker, Subscriber, TransportError,
+    ZmqContext,
 };
 
-use crate::config::KvEventsSource;
+use crate::config::{KvEventsSource, Limits};
 use crate::kv_index::{ApplyStats, EndpointCache, Tier};
+use crate::reject::{Reason, Rejections};
 
 /// How long one receive waits before the stop flag is checked again.
 const POLL: Duration = Duration::from_millis(100);
-/// Bounds of one replay request.
-const REPLAY_TIMEOUT: Duration = Duration::from_secs(1);
-const REPLAY_MAX_BATCHES: u64 = 100_000;
+/// Connection drops are looked for at least every this many messages (and on every idle poll).
+const DISCONNECT_CHECK_EVERY: u32 = 256;
 
 /// What the pool needs from an endpoint's cache.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -87,39 +88,67 @@ pub struct Follower {
     stop: Arc<AtomicBool>,
     /// Server restarts noticed elsewhere (the scrapes), for the thread to act on.
     restarts: Arc<AtomicU64>,
+    /// The server's capacity in blocks, from its metrics (0: unknown), for the block cap.
+    capacity: Arc<AtomicU64>,
     summary: watch::Receiver<KvSummary>,
     counters: Arc<KvCounters>,
+    rejections: Arc<Rejections>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl Follower {
-    /// Starts following `source`; `name` labels the logs.
-    pub fn spawn(ctx: &ZmqContext, source: &KvEventsSource, name: &str) -> std::io::Result<Self> {
+    /// Starts following `source` within `limits`; `name` labels the logs.
+    pub fn spawn(
+        ctx: &ZmqContext,
+        source: &KvEventsSource,
+        name: &str,
+        limits: Limits,
+    ) -> std::io::Result<Self> {
         let stop = Arc::new(AtomicBool::new(false));
         let counters = Arc::new(KvCounters::default());
+        let rejections = Arc::new(Rejections::new(format!("kvoy-aggregator {name} KV events")));
         let (tx, summary) = watch::channel(KvSummary::default());
+        let capacity = Arc::new(AtomicU64::new(0));
+        let mut cache = EndpointCache::new();
+        cache.set_block_cap(limits.block_cap(0));
         let mut state = FollowState {
             ctx: ctx.clone(),
             source: source.clone(),
             name: name.to_owned(),
-            cache: EndpointCache::new(),
+            limits,
+            cache,
             counters: counters.clone(),
+            rejections: rejections.clone(),
             summary: tx,
             receiving: false,
         };
         let flag = stop.clone();
         let restarts = Arc::new(AtomicU64::new(0));
         let seen = restarts.clone();
+        let capacity_seen = capacity.clone();
         let thread = std::thread::Builder::new()
             .name(format!("kvoy-kv-{name}"))
-            .spawn(move || state.run(&flag, &seen))?;
+            .spawn(move || state.run(&flag, &seen, &capacity_seen))?;
         Ok(Follower {
             stop,
             restarts,
+            capacity,
             summary,
             counters,
+            rejections,
             thread: Some(thread),
         })
+    }
+
+    /// Tells the thread the server's capacity in blocks (its `num_gpu_blocks`; 0: unknown),
+    /// from which its block cap follows ([`Limits::block_cap`]).
+    pub fn set_capacity(&self, blocks: u32) {
+        self.capacity.store(u64::from(blocks), Ordering::Relaxed);
+    }
+
+    /// What this follower refused, by reason.
+    pub fn rejections(&self) -> Arc<Rejections> {
+        self.rejections.clone()
     }
 
     /// Tells the thread how many times the server has restarted (from its metrics): on a new
@@ -152,22 +181,26 @@ struct FollowState {
     ctx: ZmqContext,
     source: KvEventsSource,
     name: String,
+    limits: Limits,
     cache: EndpointCache,
     counters: Arc<KvCounters>,
+    rejections: Arc<Rejections>,
     summary: watch::Sender<KvSummary>,
     receiving: bool,
 }
 
 impl FollowState {
-    fn run(&mut self, stop: &AtomicBool, restarts: &AtomicU64) {
-        let sub = loop {
+    fn run(&mut self, stop: &AtomicBool, restarts: &AtomicU64, capacity: &AtomicU64) {
+        let max_message = Some(self.limits.kv_events_max_message_bytes);
+        let mut sub = loop {
             if stop.load(Ordering::Relaxed) {
                 return;
             }
-            match Subscriber::connect(
+            match Subscriber::connect_limited(
                 &self.ctx,
                 &self.source.endpoint,
                 self.source.topic.as_bytes(),
+                max_message,
             ) {
                 Ok(s) => break s,
                 Err(e) => {
@@ -177,7 +210,7 @@ impl FollowState {
             }
         };
         let mut replay = self.source.replay_endpoint.as_deref().and_then(|ep| {
-            ReplayClient::connect(&self.ctx, ep)
+            ReplayClient::connect_limited(&self.ctx, ep, max_message)
                 .map_err(|e| warn!("kvoy-aggregator {}: replay socket: {e}", self.name))
                 .ok()
         });
@@ -192,6 +225,7 @@ impl FollowState {
         };
         let mut tracker = fresh_tracker(&replay);
         let mut restarts_seen = 0u64;
+        let mut since_check = 0u32;
         info!(
             "kvoy-aggregator {}: following KV events on {}",
             self.name, self.source.endpoint
@@ -211,12 +245,32 @@ impl FollowState {
                 tracker = fresh_tracker(&replay);
                 self.publish();
             }
-            let msg = match sub.recv(POLL) {
+            let cap = self
+                .limits
+                .block_cap(u32::try_from(capacity.load(Ordering::Relaxed)).unwrap_or(u32::MAX));
+            if cap != self.cache.block_cap() {
+                self.cache.set_block_cap(cap);
+            }
+            let received = sub.recv(POLL);
+            since_check += 1;
+            if since_check >= DISCONNECT_CHECK_EVERY || matches!(received, Ok(None)) {
+                since_check = 0;
+                let drops = sub.take_disconnects();
+                self.rejections.reject_n(
+                    Reason::PublisherDisconnect,
+                    drops,
+                    format_args!(
+                        "the connection to {} dropped: a frame over limits.kv_events_max_message_bytes ({} bytes), or the publisher went away; ZMQ reconnects",
+                        self.source.endpoint, self.limits.kv_events_max_message_bytes
+                    ),
+                );
+            }
+            let msg = match received {
                 Ok(Some(msg)) => msg,
                 Ok(None) => continue,
                 Err(TransportError::Malformed { reason, .. }) => {
                     self.counters.decode_errors.fetch_add(1, Ordering::Relaxed);
-                    debug!("kvoy-aggregator {}: malformed message: {reason}", self.name);
+                    self.rejections.reject(Reason::MalformedMessage, reason);
                     continue;
                 }
                 Err(e) => {
@@ -255,11 +309,41 @@ impl FollowState {
                 self.counters.add_stats(&stats);
                 self.counters.batches.fetch_add(1, Ordering::Relaxed);
                 self.receiving = true;
+                self.note_rejections(&stats);
             }
             Err(e) => {
                 self.counters.decode_errors.fetch_add(1, Ordering::Relaxed);
-                debug!("kvoy-aggregator {}: undecodable batch: {e}", self.name);
+                self.rejections.reject(
+                    Reason::UndecodableBatch,
+                    format_args!("a {}-byte payload: {e}", payload.len()),
+                );
             }
+        }
+    }
+
+    /// Counts what a batch's events had wrong, with the first of each kind described.
+    fn note_rejections(&self, stats: &ApplyStats) {
+        if let Some(m) = stats.first_malformed {
+            self.rejections
+                .reject_n(Reason::MalformedEvent, stats.malformed, m);
+        }
+        if let Some(t) = stats.first_unknown {
+            self.rejections.reject_n(
+                Reason::UnknownEvent,
+                stats.unknown_events,
+                format_args!("an event of type {:?} (skipped)", t.as_str()),
+            );
+        }
+        if stats.over_cap > 0 {
+            self.rejections.reject_n(
+                Reason::BlockCap,
+                stats.over_cap,
+                format_args!(
+                    "{} new blocks not stored: the endpoint holds its cap of {} blocks (limits.blocks_per_capacity_block x its num_gpu_blocks, or limits.blocks_without_capacity)",
+                    stats.over_cap,
+                    self.cache.block_cap()
+                ),
+            );
         }
     }
 
@@ -275,10 +359,30 @@ impl FollowState {
                 .fetch_add(wanted, Ordering::Relaxed);
             return;
         };
-        let max = usize::try_from(wanted.min(REPLAY_MAX_BATCHES)).unwrap_or(usize::MAX);
+        let limits = ReplayLimits {
+            max_batches: usize::try_from(wanted)
+                .unwrap_or(usize::MAX)
+                .min(self.limits.replay_max_batches),
+            max_bytes: self.limits.replay_max_bytes,
+            timeout: self.limits.replay_timeout,
+        };
         let mut applied = 0u64;
-        match client.replay(missing.start, max, REPLAY_TIMEOUT) {
+        match client.replay_bounded(missing.start, limits) {
             Ok(outcome) => {
+                let got = outcome.batches.len() as u64;
+                if !outcome.complete && got < wanted {
+                    self.rejections.reject(
+                        Reason::ReplayBudget,
+                        format_args!(
+                            "a replay of {wanted} batches from seq {} stopped after {got} batches, {} bytes (limits.replay_max_batches {}, replay_max_bytes {}, replay_timeout_ms {})",
+                            missing.start,
+                            outcome.bytes,
+                            self.limits.replay_max_batches,
+                            self.limits.replay_max_bytes,
+                            self.limits.replay_timeout.as_millis()
+                        ),
+                    );
+                }
                 for (seq, payload) in &outcome.batches {
                     if missing.contains(seq) {
                         self.apply(payload);

@@ -1,64 +1,180 @@
 //! The HTTP API: the snapshot for the filters, a JSON view for people, Prometheus metrics and
 //! health. Every handler reads the latest [`PoolView`]; none waits on the pool actor.
+//!
+//! - Until the endpoint source has been read once ([`PoolView::loaded`]), `/v1/snapshot`
+//!   answers 503 with [`STATUS_HEADER`]`: not-loaded` instead of an empty pool, and `/readyz`
+//!   answers 503: a restarted aggregator never tells the filters that the pool is empty.
+//! - With a token configured, `/v1/snapshot` and `/v1/endpoints` require
+//!   `Authorization: Bearer <token>` (compared in constant time; 401 otherwise, counted).
+//!   `/metrics`, `/healthz` and `/readyz` stay open for probes and scrapers.
+//! - Bounds ([`Limits`]): at most `http_max_connections` open connections (more are closed at
+//!   once), request headers within `http_header_read_timeout`, and a failing `accept` backs
+//!   off instead of spinning. Every refusal is counted by reason ([`crate::reject`]).
 
 use std::convert::Infallible;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use serde_json::json;
 use tokio::net::TcpListener;
-use tokio::sync::watch;
+use tokio::sync::{watch, Semaphore};
 
 use kvoy_shared::snapshot::{SnapshotFormat, CONTENT_TYPE};
 
+use crate::config::{ApiToken, Limits};
 use crate::follow::KvCounters;
 use crate::pool::PoolView;
 use crate::prefill::PrefillReport;
+use crate::reject::{Reason, Rejections};
+
+/// The header that says why `/v1/snapshot` has no snapshot (`not-loaded`).
+pub const STATUS_HEADER: &str = "x-kvoy-aggregator-status";
+/// Its value while the endpoint source has not been read successfully yet.
+pub const NOT_LOADED: &str = "not-loaded";
 
 /// Counters of the API itself.
 #[derive(Debug, Default)]
 pub struct ApiCounters {
     pub snapshots_full: AtomicU64,
     pub snapshots_incremental: AtomicU64,
+    /// Snapshot polls answered 503 "not loaded yet".
+    pub snapshots_not_loaded: AtomicU64,
     pub snapshot_bytes: AtomicU64,
+    /// Connections open now.
+    pub connections: AtomicU64,
 }
 
 #[derive(Clone)]
 pub struct Api {
     pub views: watch::Receiver<Arc<PoolView>>,
     pub counters: Arc<ApiCounters>,
+    /// What the API refused, by reason.
+    pub rejections: Arc<Rejections>,
+    token: Option<ApiToken>,
+    limits: Limits,
+}
+
+impl Api {
+    pub fn new(
+        views: watch::Receiver<Arc<PoolView>>,
+        token: Option<ApiToken>,
+        limits: Limits,
+    ) -> Self {
+        Api {
+            views,
+            counters: Arc::default(),
+            rejections: Arc::new(Rejections::new("kvoy-aggregator API")),
+            token,
+            limits,
+        }
+    }
+}
+
+/// Waits after a failed `accept`: 10 ms, doubling to 1 s, back to 10 ms after a success.
+#[derive(Debug, Default)]
+pub struct AcceptBackoff {
+    failures: u32,
+}
+
+impl AcceptBackoff {
+    /// The pause after one more failure.
+    pub fn failed(&mut self) -> Duration {
+        let d = Duration::from_millis(10).saturating_mul(1 << self.failures.min(7));
+        self.failures = self.failures.saturating_add(1);
+        d.min(Duration::from_secs(1))
+    }
+
+    pub fn succeeded(&mut self) {
+        self.failures = 0;
+    }
 }
 
 /// Serves connections until `shutdown` turns true.
 pub async fn serve(listener: TcpListener, api: Api, mut shutdown: watch::Receiver<bool>) {
+    let slots = Arc::new(Semaphore::new(api.limits.http_max_connections));
+    let mut backoff = AcceptBackoff::default();
     loop {
         let accepted = tokio::select! {
             a = listener.accept() => a,
             _ = shutdown.changed() => break,
         };
-        let Ok((stream, _)) = accepted else {
+        let stream = match accepted {
+            Ok((stream, _)) => {
+                backoff.succeeded();
+                stream
+            }
+            Err(e) => {
+                // E.g. EMFILE: the error repeats at once; wait instead of spinning.
+                let pause = backoff.failed();
+                api.rejections.reject(
+                    Reason::AcceptError,
+                    format_args!("accept failed: {e}; retrying in {pause:?}"),
+                );
+                tokio::select! {
+                    _ = tokio::time::sleep(pause) => {}
+                    _ = shutdown.changed() => break,
+                }
+                continue;
+            }
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            api.rejections.reject(
+                Reason::ConnectionCap,
+                format_args!(
+                    "a connection over limits.http_max_connections ({}), closed",
+                    api.limits.http_max_connections
+                ),
+            );
+            drop(stream);
             continue;
         };
         let _ = stream.set_nodelay(true);
         let api = api.clone();
         tokio::spawn(async move {
+            api.counters.connections.fetch_add(1, Ordering::Relaxed);
+            let handler = api.clone();
             let service = hyper::service::service_fn(move |req| {
-                let api = api.clone();
+                let api = handler.clone();
                 async move { Ok::<_, Infallible>(api.handle(&req)) }
             });
-            if let Err(e) = hyper::server::conn::http1::Builder::new()
+            let served = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(api.limits.http_header_read_timeout)
+                .max_buf_size(64 * 1024)
                 .serve_connection(TokioIo::new(stream), service)
-                .await
-            {
-                log::debug!("kvoy-aggregator: connection ended: {e}");
+                .await;
+            if let Err(e) = served {
+                if e.is_timeout() || e.is_parse() || e.is_parse_too_large() {
+                    api.rejections.reject(
+                        Reason::BadRequest,
+                        format_args!(
+                            "{e} (request headers are due within limits.http_header_read_timeout_ms = {} ms)",
+                            api.limits.http_header_read_timeout.as_millis()
+                        ),
+                    );
+                } else {
+                    log::debug!("kvoy-aggregator: connection ended: {e}");
+                }
             }
+            api.counters.connections.fetch_sub(1, Ordering::Relaxed);
+            drop(slot);
         });
     }
+}
+
+/// Equal bytes, in time that depends only on `expected`'s length.
+fn constant_time_eq(given: &[u8], expected: &[u8]) -> bool {
+    let mut diff = u8::from(given.len() != expected.len());
+    for (i, e) in expected.iter().enumerate() {
+        diff |= given.get(i).copied().unwrap_or(0) ^ e;
+    }
+    std::hint::black_box(diff) == 0
 }
 
 fn reply(status: StatusCode, content_type: &str, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
@@ -104,12 +220,46 @@ fn snapshot_query(query: &str) -> SnapshotQuery {
 }
 
 impl Api {
+    /// Whether `req` may read the pool (always, without a token configured).
+    fn authorized<B>(&self, req: &Request<B>) -> bool {
+        let Some(token) = &self.token else {
+            return true;
+        };
+        let given = req
+            .headers()
+            .get(hyper::header::AUTHORIZATION)
+            .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+            .unwrap_or(b"");
+        if constant_time_eq(given, token.expose()) {
+            return true;
+        }
+        let what = if given.is_empty() {
+            "no bearer token"
+        } else {
+            "a wrong bearer token"
+        };
+        self.rejections.reject(
+            Reason::Unauthorized,
+            format_args!("{} {} with {what}", req.method(), req.uri().path()),
+        );
+        false
+    }
+
     fn handle<B>(&self, req: &Request<B>) -> Response<Full<Bytes>> {
         if req.method() != Method::GET && req.method() != Method::HEAD {
             return text(StatusCode::METHOD_NOT_ALLOWED, "only GET\n");
         }
+        let path = req.uri().path();
+        if matches!(path, "/v1/snapshot" | "/v1/endpoints") && !self.authorized(req) {
+            let mut r = text(StatusCode::UNAUTHORIZED, "a bearer token is required\n");
+            r.headers_mut().insert(
+                hyper::header::WWW_AUTHENTICATE,
+                hyper::header::HeaderValue::from_static("Bearer realm=\"kvoy-aggregator\""),
+            );
+            return r;
+        }
         let view = self.views.borrow().clone();
-        match req.uri().path() {
+        match path {
             "/v1/snapshot" => self.snapshot(&view, req.uri().query().unwrap_or("")),
             "/v1/endpoints" => reply(
                 StatusCode::OK,
@@ -119,19 +269,25 @@ impl Api {
             "/metrics" => reply(
                 StatusCode::OK,
                 "text/plain; version=0.0.4; charset=utf-8",
-                render_metrics(&view, &self.counters),
+                render_metrics(&view, &self.counters, &self.rejections),
             ),
             "/healthz" => text(StatusCode::OK, "ok\n"),
+            // Ready once the endpoints are known, even if none of them is ready: the filters
+            // must keep hearing from the aggregator to learn which servers are down.
             "/readyz" => {
                 if !view.loaded {
                     text(
                         StatusCode::SERVICE_UNAVAILABLE,
                         "endpoints not loaded yet\n",
                     )
-                } else if view.gauges.ready == 0 {
-                    text(StatusCode::SERVICE_UNAVAILABLE, "no endpoint is ready\n")
                 } else {
-                    text(StatusCode::OK, "ready\n")
+                    text(
+                        StatusCode::OK,
+                        format!(
+                            "ready: {} endpoints, {} ready\n",
+                            view.gauges.endpoints, view.gauges.ready
+                        ),
+                    )
                 }
             }
             _ => text(
@@ -142,6 +298,26 @@ impl Api {
     }
 
     fn snapshot(&self, view: &PoolView, query: &str) -> Response<Full<Bytes>> {
+        if !view.loaded {
+            // Not an empty pool: the filters keep what they have (their last snapshot or
+            // their static endpoints) until the first discovery succeeds.
+            self.counters
+                .snapshots_not_loaded
+                .fetch_add(1, Ordering::Relaxed);
+            let mut r = text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "endpoints not loaded yet: the endpoint source has not been read successfully since the aggregator started\n",
+            );
+            r.headers_mut().insert(
+                STATUS_HEADER,
+                hyper::header::HeaderValue::from_static(NOT_LOADED),
+            );
+            r.headers_mut().insert(
+                hyper::header::RETRY_AFTER,
+                hyper::header::HeaderValue::from_static("1"),
+            );
+            return r;
+        }
         let q = snapshot_query(query);
         let delta = view.history.delta_since(q.epoch, q.since);
         let mut body = Vec::with_capacity(256);
@@ -228,6 +404,9 @@ pub fn endpoints_json(view: &PoolView) -> serde_json::Value {
                     if let Some(o) = v.as_object_mut() {
                         o.insert("endpoint".into(), json!(e.spec.kv_events.as_ref().map(|k| k.endpoint.clone())));
                         o.insert("receiving".into(), json!(summary.receiving));
+                        if let Some(r) = &e.kv_rejections {
+                            o.insert("rejected".into(), r.json(&Reason::KV));
+                        }
                     }
                     v
                 }),
@@ -238,6 +417,7 @@ pub fn endpoints_json(view: &PoolView) -> serde_json::Value {
     json!({
         "epoch": view.history.epoch(),
         "version": view.history.version(),
+        "loaded": view.loaded,
         "pool": {
             "endpoints": g.endpoints,
             "ready": g.ready,
@@ -284,9 +464,41 @@ impl Family<'_> {
 }
 
 /// The Prometheus text of `GET /metrics`.
-pub fn render_metrics(view: &PoolView, api: &ApiCounters) -> String {
+pub fn render_metrics(view: &PoolView, api: &ApiCounters, rejected: &Rejections) -> String {
     let mut out = String::with_capacity(4096);
     let mut f = Family { out: &mut out };
+    f.head(
+        "kvoy_aggregator_loaded",
+        "gauge",
+        "1 once the endpoint source has been read successfully (before that /v1/snapshot answers 503 not-loaded).",
+    );
+    f.sample(
+        "kvoy_aggregator_loaded",
+        &[],
+        f64::from(u8::from(view.loaded)),
+    );
+    f.head(
+        "kvoy_aggregator_http_connections",
+        "gauge",
+        "HTTP connections open.",
+    );
+    f.sample(
+        "kvoy_aggregator_http_connections",
+        &[],
+        api.connections.load(Ordering::Relaxed) as f64,
+    );
+    f.head(
+        "kvoy_aggregator_http_rejected_total",
+        "counter",
+        "HTTP connections and requests refused, by reason (the first of each reason is logged).",
+    );
+    for r in Reason::HTTP {
+        f.sample(
+            "kvoy_aggregator_http_rejected_total",
+            &[("reason", r.label())],
+            rejected.count(r) as f64,
+        );
+    }
     let g = &view.gauges;
     let pool: [(&str, &str, f64); 7] = [
         (
@@ -347,6 +559,7 @@ pub fn render_metrics(view: &PoolView, api: &ApiCounters) -> String {
     for (kind, c) in [
         ("full", &api.snapshots_full),
         ("incremental", &api.snapshots_incremental),
+        ("not_loaded", &api.snapshots_not_loaded),
     ] {
         f.sample(
             "kvoy_aggregator_snapshot_requests_total",
@@ -555,6 +768,22 @@ pub fn render_metrics(view: &PoolView, api: &ApiCounters) -> String {
             |c| &c.batches_lost,
         ),
     ];
+    f.head(
+        "kvoy_aggregator_kv_rejected_total",
+        "counter",
+        "KV-event input refused or skipped, by reason (the first of each reason per endpoint is logged; /v1/endpoints shows the last).",
+    );
+    for (e, addr) in view.endpoints.iter().zip(&addresses) {
+        if let Some(r) = &e.kv_rejections {
+            for reason in Reason::KV {
+                f.sample(
+                    "kvoy_aggregator_kv_rejected_total",
+                    &[("endpoint", addr), ("reason", reason.label())],
+                    r.count(reason) as f64,
+                );
+            }
+        }
+    }
     for (name, help, get) in kv {
         f.head(name, "counter", help);
         for (e, addr) in view.endpoints.iter().zip(&addresses) {
@@ -589,5 +818,23 @@ mod tests {
         assert_eq!(snapshot_query("format=v2&x"), q(None, None, None));
         assert_eq!(snapshot_query(""), q(None, None, None));
         assert_eq!(label("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+    }
+
+    #[test]
+    fn tokens_compare_whole() {
+        assert!(constant_time_eq(b"0123456789abcdef", b"0123456789abcdef"));
+        assert!(!constant_time_eq(b"0123456789abcdeg", b"0123456789abcdef"));
+        assert!(!constant_time_eq(b"0123456789abcde", b"0123456789abcdef"));
+        assert!(!constant_time_eq(b"0123456789abcdef0", b"0123456789abcdef"));
+        assert!(!constant_time_eq(b"", b"0123456789abcdef"));
+    }
+
+    #[test]
+    fn accept_backoff_grows_and_resets() {
+        let mut b = AcceptBackoff::default();
+        let waits: Vec<u128> = (0..10).map(|_| b.failed().as_millis()).collect();
+        assert_eq!(waits, [10, 20, 40, 80, 160, 320, 640, 1000, 1000, 1000]);
+        b.succeeded();
+        assert_eq!(b.failed(), Duration::from_millis(10));
     }
 }

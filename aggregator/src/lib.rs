@@ -11,6 +11,7 @@
 //!   recovery through the replay socket.
 //! - [`prefill`]: each endpoint's prefill rate, estimated online from its metrics (pure);
 //!   [`calibrate`]: the `calibrate` command, which measures it on a live server.
+//! - [`reject`]: refused input, counted by reason and logged once per reason.
 //! - [`status`]: statuses and pool gauges (pure); [`pool`]: the actor that owns the endpoints
 //!   and the snapshot history; [`http`]: the API.
 //!
@@ -35,6 +36,7 @@ pub mod kv_index;
 pub mod pool;
 pub mod prefill;
 pub mod prom;
+pub mod reject;
 pub mod scrape;
 pub mod source;
 pub mod status;
@@ -71,12 +73,19 @@ fn new_epoch() -> u64 {
 }
 
 impl Aggregator {
-    /// Binds `listen` and starts the pool actor and the API.
+    /// Reads the API token (if any), binds `listen` and starts the pool actor and the API.
     pub async fn start(
         config: &AggregatorConfig,
         source: Box<dyn EndpointSource>,
         listen: SocketAddr,
     ) -> std::io::Result<Aggregator> {
+        let token = match (&config.api_token, &config.api_token_file) {
+            (Some(t), _) => Some(t.clone()),
+            (None, Some(path)) => {
+                Some(config::ApiToken::from_file(path).map_err(std::io::Error::other)?)
+            }
+            (None, None) => None,
+        };
         let listener = tokio::net::TcpListener::bind(listen).await?;
         let addr = listener.local_addr()?;
         let settings = PoolSettings {
@@ -87,15 +96,13 @@ impl Aggregator {
                 stale_after: config.stale_after,
                 unready_after_failures: config.unready_after_failures,
             },
+            limits: config.limits,
         };
         let epoch = new_epoch();
         let (shutdown, stop) = watch::channel(false);
         let (views_tx, views) = watch::channel(Arc::new(PoolView::new(epoch)));
         let pool = Pool::new(settings, source, kvoy_kvevents::ZmqContext::new(), epoch);
-        let api = http::Api {
-            views,
-            counters: Arc::default(),
-        };
+        let api = http::Api::new(views, token, config.limits);
         let tasks = vec![
             tokio::spawn(pool.run(views_tx, stop.clone())),
             tokio::spawn(http::serve(listener, api, stop)),

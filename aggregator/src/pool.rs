@@ -18,9 +18,10 @@ use kvoy_kvevents::ZmqContext;
 use kvoy_shared::snapshot::{EndpointStatus, SnapshotHistory};
 use kvoy_shared::MAX_ENDPOINTS;
 
-use crate::config::EndpointSpec;
+use crate::config::{EndpointSpec, Limits};
 use crate::follow::{Follower, KvCounters, KvSummary};
 use crate::prefill::PrefillReport;
+use crate::reject::Rejections;
 use crate::scrape::Scraper;
 use crate::source::EndpointSource;
 use crate::status::{self, PoolGauges, ScrapeState, Thresholds};
@@ -32,6 +33,7 @@ pub struct PoolSettings {
     pub scrape_timeout: Duration,
     pub reload_interval: Duration,
     pub thresholds: Thresholds,
+    pub limits: Limits,
 }
 
 /// Scrape counters of one endpoint.
@@ -51,6 +53,8 @@ pub struct EndpointView {
     pub metrics_age_ms: Option<u64>,
     pub scrape_counters: Arc<ScrapeCounters>,
     pub kv: Option<(KvSummary, Arc<KvCounters>)>,
+    /// What the KV-event follower refused, by reason.
+    pub kv_rejections: Option<Arc<Rejections>>,
     /// What the prefill-rate estimator has seen.
     pub prefill: PrefillReport,
 }
@@ -277,6 +281,7 @@ impl Pool {
                 &self.zmq,
                 source,
                 &spec.address.to_string(),
+                self.settings.limits,
             )?),
             None => None,
         };
@@ -305,6 +310,9 @@ impl Pool {
             let scrape = rt.scrape.borrow().clone();
             if let Some(f) = &rt.follower {
                 f.server_restarted(scrape.restarts);
+                if let Some(blocks) = scrape.metrics.as_ref().and_then(|m| m.num_gpu_blocks) {
+                    f.set_capacity(blocks);
+                }
             }
             let kv = rt.follower.as_ref().map(|f| f.summary());
             let status = status::endpoint_status(
@@ -325,6 +333,7 @@ impl Pool {
                 }),
                 scrape_counters: rt.scrape_counters.clone(),
                 kv: rt.follower.as_ref().map(|f| (f.summary(), f.counters())),
+                kv_rejections: rt.follower.as_ref().map(Follower::rejections),
                 prefill: scrape.prefill.report(),
             });
         }

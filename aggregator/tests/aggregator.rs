@@ -389,6 +389,10 @@ fn the_endpoint_file_is_reloaded() {
         ))
         .unwrap();
     let api = agg.local_addr();
+    // Until the file is read, the snapshot answers 503 "not loaded".
+    wait_for("loaded", Duration::from_secs(10), || {
+        http(api, "GET", "/readyz", "").0 == 200
+    });
     wait_for("one endpoint", Duration::from_secs(10), || {
         let s = current(api);
         s.endpoints.len() == 1 && s.endpoints[0].ready

@@ -9,7 +9,8 @@ use std::time::Duration;
 use anyhow::Context as _;
 
 use kvoy_aggregator::config::AggregatorConfig;
-use kvoy_aggregator::source::FileSource;
+use kvoy_aggregator::k8s::{Discovery, InCluster, KubernetesSource};
+use kvoy_aggregator::source::{EndpointSource, FileSource};
 use kvoy_aggregator::Aggregator;
 
 /// One endpoint of the aggregator's configuration file.
@@ -55,7 +56,8 @@ pub struct LocalAggregator {
 
 impl LocalAggregator {
     /// Writes `yaml` to `config_path` and starts an aggregator on `listen` (port 0: any free
-    /// port) that reloads the endpoints from that file when it changes.
+    /// port) that reloads the endpoints from that file when it changes, or, when `yaml` has a
+    /// `kubernetes:` section, discovers them from the API server it names (as the binary does).
     pub fn start(config_path: &Path, yaml: &str, listen: SocketAddr) -> anyhow::Result<Self> {
         std::fs::write(config_path, yaml)
             .with_context(|| format!("writing {}", config_path.display()))?;
@@ -66,10 +68,20 @@ impl LocalAggregator {
             .enable_all()
             .build()
             .context("starting the aggregator's tokio runtime")?;
-        let source = Box::new(FileSource::new(config_path));
         let aggregator = runtime
-            .block_on(Aggregator::start(&config, source, listen))
-            .with_context(|| format!("kvoy-aggregator cannot listen on {listen}"))?;
+            .block_on(async {
+                let source: Box<dyn EndpointSource> = match &config.kubernetes {
+                    Some(k8s) => {
+                        let discovery = Discovery::new(k8s, &InCluster::default())?;
+                        Box::new(KubernetesSource::spawn(discovery, config.reload_interval))
+                    }
+                    None => Box::new(FileSource::new(config_path)),
+                };
+                Aggregator::start(&config, source, listen)
+                    .await
+                    .with_context(|| format!("kvoy-aggregator cannot listen on {listen}"))
+            })
+            .context("starting kvoy-aggregator")?;
         Ok(LocalAggregator {
             addr: aggregator.local_addr(),
             runtime: Some(runtime),

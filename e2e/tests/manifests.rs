@@ -121,6 +121,7 @@ fn manifests_validate_against_the_upstream_crds() {
         "HTTPRoute",
         "InferencePool",
         "EnvoyExtensionPolicy",
+        "NetworkPolicy",
     ] {
         assert!(
             out.lines()
@@ -644,6 +645,11 @@ fn plugin_and_aggregator_configurations_parse() {
                 other => panic!("{variant}: unknown filter {other}"),
             };
             if let Some(a) = aggregator {
+                assert_eq!(
+                    a.token.as_ref().map(kvoy_shared::BearerToken::as_str),
+                    Some(TOKEN_PLACEHOLDER),
+                    "{variant} {root_id}: the token, substituted from the Secret at apply time"
+                );
                 assert_eq!(a.cluster, "kvoy_aggregator", "{variant} {root_id}");
                 assert_eq!(
                     a.authority.as_deref(),
@@ -718,6 +724,94 @@ fn plugin_and_aggregator_configurations_parse() {
         route["spec"]["rules"][0]["backendRefs"][0],
         json!({"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "llama-pool"})
     );
+}
+
+/// What the filters' configurations carry for the aggregator's token: `envsubst` replaces it
+/// with the Secret's value when the manifests are applied (docs/deploying.md).
+const TOKEN_PLACEHOLDER: &str = "${KVOY_AGGREGATOR_TOKEN}";
+
+#[test]
+fn the_aggregator_is_protected_and_probed_for_readiness() {
+    // The token: a Secret mounted where the configuration reads it.
+    let cm = doc("gateway/aggregator.yaml", "ConfigMap", "kvoy-aggregator");
+    let pool_yaml = cm["data"]["pool.yaml"].as_str().unwrap();
+    let deploy = doc("gateway/aggregator.yaml", "Deployment", "kvoy-aggregator");
+    let pod = &deploy["spec"]["template"]["spec"];
+    let container = &pod["containers"][0];
+    let token_volume = pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["secret"]["secretName"] == "kvoy-aggregator-token")
+        .expect("the token Secret is mounted");
+    assert!(container["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|m| m["name"] == token_volume["name"] && m["mountPath"] == "/etc/kvoy-token"));
+    // Ready only once loaded: /readyz.
+    assert_eq!(container["readinessProbe"]["httpGet"]["path"], "/readyz");
+    assert_eq!(container["livenessProbe"]["httpGet"]["path"], "/healthz");
+
+    // The NetworkPolicies name the ports the other files use.
+    let cfg = kvoy_aggregator::config::AggregatorConfig::from_yaml(pool_yaml).unwrap();
+    assert_eq!(
+        cfg.api_token_file.as_deref(),
+        Some(Path::new("/etc/kvoy-token/token"))
+    );
+    let k8s = cfg.kubernetes.unwrap();
+    let kv = k8s.kv_events.unwrap();
+    let ports = |rule: &Value| -> Vec<u64> {
+        rule["ports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["port"].as_u64().unwrap())
+            .collect()
+    };
+    let agg_np = doc(
+        "gateway/networkpolicy.yaml",
+        "NetworkPolicy",
+        "kvoy-aggregator",
+    );
+    assert_eq!(
+        agg_np["spec"]["podSelector"]["matchLabels"]["app"],
+        "kvoy-aggregator"
+    );
+    let svc = doc("gateway/aggregator.yaml", "Service", "kvoy-aggregator");
+    assert_eq!(
+        ports(&agg_np["spec"]["ingress"][0]),
+        [svc["spec"]["ports"][0]["port"].as_u64().unwrap()]
+    );
+    let pool = doc("gateway/inferencepool.yaml", "InferencePool", "llama-pool");
+    let server_np = doc("gateway/networkpolicy.yaml", "NetworkPolicy", "vllm-llama");
+    assert_eq!(
+        server_np["spec"]["podSelector"]["matchLabels"],
+        pool["spec"]["selector"]["matchLabels"]
+    );
+    let api_port = pool["spec"]["targetPorts"][0]["number"].as_u64().unwrap();
+    let rules = server_np["spec"]["ingress"].as_array().unwrap();
+    assert_eq!(
+        ports(&rules[0]),
+        [api_port],
+        "the proxies reach the API only"
+    );
+    let from_aggregator = rules
+        .iter()
+        .find(|r| r["from"][0]["podSelector"]["matchLabels"]["app"] == "kvoy-aggregator")
+        .expect("a rule for the aggregator");
+    let mut wanted = vec![api_port, u64::from(kv.port)];
+    wanted.extend(kv.replay_port.map(u64::from));
+    assert_eq!(ports(from_aggregator), wanted);
+    // The proxies allowed in are the ones the filters run in.
+    let gateways = &agg_np["spec"]["ingress"][0]["from"];
+    let ef = doc("istio/envoyfilter.yaml", "EnvoyFilter", "kvoy");
+    assert!(gateways
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|g| g["podSelector"]["matchLabels"] == ef["spec"]["workloadSelector"]["labels"]));
+    assert_eq!(rules[0]["from"], *gateways, "the same proxies reach both");
 }
 
 // ------------------------------------------------------------------------------------------

@@ -56,6 +56,6 @@ pub use hash::BlockHash;
 pub use seq::{SeqStatus, SeqTracker};
 #[cfg(feature = "zmq")]
 pub use transport::{
-    Message, Publisher, PublisherConfig, ReplayClient, ReplayOutcome, Subscriber, TransportError,
-    ZmqContext, END_SEQ,
+    Message, Publisher, PublisherConfig, ReplayClient, ReplayLimits, ReplayOutcome, Subscriber,
+    TransportError, ZmqContext, END_SEQ,
 };

@@ -250,6 +250,27 @@ pub struct AggregatorSettings {
     /// A snapshot answer larger than this is not copied into the VM (counted, logged once).
     #[serde(default = "defaults::max_snapshot_bytes")]
     pub max_snapshot_bytes: usize,
+    /// Sent as `Authorization: Bearer <token>` on every poll, for an aggregator that requires
+    /// it (its `--token-file`); 16 to 4096 visible ASCII characters.
+    #[serde(default)]
+    pub token: Option<BearerToken>,
+}
+
+/// A bearer token from the configuration; `Debug` does not show it.
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct BearerToken(String);
+
+impl BearerToken {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for BearerToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BearerToken(<redacted>)")
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -673,6 +694,17 @@ pub(crate) fn check_aggregator(a: &AggregatorSettings) -> Result<(), ConfigError
             a.max_snapshot_bytes,
         ));
     }
+    if let Some(t) = &a.token {
+        let t = t.as_str();
+        if !(16..=4096).contains(&t.len()) || !t.bytes().all(|b| b.is_ascii_graphic()) {
+            // The value itself is a secret: only its length is told.
+            return Err(out_of_range(
+                "aggregator.token",
+                "16 to 4096 visible ASCII characters",
+                format!("a token of {} bytes", t.len()),
+            ));
+        }
+    }
     // Each bound sits beside the text that names it.
     for (field, value, (min, max, expected)) in [
         (
@@ -903,5 +935,29 @@ mod tests {
             cfg.max_prompt_segments,
             crate::request::DEFAULT_MAX_SEGMENTS
         );
+    }
+
+    #[test]
+    fn aggregator_token() {
+        let cfg = PluginConfig::from_json(
+            br#"{"aggregator":{"cluster":"c","token":"0123456789abcdef"},"allowed_destinations":[{"cidr":"10.0.0.0/8"}]}"#,
+        )
+        .unwrap();
+        let a = cfg.aggregator.unwrap();
+        assert_eq!(
+            a.token.as_ref().map(BearerToken::as_str),
+            Some("0123456789abcdef")
+        );
+        assert!(!format!("{a:?}").contains("0123456789abcdef"), "redacted");
+        for bad in [r#""short""#, r#""0123456789 abcdef""#] {
+            let e = err(&format!(
+                r#"{{"aggregator":{{"cluster":"c","token":{bad}}},"allowed_destinations":[{{"cidr":"10.0.0.0/8"}}]}}"#
+            ));
+            assert!(e.contains("aggregator.token"), "{bad}: {e}");
+            assert!(
+                !e.contains("0123456789"),
+                "{bad}: the token is not echoed: {e}"
+            );
+        }
     }
 }

@@ -36,7 +36,7 @@ pub mod snapshot;
 pub mod usage;
 
 pub use config::{
-    AggregatorSettings, ConfigError, HotspotGuard, InvalidBodyPolicy, PluginConfig,
+    AggregatorSettings, BearerToken, ConfigError, HotspotGuard, InvalidBodyPolicy, PluginConfig,
     RefusedEndpoint, Scorer, SessionPin, Weights, INDEX_MEMORY_LIMIT, MAX_ENDPOINTS,
 };
 pub use cost::{CostParams, CostTerms};

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 
 use kvoy_aggregator::calibrate::{self, Options};
-use kvoy_aggregator::config::AggregatorConfig;
+use kvoy_aggregator::config::{AggregatorConfig, ApiToken};
 use kvoy_aggregator::k8s::{Discovery, InCluster, KubernetesSource};
 use kvoy_aggregator::source::{EndpointSource, FileSource};
 use kvoy_aggregator::Aggregator;
@@ -19,7 +19,7 @@ use kvoy_aggregator::Aggregator;
 const USAGE: &str = "\
 kvoy-aggregator: KV events, metrics scraping and the pool snapshot for kvoy's filters
 
-usage: kvoy-aggregator --config FILE [--listen ADDR]
+usage: kvoy-aggregator --config FILE [--listen ADDR] [--token-file FILE]
        kvoy-aggregator calibrate --url http://HOST:PORT --model M [options]   (--help for them)
 
   --config FILE   endpoints and settings, YAML (or JSON when FILE ends in .json); the
@@ -27,6 +27,9 @@ usage: kvoy-aggregator --config FILE [--listen ADDR]
                   section the endpoints are the Ready pods of an InferencePool, read from
                   the API server every reload_interval_ms
   --listen ADDR   HTTP address (default: `listen` from FILE, else 127.0.0.1:9090)
+  --token-file F  require `Authorization: Bearer <token>` on /v1/snapshot and /v1/endpoints,
+                  the token read from F (a mounted Secret); also `api_token_file` in FILE, or
+                  the environment variable KVOY_AGGREGATOR_TOKEN. 16-4096 visible ASCII chars
   -h, --help
 
 API: GET /v1/snapshot?epoch=E&since=V&format=F (binary, for the filters), /v1/endpoints (JSON),
@@ -129,6 +132,7 @@ fn main() -> Result<()> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
     let mut config_path: Option<PathBuf> = None;
     let mut listen: Option<SocketAddr> = None;
+    let mut token_file: Option<PathBuf> = None;
     let mut args = std::env::args().skip(1).peekable();
     if args.peek().is_some_and(|a| a == "calibrate") {
         args.next();
@@ -141,6 +145,9 @@ fn main() -> Result<()> {
                 return Ok(());
             }
             "--config" => config_path = Some(args.next().context("--config needs a file")?.into()),
+            "--token-file" => {
+                token_file = Some(args.next().context("--token-file needs a file")?.into())
+            }
             "--listen" => {
                 let v = args.next().context("--listen needs an address")?;
                 listen = Some(
@@ -154,8 +161,22 @@ fn main() -> Result<()> {
     let Some(path) = config_path else {
         bail!("--config is required\n\n{USAGE}");
     };
-    let config = AggregatorConfig::from_file(&path)
+    let mut config = AggregatorConfig::from_file(&path)
         .with_context(|| format!("configuration {}", path.display()))?;
+    // The command line, then the environment, then the file.
+    if let Some(file) = &token_file {
+        config.api_token = Some(ApiToken::from_file(file).context("--token-file")?);
+    } else if let Ok(text) = std::env::var("KVOY_AGGREGATOR_TOKEN") {
+        config.api_token = Some(
+            ApiToken::new(&text)
+                .context("KVOY_AGGREGATOR_TOKEN must be 16 to 4096 visible ASCII characters")?,
+        );
+    }
+    let protected = if config.api_token.is_some() || config.api_token_file.is_some() {
+        "bearer token required"
+    } else {
+        "no token required"
+    };
     let listen = listen
         .or(config.listen)
         .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 9090)));
@@ -187,7 +208,7 @@ fn main() -> Result<()> {
             .await
             .with_context(|| format!("cannot listen on {listen}"))?;
         println!(
-            "kvoy-aggregator: {from}, API on http://{}",
+            "kvoy-aggregator: {from}, API on http://{} ({protected})",
             aggregator.local_addr()
         );
         wait_for_signal().await;

@@ -209,6 +209,57 @@ pub struct ApplyStats {
     /// Store and remove events under a medium name kvoy does not know (applied to
     /// [`Tier::Storage`]).
     pub other_medium: u64,
+    /// New blocks not stored because the cache held its cap of blocks
+    /// ([`EndpointCache::set_block_cap`]).
+    pub over_cap: u64,
+    /// The first malformed `BlockStored` (for the log).
+    pub first_malformed: Option<MalformedStore>,
+    /// The type name of the first unknown event (for the log; at most 64 bytes kept).
+    pub first_unknown: Option<UnknownType>,
+}
+
+/// What was wrong with a malformed `BlockStored`: its counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MalformedStore {
+    pub block_hashes: usize,
+    pub block_size: u32,
+    pub token_ids: usize,
+}
+
+impl fmt::Display for MalformedStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "BlockStored with {} block hashes, block_size {} and {} token ids (want block hashes x block_size token ids); its blocks are kept, keyed without tokens",
+            self.block_hashes, self.block_size, self.token_ids
+        )
+    }
+}
+
+/// The start of an unknown event type's name, kept without allocating.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UnknownType {
+    bytes: [u8; 64],
+    len: u8,
+}
+
+impl UnknownType {
+    fn new(name: &str) -> Self {
+        let mut bytes = [0u8; 64];
+        let mut len = name.len().min(64);
+        while !name.is_char_boundary(len) {
+            len -= 1;
+        }
+        bytes[..len].copy_from_slice(&name.as_bytes()[..len]);
+        UnknownType {
+            bytes,
+            len: len as u8,
+        }
+    }
+
+    pub fn as_str(&self) -> &str {
+        std::str::from_utf8(&self.bytes[..usize::from(self.len)]).unwrap_or("?")
+    }
 }
 
 impl ApplyStats {
@@ -225,6 +276,9 @@ impl ApplyStats {
         self.malformed += other.malformed;
         self.hash_keyed += other.hash_keyed;
         self.other_medium += other.other_medium;
+        self.over_cap += other.over_cap;
+        self.first_malformed = self.first_malformed.or(other.first_malformed);
+        self.first_unknown = self.first_unknown.or(other.first_unknown);
     }
 
     /// Events applied, of every type.
@@ -441,6 +495,8 @@ struct Keying<'a> {
     orphan: bool,
     /// One span per block, when the event gives them.
     spans: Option<std::slice::ChunksExact<'a, u32>>,
+    /// How many more engine hashes the cache may take in.
+    room: usize,
 }
 
 /// The engine hashes of one width: resident blocks and recently removed ones.
@@ -470,6 +526,16 @@ impl<K: Held> Table<K> {
     fn store(&mut self, k: K, c: &mut Keying<'_>, res: &mut Residency, s: &mut ApplyStats) {
         let span = c.spans.as_mut().and_then(Iterator::next);
         let t = c.tier;
+        if c.room == 0 && !self.blocks.contains_key(&k) {
+            // Over the cap: not stored, but the chain goes on under the key it would have.
+            s.over_cap += 1;
+            c.parent = match (self.removed.keys.get(&k), span) {
+                (Some(&(key, _)), _) => key,
+                (None, Some(tokens)) => block_key(c.parent, tokens),
+                (None, None) => hash_key(&k.block_hash()),
+            };
+            return;
+        }
         s.stored += 1;
         let (key, entered) = match self.blocks.entry(k) {
             Entry::Occupied(e) => {
@@ -497,6 +563,7 @@ impl<K: Held> Table<K> {
                 let mut refs = [0; 3];
                 refs[t] = 1;
                 e.insert(Block { key, refs });
+                c.room -= 1;
                 (key, true)
             }
         };
@@ -553,6 +620,8 @@ pub struct EndpointCache {
     wide: Table<Wide>,
     res: Residency,
     generation: u32,
+    /// At most this many resident engine hashes (both widths).
+    cap: usize,
 }
 
 impl Default for EndpointCache {
@@ -594,7 +663,21 @@ impl EndpointCache {
                 held: [0; 3],
             },
             generation: 0,
+            cap: usize::MAX,
         }
+    }
+
+    /// Holds at most `blocks` distinct engine hashes: new blocks beyond it are not stored
+    /// (counted in [`ApplyStats::over_cap`]) until removals make room. A server never holds
+    /// more than its capacity, so reaching the cap means lost removals or a lying publisher;
+    /// the cap bounds memory either way. Blocks already held stay when the cap is lowered.
+    pub fn set_block_cap(&mut self, blocks: usize) {
+        self.cap = blocks;
+    }
+
+    /// The cap of [`EndpointCache::set_block_cap`] (`usize::MAX`: none).
+    pub fn block_cap(&self) -> usize {
+        self.cap
     }
 
     /// Remember the keys of the last `n` removed blocks, per hash width (integer and byte
@@ -628,6 +711,11 @@ impl EndpointCache {
                     && block_hashes.len().checked_mul(bs) == Some(token_ids.len());
                 if !token_ids.is_empty() && !spans {
                     stats.malformed += 1;
+                    stats.first_malformed.get_or_insert(MalformedStore {
+                        block_hashes: block_hashes.len(),
+                        block_size: *block_size,
+                        token_ids: token_ids.len(),
+                    });
                 }
                 let (parent, orphan) = match parent_block_hash {
                     _ if !spans => (0, false),
@@ -637,11 +725,13 @@ impl EndpointCache {
                         None => (hash_key(p), true),
                     },
                 };
+                let resident = self.narrow.blocks.len() + self.wide.blocks.len();
                 let mut keying = Keying {
                     tier,
                     parent,
                     orphan,
                     spans: spans.then(|| token_ids.chunks_exact(bs)),
+                    room: self.cap.saturating_sub(resident),
                 };
                 for hash in block_hashes {
                     match slot(hash) {
@@ -671,7 +761,12 @@ impl EndpointCache {
                 self.wide.remove_all();
                 self.res.clear();
             }
-            KvEvent::Unknown { .. } => stats.unknown_events += 1,
+            KvEvent::Unknown { type_name } => {
+                stats.unknown_events += 1;
+                stats
+                    .first_unknown
+                    .get_or_insert_with(|| UnknownType::new(type_name));
+            }
         }
     }
 

@@ -448,3 +448,53 @@ fn stats_add_up() {
     a.add(&b);
     assert_eq!((a.stored, a.removed, a.malformed, a.events()), (1, 2, 3, 4));
 }
+
+#[test]
+fn the_block_cap_bounds_resident_blocks_and_keeps_chains_keyed() {
+    let mut cache = EndpointCache::new();
+    cache.set_block_cap(3);
+    let hashes: Vec<BlockHash> = (1..=5).map(h).collect();
+    let s = apply(&mut cache, &[stored(&hashes, None, toks(0..20))]);
+    assert_eq!((s.stored, s.over_cap), (3, 2));
+    assert_eq!(cache.blocks(Tier::Gpu), 3);
+    assert_eq!(cache.key_of(&h(4)), None, "over the cap: not stored");
+    // A block already held is still counted in another tier, and a removal makes room.
+    let s = apply(
+        &mut cache,
+        &[stored_in(&[h(1)], None, vec![], 4, Medium::Cpu, None)],
+    );
+    assert_eq!((s.stored, s.over_cap), (1, 0));
+    let s = apply(
+        &mut cache,
+        &[
+            removed(&[h(3)], Medium::Gpu),
+            stored(&[h(4)], Some(h(3)), toks(12..16)),
+        ],
+    );
+    assert_eq!((s.stored, s.over_cap), (1, 0));
+    let keys = chain(root_key(None), &toks(0..20));
+    assert_eq!(
+        cache.key_of(&h(4)),
+        Some(keys[3]),
+        "keyed under its removed parent"
+    );
+}
+
+#[test]
+fn malformed_and_unknown_events_say_what_was_wrong() {
+    let mut cache = EndpointCache::new();
+    let s = apply(
+        &mut cache,
+        &[
+            stored(&[h(1), h(2)], None, toks(0..7)),
+            KvEvent::Unknown {
+                type_name: "BlockMoved".into(),
+            },
+        ],
+    );
+    let m = s.first_malformed.unwrap();
+    assert_eq!((m.block_hashes, m.block_size, m.token_ids), (2, 4, 7));
+    assert!(m.to_string().contains("7 token ids"), "{m}");
+    assert_eq!(s.first_unknown.unwrap().as_str(), "BlockMoved");
+    assert_eq!(UnknownType::new(&"é".repeat(40)).as_str().len(), 64);
+}

@@ -36,12 +36,19 @@ pub struct LiveSnapshot {
     failures_logged: u32,
     /// Each kind of poll failure is logged once (and counted every time by the filter).
     logged: LogOnce,
+    /// `Bearer <token>`, when the configuration has a token.
+    authorization: Option<String>,
 }
 
 impl LiveSnapshot {
     /// `namespace` keys the board (per filter configuration); `owner` is this VM's id.
     pub fn new(settings: AggregatorSettings, namespace: &str, owner: u64) -> Self {
+        let authorization = settings
+            .token
+            .as_ref()
+            .map(|t| format!("Bearer {}", t.as_str()));
         LiveSnapshot {
+            authorization,
             settings,
             board: SnapshotBoard::new(namespace, owner),
             snapshot: Snapshot::default(),
@@ -113,13 +120,17 @@ impl LiveSnapshot {
             .authority
             .clone()
             .unwrap_or_else(|| self.settings.cluster.clone());
+        let mut headers = vec![
+            (":method", "GET"),
+            (":path", path.as_str()),
+            (":authority", authority.as_str()),
+        ];
+        if let Some(auth) = &self.authorization {
+            headers.push(("authorization", auth.as_str()));
+        }
         match hostcalls::dispatch_http_call(
             &self.settings.cluster,
-            vec![
-                (":method", "GET"),
-                (":path", &path),
-                (":authority", &authority),
-            ],
+            headers,
             None,
             vec![],
             Duration::from_millis(self.settings.timeout_ms),
@@ -181,11 +192,26 @@ impl LiveSnapshot {
                 if matches!(e, PollError::Mismatch(_)) {
                     self.want_full = true;
                 }
-                if self.logged.first(e.label()) {
+                let unauthorized = matches!(e, PollError::Status(401 | 403));
+                let kind = if unauthorized {
+                    "unauthorized"
+                } else {
+                    e.label()
+                };
+                if self.logged.first(kind) {
+                    let hint = if unauthorized {
+                        " (check `aggregator.token` against the aggregator's --token-file)"
+                    } else {
+                        ""
+                    };
                     warn!(
-                        "aggregator snapshot from cluster {:?} refused: {e} (logged once; counted in the snapshot poll metrics)",
+                        "aggregator snapshot from cluster {:?} refused: {e}{hint} (logged once; counted in the snapshot poll metrics)",
                         self.settings.cluster
                     );
+                } else {
+                    // 503 "not loaded yet" included: the last snapshot (or the static pool)
+                    // stays in use.
+                    debug!("snapshot poll: {e}");
                 }
                 Err(e)
             }

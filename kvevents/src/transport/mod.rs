@@ -14,7 +14,7 @@ mod publisher;
 mod subscriber;
 
 pub use publisher::{Publisher, PublisherConfig};
-pub use subscriber::{Message, ReplayClient, ReplayOutcome, Subscriber};
+pub use subscriber::{Message, ReplayClient, ReplayLimits, ReplayOutcome, Subscriber};
 
 /// The sequence number of the replay end marker (`(-1).to_bytes(8, "big", signed=True)`).
 pub const END_SEQ: u64 = u64::MAX;

@@ -1,8 +1,17 @@
 //! The consuming side: [`Subscriber`] for the live stream, [`ReplayClient`] for missed batches.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::{seq_from_frame, zmq_err, TransportError, ZmqContext, END_SEQ};
+
+/// Numbers the in-process endpoints of subscriber monitors.
+static MONITORS: AtomicU64 = AtomicU64::new(0);
+
+/// `bytes` as ZMQ's `ZMQ_MAXMSGSIZE` (-1: no limit).
+fn max_msg_size(bytes: Option<usize>) -> i64 {
+    bytes.map_or(-1, |b| i64::try_from(b).unwrap_or(i64::MAX))
+}
 
 /// One live message: `[topic, seq, payload]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -30,6 +39,10 @@ fn poll_ms(timeout: Duration) -> i64 {
 pub struct Subscriber {
     sock: zmq::Socket,
     endpoint: String,
+    /// The PAIR end of the SUB socket's monitor: connection drops (a message over the size
+    /// limit drops the connection inside ZMQ, which is the only way to tell).
+    monitor: Option<zmq::Socket>,
+    disconnects: u64,
 }
 
 impl Subscriber {
@@ -40,20 +53,84 @@ impl Subscriber {
         endpoint: &str,
         topic_prefix: &[u8],
     ) -> Result<Self, TransportError> {
+        Self::connect_limited(ctx, endpoint, topic_prefix, None)
+    }
+
+    /// [`Subscriber::connect`] with a bound on each frame's size: ZMQ drops the connection to a
+    /// publisher that sends a larger one before any of it is buffered (it reconnects on its
+    /// own), and [`Subscriber::take_disconnects`] counts the drop.
+    pub fn connect_limited(
+        ctx: &ZmqContext,
+        endpoint: &str,
+        topic_prefix: &[u8],
+        max_message_bytes: Option<usize>,
+    ) -> Result<Self, TransportError> {
         let sock = ctx
             .inner()
             .socket(zmq::SUB)
             .map_err(zmq_err("socket", endpoint))?;
         sock.set_linger(0)
             .map_err(zmq_err("set_linger", endpoint))?;
+        sock.set_maxmsgsize(max_msg_size(max_message_bytes))
+            .map_err(zmq_err("set_maxmsgsize", endpoint))?;
         sock.set_subscribe(topic_prefix)
             .map_err(zmq_err("subscribe", endpoint))?;
+        let name = format!(
+            "inproc://kvoy-sub-monitor-{}",
+            MONITORS.fetch_add(1, Ordering::Relaxed)
+        );
+        sock.monitor(&name, zmq::SocketEvent::DISCONNECTED as i32)
+            .map_err(zmq_err("monitor", endpoint))?;
+        let monitor = ctx
+            .inner()
+            .socket(zmq::PAIR)
+            .and_then(|m| {
+                m.set_linger(0)?;
+                m.connect(&name)?;
+                Ok(m)
+            })
+            .map_err(zmq_err("monitor", endpoint))?;
         sock.connect(endpoint)
             .map_err(zmq_err("connect", endpoint))?;
         Ok(Self {
             sock,
             endpoint: endpoint.to_owned(),
+            monitor: Some(monitor),
+            disconnects: 0,
         })
+    }
+
+    /// How many times the connection to the publisher dropped since the last call (a frame
+    /// over the size limit, or the publisher went away). After a drop the socket connects
+    /// afresh: ZMQ gives up on a connection whose peer broke the protocol (an oversized frame)
+    /// instead of reconnecting.
+    pub fn take_disconnects(&mut self) -> u64 {
+        if let Some(m) = &self.monitor {
+            // Bounded: a monitor message per drop, at most a few per poll.
+            for _ in 0..1024 {
+                match m.recv_multipart(zmq::DONTWAIT) {
+                    Ok(frames) => {
+                        let event = frames
+                            .first()
+                            .and_then(|f| f.get(0..2))
+                            .map(|b| u16::from_ne_bytes([b[0], b[1]]));
+                        if event == Some(zmq::SocketEvent::DISCONNECTED.to_raw()) {
+                            self.disconnects += 1;
+                        }
+                    }
+                    Err(_) => break,
+                }
+            }
+        }
+        let drops = std::mem::take(&mut self.disconnects);
+        if drops > 0 {
+            // Not connected any more (or reconnecting): either way, start over.
+            let _ = self.sock.disconnect(&self.endpoint);
+            if let Err(e) = self.sock.connect(&self.endpoint) {
+                log::warn!("zmq reconnect {}: {e}", self.endpoint);
+            }
+        }
+        drops
     }
 
     /// The endpoint this subscriber is connected to.
@@ -105,8 +182,20 @@ pub struct ReplayOutcome {
     /// `(seq, payload)` in the publisher's order. The first seq may be later than the one
     /// asked for when the publisher's buffer no longer holds the older batches.
     pub batches: Vec<(u64, Vec<u8>)>,
-    /// Whether the end marker arrived (otherwise the timeout or `max_batches` stopped it).
+    /// Whether the end marker arrived (otherwise the timeout, `max_batches` or the byte budget
+    /// stopped it).
     pub complete: bool,
+    /// Payload bytes received.
+    pub bytes: usize,
+}
+
+/// Bounds of one replay: batches, payload bytes (the batch that crosses the budget is dropped)
+/// and time overall.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReplayLimits {
+    pub max_batches: usize,
+    pub max_bytes: usize,
+    pub timeout: Duration,
 }
 
 /// A DEALER socket that asks a publisher's ROUTER for missed batches.
@@ -119,27 +208,51 @@ pub struct ReplayClient {
     ctx: ZmqContext,
     sock: zmq::Socket,
     endpoint: String,
+    max_message_bytes: Option<usize>,
 }
+
+/// Replies a replay socket queues before we read them: vLLM's whole replay buffer (its
+/// default `buffer_steps`), each reply at most the frame limit.
+const RECV_HWM: i32 = 10_000;
 
 impl ReplayClient {
     /// Connects to a publisher's replay endpoint.
     pub fn connect(ctx: &ZmqContext, endpoint: &str) -> Result<Self, TransportError> {
-        let sock = Self::open(ctx, endpoint)?;
+        Self::connect_limited(ctx, endpoint, None)
+    }
+
+    /// [`ReplayClient::connect`] with a bound on each frame's size (as for
+    /// [`Subscriber::connect_limited`]).
+    pub fn connect_limited(
+        ctx: &ZmqContext,
+        endpoint: &str,
+        max_message_bytes: Option<usize>,
+    ) -> Result<Self, TransportError> {
+        let sock = Self::open(ctx, endpoint, max_message_bytes)?;
         Ok(Self {
             ctx: ctx.clone(),
             sock,
             endpoint: endpoint.to_owned(),
+            max_message_bytes,
         })
     }
 
-    fn open(ctx: &ZmqContext, endpoint: &str) -> Result<zmq::Socket, TransportError> {
+    fn open(
+        ctx: &ZmqContext,
+        endpoint: &str,
+        max_message_bytes: Option<usize>,
+    ) -> Result<zmq::Socket, TransportError> {
         let sock = ctx
             .inner()
             .socket(zmq::DEALER)
             .map_err(zmq_err("socket", endpoint))?;
         sock.set_linger(0)
             .map_err(zmq_err("set_linger", endpoint))?;
-        sock.set_rcvhwm(0)
+        sock.set_maxmsgsize(max_msg_size(max_message_bytes))
+            .map_err(zmq_err("set_maxmsgsize", endpoint))?;
+        // Unbounded queueing would hold a whole replay in ZMQ before we look at it: past
+        // this many messages the publisher's sends wait (and its own HWM drops them).
+        sock.set_rcvhwm(RECV_HWM)
             .map_err(zmq_err("set_rcvhwm", endpoint))?;
         sock.connect(endpoint)
             .map_err(zmq_err("connect", endpoint))?;
@@ -155,9 +268,26 @@ impl ReplayClient {
         max_batches: usize,
         timeout: Duration,
     ) -> Result<ReplayOutcome, TransportError> {
-        let result = self.collect(from_seq, max_batches, timeout);
+        self.replay_bounded(
+            from_seq,
+            ReplayLimits {
+                max_batches,
+                max_bytes: usize::MAX,
+                timeout,
+            },
+        )
+    }
+
+    /// [`ReplayClient::replay`] that also stops once the payloads would exceed
+    /// `limits.max_bytes` (the batch that would cross it is dropped, `complete` is false).
+    pub fn replay_bounded(
+        &mut self,
+        from_seq: u64,
+        limits: ReplayLimits,
+    ) -> Result<ReplayOutcome, TransportError> {
+        let result = self.collect(from_seq, limits);
         if !matches!(result, Ok(ReplayOutcome { complete: true, .. })) {
-            self.sock = Self::open(&self.ctx, &self.endpoint)?;
+            self.sock = Self::open(&self.ctx, &self.endpoint, self.max_message_bytes)?;
         }
         result
     }
@@ -165,9 +295,13 @@ impl ReplayClient {
     fn collect(
         &self,
         from_seq: u64,
-        max_batches: usize,
-        timeout: Duration,
+        limits: ReplayLimits,
     ) -> Result<ReplayOutcome, TransportError> {
+        let ReplayLimits {
+            max_batches,
+            max_bytes,
+            timeout,
+        } = limits;
         let ep = self.endpoint.as_str();
         let request: [&[u8]; 2] = [b"", &from_seq.to_be_bytes()];
         self.sock
@@ -204,6 +338,11 @@ impl ReplayClient {
                 out.complete = true;
                 return Ok(out);
             }
+            let bytes = out.bytes.saturating_add(payload.len());
+            if bytes > max_bytes {
+                return Ok(out);
+            }
+            out.bytes = bytes;
             out.batches.push((seq, payload.clone()));
         }
         Ok(out)
