@@ -5,7 +5,8 @@
 //! prefix cache), one at a time, each with `max_tokens: 1`, streaming. For each it takes the
 //! server's own prefill time (`vllm:request_prefill_time_seconds`, first scheduled to first
 //! token: no HTTP, tokenization or queueing) when the server exports it, else the TTFT the
-//! client sees, and the prompt tokens the server computed. Then it fits, by least squares,
+//! client sees (then only the fastest of each length's `--repeat` answers, since delays on the
+//! way only ever add), and the prompt tokens the server computed. Then it fits, by least squares,
 //!
 //! ```text
 //! prefill time = fixed + tokens / rate + attention · tokens²
@@ -345,16 +346,18 @@ pub async fn run(
     } else {
         Timing::ClientTtft
     };
-    let points: Vec<(f64, f64)> = measurements
-        .iter()
-        .map(|m| {
-            let t = match timing {
-                Timing::ServerPrefill => m.server_prefill.unwrap_or(m.ttft),
-                Timing::ClientTtft => m.ttft,
-            };
-            (m.computed_tokens as f64, t.as_secs_f64())
-        })
-        .collect();
+    let points: Vec<(f64, f64)> = match timing {
+        Timing::ServerPrefill => measurements
+            .iter()
+            .map(|m| {
+                let t = m.server_prefill.unwrap_or(m.ttft);
+                (m.computed_tokens as f64, t.as_secs_f64())
+            })
+            .collect(),
+        // A client's TTFT carries the network and the machine's scheduling delays, which only
+        // ever add: the fastest answer of each length is the one closest to the prefill.
+        Timing::ClientTtft => fastest_per_length(&measurements),
+    };
     let mut distinct: Vec<u64> = measurements.iter().map(|m| m.computed_tokens).collect();
     distinct.sort_unstable();
     distinct.dedup();
@@ -370,6 +373,25 @@ pub async fn run(
         refused,
         note,
     })
+}
+
+/// For each target length, the (computed tokens, seconds) of its fastest measurement.
+fn fastest_per_length(measurements: &[Measurement]) -> Vec<(f64, f64)> {
+    let mut fastest: Vec<&Measurement> = Vec::new();
+    for m in measurements {
+        match fastest
+            .iter_mut()
+            .find(|f| f.target_tokens == m.target_tokens)
+        {
+            Some(f) if m.ttft < f.ttft => *f = m,
+            Some(_) => {}
+            None => fastest.push(m),
+        }
+    }
+    fastest
+        .iter()
+        .map(|m| (m.computed_tokens as f64, m.ttft.as_secs_f64()))
+        .collect()
 }
 
 /// The metrics after a request: scraped until the request shows in the prefill histogram
