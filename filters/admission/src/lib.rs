@@ -84,14 +84,22 @@ pub(crate) type SharedState = Rc<RefCell<Option<VmState>>>;
 impl VmState {
     /// Counts `context` in flight.
     pub fn acquire(&mut self, context: u32) {
-        if self.acquired.insert(context) && self.inflight.add(&HostStore, ALL, 1).is_err() {
+        if !self.acquired.insert(context) {
+            return;
+        }
+        self.metrics.inflight.add(1);
+        if self.inflight.add(&HostStore, ALL, 1).is_err() {
             kvoy_filter_common::add(self.metrics.shared_state_errors, 1);
         }
     }
 
     /// Releases `context`'s in-flight count, if it had one.
     pub fn release_inflight(&mut self, context: u32) {
-        if self.acquired.remove(&context) && self.inflight.add(&HostStore, ALL, -1).is_err() {
+        if !self.acquired.remove(&context) {
+            return;
+        }
+        self.metrics.inflight.add(-1);
+        if self.inflight.add(&HostStore, ALL, -1).is_err() {
             kvoy_filter_common::add(self.metrics.shared_state_errors, 1);
         }
     }
@@ -216,8 +224,8 @@ impl VmState {
     }
 
     pub fn update_gauges(&self) {
-        kvoy_filter_common::set(self.metrics.queue_depth, self.queue.len() as u64);
-        kvoy_filter_common::set(self.metrics.queue_bytes, self.queue.bytes());
+        self.metrics.queue_depth.set(self.queue.len() as u64);
+        self.metrics.queue_bytes.set(self.queue.bytes());
         self.metrics.set_bands(self.queue.bands());
     }
 }
