@@ -358,6 +358,50 @@ fn queue_gauges_per_band() -> TestResult {
     Ok(())
 }
 
+/// A snapshot endpoint outside `allowed_destinations` (an aggregator that lists something
+/// the prefix-affinity filter refuses to route to) is no capacity: with two allowed idle
+/// servers and 2 in flight each, the third request is held although the snapshot names a
+/// third idle "server". Found by the chaos run (e2e/tests/chaos.rs): the decoy it lists
+/// raised the proxy's in-flight limit from 12 to 16.
+#[test]
+fn endpoints_outside_the_allowlist_are_no_capacity() -> TestResult {
+    let plugin = testing::filter_host("kvoy_admission")?
+        .plugin()
+        .configuration(
+            r#"{"endpoints": 2, "tick_ms": 10, "aggregator": {"cluster": "kvoy_aggregator"},
+                "allowed_destinations": [{"cidr": "127.0.0.1/32", "ports": [19000, 19001]}],
+                "flow": {"saturation": {"max_inflight_per_endpoint": 2}}}"#,
+        )
+        .clusters(["kvoy_aggregator"])
+        .vms(1)
+        .seed(5)
+        .start()?;
+    let mut history = kvoy_shared::snapshot::SnapshotHistory::new(78);
+    // Slot 2 is 127.0.0.1:19002: outside the allowlist.
+    history.update(vec![
+        status(0, 0, false),
+        status(1, 0, false),
+        status(2, 0, false),
+    ]);
+    answer_poll(&plugin, &history)?;
+    let mut running = Vec::new();
+    for _ in 0..4 {
+        let (s, a) = open(&plugin, 0, "batch", "a")?;
+        assert_eq!(a, Action::Continue);
+        running.push(s);
+    }
+    let (held, a) = open(&plugin, 0, "batch", "a")?;
+    assert_eq!(a, Action::Pause, "the refused endpoint is no room");
+    running.remove(0).finish()?;
+    assert!(resumed(&held));
+    // A snapshot of refused endpoints only is an empty pool: 503 no-endpoint.
+    history.update(vec![status(2, 0, false)]);
+    answer_poll(&plugin, &history)?;
+    let (s, _) = open(&plugin, 0, "batch", "a")?;
+    assert_eq!(rejected(&s), Some((503, "no-endpoint".into())));
+    Ok(())
+}
+
 /// Envoy keeps one gauge per name for the whole proxy: with two workers the queue and
 /// in-flight gauges are the sums over both workers' parts (each worker used to set the gauge
 /// to its own queue, so the last worker to write hid the other's held requests).

@@ -66,6 +66,9 @@ pub(crate) struct VmState {
     pub live: Option<LiveSnapshot>,
     scratch: Vec<u32>,
     slots: Vec<u16>,
+    /// The snapshot's endpoints inside `allowed_destinations`, and the snapshot they are of.
+    allowed: Vec<kvoy_shared::snapshot::EndpointStatus>,
+    allowed_of: Option<(u64, u64)>,
     released: Vec<u64>,
     expired: Vec<u64>,
 }
@@ -114,7 +117,12 @@ impl VmState {
         if let Some(live) = self.live.as_mut() {
             live.refresh();
             if let PoolChoice::Live { with_loads } = live.choose(now_ms(), true) {
-                let endpoints = &live.snapshot().endpoints;
+                // Only what the prefix-affinity filter may route to is capacity.
+                let endpoints = self.config.allowed_endpoints(
+                    live.snapshot(),
+                    &mut self.allowed,
+                    &mut self.allowed_of,
+                );
                 if endpoints.is_empty() {
                     return Room::NoEndpoint;
                 }
@@ -313,6 +321,8 @@ impl RootContext for AdmissionRoot {
             held,
             scratch: Vec::new(),
             slots: Vec::new(),
+            allowed: Vec::new(),
+            allowed_of: None,
             released: Vec::new(),
             expired: Vec::new(),
         });
