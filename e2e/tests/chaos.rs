@@ -114,7 +114,7 @@ fn plan(i: usize) -> Plan {
         0..=49 => Kind::Plain,
         50..=64 => Kind::Stream,
         65..=74 => Kind::H2 {
-            stream: (r >> 8) % 2 == 0,
+            stream: (r >> 8).is_multiple_of(2),
         },
         75..=79 => Kind::ResetInBody,
         80..=84 => Kind::ResetInAnswer,
@@ -128,10 +128,14 @@ fn plan(i: usize) -> Plan {
         3..=5 => Some("batch"),
         _ => None,
     };
-    let session = ((r >> 24) % 10 == 0).then(|| format!("session-{}", (r >> 32) % 40));
-    let cookie = ((r >> 28) % 10 == 0).then(|| format!("kvoy-session=cookie-{}", (r >> 36) % 40));
+    let session = (r >> 24)
+        .is_multiple_of(10)
+        .then(|| format!("session-{}", (r >> 32) % 40));
+    let cookie = (r >> 28)
+        .is_multiple_of(10)
+        .then(|| format!("kvoy-session=cookie-{}", (r >> 36) % 40));
     // A few long generations keep the slots busy, so held requests also expire.
-    let max_tokens = if (r >> 40) % 25 == 0 {
+    let max_tokens = if (r >> 40).is_multiple_of(25) {
         160
     } else {
         4 + ((r >> 44) % 12) as u32
@@ -297,7 +301,11 @@ fn h1(t: &Target, i: usize, p: &Plan) -> Outcome {
     let mut extra = Vec::new();
     if p.kind == Kind::Attack {
         // Every way a client has to name an upstream names a canary.
-        let target = if i % 2 == 0 { t.canary } else { t.decoy };
+        let target = if i.is_multiple_of(2) {
+            t.canary
+        } else {
+            t.decoy
+        };
         extra.push(("x-gateway-destination-endpoint".into(), target.to_string()));
         extra.push(("x-kvoy-session-endpoint".into(), target.to_string()));
         extra.push((
