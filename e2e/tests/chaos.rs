@@ -4,8 +4,8 @@
 //! requests in 20 bursts of 500 from 32 client threads, while things break:
 //!
 //! - **client resets**: some clients drop the connection half way through the request body,
-//!   others after the first bytes of the answer; some HTTP/2 clients cancel their stream (the
-//!   answer dropped after its headers: RST_STREAM);
+//!   others after the first bytes of the answer; some HTTP/2 clients reset their stream half
+//!   way through the body, others cancel it once the response headers are in (RST_STREAM);
 //! - **a simulator killed** mid-burst (its in-flight requests die with it) and restarted on the
 //!   same ports two bursts later;
 //! - **the aggregator killed twice** mid-burst and restarted on the same port at the next burst;
