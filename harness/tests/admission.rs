@@ -358,6 +358,99 @@ fn queue_gauges_per_band() -> TestResult {
     Ok(())
 }
 
+/// A snapshot endpoint outside `allowed_destinations` (an aggregator that lists something
+/// the prefix-affinity filter refuses to route to) is no capacity: with two allowed idle
+/// servers and 2 in flight each, the third request is held although the snapshot names a
+/// third idle "server". Found by the chaos run (e2e/tests/chaos.rs): the decoy it lists
+/// raised the proxy's in-flight limit from 12 to 16.
+#[test]
+fn endpoints_outside_the_allowlist_are_no_capacity() -> TestResult {
+    let plugin = testing::filter_host("kvoy_admission")?
+        .plugin()
+        .configuration(
+            r#"{"endpoints": 2, "tick_ms": 10, "aggregator": {"cluster": "kvoy_aggregator"},
+                "allowed_destinations": [{"cidr": "127.0.0.1/32", "ports": [19000, 19001]}],
+                "flow": {"saturation": {"max_inflight_per_endpoint": 2}}}"#,
+        )
+        .clusters(["kvoy_aggregator"])
+        .vms(1)
+        .seed(5)
+        .start()?;
+    let mut history = kvoy_shared::snapshot::SnapshotHistory::new(78);
+    // Slot 2 is 127.0.0.1:19002: outside the allowlist.
+    history.update(vec![
+        status(0, 0, false),
+        status(1, 0, false),
+        status(2, 0, false),
+    ]);
+    answer_poll(&plugin, &history)?;
+    let mut running = Vec::new();
+    for _ in 0..4 {
+        let (s, a) = open(&plugin, 0, "batch", "a")?;
+        assert_eq!(a, Action::Continue);
+        running.push(s);
+    }
+    let (held, a) = open(&plugin, 0, "batch", "a")?;
+    assert_eq!(a, Action::Pause, "the refused endpoint is no room");
+    running.remove(0).finish()?;
+    assert!(resumed(&held));
+    // A snapshot of refused endpoints only is an empty pool: 503 no-endpoint.
+    history.update(vec![status(2, 0, false)]);
+    answer_poll(&plugin, &history)?;
+    let (s, _) = open(&plugin, 0, "batch", "a")?;
+    assert_eq!(rejected(&s), Some((503, "no-endpoint".into())));
+    Ok(())
+}
+
+/// Envoy keeps one gauge per name for the whole proxy: with two workers the queue and
+/// in-flight gauges are the sums over both workers' parts (each worker used to set the gauge
+/// to its own queue, so the last worker to write hid the other's held requests).
+#[test]
+fn gauges_sum_over_workers() -> TestResult {
+    let plugin = plugin(LIMITED, 2)?;
+    let gauge = |name: &str| plugin.gauge(name);
+    // Room for 4: two admitted on each worker.
+    let mut running = Vec::new();
+    for i in 0..4 {
+        let (s, a) = open(&plugin, i % 2, "batch", "a")?;
+        assert_eq!(a, Action::Continue);
+        running.push(s);
+    }
+    assert_eq!(gauge("kvoy_admission_inflight"), Some(4));
+    // Held: two on worker 0, one on worker 1 (written last).
+    let mut held = Vec::new();
+    for vm in [0, 0, 1] {
+        let (s, a) = open(&plugin, vm, "batch", "a")?;
+        assert_eq!(a, Action::Pause);
+        held.push(s);
+    }
+    assert_eq!(gauge("kvoy_admission_queue_depth"), Some(3));
+    assert_eq!(gauge("kvoy_admission_queue_bytes"), Some(300));
+    assert_eq!(gauge("kvoy_admission_queue_depth_priority_0"), Some(3));
+    // A held client leaves worker 0; a running request on worker 1 finishes and its slot
+    // goes to worker 1's held request.
+    held.remove(0).finish()?;
+    assert_eq!(gauge("kvoy_admission_queue_depth"), Some(2));
+    running.remove(1).finish()?;
+    assert!(resumed(&held[1]));
+    assert_eq!(gauge("kvoy_admission_queue_depth"), Some(1));
+    assert_eq!(gauge("kvoy_admission_inflight"), Some(4));
+    // Everything ends: every gauge back to 0.
+    for s in running.drain(..).chain(held.drain(..)) {
+        s.finish()?;
+    }
+    plugin.advance(Duration::from_millis(20))?;
+    for name in [
+        "kvoy_admission_queue_depth",
+        "kvoy_admission_queue_bytes",
+        "kvoy_admission_queue_depth_priority_0",
+        "kvoy_admission_inflight",
+    ] {
+        assert_eq!(gauge(name), Some(0), "{name}");
+    }
+    Ok(())
+}
+
 #[test]
 fn an_empty_pool_answers_503() -> TestResult {
     let plugin = testing::filter_host("kvoy_admission")?

@@ -66,6 +66,9 @@ pub(crate) struct VmState {
     pub live: Option<LiveSnapshot>,
     scratch: Vec<u32>,
     slots: Vec<u16>,
+    /// The snapshot's endpoints inside `allowed_destinations`, and the snapshot they are of.
+    allowed: Vec<kvoy_shared::snapshot::EndpointStatus>,
+    allowed_of: Option<(u64, u64)>,
     released: Vec<u64>,
     expired: Vec<u64>,
 }
@@ -84,14 +87,22 @@ pub(crate) type SharedState = Rc<RefCell<Option<VmState>>>;
 impl VmState {
     /// Counts `context` in flight.
     pub fn acquire(&mut self, context: u32) {
-        if self.acquired.insert(context) && self.inflight.add(&HostStore, ALL, 1).is_err() {
+        if !self.acquired.insert(context) {
+            return;
+        }
+        self.metrics.inflight.add(1);
+        if self.inflight.add(&HostStore, ALL, 1).is_err() {
             kvoy_filter_common::add(self.metrics.shared_state_errors, 1);
         }
     }
 
     /// Releases `context`'s in-flight count, if it had one.
     pub fn release_inflight(&mut self, context: u32) {
-        if self.acquired.remove(&context) && self.inflight.add(&HostStore, ALL, -1).is_err() {
+        if !self.acquired.remove(&context) {
+            return;
+        }
+        self.metrics.inflight.add(-1);
+        if self.inflight.add(&HostStore, ALL, -1).is_err() {
             kvoy_filter_common::add(self.metrics.shared_state_errors, 1);
         }
     }
@@ -106,7 +117,12 @@ impl VmState {
         if let Some(live) = self.live.as_mut() {
             live.refresh();
             if let PoolChoice::Live { with_loads } = live.choose(now_ms(), true) {
-                let endpoints = &live.snapshot().endpoints;
+                // Only what the prefix-affinity filter may route to is capacity.
+                let endpoints = self.config.allowed_endpoints(
+                    live.snapshot(),
+                    &mut self.allowed,
+                    &mut self.allowed_of,
+                );
                 if endpoints.is_empty() {
                     return Room::NoEndpoint;
                 }
@@ -216,8 +232,8 @@ impl VmState {
     }
 
     pub fn update_gauges(&self) {
-        kvoy_filter_common::set(self.metrics.queue_depth, self.queue.len() as u64);
-        kvoy_filter_common::set(self.metrics.queue_bytes, self.queue.bytes());
+        self.metrics.queue_depth.set(self.queue.len() as u64);
+        self.metrics.queue_bytes.set(self.queue.bytes());
         self.metrics.set_bands(self.queue.bands());
     }
 }
@@ -305,6 +321,8 @@ impl RootContext for AdmissionRoot {
             held,
             scratch: Vec::new(),
             slots: Vec::new(),
+            allowed: Vec::new(),
+            allowed_of: None,
             released: Vec::new(),
             expired: Vec::new(),
         });

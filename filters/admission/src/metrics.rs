@@ -1,13 +1,13 @@
 //! The filter's Envoy metrics (`kvoy_admission_*`).
 
-use kvoy_filter_common::{counter, gauge, histogram, set};
+use kvoy_filter_common::{counter, histogram, SharedGauge};
 use kvoy_shared::flow::{AdmissionConfig, BandStats, RejectReason};
 
-/// The queue gauges of one priority band.
+/// The queue gauges of one priority band (each worker adds its own queue's part).
 pub(crate) struct BandGauges {
     priority: i32,
-    depth: Option<u32>,
-    bytes: Option<u32>,
+    depth: SharedGauge,
+    bytes: SharedGauge,
 }
 
 /// The metric-name suffix of a band: `priority_10`, `priority_minus_1`.
@@ -30,8 +30,11 @@ pub(crate) struct Metrics {
     /// Answered 503: the pool has no endpoint.
     pub rejected_no_endpoint: Option<u32>,
     pub shared_state_errors: Option<u32>,
-    pub queue_depth: Option<u32>,
-    pub queue_bytes: Option<u32>,
+    /// Requests held and their bytes, over every worker's queue.
+    pub queue_depth: SharedGauge,
+    pub queue_bytes: SharedGauge,
+    /// This proxy's requests admitted (or released) and not finished, over every worker.
+    pub inflight: SharedGauge,
     /// Milliseconds a released request waited.
     pub wait_ms: Option<u32>,
     pub snapshot_polls: Option<u32>,
@@ -55,8 +58,8 @@ impl Metrics {
                 let suffix = band_suffix(priority);
                 BandGauges {
                     priority,
-                    depth: gauge(&format!("kvoy_admission_queue_depth_{suffix}")),
-                    bytes: gauge(&format!("kvoy_admission_queue_bytes_{suffix}")),
+                    depth: SharedGauge::define(&format!("kvoy_admission_queue_depth_{suffix}")),
+                    bytes: SharedGauge::define(&format!("kvoy_admission_queue_bytes_{suffix}")),
                 }
             })
             .collect();
@@ -70,8 +73,9 @@ impl Metrics {
             rejected_ttl_expired: counter("kvoy_admission_rejected_ttl_expired_total"),
             rejected_no_endpoint: counter("kvoy_admission_rejected_no_endpoint_total"),
             shared_state_errors: counter("kvoy_admission_shared_state_errors_total"),
-            queue_depth: gauge("kvoy_admission_queue_depth"),
-            queue_bytes: gauge("kvoy_admission_queue_bytes"),
+            queue_depth: SharedGauge::define("kvoy_admission_queue_depth"),
+            queue_bytes: SharedGauge::define("kvoy_admission_queue_bytes"),
+            inflight: SharedGauge::define("kvoy_admission_inflight"),
             wait_ms: histogram("kvoy_admission_wait_ms"),
             snapshot_polls: counter("kvoy_admission_snapshot_polls_total"),
             snapshot_poll_failures: counter("kvoy_admission_snapshot_poll_failures_total"),
@@ -89,8 +93,8 @@ impl Metrics {
                 Some(q) => (q.requests as u64, q.bytes),
                 None => (0, 0),
             };
-            set(band.depth, requests);
-            set(band.bytes, bytes);
+            band.depth.set(requests);
+            band.bytes.set(bytes);
         }
     }
 

@@ -1,8 +1,9 @@
 //! What every kvoy filter needs from the proxy-wasm host, in one place: Envoy shared data as
 //! a [`kvoy_shared::replica::SharedStore`] ([`HostStore`]), the host clock in milliseconds
-//! ([`now_ms`]), and metrics that fail soft ([`counter`], [`gauge`], [`add`], [`set`]: a metric
-//! that cannot be defined is skipped, never fatal), and the aggregator's snapshot as a filter
-//! follows it ([`LiveSnapshot`]).
+//! ([`now_ms`]), and metrics that fail soft ([`counter`], [`gauge`], [`add`], [`set`], and
+//! [`SharedGauge`] for a figure every worker holds a part of: a metric that cannot be defined
+//! is skipped, never fatal), and the aggregator's snapshot as a filter follows it
+//! ([`LiveSnapshot`]).
 
 mod live;
 
@@ -78,6 +79,59 @@ pub fn add(id: Option<u32>, n: u64) {
 pub fn set(id: Option<u32>, value: u64) {
     if let Some(id) = id {
         let _ = hostcalls::record_metric(id, value);
+    }
+}
+
+/// A gauge that several VMs (one per Envoy worker) share by name, each contributing its own
+/// part: Envoy keeps one gauge per name for the whole process, so a per-worker figure (a
+/// worker's queue, its requests in flight) set with [`set`] would show only the last worker
+/// that wrote it. A `SharedGauge` moves the gauge by the change in this VM's part instead, so
+/// the gauge reads the sum over all VMs.
+#[derive(Debug)]
+pub struct SharedGauge {
+    id: Option<u32>,
+    /// This VM's part, as last added to the gauge.
+    part: std::cell::Cell<u64>,
+}
+
+impl SharedGauge {
+    /// Defines the gauge `name` (skipped if the host refuses); this VM's part starts at 0.
+    pub fn define(name: &str) -> Self {
+        SharedGauge {
+            id: gauge(name),
+            part: std::cell::Cell::new(0),
+        }
+    }
+
+    /// Sets this VM's part to `value`.
+    pub fn set(&self, value: u64) {
+        let old = self.part.get();
+        if value == old {
+            return;
+        }
+        let Some(id) = self.id else {
+            self.part.set(value);
+            return;
+        };
+        let delta = if value > old {
+            i64::try_from(value - old).unwrap_or(i64::MAX)
+        } else {
+            i64::try_from(old - value).map_or(i64::MIN + 1, |d| -d)
+        };
+        // Only a part the gauge took is remembered, so the gauge never goes below the others'.
+        if hostcalls::increment_metric(id, delta).is_ok() {
+            self.part.set(value);
+        }
+    }
+
+    /// Adds `delta` (negative: subtracts, not below 0) to this VM's part.
+    pub fn add(&self, delta: i64) {
+        self.set(self.part.get().saturating_add_signed(delta));
+    }
+
+    /// This VM's part.
+    pub fn part(&self) -> u64 {
+        self.part.get()
     }
 }
 

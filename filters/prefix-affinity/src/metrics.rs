@@ -1,7 +1,7 @@
 //! The filter's Envoy metrics (`kvoy_prefix_affinity_*`). A metric that fails to define is
 //! skipped, never fatal.
 
-use kvoy_filter_common::{counter, gauge};
+use kvoy_filter_common::{counter, gauge, SharedGauge};
 
 use kvoy_shared::BreakReason;
 
@@ -42,6 +42,8 @@ pub(crate) struct Metrics {
     pub session_honoured: Option<u32>,
     /// Server prompt-token counts read from answers (the bytes-per-token evidence).
     pub usage_observed: Option<u32>,
+    /// Requests routed and not finished (charged to the outstanding table), over every worker.
+    pub inflight: SharedGauge,
     session_breaks: [Option<u32>; 5],
 }
 
@@ -72,6 +74,7 @@ impl Metrics {
             ),
             session_honoured: counter("kvoy_prefix_affinity_session_pins_honoured_total"),
             usage_observed: counter("kvoy_prefix_affinity_usage_observed_total"),
+            inflight: SharedGauge::define("kvoy_prefix_affinity_inflight"),
             session_breaks: BREAKS.map(|r| {
                 counter(&format!(
                     "kvoy_prefix_affinity_session_pins_broken_{}_total",

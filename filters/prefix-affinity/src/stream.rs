@@ -139,6 +139,7 @@ impl RequestStream {
                 prefill_tokens: tokens,
                 answered: false,
             });
+            vm.metrics.inflight.add(1);
         } else {
             Metrics::add(vm.metrics.shared_state_errors, 1);
         }
@@ -233,6 +234,7 @@ impl RequestStream {
         };
         let mut guard = self.state.borrow_mut();
         if let Some(vm) = guard.as_mut() {
+            vm.metrics.inflight.add(-1);
             let delta = OutstandingDelta::finished(a.prefill_tokens, a.answered);
             if vm.outstanding.add(&HostStore, a.endpoint, delta).is_err() {
                 Metrics::add(vm.metrics.shared_state_errors, 1);

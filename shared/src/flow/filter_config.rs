@@ -13,7 +13,9 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use super::{AdmissionConfig, AdmissionConfigError};
+use crate::allow::{Allowlist, RawAllowlist};
 use crate::config::AggregatorSettings;
+use crate::snapshot::{EndpointStatus, Snapshot};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -25,6 +27,8 @@ struct RawFilterConfig<'a> {
     flow: Option<&'a RawValue>,
     #[serde(default)]
     aggregator: Option<AggregatorSettings>,
+    #[serde(default)]
+    allowed_destinations: Option<RawAllowlist>,
 }
 
 fn default_tick_ms() -> u64 {
@@ -41,6 +45,9 @@ pub struct AdmissionFilterConfig {
     pub flow: AdmissionConfig,
     /// kvoy-aggregator, when saturation also comes from the servers' queues and KV use.
     pub aggregator: Option<AggregatorSettings>,
+    /// The prefix-affinity filter's `allowed_destinations`: snapshot endpoints outside it are
+    /// never routed to, so they are no capacity either ([`Allowlist::any`] when absent).
+    pub allowed_destinations: Allowlist,
 }
 
 impl AdmissionFilterConfig {
@@ -68,12 +75,47 @@ impl AdmissionFilterConfig {
             crate::config::check_aggregator(a)
                 .map_err(|e| AdmissionConfigError::Json(e.to_string()))?;
         }
+        let allowed_destinations = match raw.allowed_destinations {
+            Some(a) => {
+                Allowlist::try_from(a).map_err(|e| AdmissionConfigError::Json(e.to_string()))?
+            }
+            None => Allowlist::any(),
+        };
         Ok(AdmissionFilterConfig {
             endpoints: raw.endpoints,
             tick_ms: raw.tick_ms,
             flow,
             aggregator: raw.aggregator,
+            allowed_destinations,
         })
+    }
+
+    /// The endpoints of `snapshot` that count for saturation: those inside
+    /// `allowed_destinations` (all of them when it is not restricted, with no copy).
+    /// `scratch` holds the filtered list, rebuilt only when the snapshot's
+    /// `(epoch, version)` differs from `*key`.
+    pub fn allowed_endpoints<'a>(
+        &self,
+        snapshot: &'a Snapshot,
+        scratch: &'a mut Vec<EndpointStatus>,
+        key: &mut Option<(u64, u64)>,
+    ) -> &'a [EndpointStatus] {
+        if !self.allowed_destinations.is_restricted() {
+            return &snapshot.endpoints;
+        }
+        let now = Some((snapshot.epoch, snapshot.version));
+        if *key != now {
+            scratch.clear();
+            scratch.extend(
+                snapshot
+                    .endpoints
+                    .iter()
+                    .filter(|e| self.allowed_destinations.check(e.address).is_ok())
+                    .cloned(),
+            );
+            *key = now;
+        }
+        scratch
     }
 
     /// This proxy's in-flight total spread over the endpoints of a snapshot, by slot.
@@ -102,6 +144,68 @@ impl AdmissionFilterConfig {
 mod tests {
     use super::*;
 
+    fn status(slot: u16, address: &str) -> EndpointStatus {
+        EndpointStatus {
+            slot,
+            address: address.parse().unwrap(),
+            models: vec!["m".into()],
+            ready: true,
+            stale: false,
+            waiting: 0,
+            running: 0,
+            kv_cache_usage: 0.0,
+            block_size: 16,
+            capacity_blocks: 1000,
+            cached_blocks: [0; 3],
+            cache_generation: 0,
+            prefix_hit_rate: None,
+            prefill_tokens_per_s: None,
+        }
+    }
+
+    /// An endpoint the router refuses (outside `allowed_destinations`) is no capacity: a
+    /// snapshot naming one (a poisoned or mistaken aggregator) must not raise the limit.
+    #[test]
+    fn endpoints_outside_the_allowlist_are_no_capacity() {
+        let c = AdmissionFilterConfig::from_json(
+            br#"{"endpoints":3,"allowed_destinations":[{"cidr":"10.0.0.0/24","ports":[8000]}]}"#,
+        )
+        .unwrap();
+        let mut snapshot = Snapshot {
+            epoch: 1,
+            version: 1,
+            endpoints: vec![
+                status(0, "10.0.0.1:8000"),
+                status(1, "10.0.0.2:9000"),
+                status(2, "192.168.1.1:8000"),
+                status(3, "10.0.0.3:8000"),
+            ],
+        };
+        let (mut scratch, mut key) = (Vec::new(), None);
+        let slots: Vec<u16> = c
+            .allowed_endpoints(&snapshot, &mut scratch, &mut key)
+            .iter()
+            .map(|e| e.slot)
+            .collect();
+        assert_eq!(slots, [0, 3]);
+        // A new version is filtered again; the same one is not rebuilt.
+        snapshot.version = 2;
+        snapshot.endpoints.push(status(4, "10.0.0.4:8000"));
+        assert_eq!(
+            c.allowed_endpoints(&snapshot, &mut scratch, &mut key).len(),
+            3
+        );
+        // Without a restriction: the snapshot itself.
+        let open = AdmissionFilterConfig::from_json(br#"{"endpoints":3}"#).unwrap();
+        let (mut scratch, mut key) = (Vec::new(), None);
+        assert_eq!(
+            open.allowed_endpoints(&snapshot, &mut scratch, &mut key)
+                .len(),
+            5
+        );
+        assert!(scratch.is_empty());
+    }
+
     #[test]
     fn wraps_the_flow_config() {
         let c = AdmissionFilterConfig::from_json(br#"{"endpoints":2}"#).unwrap();
@@ -114,6 +218,14 @@ mod tests {
             (r#"{"endpoints":0}"#, "endpoints"),
             (r#"{"endpoints":1,"tick_ms":0}"#, "tick_ms"),
             (r#"{"endpoints":1,"flw":{}}"#, "flw"),
+            (
+                r#"{"endpoints":1,"allowed_destinations":[]}"#,
+                "allowed_destinations",
+            ),
+            (
+                r#"{"endpoints":1,"allowed_destinations":[{"cidr":"10.0.0.0/33"}]}"#,
+                "allowed_destinations[0].cidr",
+            ),
             (
                 r#"{"endpoints":1,"flow":{"queue_ttl_ms":"x"}}"#,
                 "queue_ttl_ms",
