@@ -22,7 +22,8 @@
 //! every request has an outcome; each one not reset by its client is answered 200 by a pool
 //! member (streams complete with `[DONE]`), or 429/503 with `x-kvoy-dropped-reason`; the only
 //! other answers allowed are Envoy's upstream failures for requests that were in flight while
-//! the simulator was down (counted and reported); the hidden canary accepts no connection and
+//! the simulator was down (a 503 with reason `upstream-unavailable`, or an answer cut off;
+//! counted and reported); the hidden canary accepts no connection and
 //! the decoy only the aggregator's `GET /metrics`; the Envoy log has no wasm panic or trap; and
 //! the kvoy in-flight and queue gauges (`/stats/prometheus`) return to 0. A summary table is
 //! printed (`cargo test -p kvoy-e2e --test chaos -- --nocapture`).
@@ -61,6 +62,8 @@ const CLIENTS: usize = 32;
 const SEED: u64 = 0x6b76_6f79_6368_616f;
 const TIMEOUT: Duration = Duration::from_secs(30);
 const REASON: &str = "x-kvoy-dropped-reason";
+/// The reason on Envoy's own 503 when the chosen server cannot be reached (envoy/kvoy.yaml).
+const UPSTREAM_REASON: &str = "upstream-unavailable";
 const AGGREGATOR_SETTINGS: &str = "scrape_interval_ms: 50\nstale_after_ms: 1000\n";
 /// Bursts where things happen (see the module doc).
 const DECOY_LISTED: std::ops::Range<usize> = 4..7;
@@ -232,17 +235,15 @@ fn classify(
                 }
             }
         }
+        // Envoy's local reply when the chosen server cannot be reached (envoy/kvoy.yaml's
+        // `local_reply_config`).
+        503 if reason == Some(UPSTREAM_REASON) => Outcome::Upstream {
+            what: format!("503 {UPSTREAM_REASON}"),
+        },
         429 | 503 if reason.is_some_and(|r| !r.is_empty()) => Outcome::Dropped {
             status,
             reason: reason.unwrap_or_default().to_owned(),
         },
-        503 if String::from_utf8_lossy(body)
-            .starts_with("upstream connect error or disconnect/reset before headers") =>
-        {
-            Outcome::Upstream {
-                what: format!("503 {}", String::from_utf8_lossy(body)),
-            }
-        }
         _ => Outcome::Bad {
             what: format!(
                 "{status} (reason {reason:?}): {}",

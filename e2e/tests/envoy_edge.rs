@@ -7,6 +7,7 @@
 //! - Only the OpenAI API reaches the pool: the servers' own endpoints are answered 404 by Envoy.
 //! - Encoded paths are normalised (their bodies are checked) or refused, never let past the
 //!   filters.
+//! - A server that cannot be reached is answered 503 with kvoy's reason header.
 //!
 //! Needs `envoy` on PATH and the release wasm filters (`make test` provides both).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
@@ -362,4 +363,42 @@ fn encoded_paths_cannot_bypass_the_filters() {
     assert!(pool.contains(&by), "{by}");
     assert_eq!(r.header(SERVED), Some(by.as_str()));
     f.stack.assert_no_wasm_failures(f.name);
+}
+
+#[test]
+fn an_unreachable_server_is_answered_503_with_a_reason() {
+    // The pool's one server is gone (its port closed): Envoy's own answer carries kvoy's
+    // reason header and an OpenAI-shaped error (envoy/kvoy.yaml's `local_reply_config`).
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let gone = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join("kvoy-e2e")
+        .join(format!("unreachable-{}", std::process::id()));
+    let stack = Stack::start(&StackConfig::new(
+        vec![PoolEndpoint::new(gone, &[MODEL])],
+        run_dir,
+    ))
+    .unwrap_or_else(|e| panic!("[unreachable] could not start the kvoy stack: {e:#}"));
+    let r = http::post_json(
+        stack.listen,
+        "/v1/chat/completions",
+        &[],
+        &chat("is anyone there"),
+        TIMEOUT,
+    )
+    .unwrap();
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(
+        r.header("x-kvoy-dropped-reason"),
+        Some("upstream-unavailable"),
+        "{:?}",
+        r.headers
+    );
+    assert_eq!(r.header("content-type"), Some("application/json"));
+    let body = r.json().unwrap();
+    assert_eq!(body["error"]["code"], "upstream_unavailable", "{body}");
+    stack.assert_no_wasm_failures("unreachable");
 }
