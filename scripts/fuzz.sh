@@ -61,6 +61,7 @@ flags=(
     --cfg fuzzing
     -Cdebug-assertions
     -Coverflow-checks=on
+    -Dwarnings
 )
 case "${host}" in
     *-linux-*) flags+=(-Cllvm-args=-sanitizer-coverage-stack-depth) ;;

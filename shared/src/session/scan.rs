@@ -20,7 +20,9 @@ const MAX_ID: usize = 256;
 const MAX_WS: usize = 4;
 /// Bytes kept from one chunk to the next, so a match split across chunks is found.
 const CARRY: usize = MAX_ID + 16;
-const _: () = assert!(4 + MAX_WS + 1 + MAX_WS + 1 + MAX_ID + 1 <= CARRY);
+/// The longest match: `"id"`, whitespace, `:`, whitespace, then the quoted value.
+const MAX_MATCH: usize = 4 + MAX_WS + 1 + MAX_WS + 1 + MAX_ID + 1;
+const _: () = assert!(MAX_MATCH <= CARRY);
 
 impl ResponseIdScanner {
     /// Bytes scanned at most.
