@@ -790,7 +790,7 @@ vllm:request_prefill_kv_computed_tokens_count{engine="0",model_name="sim"} 2
         );
     }
 
-    /// Found by the `prometheus` fuzz target's range check: finite samples whose sum overflows
+    /// Caught by the `prometheus` fuzz target's range check: finite samples whose sum overflows
     /// made an infinite queue or counter, which the doc says is ignored. Sums now saturate.
     #[test]
     fn sums_stay_finite() {

@@ -148,7 +148,7 @@ fn response_ids_in_json_and_sse_at_any_split() {
     );
 }
 
-/// Found by the `session` fuzz target: with more whitespace around the `:` than the scanner
+/// Caught by the `session` fuzz target's chunking assertion: with more whitespace around the `:` than the scanner
 /// carries between chunks, the id was found in one chunk and missed when the chunk boundary
 /// fell inside the whitespace. Whitespace is now bounded, so the answer is the same either way.
 #[test]
