@@ -62,8 +62,8 @@ impl ResponseIdScanner {
     }
 }
 
-/// Searches `buf` for `"id"\s{0,4}:\s{0,4}"resp...`; returns the id and how many leading bytes can no
-/// longer start a match.
+/// Searches `buf` for `"id"\s{0,4}:\s{0,4}"resp...`; returns the id and how many leading bytes
+/// can no longer start a match.
 fn scan(buf: &[u8]) -> (Option<String>, usize) {
     let mut from = 0;
     while let Some(pos) = find(&buf[from..], b"\"id\"") {

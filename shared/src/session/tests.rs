@@ -148,9 +148,10 @@ fn response_ids_in_json_and_sse_at_any_split() {
     );
 }
 
-/// Caught by the `session` fuzz target's chunking assertion: with more whitespace around the `:` than the scanner
-/// carries between chunks, the id was found in one chunk and missed when the chunk boundary
-/// fell inside the whitespace. Whitespace is now bounded, so the answer is the same either way.
+/// Caught by the `session` fuzz target's chunking assertion: with more whitespace around the
+/// `:` than the scanner carries between chunks, the id was found in one chunk and missed when
+/// the chunk boundary fell inside the whitespace. Whitespace is now bounded, so the answer is
+/// the same either way.
 #[test]
 fn response_id_does_not_depend_on_chunking_after_long_whitespace() {
     for ws in [0, 1, 4, 5, 300] {
