@@ -5,7 +5,10 @@
 #   make build      wasm filters + native binaries
 #   make run        a local demo: 3 kvoy-sim simulators behind Envoy with the filters (Ctrl-C stops
 #                   it); kvoy-stack flags go in RUN_ARGS, e.g. make run RUN_ARGS='--backend echo'
-#   make test       deps, wasm, fmt check, clippy -D warnings, all tests (incl. real Envoy e2e)
+#   make test       deps, wasm, fmt check, clippy -D warnings, all tests (incl. real Envoy e2e),
+#                   then every fuzz target for FUZZ_SMOKE_TIME seconds (docs/fuzzing.md)
+#   make fuzz       every fuzz target for FUZZ_TIME seconds, e.g. make fuzz FUZZ_TIME=3600
+#                   FUZZ_TARGETS="snapshot kv_events" (scripts/fuzz.sh; corpus in fuzz/corpus/)
 #   make bench      the live benchmark, small: real Envoy + simulators + aggregator, every policy
 #                   and the real SGLang / vLLM routers (installed with pip when missing)
 #                   on the same plan (kvoy-bench live; results in bench/results/live), then the
@@ -29,8 +32,12 @@ RUN_ARGS ?=
 # Flags for `kvoy-bench live` and `kvoy-bench overhead` (`cargo run -p kvoy-bench -- --help`).
 BENCH_ARGS ?=
 OVERHEAD_ARGS ?=
+# Seconds each fuzz target runs in `make test` and in `make fuzz`; FUZZ_TARGETS empty = all.
+FUZZ_SMOKE_TIME ?= 10
+FUZZ_TIME ?= 600
+FUZZ_TARGETS ?=
 
-.PHONY: deps wasm build run test bench bench-sim bench-micro fmt clean-run
+.PHONY: deps wasm build run test fuzz bench bench-sim bench-micro fmt clean-run
 
 deps:
 	bash scripts/install-deps.sh
@@ -46,8 +53,13 @@ run: deps build
 
 test: deps wasm
 	$(CARGO) fmt --all --check
+	$(CARGO) fmt --manifest-path fuzz/Cargo.toml --all --check
 	$(CARGO) clippy --workspace --all-targets -j $(JOBS) -- -D warnings
 	$(CARGO) test --workspace -j $(JOBS)
+	bash scripts/fuzz.sh -t $(FUZZ_SMOKE_TIME) -j $(JOBS)
+
+fuzz:
+	bash scripts/fuzz.sh -t $(FUZZ_TIME) -j $(JOBS) $(FUZZ_TARGETS)
 
 bench: deps wasm
 	$(CARGO) build --release -j $(JOBS) -p kvoy-bench
@@ -63,6 +75,7 @@ bench-micro:
 
 fmt:
 	$(CARGO) fmt --all
+	$(CARGO) fmt --manifest-path fuzz/Cargo.toml --all
 
 clean-run:
 	rm -rf .run

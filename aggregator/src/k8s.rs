@@ -26,22 +26,29 @@
 //! assert_eq!(endpoints[0].address.to_string(), "127.0.1.1:8000");
 //! ```
 
+#[cfg(feature = "service")]
 mod client;
 mod config;
 mod objects;
 
 use std::time::Duration;
 
+#[cfg(feature = "service")]
 use log::info;
 use thiserror::Error;
+#[cfg(feature = "service")]
 use tokio::sync::watch;
+#[cfg(feature = "service")]
 use tokio::task::JoinHandle;
 
 use kvoy_shared::MAX_ENDPOINTS;
 
+#[cfg(feature = "service")]
 use crate::config::EndpointSpec;
+#[cfg(feature = "service")]
 use crate::source::{EndpointSource, SourceError};
 
+#[cfg(feature = "service")]
 pub use client::{tls_connector, ApiClient, Discovery, InCluster};
 pub(crate) use config::RawKubernetes;
 pub use config::{ApiServer, KubernetesConfig, KvEventPorts};
@@ -86,6 +93,7 @@ pub enum K8sError {
 
 /// The outcome of the latest discovery round.
 #[derive(Clone, Debug, PartialEq)]
+#[cfg(feature = "service")]
 enum Round {
     Pending,
     Found(Vec<EndpointSpec>),
@@ -95,12 +103,14 @@ enum Round {
 /// An [`EndpointSource`] over [`Discovery`]: a task on the current tokio runtime runs a
 /// round every `interval`; [`EndpointSource::poll`] never blocks. A failed round is reported
 /// once (until the error changes) and the aggregator keeps the endpoints it has.
+#[cfg(feature = "service")]
 pub struct KubernetesSource {
     rounds: watch::Receiver<Round>,
     last: Option<Vec<EndpointSpec>>,
     task: JoinHandle<()>,
 }
 
+#[cfg(feature = "service")]
 impl KubernetesSource {
     /// Starts polling on the current tokio runtime.
     ///
@@ -139,12 +149,14 @@ impl KubernetesSource {
     }
 }
 
+#[cfg(feature = "service")]
 impl Drop for KubernetesSource {
     fn drop(&mut self) {
         self.task.abort();
     }
 }
 
+#[cfg(feature = "service")]
 impl EndpointSource for KubernetesSource {
     fn poll(&mut self) -> Result<Option<Vec<EndpointSpec>>, SourceError> {
         if !self.rounds.has_changed().unwrap_or(false) {

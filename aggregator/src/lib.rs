@@ -27,32 +27,40 @@
 //! # Ok(()) }
 //! ```
 
+#[cfg(feature = "service")]
 pub mod calibrate;
 pub mod config;
+#[cfg(feature = "service")]
 pub mod follow;
+#[cfg(feature = "service")]
 pub mod http;
 pub mod k8s;
 pub mod kv_index;
+#[cfg(feature = "service")]
 pub mod pool;
 pub mod prefill;
 pub mod prom;
 pub mod reject;
+#[cfg(feature = "service")]
 pub mod scrape;
 pub mod source;
+#[cfg(feature = "service")]
 pub mod status;
 
-use std::net::SocketAddr;
-use std::sync::Arc;
-
-use tokio::sync::watch;
-use tokio::task::JoinHandle;
-
-use crate::config::AggregatorConfig;
-use crate::pool::{Pool, PoolSettings, PoolView};
-use crate::source::EndpointSource;
-use crate::status::Thresholds;
+#[cfg(feature = "service")]
+use {
+    crate::config::AggregatorConfig,
+    crate::pool::{Pool, PoolSettings, PoolView},
+    crate::source::EndpointSource,
+    crate::status::Thresholds,
+    std::net::SocketAddr,
+    std::sync::Arc,
+    tokio::sync::watch,
+    tokio::task::JoinHandle,
+};
 
 /// A running aggregator (pool actor + HTTP API) on the current tokio runtime.
+#[cfg(feature = "service")]
 pub struct Aggregator {
     addr: SocketAddr,
     shutdown: watch::Sender<bool>,
@@ -61,6 +69,7 @@ pub struct Aggregator {
 
 /// A random epoch: a restarted aggregator numbers its versions afresh, and a filter that
 /// sends the old epoch gets a full snapshot.
+#[cfg(feature = "service")]
 fn new_epoch() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
@@ -72,6 +81,7 @@ fn new_epoch() -> u64 {
     h.finish().max(1)
 }
 
+#[cfg(feature = "service")]
 impl Aggregator {
     /// Reads the API token (if any), binds `listen` and starts the pool actor and the API.
     pub async fn start(

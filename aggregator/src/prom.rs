@@ -265,7 +265,9 @@ impl<'a> Acc<'a> {
                 }
                 if s.value.is_finite() {
                     let i = k as usize;
-                    self.sum[i] = Some(self.sum[i].unwrap_or(0.0) + s.value);
+                    // Finite values can still sum past f64::MAX: saturate, so a sum is finite.
+                    let sum = self.sum[i].unwrap_or(0.0) + s.value;
+                    self.sum[i] = Some(sum.clamp(f64::MIN, f64::MAX));
                     self.max[i] = Some(self.max[i].map_or(s.value, |m| m.max(s.value)));
                 }
             }
@@ -785,6 +787,20 @@ vllm:request_prefill_kv_computed_tokens_count{engine="0",model_name="sim"} 2
         assert_eq!(
             (m.waiting, m.running, m.kv_cache_usage),
             (None, Some(2.0), Some(1.0))
+        );
+    }
+
+    /// Caught by the `prometheus` fuzz target's range check: finite samples whose sum overflows
+    /// made an infinite queue or counter, which the doc says is ignored. Sums now saturate.
+    #[test]
+    fn sums_stay_finite() {
+        let text = "vllm:num_requests_waiting 1e308\nvllm:num_requests_waiting 1e308\n\
+            vllm:prompt_tokens_total 1.7e308\nvllm:prompt_tokens_total 1.7e308\n\
+            vllm:num_requests_running -1e308\nvllm:num_requests_running -1e308\n";
+        let m = parse_server_metrics(text).unwrap();
+        assert_eq!(
+            (m.waiting, m.prompt_tokens, m.running),
+            (Some(f64::MAX), Some(f64::MAX), Some(0.0))
         );
     }
 

@@ -95,6 +95,7 @@ impl ApiServer {
         }
     }
 
+    #[cfg(feature = "service")]
     pub(crate) fn url(&self) -> String {
         format!(
             "{}://{}",

@@ -80,6 +80,7 @@ struct RawCondition {
     status: Option<String>,
 }
 
+#[cfg(feature = "service")]
 #[derive(Deserialize)]
 struct RawStatus {
     #[serde(default)]
@@ -198,6 +199,7 @@ pub fn parse_pods(body: &[u8]) -> Result<Vec<PodInfo>, K8sError> {
 }
 
 /// The `message` of a Kubernetes `Status` body, or a prefix of the body as text.
+#[cfg(feature = "service")]
 pub(crate) fn status_message(body: &[u8]) -> String {
     if let Ok(RawStatus { message: Some(m) }) = serde_json::from_slice::<RawStatus>(body) {
         return m;

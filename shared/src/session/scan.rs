@@ -14,8 +14,15 @@ pub struct ResponseIdScanner {
 
 /// The longest id kept; longer values are not ids we bind.
 const MAX_ID: usize = 256;
+/// Whitespace bytes allowed on each side of the `:`; with more, the value is not read as an id
+/// (servers write none or one space). This bounds a whole match (`"id"`, both runs, `:`, the
+/// quoted value) to [`CARRY`] bytes, so that the answer never depends on the chunking.
+const MAX_WS: usize = 4;
 /// Bytes kept from one chunk to the next, so a match split across chunks is found.
 const CARRY: usize = MAX_ID + 16;
+/// The longest match: `"id"`, whitespace, `:`, whitespace, then the quoted value.
+const MAX_MATCH: usize = 4 + MAX_WS + 1 + MAX_WS + 1 + MAX_ID + 1;
+const _: () = assert!(MAX_MATCH <= CARRY);
 
 impl ResponseIdScanner {
     /// Bytes scanned at most.
@@ -55,16 +62,13 @@ impl ResponseIdScanner {
     }
 }
 
-/// Searches `buf` for `"id"\s*:\s*"resp...`; returns the id and how many leading bytes can no
-/// longer start a match.
+/// Searches `buf` for `"id"\s{0,4}:\s{0,4}"resp...`; returns the id and how many leading bytes
+/// can no longer start a match.
 fn scan(buf: &[u8]) -> (Option<String>, usize) {
     let mut from = 0;
     while let Some(pos) = find(&buf[from..], b"\"id\"") {
         let start = from + pos;
-        let mut i = start + 4;
-        while buf.get(i).is_some_and(|b| b.is_ascii_whitespace()) {
-            i += 1;
-        }
+        let mut i = skip_ws(buf, start + 4);
         match buf.get(i) {
             None => return (None, start),
             Some(b':') => i += 1,
@@ -73,9 +77,7 @@ fn scan(buf: &[u8]) -> (Option<String>, usize) {
                 continue;
             }
         }
-        while buf.get(i).is_some_and(|b| b.is_ascii_whitespace()) {
-            i += 1;
-        }
+        i = skip_ws(buf, i);
         match buf.get(i) {
             None => return (None, start),
             Some(b'"') => i += 1,
@@ -106,6 +108,15 @@ fn scan(buf: &[u8]) -> (Option<String>, usize) {
     }
     // No complete match: the last few bytes may start one.
     (None, buf.len().saturating_sub(3))
+}
+
+/// Past at most [`MAX_WS`] ASCII whitespace bytes from `i`.
+fn skip_ws(buf: &[u8], mut i: usize) -> usize {
+    let end = i + MAX_WS;
+    while i < end && buf.get(i).is_some_and(|b| b.is_ascii_whitespace()) {
+        i += 1;
+    }
+    i
 }
 
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {

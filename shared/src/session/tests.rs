@@ -148,6 +148,27 @@ fn response_ids_in_json_and_sse_at_any_split() {
     );
 }
 
+/// Caught by the `session` fuzz target's chunking assertion: with more whitespace around the
+/// `:` than the scanner carries between chunks, the id was found in one chunk and missed when
+/// the chunk boundary fell inside the whitespace. Whitespace is now bounded, so the answer is
+/// the same either way.
+#[test]
+fn response_id_does_not_depend_on_chunking_after_long_whitespace() {
+    for ws in [0, 1, 4, 5, 300] {
+        let body = format!("{{\"id\"{}:{}\"resp_1\"}}", " ".repeat(ws), " ".repeat(ws));
+        let want = (ws <= 4).then_some("resp_1");
+        let mut whole = ResponseIdScanner::new();
+        whole.feed(body.as_bytes());
+        assert_eq!(whole.found(), want, "{ws} spaces, whole");
+        for split in 0..body.len() {
+            let mut s = ResponseIdScanner::new();
+            s.feed(&body.as_bytes()[..split]);
+            s.feed(&body.as_bytes()[split..]);
+            assert_eq!(s.found(), want, "{ws} spaces, split at {split}");
+        }
+    }
+}
+
 #[test]
 fn config_defaults_and_errors() {
     let c = SessionConfig::from_json(b"{}").unwrap();
