@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::callouts::LocalReply;
+use crate::counts::CallCounts;
 use crate::error::{Error, Result};
 use crate::headers::HeaderMap;
 use crate::http_driver::Side;
@@ -75,6 +76,11 @@ impl FilterChain {
     /// The position of the filter named `name`.
     pub fn position(&self, name: &str) -> Option<usize> {
         self.filters.iter().position(|(n, _)| n == name)
+    }
+
+    /// Each filter's [`Plugin::call_counts`], in chain order.
+    pub fn call_counts(&self) -> Vec<CallCounts> {
+        self.filters.iter().map(|(_, p)| p.call_counts()).collect()
     }
 
     /// The number of workers every filter has a VM for.

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use crate::callouts::{ForeignCall, ForeignFunction, HttpCall, HttpResponse};
 use crate::clock::{Clock, DEFAULT_START};
 use crate::connection::Connection;
+use crate::counts::CallCounts;
 use crate::error::{Error, Result};
 use crate::host::HostInner;
 use crate::logs::{LogBuffer, LogEntry};
@@ -272,6 +273,21 @@ impl Plugin {
     /// Number of VMs.
     pub fn vm_count(&self) -> usize {
         self.vms.len()
+    }
+
+    /// Host calls, shared-data operations and VM entries of all this plugin's VMs since they
+    /// were created (startup included); subtract two readings for what lay between them.
+    pub fn call_counts(&self) -> CallCounts {
+        self.vms
+            .iter()
+            .map(|vm| {
+                vm.lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .store
+                    .data()
+                    .counts
+            })
+            .fold(CallCounts::default(), |a, b| a + b)
     }
 
     /// A handle on VM `index` (errors surface when it is used, if there is no such VM).

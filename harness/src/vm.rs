@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use wasmtime::{Instance, Store, TypedFunc, WasmParams, WasmResults};
+use wasmtime::{CallHook, Instance, Store, TypedFunc, WasmParams, WasmResults};
 
 use crate::callouts::{HttpCall, HttpResponse};
 use crate::error::{describe, Error, Result};
@@ -173,6 +173,15 @@ impl VmInstance {
     /// error, like a trap.
     pub fn start(host: &HostInner, shared: Arc<Shared>, vm: usize) -> Result<VmInstance> {
         let mut store = Store::new(host.module.engine(), VmState::new(vm, shared));
+        store.call_hook(|mut store, hook| {
+            let counts = &mut store.data_mut().counts;
+            match hook {
+                CallHook::CallingHost => counts.host_calls += 1,
+                CallHook::CallingWasm => counts.vm_entries += 1,
+                CallHook::ReturningFromHost | CallHook::ReturningFromWasm => {}
+            }
+            Ok(())
+        });
         let instance = host
             .pre
             .instantiate(&mut store)

@@ -7,6 +7,7 @@ use wasmtime::{Memory, TypedFunc};
 
 use crate::callouts::HttpResponse;
 use crate::connection_state::ConnectionState;
+use crate::counts::CallCounts;
 use crate::grpc::{CalloutIds, CalloutKind};
 use crate::headers::HeaderMap;
 use crate::logs::{LineSplitter, LogEntry, LogSource};
@@ -41,6 +42,8 @@ impl Rng {
 /// Store data of one VM.
 pub(crate) struct VmState {
     pub vm: usize,
+    /// Host calls, shared-data operations and VM entries so far.
+    pub counts: CallCounts,
     pub shared: Arc<Shared>,
     pub memory: Option<Memory>,
     pub allocate: Option<TypedFunc<u32, u32>>,
@@ -80,6 +83,7 @@ impl VmState {
         let seed = shared.config.seed ^ (vm as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
         VmState {
             vm,
+            counts: CallCounts::default(),
             shared,
             memory: None,
             allocate: None,

@@ -85,6 +85,19 @@ pub struct RequestReport {
     pub filter_us: Vec<FilterTime>,
     /// Time of the whole request phase through the chain (µs).
     pub total_us: f64,
+    /// Each filter's crossings over the whole request (response and end of stream included),
+    /// in chain order.
+    pub filter_calls: Vec<FilterCalls>,
+}
+
+/// One filter's host calls, shared-data operations and VM entries for one request, summed
+/// over its VMs (ticks and queue deliveries the request caused included).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct FilterCalls {
+    pub filter: String,
+    pub host_calls: u64,
+    pub shared_data: u64,
+    pub vm_entries: u64,
 }
 
 /// Time spent in one filter's callbacks.
@@ -186,6 +199,7 @@ fn run_one(
         Some((i, m)) => chain.plugin(*i).map(|p| m.prepare(p)),
         None => None,
     };
+    let calls_before = chain.call_counts();
     let mut stream = chain.stream(worker)?;
     let port = 40_000 + (index % 20_000) as u16;
     stream.set_property(&["source", "address"], format!("127.0.0.1:{port}"))?;
@@ -275,6 +289,19 @@ fn run_one(
         _ => None,
     };
     stream.finish()?;
+    let filter_calls = chain
+        .names()
+        .zip(chain.call_counts().into_iter().zip(calls_before))
+        .map(|(filter, (after, before))| {
+            let c = after - before;
+            FilterCalls {
+                filter: filter.to_owned(),
+                host_calls: c.host_calls,
+                shared_data: c.shared_data,
+                vm_entries: c.vm_entries,
+            }
+        })
+        .collect();
     Ok(RequestReport {
         index,
         method: request.method.clone(),
@@ -287,6 +314,7 @@ fn run_one(
         scores,
         filter_us: timing,
         total_us: micros(total),
+        filter_calls,
     })
 }
 

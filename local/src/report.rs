@@ -64,6 +64,17 @@ pub fn text(reports: &[RequestReport]) -> String {
             times.join(", "),
             r.total_us
         );
+        let calls: Vec<String> = r
+            .filter_calls
+            .iter()
+            .map(|c| {
+                format!(
+                    "{} {} host calls ({} on shared data), {} VM entries",
+                    c.filter, c.host_calls, c.shared_data, c.vm_entries
+                )
+            })
+            .collect();
+        let _ = writeln!(out, "  crossings: {}", calls.join("; "));
     }
     out
 }

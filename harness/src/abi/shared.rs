@@ -58,6 +58,7 @@ fn get_shared_data(
     size_ptr: u32,
     cas_ptr: u32,
 ) -> AbiResult {
+    caller.data_mut().counts.shared_data += 1;
     let key = read_string(caller, key_ptr, key_size)?;
     let (value, cas) = {
         let shared = caller.data().shared.lock();
@@ -77,6 +78,7 @@ fn set_shared_data(
     value_size: u32,
     cas: u32,
 ) -> AbiResult {
+    caller.data_mut().counts.shared_data += 1;
     let key = read_string(caller, key_ptr, key_size)?;
     let value = read(caller, value_ptr, value_size)?;
     caller.data().shared.lock().data.set(&key, &value, cas)?;
@@ -126,6 +128,7 @@ fn resolve_queue(
 }
 
 fn dequeue(caller: &mut Ctx<'_>, token: u32, ptr_ptr: u32, size_ptr: u32) -> AbiResult {
+    caller.data_mut().counts.shared_data += 1;
     let item = caller.data().shared.lock().queues.dequeue(token)?;
     copy_out(caller, &item, ptr_ptr, size_ptr)
 }
@@ -133,6 +136,7 @@ fn dequeue(caller: &mut Ctx<'_>, token: u32, ptr_ptr: u32, size_ptr: u32) -> Abi
 /// Appends an item and schedules `proxy_on_queue_ready` on the queue's owner; like Envoy's
 /// post to the owner's thread, it is delivered after the current guest call returns.
 fn enqueue(caller: &mut Ctx<'_>, token: u32, value_ptr: u32, value_size: u32) -> AbiResult {
+    caller.data_mut().counts.shared_data += 1;
     let value = read(caller, value_ptr, value_size)?;
     let mut shared = caller.data().shared.lock();
     let owner = shared.queues.enqueue(token, &value)?;

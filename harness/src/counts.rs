@@ -1,0 +1,40 @@
+//! What a plugin's VMs cost in crossings: host calls, shared-data operations and VM entries,
+//! counted as Envoy would pay for them (each host call and each entry into the VM is a
+//! boundary crossing; each shared-data operation also takes Envoy's one process-wide lock).
+
+use std::ops::{Add, Sub};
+
+/// Crossings counted over a plugin's VMs (see [`crate::Plugin::call_counts`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CallCounts {
+    /// Calls from the guest into the host (`proxy_*` and WASI imports).
+    pub host_calls: u64,
+    /// Of those, `proxy_get_shared_data`, `proxy_set_shared_data` and the shared-queue calls.
+    pub shared_data: u64,
+    /// Entries from the host into the VM: callbacks and the allocator calls that return
+    /// buffers to the guest.
+    pub vm_entries: u64,
+}
+
+impl Add for CallCounts {
+    type Output = CallCounts;
+    fn add(self, o: CallCounts) -> CallCounts {
+        CallCounts {
+            host_calls: self.host_calls + o.host_calls,
+            shared_data: self.shared_data + o.shared_data,
+            vm_entries: self.vm_entries + o.vm_entries,
+        }
+    }
+}
+
+/// The crossings between two readings (saturating: a later reading is never smaller).
+impl Sub for CallCounts {
+    type Output = CallCounts;
+    fn sub(self, o: CallCounts) -> CallCounts {
+        CallCounts {
+            host_calls: self.host_calls.saturating_sub(o.host_calls),
+            shared_data: self.shared_data.saturating_sub(o.shared_data),
+            vm_entries: self.vm_entries.saturating_sub(o.vm_entries),
+        }
+    }
+}

@@ -1,0 +1,120 @@
+//! The regression guard on the filters' crossings (issue 17): host calls, shared-data
+//! operations and VM entries per request through the three filters of `envoy/kvoy.yaml`, for
+//! each API shape, two workers as in the overhead benchmark. Each count must stay at or under
+//! its budget: a change that adds crossings fails here and has to lower them elsewhere or
+//! raise the budget on purpose. The figures are printed (`--nocapture`) for the notes.
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+mod common;
+
+use kvoy_local::decide::{decide, DecideOptions, RequestReport};
+use kvoy_local::request::Request;
+use serde_json::json;
+
+/// The measured shapes, each after a warm-up request of its own kind (first-request work such
+/// as registering metrics is not per-request cost).
+const SHAPES: [&str; 5] = ["chat", "chat+session", "completions", "responses", "models"];
+
+/// `(host calls, shared-data operations, VM entries)`.
+type Crossings = (u64, u64, u64);
+
+/// Budgets per shape and filter, `(host calls, shared-data operations, VM entries)`, in chain
+/// order (kvoy_session, kvoy_admission, kvoy_prefix_affinity): the counts measured when the
+/// guard was added (2026-12-01).
+const BUDGETS: [(&str, [Crossings; 3]); 5] = [
+    ("chat", [(9, 0, 12), (15, 6, 12), (28, 13, 19)]),
+    ("chat+session", [(17, 3, 15), (15, 6, 12), (30, 13, 20)]),
+    ("completions", [(9, 0, 12), (15, 6, 12), (28, 13, 19)]),
+    ("responses", [(11, 0, 14), (15, 6, 12), (28, 13, 19)]),
+    ("models", [(8, 0, 10), (15, 6, 10), (19, 8, 13)]),
+];
+
+fn request(shape: &str, n: usize) -> Request {
+    let (method, path, body) = match shape {
+        "chat" | "chat+session" => (
+            "POST",
+            "/v1/chat/completions",
+            json!({"model": "kvoy-demo", "stream": true, "messages": [
+                {"role": "system", "content": "You are a careful assistant. ".repeat(40)},
+                {"role": "user", "content": format!("Question {n}: what is a KV cache?")},
+            ]}),
+        ),
+        "completions" => (
+            "POST",
+            "/v1/completions",
+            json!({"model": "kvoy-demo", "max_tokens": 16,
+                   "prompt": format!("{} question {n}", "Once upon a time ".repeat(60))}),
+        ),
+        "responses" => (
+            "POST",
+            "/v1/responses",
+            json!({"model": "kvoy-demo", "instructions": "Answer briefly. ".repeat(40),
+                   "input": format!("Question {n}: what is prefill?")}),
+        ),
+        _ => ("GET", "/v1/models", serde_json::Value::Null),
+    };
+    let headers = match shape {
+        "chat+session" => vec![("x-session-id".to_owned(), "alice".to_owned())],
+        _ => Vec::new(),
+    };
+    Request {
+        method: method.to_owned(),
+        path: path.to_owned(),
+        headers,
+        body: if body.is_null() {
+            Vec::new()
+        } else {
+            body.to_string().into_bytes()
+        },
+    }
+}
+
+fn counts(report: &RequestReport) -> Vec<Crossings> {
+    report
+        .filter_calls
+        .iter()
+        .map(|c| (c.host_calls, c.shared_data, c.vm_entries))
+        .collect()
+}
+
+#[test]
+fn crossings_per_request_stay_within_their_budgets() {
+    let prefix = json!({
+        "endpoints": [
+            {"address": "127.0.0.1:18001", "models": ["kvoy-demo"]},
+            {"address": "127.0.0.1:18002", "models": ["kvoy-demo"]},
+            {"address": "127.0.0.1:18003", "models": ["kvoy-demo"]},
+        ],
+    });
+    let config = common::chain_config("{}", r#"{"endpoints": 3}"#, &prefix.to_string(), 2);
+    let (config, _) = common::load("call-counts", &config);
+    // Per shape: two warm-ups (one on each worker), then the measured request.
+    let mut requests = Vec::new();
+    for shape in SHAPES {
+        for n in 0..3 {
+            requests.push(request(shape, n));
+        }
+    }
+    let reports = decide(&config, &requests, &DecideOptions::default()).unwrap();
+    let mut over = Vec::new();
+    println!("shape         filter                host calls  shared data  VM entries");
+    let mut total = (0u64, 0u64, 0u64);
+    for (s, (shape, budget)) in BUDGETS.iter().enumerate() {
+        assert_eq!(SHAPES[s], *shape);
+        let report = &reports[s * 3 + 2];
+        let got = counts(report);
+        assert_eq!(got.len(), 3, "three filters");
+        for (i, (c, b)) in got.iter().zip(budget).enumerate() {
+            let name = &report.filter_calls[i].filter;
+            println!("{shape:13} {name:21} {:10}  {:11}  {:10}", c.0, c.1, c.2);
+            if c.0 > b.0 || c.1 > b.1 || c.2 > b.2 {
+                over.push(format!("{shape} / {name}: {c:?} over the budget {b:?}"));
+            }
+            if *shape == "chat" {
+                total = (total.0 + c.0, total.1 + c.1, total.2 + c.2);
+            }
+        }
+    }
+    println!("chat completion through all three: {total:?}");
+    assert!(over.is_empty(), "{}", over.join("\n"));
+}
