@@ -160,3 +160,56 @@ impl Edges {
         *self = Edges::new(self.seed);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    #[test]
+    fn matches_a_map_through_growth_and_removal() {
+        // Node `i` is the edge `edges[i]`; ids are reused after removal, as the slab does.
+        let mut table = Edges::new(0x1234);
+        let mut model: HashMap<(u32, u64), u32> = HashMap::new();
+        let mut nodes: Vec<(u32, u64)> = Vec::new();
+        let mut free: Vec<u32> = Vec::new();
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        for step in 0..40_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            // A small edge space, so inserts, hits and removals mix.
+            let edge = ((x % 7) as u32, (x >> 8) % 300);
+            let is = |nodes: &Vec<(u32, u64)>, n: u32| nodes[n as usize] == edge;
+            match model.get(&edge).copied() {
+                Some(n) if step % 3 != 0 => {
+                    table.remove(edge.0, edge.1, n);
+                    model.remove(&edge);
+                    free.push(n);
+                }
+                Some(n) => assert_eq!(table.get(edge.0, edge.1, |m| is(&nodes, m)), Some(n)),
+                None => {
+                    assert_eq!(table.get(edge.0, edge.1, |m| is(&nodes, m)), None);
+                    let n = match free.pop() {
+                        Some(n) => {
+                            nodes[n as usize] = edge;
+                            n
+                        }
+                        None => {
+                            nodes.push(edge);
+                            nodes.len() as u32 - 1
+                        }
+                    };
+                    table.insert(edge.0, edge.1, n, |m| is(&nodes, m));
+                    model.insert(edge, n);
+                }
+            }
+            assert_eq!(table.len(), model.len());
+        }
+        for (&(p, k), &n) in &model {
+            assert_eq!(table.get(p, k, |m| nodes[m as usize] == (p, k)), Some(n));
+        }
+        assert!(table.slots.len() <= 4 * model.len().max(MIN_SLOTS));
+    }
+}
