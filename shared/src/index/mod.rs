@@ -467,7 +467,7 @@ impl PrefixIndex {
             .iter_mut()
             .find(|h| usize::from(h.endpoint) == e)
         {
-            lru.blocks += (len - h.held) as usize;
+            lru.blocks += len.saturating_sub(h.held) as usize;
             h.held = len;
             let entry = h.entry;
             unlink(&mut self.entries, lru, entry);
