@@ -910,8 +910,8 @@ mod tests {
     #[test]
     fn bounds_are_checked_at_configuration() {
         let agg = r#""aggregator":{"cluster":"c"},"allowed_destinations":[{"cidr":"10.0.0.0/8"}]"#;
-        // 4096 endpoints of the default 31,250 blocks: up to about 19 GiB of index (one-block
-        // prompts), over a wasm32 VM; 2,000 blocks each is about 1.2 GiB.
+        // 4096 endpoints of the default 31,250 blocks: up to about 16-18 GiB of index (one-block
+        // prompts), over a wasm32 VM; 2,000 blocks each is about 1-1.1 GiB.
         let e = err(&format!(r#"{{{agg},"max_endpoints":4096}}"#));
         assert!(
             e.contains("prefix index")
