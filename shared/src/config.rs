@@ -371,8 +371,9 @@ mod defaults {
 pub const MAX_ENDPOINTS: usize = 4096;
 
 /// Most memory one VM's prefix index may take at its configured size
-/// (`lru_blocks_per_endpoint` x endpoints): a wasm32 VM addresses 4 GiB at most, and the
-/// request bodies, the snapshot and the allocator need the rest.
+/// (`lru_blocks_per_endpoint` x endpoints, in the worst case: see
+/// [`PrefixIndex::max_bytes`]): a wasm32 VM addresses 4 GiB at most, and the request bodies,
+/// the snapshot and the allocator need the rest.
 pub const INDEX_MEMORY_LIMIT: u64 = 2 << 30;
 
 /// A static endpoint left out of the pool by `allowed_destinations`.
@@ -909,7 +910,8 @@ mod tests {
     #[test]
     fn bounds_are_checked_at_configuration() {
         let agg = r#""aggregator":{"cluster":"c"},"allowed_destinations":[{"cidr":"10.0.0.0/8"}]"#;
-        // 4096 endpoints of the default 31,250 blocks: about 4 GiB of index, over a wasm32 VM.
+        // 4096 endpoints of the default 31,250 blocks: up to about 16-18 GiB of index (one-block
+        // prompts), over a wasm32 VM; 2,000 blocks each is about 1-1.1 GiB.
         let e = err(&format!(r#"{{{agg},"max_endpoints":4096}}"#));
         assert!(
             e.contains("prefix index")
@@ -918,7 +920,7 @@ mod tests {
             "{e}"
         );
         let cfg = PluginConfig::from_json(
-            format!(r#"{{{agg},"max_endpoints":4096,"lru_blocks_per_endpoint":4000}}"#).as_bytes(),
+            format!(r#"{{{agg},"max_endpoints":4096,"lru_blocks_per_endpoint":2000}}"#).as_bytes(),
         )
         .unwrap();
         assert_eq!(cfg.max_endpoints, 4096);

@@ -7,6 +7,10 @@
 //! cache (a full 31,250-key endpoint is about 1 MB). Removal shifts the probe run back instead of
 //! leaving tombstones. Slots are placed by the key through a seeded multiply, so crafted keys
 //! cannot pile into one probe run without knowing the seed. The table grows with the set.
+//!
+//! kvoy's own index is no longer made of these ([`crate::PrefixIndex`] is one trie for all
+//! endpoints); the benchmark's reference policies use them, and `benches/index.rs` keeps the old
+//! per-endpoint index on them to compare.
 
 const NIL: u32 = u32::MAX;
 /// `prev` of a free slot.

@@ -141,6 +141,8 @@ pub struct Router {
     scores: Vec<EndpointScore>,
     costs: Vec<CostTerms>,
     keys: Vec<BlockKey>,
+    /// Leading keys each endpoint holds (by id), for the request being routed.
+    matched: Vec<usize>,
     /// Bytes per token learned per model from the servers' `usage`.
     ratio: TokenRatio,
     /// Uncached tokens of a typical request routed here (EWMA): sizes a server's queue.
@@ -180,6 +182,7 @@ impl Router {
             scores: Vec::new(),
             costs: Vec::new(),
             keys: Vec::new(),
+            matched: Vec::new(),
             ratio: TokenRatio::default(),
             typical_tokens: None,
             last_model: String::new(),
@@ -284,10 +287,11 @@ impl Router {
     fn fill_candidates(&mut self, outstanding: &[Outstanding], model_rate: f64) {
         self.candidates.clear();
         let ends = self.hasher.ends();
+        self.index.matched_all(&self.keys, &mut self.matched);
         for &id in &self.ids {
             let load = self.pool.get(id).map(|e| e.load).unwrap_or_default();
             let o = outstanding.get(id.index()).copied().unwrap_or_default();
-            let matched = self.index.matched(id, &self.keys);
+            let matched = self.matched.get(id.index()).copied().unwrap_or(0);
             let matched_bytes = match matched.checked_sub(1) {
                 Some(last) => ends.get(last).map_or(0, |&e| u64::from(e)),
                 None => 0,
