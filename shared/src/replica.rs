@@ -46,11 +46,14 @@ pub fn namespace(prefix: &str, config: &[u8]) -> String {
     format!("{prefix}.{:016x}", xxhash_rust::xxh3::xxh3_64(config))
 }
 
-/// Per-endpoint in-flight counts shared by all VMs of a proxy.
+/// Per-endpoint in-flight counts shared by all VMs of a proxy. A read primes the next add, as
+/// for [`OutstandingTable`].
 #[derive(Debug, Clone)]
 pub struct InflightTable {
     key: String,
     endpoints: usize,
+    /// The value and version the last read saw, if not yet used (only an existing value).
+    primed: Option<(Vec<u8>, u32)>,
 }
 
 impl InflightTable {
@@ -58,6 +61,7 @@ impl InflightTable {
         InflightTable {
             key: format!("{namespace}.inflight"),
             endpoints,
+            primed: None,
         }
     }
 
@@ -73,9 +77,15 @@ impl InflightTable {
     }
 
     /// Reads the counts into `out` (one per endpoint; zeros when nothing is stored yet).
-    pub fn read(&self, store: &impl SharedStore, out: &mut Vec<u32>) {
+    pub fn read(&mut self, store: &impl SharedStore, out: &mut Vec<u32>) {
+        self.primed = None;
         match store.get(&self.key) {
-            Some((bytes, _)) => self.decode(&bytes, out),
+            Some((bytes, cas)) => {
+                self.decode(&bytes, out);
+                if cas != 0 {
+                    self.primed = Some((bytes, cas));
+                }
+            }
             None => {
                 out.clear();
                 out.resize(self.endpoints, 0);
@@ -91,7 +101,7 @@ impl InflightTable {
     /// Adds `delta` to `endpoint`'s count (saturating at 0 and `u32::MAX`). Counts of ids
     /// beyond this VM's pool are kept: another VM may already route to them.
     pub fn add(
-        &self,
+        &mut self,
         store: &impl SharedStore,
         endpoint: EndpointId,
         delta: i32,
@@ -104,7 +114,7 @@ impl InflightTable {
         let mut last = StoreError::CasMismatch;
         for _ in 0..CAS_RETRIES {
             counts.clear();
-            let cas = match store.get(&self.key) {
+            let cas = match self.primed.take().or_else(|| store.get(&self.key)) {
                 Some((b, cas)) => {
                     counts.extend(
                         b.chunks_exact(4)
@@ -141,11 +151,19 @@ impl InflightTable {
 /// endpoints, and a request that started before must still release what it charged, at the
 /// endpoint it was sent to, whatever id that endpoint has now (or had on another worker).
 /// Entries whose counts are back to zero are dropped, so the value holds only live work.
+///
+/// A [`OutstandingTable::read`] primes the next [`OutstandingTable::add`]: its first attempt
+/// writes against the value and version just read instead of reading them again, saving a
+/// shared-data operation (under Envoy's process-wide lock) per request. A prime gone stale
+/// costs one failed compare-and-swap and a fresh read, never a lost update: only a value that
+/// existed primes (a version of 0 would make the write unconditional).
 #[derive(Debug, Clone)]
 pub struct OutstandingTable {
     key: String,
     scratch: Vec<(SocketAddr, Outstanding)>,
     bytes: Vec<u8>,
+    /// The version `scratch` was decoded from by the last read, if it has not been used.
+    primed: Option<u32>,
 }
 
 /// Bytes of one entry: family (1), address (16), port (2), three counts (12).
@@ -204,27 +222,25 @@ impl OutstandingTable {
             key: format!("{namespace}.outstanding"),
             scratch: Vec::new(),
             bytes: Vec::new(),
+            primed: None,
         }
     }
 
     /// Reads the work outstanding at each member of `pool` into `out`, indexed by id (one per
     /// id up to [`Pool::id_bound`]; zeros for members with none). Work at addresses outside
     /// `pool` is not this pool's and is skipped.
-    pub fn read(&self, store: &impl SharedStore, pool: &Pool, out: &mut Vec<Outstanding>) {
+    pub fn read(&mut self, store: &impl SharedStore, pool: &Pool, out: &mut Vec<Outstanding>) {
         out.clear();
         out.resize(pool.id_bound(), Outstanding::default());
-        if let Some((bytes, _)) = store.get(&self.key) {
-            for c in bytes
-                .chunks_exact(OUTSTANDING_ENTRY_BYTES)
-                .take(OUTSTANDING_MAX_ENTRIES)
-            {
-                let Some((address, o)) = decode_entry(c) else {
-                    continue;
-                };
-                if let Some(slot) = pool.id_of(address).and_then(|id| out.get_mut(id.index())) {
-                    *slot = o;
+        self.primed = None;
+        if let Some((bytes, cas)) = store.get(&self.key) {
+            decode_outstanding(&bytes, &mut self.scratch);
+            for (address, o) in &self.scratch {
+                if let Some(slot) = pool.id_of(*address).and_then(|id| out.get_mut(id.index())) {
+                    *slot = *o;
                 }
             }
+            self.primed = (cas != 0).then_some(cas);
         }
     }
 
@@ -237,15 +253,18 @@ impl OutstandingTable {
     ) -> Result<(), StoreError> {
         let mut last = StoreError::CasMismatch;
         for _ in 0..CAS_RETRIES {
-            let cas = match store.get(&self.key) {
-                Some((b, cas)) => {
-                    decode_outstanding(&b, &mut self.scratch);
-                    cas
-                }
-                None => {
-                    self.scratch.clear();
-                    0
-                }
+            let cas = match self.primed.take() {
+                Some(cas) => cas,
+                None => match store.get(&self.key) {
+                    Some((b, cas)) => {
+                        decode_outstanding(&b, &mut self.scratch);
+                        cas
+                    }
+                    None => {
+                        self.scratch.clear();
+                        0
+                    }
+                },
             };
             let full = self.scratch.len() >= OUTSTANDING_MAX_ENTRIES;
             match self.scratch.iter_mut().find(|(a, _)| *a == address) {
@@ -342,6 +361,10 @@ pub struct DecisionLog {
     /// Polls spent waiting on a slot whose writer has not finished.
     stalled: u32,
     scratch: Vec<u8>,
+    /// The head and its version as the last poll read them, if not yet used: the next append
+    /// claims the slot after it without reading the head again (as for [`OutstandingTable`]: a
+    /// stale prime costs a failed compare-and-swap, and only an existing head primes).
+    primed: Option<(u64, u32)>,
 }
 
 /// A slot whose writer has not finished after this many polls is given up on.
@@ -358,6 +381,7 @@ impl DecisionLog {
             seen: 0,
             stalled: 0,
             scratch: Vec::new(),
+            primed: None,
         }
     }
 
@@ -393,7 +417,10 @@ impl DecisionLog {
         let mut claimed = None;
         let mut last = StoreError::CasMismatch;
         for _ in 0..CAS_RETRIES {
-            let (head, cas) = Self::head(store, &self.head_key);
+            let (head, cas) = match self.primed.take() {
+                Some(primed) => primed,
+                None => Self::head(store, &self.head_key),
+            };
             let next = head.wrapping_add(1);
             match store.set(&self.head_key, &next.to_le_bytes(), cas) {
                 Ok(()) => {
@@ -404,6 +431,11 @@ impl DecisionLog {
             }
         }
         let seq = claimed.ok_or(last)?;
+        // Nothing between what this VM has seen and its own record: the next poll need not
+        // read the record back only to skip it.
+        if seq == self.seen.wrapping_add(1) {
+            self.seen = seq;
+        }
         let record = LogRecord {
             seq,
             origin: self.origin,
@@ -422,7 +454,8 @@ impl DecisionLog {
         store: &impl SharedStore,
         mut apply: impl FnMut(EndpointId, &[BlockKey]),
     ) -> usize {
-        let (head, _) = Self::head(store, &self.head_key);
+        let (head, cas) = Self::head(store, &self.head_key);
+        self.primed = (cas != 0).then_some((head, cas));
         if head < self.seen {
             // The log restarted (e.g. lost state): follow it from its head.
             self.seen = head;
@@ -509,10 +542,116 @@ mod tests {
         v.iter().copied().map(BlockKey).collect()
     }
 
+    /// A [`MemoryStore`] that counts operations.
+    #[derive(Default)]
+    struct Counting {
+        store: MemoryStore,
+        gets: std::cell::Cell<u32>,
+        sets: std::cell::Cell<u32>,
+    }
+
+    impl SharedStore for Counting {
+        fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+            self.gets.set(self.gets.get() + 1);
+            self.store.get(key)
+        }
+        fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError> {
+            self.sets.set(self.sets.get() + 1);
+            self.store.set(key, value, cas)
+        }
+    }
+
+    impl Counting {
+        fn ops(&self) -> (u32, u32) {
+            let ops = (self.gets.get(), self.sets.get());
+            self.gets.set(0);
+            self.sets.set(0);
+            ops
+        }
+    }
+
+    #[test]
+    fn a_read_primes_the_next_add_and_a_stale_prime_loses_nothing() {
+        let store = Counting::default();
+        let pool = pool_of(&[1, 2]);
+        let (mut a, mut b) = (OutstandingTable::new("ns"), OutstandingTable::new("ns"));
+        let mut out = Vec::new();
+        // Nothing stored yet: the read does not prime (a version of 0 would make the write
+        // unconditional), so the add reads again.
+        a.read(&store, &pool, &mut out);
+        a.add(&store, at(1), OutstandingDelta::sent(10)).unwrap();
+        assert_eq!(store.ops(), (2, 1));
+        // Read then add: one get and one set.
+        a.read(&store, &pool, &mut out);
+        a.add(&store, at(1), OutstandingDelta::sent(20)).unwrap();
+        assert_eq!(store.ops(), (1, 1));
+        // The prime is used once: the next add reads.
+        a.add(&store, at(2), OutstandingDelta::sent(5)).unwrap();
+        assert_eq!(store.ops(), (1, 1));
+        // Another worker writes between the read and the add: the primed write fails its
+        // compare-and-swap and is retried on a fresh read; both changes survive.
+        a.read(&store, &pool, &mut out);
+        b.add(&store, at(2), OutstandingDelta::sent(7)).unwrap();
+        store.ops();
+        a.add(&store, at(1), OutstandingDelta::sent(30)).unwrap();
+        assert_eq!(store.ops(), (1, 2));
+        b.read(&store, &pool, &mut out);
+        assert_eq!(out[0].prefill_tokens, 60);
+        assert_eq!(out[1].prefill_tokens, 12);
+        assert_eq!(out[0].requests, 3);
+    }
+
+    #[test]
+    fn an_inflight_read_primes_the_next_add() {
+        let store = Counting::default();
+        let (mut a, mut b) = (InflightTable::new("ns", 2), InflightTable::new("ns", 2));
+        let mut out = Vec::new();
+        a.add(&store, EndpointId(0), 1).unwrap();
+        store.ops();
+        a.read(&store, &mut out);
+        a.add(&store, EndpointId(1), 1).unwrap();
+        assert_eq!(store.ops(), (1, 1));
+        a.read(&store, &mut out);
+        b.add(&store, EndpointId(1), 1).unwrap();
+        a.add(&store, EndpointId(0), 1).unwrap();
+        b.read(&store, &mut out);
+        assert_eq!(out, vec![2, 2], "the stale prime lost nothing");
+    }
+
+    #[test]
+    fn a_poll_primes_the_next_append_and_a_stale_prime_claims_a_fresh_slot() {
+        let store = Counting::default();
+        let (mut a, mut b) = (DecisionLog::new("ns", 8, 1), DecisionLog::new("ns", 8, 2));
+        // An empty log does not prime.
+        a.poll(&store, |_, _| {});
+        assert_eq!(a.append(&store, EndpointId(0), &keys(&[1])).unwrap(), 1);
+        assert_eq!(store.ops(), (2, 2));
+        // Poll then append: the head is read once (and the poll reads no slot of its own).
+        a.poll(&store, |_, _| {});
+        assert_eq!(a.append(&store, EndpointId(0), &keys(&[2])).unwrap(), 2);
+        assert_eq!(store.ops(), (1, 2));
+        // b appends between a's poll and a's append: a's primed claim fails, it claims 4.
+        a.poll(&store, |_, _| {});
+        assert_eq!(b.append(&store, EndpointId(1), &keys(&[3])).unwrap(), 3);
+        assert_eq!(a.append(&store, EndpointId(0), &keys(&[4])).unwrap(), 4);
+        let mut seen = Vec::new();
+        let mut c = DecisionLog::new("ns", 8, 3);
+        c.poll(&store, |e, k| seen.push((e, k.to_vec())));
+        assert_eq!(
+            seen,
+            vec![
+                (EndpointId(0), keys(&[1])),
+                (EndpointId(0), keys(&[2])),
+                (EndpointId(1), keys(&[3])),
+                (EndpointId(0), keys(&[4])),
+            ]
+        );
+    }
+
     #[test]
     fn inflight_counts_are_shared_and_saturate() {
         let store = MemoryStore::default();
-        let t = InflightTable::new("ns", 3);
+        let mut t = InflightTable::new("ns", 3);
         let mut out = Vec::new();
         t.read(&store, &mut out);
         assert_eq!(out, vec![0, 0, 0]);
@@ -660,7 +799,7 @@ mod tests {
             inner: MemoryStore::default(),
             fail: std::cell::Cell::new(0),
         };
-        let t = InflightTable::new("ns", 2);
+        let mut t = InflightTable::new("ns", 2);
         t.add(&store, EndpointId(0), 1).unwrap();
         store.fail.set(5);
         t.add(&store, EndpointId(0), 1).unwrap();
