@@ -432,6 +432,13 @@ impl HttpContext for RequestStream {
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         self.read_usage(body_size, end_of_stream);
+        // The answer is complete: release everything now, in one write (for an answer that
+        // comes in one piece, one read-modify-write instead of "answered" here and
+        // "finished" at the end of the stream).
+        if end_of_stream {
+            self.release();
+            return Action::Continue;
+        }
         // The first byte of the answer: its prefill is done, release its pending tokens (the
         // cost model's queue at that endpoint). Headers do not tell: a streamed answer's
         // headers leave the server before its first token.
