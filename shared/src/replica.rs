@@ -40,6 +40,13 @@ pub trait SharedStore {
 
 const CAS_RETRIES: usize = 32;
 
+/// The version a read may prime the next compare-and-swap write with (see
+/// [`OutstandingTable`]): only an existing value's, since a version of 0 would make that write
+/// unconditional and could drop what other workers wrote since the read.
+fn prime(cas: u32) -> Option<u32> {
+    (cas != 0).then_some(cas)
+}
+
 /// The shared-data namespace of one filter configuration: `{prefix}.{xxh3(config):016x}`.
 /// Keys differ per configuration, so a new one (new endpoint order) never reads the old state.
 pub fn namespace(prefix: &str, config: &[u8]) -> String {
@@ -82,9 +89,7 @@ impl InflightTable {
         match store.get(&self.key) {
             Some((bytes, cas)) => {
                 self.decode(&bytes, out);
-                if cas != 0 {
-                    self.primed = Some((bytes, cas));
-                }
+                self.primed = prime(cas).map(|cas| (bytes, cas));
             }
             None => {
                 out.clear();
@@ -240,7 +245,7 @@ impl OutstandingTable {
                     *slot = *o;
                 }
             }
-            self.primed = (cas != 0).then_some(cas);
+            self.primed = prime(cas);
         }
     }
 
@@ -455,7 +460,7 @@ impl DecisionLog {
         mut apply: impl FnMut(EndpointId, &[BlockKey]),
     ) -> usize {
         let (head, cas) = Self::head(store, &self.head_key);
-        self.primed = (cas != 0).then_some((head, cas));
+        self.primed = prime(cas).map(|cas| (head, cas));
         if head < self.seen {
             // The log restarted (e.g. lost state): follow it from its head.
             self.seen = head;
