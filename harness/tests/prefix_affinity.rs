@@ -696,3 +696,54 @@ fn no_body_traps_the_filter() -> TestResult {
     assert!(!plugin.logged("panicked"));
     Ok(())
 }
+
+#[test]
+fn an_idle_worker_catches_up_on_its_tick_not_on_the_request_that_wakes_it() -> TestResult {
+    let plugin = plugin()?;
+    assert_eq!(
+        plugin.vm(1).tick_period(),
+        Some(std::time::Duration::from_millis(200)),
+        "a static pool ticks too, to replay the other workers' decisions"
+    );
+    // VM 0 routes 100 conversations while VM 1 sits idle (no time passes: no tick).
+    let conversation = |i: usize| {
+        chat(
+            &format!("Conversation {i}: {}", "context ".repeat(40)),
+            "hi",
+        )
+    };
+    let mut first = Vec::new();
+    for i in 0..100 {
+        first.push(route(&plugin, 0, &conversation(i))?);
+    }
+    // VM 1's next request replays at most 32 of those 100 records: a shared-data read each,
+    // plus the log head, the outstanding table and its own decision's writes.
+    let before = plugin.call_counts();
+    let got = route(&plugin, 1, &chat("Another conversation entirely.", "hi"))?;
+    let spent = plugin.call_counts();
+    let shared = spent.shared_data - before.shared_data;
+    assert!(POOL.contains(&got.as_str()));
+    assert!(
+        (32..=32 + 10).contains(&shared),
+        "{shared} shared-data operations for one request"
+    );
+    assert_eq!(
+        plugin.counter("kvoy_prefix_affinity_remote_decisions_applied_total"),
+        Some(32)
+    );
+    // Its tick replays the rest, in order: every conversation then follows VM 0's choice on
+    // VM 1, the oldest included.
+    plugin.advance(std::time::Duration::from_millis(200))?;
+    assert_eq!(
+        plugin.counter("kvoy_prefix_affinity_remote_decisions_applied_total"),
+        Some(100)
+    );
+    for i in [0, 1, 50, 99] {
+        assert_eq!(
+            route(&plugin, 1, &conversation(i))?,
+            first[i],
+            "conversation {i}"
+        );
+    }
+    Ok(())
+}

@@ -156,7 +156,9 @@ impl Mirror {
                 pool_live = true;
             }
         }
-        // Everything the workers logged: each worker's index holds all of it before it routes.
+        // Everything the workers logged: each worker's index holds all of it before it routes
+        // (a worker replays at most 32 records per request and the rest on its tick; `decide`
+        // alternates the workers, so neither is ever that far behind).
         let mut log = DecisionLog::new(
             &self.namespace,
             self.config.decision_log_slots,

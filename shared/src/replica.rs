@@ -457,6 +457,18 @@ impl DecisionLog {
     pub fn poll(
         &mut self,
         store: &impl SharedStore,
+        apply: impl FnMut(EndpointId, &[BlockKey]),
+    ) -> usize {
+        self.poll_at_most(store, usize::MAX, apply)
+    }
+
+    /// [`DecisionLog::poll`], reading at most `max_slots` records (its own and overwritten
+    /// ones included), so that one call's shared-data reads and replay work are bounded; the
+    /// rest waits, in order, for the next call. Returns how many were applied.
+    pub fn poll_at_most(
+        &mut self,
+        store: &impl SharedStore,
+        max_slots: usize,
         mut apply: impl FnMut(EndpointId, &[BlockKey]),
     ) -> usize {
         let (head, cas) = Self::head(store, &self.head_key);
@@ -470,7 +482,9 @@ impl DecisionLog {
             self.seen = head - self.slots;
         }
         let mut applied = 0;
-        while self.seen < head {
+        let mut read = 0usize;
+        while self.seen < head && read < max_slots {
+            read += 1;
             let want = self.seen + 1;
             let header = store
                 .get(&self.slot_key(want))
@@ -836,6 +850,34 @@ mod tests {
         assert_eq!(b.poll(&store, |e, k| got.push((e, k.to_vec()))), 0);
         assert_eq!(a.poll(&store, |e, k| got.push((e, k.to_vec()))), 1);
         assert_eq!(got, vec![(EndpointId(2), keys(&[4]))]);
+    }
+
+    #[test]
+    fn a_bounded_poll_reads_at_most_its_slots_and_the_next_goes_on_in_order() {
+        let store = Counting::default();
+        let mut a = DecisionLog::new("ns", 64, 1);
+        let mut b = DecisionLog::new("ns", 64, 2);
+        for i in 0..10u64 {
+            a.append(&store, EndpointId(0), &keys(&[i])).unwrap();
+        }
+        b.append(&store, EndpointId(1), &keys(&[100])).unwrap();
+        for i in 10..12u64 {
+            a.append(&store, EndpointId(0), &keys(&[i])).unwrap();
+        }
+        store.ops();
+        let mut got = Vec::new();
+        assert_eq!(b.poll_at_most(&store, 4, |_, k| got.push(k[0].0)), 4);
+        // The head, then four slots.
+        assert_eq!(store.ops(), (5, 0));
+        assert_eq!((got.clone(), b.seen()), (vec![0, 1, 2, 3], 4));
+        assert_eq!(b.poll_at_most(&store, 7, |_, k| got.push(k[0].0)), 6);
+        // Its own record (seq 11) takes a read and applies nothing.
+        assert_eq!(store.ops(), (8, 0));
+        assert_eq!(b.seen(), 11);
+        assert_eq!(b.poll(&store, |_, k| got.push(k[0].0)), 2);
+        assert_eq!(got, (0..10).chain(10..12).collect::<Vec<u64>>());
+        assert_eq!(b.seen(), 13);
+        assert_eq!(b.poll_at_most(&store, 0, |_, _| panic!("nothing")), 0);
     }
 
     #[test]

@@ -17,6 +17,7 @@ mod stream;
 
 use std::cell::RefCell;
 use std::rc::Rc;
+use std::time::Duration;
 
 use log::{error, info, warn};
 use proxy_wasm::hostcalls;
@@ -55,6 +56,29 @@ pub(crate) struct VmState {
 }
 
 pub(crate) type SharedState = Rc<RefCell<Option<VmState>>>;
+
+/// How often a VM with a static pool wakes to replay other workers' decisions (a live pool's
+/// VMs tick at the snapshot's period and replay then).
+const CATCH_UP_TICK: Duration = Duration::from_millis(200);
+
+impl VmState {
+    /// Replays other workers' decisions into this VM's index, reading at most `max_slots`
+    /// records of the shared log (see [`DecisionLog::poll_at_most`]).
+    pub(crate) fn catch_up(&mut self, max_slots: usize) {
+        let VmState {
+            router,
+            log,
+            metrics,
+            ..
+        } = self;
+        let applied = log.poll_at_most(&HostStore, max_slots, |endpoint, keys| {
+            router.apply_remote(endpoint, keys)
+        });
+        if applied > 0 {
+            Metrics::add(metrics.remote_applied, applied as u64);
+        }
+    }
+}
 
 struct PrefixAffinityRoot {
     context_id: u32,
@@ -118,11 +142,15 @@ impl RootContext for PrefixAffinityRoot {
             .aggregator
             .clone()
             .map(|a| live::LivePool::new(a, &namespace, seed));
+        // Every VM ticks: each replays the other workers' decisions, follows the board of a
+        // live pool, and the lease holder polls the aggregator.
+        let tick = live
+            .as_ref()
+            .map_or(CATCH_UP_TICK, |l| l.snapshot.tick_period());
+        if hostcalls::set_tick_period(tick).is_err() {
+            error!("kvoy_prefix_affinity: cannot set the tick period; idle workers catch up on requests only, and an aggregator is not polled");
+        }
         if let Some(l) = &live {
-            // Every VM ticks: each follows the board, and the lease holder polls.
-            if hostcalls::set_tick_period(l.snapshot.tick_period()).is_err() {
-                error!("kvoy_prefix_affinity: cannot set the tick period; the aggregator is not polled");
-            }
             info!(
                 "kvoy_prefix_affinity: live pool from the aggregator cluster {:?} every {} ms",
                 l.snapshot.settings().cluster,
@@ -150,7 +178,10 @@ impl RootContext for PrefixAffinityRoot {
 
     fn on_tick(&mut self) {
         if let Some(vm) = self.state.borrow_mut().as_mut() {
-            live::on_tick(vm);
+            if vm.live.is_some() {
+                live::on_tick(vm);
+            }
+            vm.catch_up(usize::MAX);
         }
     }
 

@@ -27,6 +27,12 @@ pub(crate) const SERVED_HEADER: &str = "x-gateway-destination-endpoint-served";
 /// learn a model's bytes per token within minutes, without scanning every answer.
 pub(crate) const USAGE_SAMPLE_EVERY: u64 = 8;
 
+/// Other workers' decisions one request replays at most before it is routed (each a
+/// shared-data read and up to 256 keys into the index). A worker that sat idle while others
+/// routed catches up on its tick, not on the request that wakes it; one that is merely behind
+/// by more than this routes on a slightly older index, never a wrong pool.
+pub(crate) const CATCH_UP_SLOTS_PER_REQUEST: usize = 32;
+
 /// An answer whose prompt-token count is being looked for.
 struct UsageProbe {
     scanner: UsageScanner,
@@ -194,21 +200,9 @@ impl RequestStream {
         if vm.live.is_some() {
             crate::live::refresh(vm, kvoy_filter_common::now_ms());
         }
-        let VmState {
-            router,
-            log,
-            metrics,
-            outstanding,
-            counts,
-            ..
-        } = vm;
-        let applied = log.poll(&HostStore, |endpoint, keys| {
-            router.apply_remote(endpoint, keys)
-        });
-        if applied > 0 {
-            Metrics::add(metrics.remote_applied, applied as u64);
-        }
-        outstanding.read(&HostStore, router.pool(), counts);
+        vm.catch_up(CATCH_UP_SLOTS_PER_REQUEST);
+        vm.outstanding
+            .read(&HostStore, vm.router.pool(), &mut vm.counts);
     }
 
     /// The whole body is buffered (`size` bytes): read it and route.
