@@ -53,10 +53,7 @@ pub(crate) fn reject_no_endpoint(metrics: &Metrics) {
 
 fn first_header(names: &[&str]) -> Option<String> {
     names.iter().find_map(|n| {
-        hostcalls::get_map_value(MapType::HttpRequestHeaders, n)
-            .ok()
-            .flatten()
-            .filter(|v| !v.trim().is_empty())
+        kvoy_filter_common::header(MapType::HttpRequestHeaders, n).filter(|v| !v.trim().is_empty())
     })
 }
 

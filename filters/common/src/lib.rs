@@ -10,7 +10,7 @@ mod live;
 pub use live::{call_response, CallBody, LiveSnapshot, PollStart};
 
 use proxy_wasm::hostcalls;
-use proxy_wasm::types::{MetricType, Status};
+use proxy_wasm::types::{MapType, MetricType, Status};
 
 use kvoy_shared::replica::{SharedStore, StoreError};
 
@@ -33,6 +33,19 @@ impl SharedStore for HostStore {
             Err(status) => Err(StoreError::Unavailable(format!("{status:?}"))),
         }
     }
+}
+
+/// The value of header `name` in `map`; `None` when it is absent or not UTF-8.
+///
+/// Every kvoy filter reads headers through this, never through the SDK's `get_map_value`,
+/// `get_map` or the context traits' header getters: those unwrap the UTF-8 conversion, and a
+/// value with a byte such as 0xff (obs-text, which HTTP/1.1 and HTTP/2 both carry) trapped the
+/// VM, failing that request and every later one on its worker (clippy.toml bans them).
+pub fn header(map: MapType, name: &str) -> Option<String> {
+    // The one allowed use: the bytes variant, which does not convert.
+    #[allow(clippy::disallowed_methods)]
+    let bytes = hostcalls::get_map_value_bytes(map, name).ok().flatten()?;
+    String::from_utf8(bytes).ok()
 }
 
 /// Host time in milliseconds since the Unix epoch (0 if unavailable).

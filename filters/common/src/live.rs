@@ -240,12 +240,10 @@ pub fn call_response(
     if num_headers == 0 {
         return (None, CallBody::Read(Vec::new()));
     }
-    let status = hostcalls::get_map_value(
+    let status = crate::header(
         proxy_wasm::types::MapType::HttpCallResponseHeaders,
         ":status",
     )
-    .ok()
-    .flatten()
     .and_then(|s| s.trim().parse::<u32>().ok());
     if body_size > limit {
         return (status, CallBody::TooLarge(body_size));

@@ -83,9 +83,7 @@ impl RequestStream {
     }
 
     fn header(&self, name: &str) -> Option<String> {
-        hostcalls::get_map_value(MapType::HttpRequestHeaders, name)
-            .ok()
-            .flatten()
+        kvoy_filter_common::header(MapType::HttpRequestHeaders, name)
     }
 
     fn reply_error(&self, vm: &mut VmState, err: &RouteError) -> Action {

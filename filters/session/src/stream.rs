@@ -40,9 +40,7 @@ pub(crate) struct SessionStream {
 }
 
 fn request_header(name: &str) -> Option<String> {
-    hostcalls::get_map_value(MapType::HttpRequestHeaders, name)
-        .ok()
-        .flatten()
+    kvoy_filter_common::header(MapType::HttpRequestHeaders, name)
 }
 
 impl SessionStream {
@@ -185,9 +183,7 @@ impl HttpContext for SessionStream {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        let served = hostcalls::get_map_value(MapType::HttpResponseHeaders, SERVED_HEADER)
-            .ok()
-            .flatten()
+        let served = kvoy_filter_common::header(MapType::HttpResponseHeaders, SERVED_HEADER)
             .and_then(|s| s.trim().parse::<SocketAddr>().ok());
         let Some(served) = served else {
             return Action::Continue;
@@ -208,9 +204,7 @@ impl HttpContext for SessionStream {
                 Some(&encode_token(served)),
             );
         }
-        let ok = hostcalls::get_map_value(MapType::HttpResponseHeaders, ":status")
-            .ok()
-            .flatten()
+        let ok = kvoy_filter_common::header(MapType::HttpResponseHeaders, ":status")
             .is_some_and(|s| s.trim() == "200");
         if self.responses_api && ok {
             self.scanner = Some(ResponseIdScanner::new());
