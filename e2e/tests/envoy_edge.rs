@@ -464,6 +464,27 @@ fn header_values_that_are_not_utf8_fail_no_filter() {
             "{name}: routed by kvoy: {raw}"
         );
     }
+    // A path that is not UTF-8 reaches no backend (Envoy's routes are exact; the filter
+    // would refuse it as a path it cannot read).
+    let before = f.backend_requests();
+    let mut s = TcpStream::connect_timeout(&f.stack.listen, TIMEOUT).unwrap();
+    s.set_read_timeout(Some(TIMEOUT)).unwrap();
+    let body = chat("a question on a path that is not UTF-8");
+    let mut req = b"POST /v1/chat/completions\xff HTTP/1.1\r\nhost: gw\r\n".to_vec();
+    req.extend_from_slice(
+        format!(
+            "content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+            body.len()
+        )
+        .as_bytes(),
+    );
+    req.extend_from_slice(&body);
+    s.write_all(&req).unwrap();
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    let raw = String::from_utf8_lossy(&out);
+    assert!(raw.starts_with("HTTP/1.1 4"), "{raw}");
+    assert_eq!(f.backend_requests(), before, "{raw}");
     // Both workers still route.
     for i in 0..8 {
         let raw = h1_post_raw(

@@ -314,9 +314,11 @@ impl HttpContext for RequestStream {
             return Action::Continue;
         };
         let method = self.header(":method").unwrap_or_default();
+        // A path that is not UTF-8 (Envoy always has one) is not guessed at either: a
+        // deployment that routes by prefix could otherwise send it on unchecked.
         let class = self
             .header(":path")
-            .map_or(PathClass::Other, |p| classify_path(&p));
+            .map_or(PathClass::Ambiguous, |p| classify_path(&p));
         let api = match class {
             PathClass::Api(api) => Some(api),
             PathClass::Other => None,
