@@ -403,16 +403,20 @@ fn an_unreachable_server_is_answered_503_with_a_reason() {
     stack.assert_no_wasm_failures("unreachable");
 }
 
-/// A POST with `extra` raw header lines (any bytes); the raw response.
-fn h1_post_raw(addr: SocketAddr, path: &str, extra: &[u8], body: &[u8]) -> String {
+/// A POST to `path` (any bytes) with `extra` raw header lines (any bytes); the raw response.
+fn h1_post_raw(addr: SocketAddr, path: &[u8], extra: &[u8], body: &[u8]) -> String {
     let mut s = TcpStream::connect_timeout(&addr, TIMEOUT).unwrap();
     s.set_read_timeout(Some(TIMEOUT)).unwrap();
-    let mut req = format!(
-        "POST {path} HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n\
-         content-length: {}\r\nconnection: close\r\n",
-        body.len()
-    )
-    .into_bytes();
+    let mut req = b"POST ".to_vec();
+    req.extend_from_slice(path);
+    req.extend_from_slice(
+        format!(
+            " HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\nconnection: close\r\n",
+            body.len()
+        )
+        .as_bytes(),
+    );
     req.extend_from_slice(extra);
     req.extend_from_slice(b"\r\n");
     req.extend_from_slice(body);
@@ -451,7 +455,7 @@ fn header_values_that_are_not_utf8_fail_no_filter() {
         line.extend_from_slice(b"\xff\xfe\xc3\x28\r\n");
         let raw = h1_post_raw(
             f.stack.listen,
-            "/v1/chat/completions",
+            b"/v1/chat/completions",
             &line,
             &chat(&format!("question {i} with a {name} that is not UTF-8")),
         );
@@ -467,29 +471,19 @@ fn header_values_that_are_not_utf8_fail_no_filter() {
     // A path that is not UTF-8 reaches no backend (Envoy's routes are exact; the filter
     // would refuse it as a path it cannot read).
     let before = f.backend_requests();
-    let mut s = TcpStream::connect_timeout(&f.stack.listen, TIMEOUT).unwrap();
-    s.set_read_timeout(Some(TIMEOUT)).unwrap();
-    let body = chat("a question on a path that is not UTF-8");
-    let mut req = b"POST /v1/chat/completions\xff HTTP/1.1\r\nhost: gw\r\n".to_vec();
-    req.extend_from_slice(
-        format!(
-            "content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-            body.len()
-        )
-        .as_bytes(),
+    let raw = h1_post_raw(
+        f.stack.listen,
+        b"/v1/chat/completions\xff",
+        b"",
+        &chat("a question on a path that is not UTF-8"),
     );
-    req.extend_from_slice(&body);
-    s.write_all(&req).unwrap();
-    let mut out = Vec::new();
-    let _ = s.read_to_end(&mut out);
-    let raw = String::from_utf8_lossy(&out);
     assert!(raw.starts_with("HTTP/1.1 4"), "{raw}");
     assert_eq!(f.backend_requests(), before, "{raw}");
     // Both workers still route.
     for i in 0..8 {
         let raw = h1_post_raw(
             f.stack.listen,
-            "/v1/chat/completions",
+            b"/v1/chat/completions",
             b"",
             &chat(&format!("a plain question {i}")),
         );
