@@ -11,6 +11,7 @@
 
 pub mod cli;
 pub mod client;
+pub mod extproc;
 mod report;
 
 use std::net::SocketAddr;
