@@ -4,7 +4,7 @@
 
 use std::net::SocketAddr;
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use kvoy_shared::request::Api;
 use kvoy_shared::{ConfigError, EndpointId, Outstanding, OutstandingDelta, PluginConfig, Router};
 use prost::Message as _;
@@ -57,11 +57,12 @@ impl Picker {
             .collect()
     }
 
-    /// Decodes one message of the stream and answers it.
+    /// Decodes one message of the stream and answers it. The body is not copied: prost slices
+    /// it out of `message`.
     pub fn handle(
         &mut self,
         stream: &mut StreamState,
-        message: &[u8],
+        message: Bytes,
     ) -> Result<ProcessingResponse, Status> {
         let request = ProcessingRequest::decode(message)
             .map_err(|e| Status::new(Code::InvalidArgument, format!("ProcessingRequest: {e}")))?;

@@ -205,7 +205,7 @@ async fn process(mut body: Incoming, tx: mpsc::Sender<Frame<Bytes>>, picker: Arc
                 Ok(None) => break,
                 Err(e) => break 'stream e.status(),
             };
-            let answer = lock(&picker).handle(&mut stream, &message);
+            let answer = lock(&picker).handle(&mut stream, message);
             match answer {
                 Ok(response) => {
                     if tx.send(Frame::data(grpc::frame(&response))).await.is_err() {

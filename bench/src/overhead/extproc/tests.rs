@@ -1,6 +1,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 //! Bytes in, bytes out: framed ProcessingRequests through the deframer and the picker.
 
+use bytes::Bytes;
 use prost::Message as _;
 
 use super::grpc::{self, Code, Deframer, FrameError};
@@ -52,7 +53,7 @@ fn answer(p: &mut Picker, s: &mut StreamState, wire: &[u8]) -> Vec<ProcessingRes
     for piece in wire.chunks(7) {
         d.push(piece);
         while let Some(m) = d.next_message().unwrap() {
-            let r = p.handle(s, &m).unwrap();
+            let r = p.handle(s, m).unwrap();
             // Through the wire format and back, as Envoy would read it.
             let framed = grpc::frame(&r);
             let mut back = Deframer::default();
@@ -123,11 +124,11 @@ fn garbage_is_an_error_status_never_a_panic() {
     let mut s = StreamState::default();
     // Not protobuf: an error status for the call.
     let e = p
-        .handle(&mut s, &[0xff, 0xff, 0xff, 0xff, 0x0f])
+        .handle(&mut s, Bytes::from_static(&[0xff, 0xff, 0xff, 0xff, 0x0f]))
         .unwrap_err();
     assert_eq!(e.code, Code::InvalidArgument);
     // A message naming no part of the request.
-    let e = p.handle(&mut s, &[]).unwrap_err();
+    let e = p.handle(&mut s, Bytes::new()).unwrap_err();
     assert_eq!(e.code, Code::InvalidArgument);
     // Framing errors.
     let mut d = Deframer::default();
@@ -150,13 +151,13 @@ fn garbage_is_an_error_status_never_a_panic() {
     // Every byte string up to 3 bytes and a spread of longer ones: no panic anywhere.
     let mut d = Deframer::default();
     for a in 0..=255u8 {
-        let _ = p.handle(&mut s, &[a]);
+        let _ = p.handle(&mut s, Bytes::copy_from_slice(&[a]));
         for b in [0u8, 1, 2, 8, 0x12, 0x22, 0x7f, 0x80, 0xff] {
-            let _ = p.handle(&mut s, &[a, b]);
-            let _ = p.handle(&mut s, &[a, b, a]);
+            let _ = p.handle(&mut s, Bytes::copy_from_slice(&[a, b]));
+            let _ = p.handle(&mut s, Bytes::copy_from_slice(&[a, b, a]));
             d.push(&[a, b]);
             while let Ok(Some(m)) = d.next_message() {
-                let _ = p.handle(&mut s, &m);
+                let _ = p.handle(&mut s, m);
             }
         }
     }
