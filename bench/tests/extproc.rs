@@ -1,7 +1,7 @@
 //! The ext_proc picker behind a real Envoy: echo backends, the picker and Envoy with
 //! `bench/envoy/extproc.yaml` on 127.0.0.1. A chat completion must arrive at the endpoint the
-//! picker chose, a client's own destination header must not win, and a bad body gets the
-//! router's refusal through Envoy.
+//! picker chose, a client's own destination header must not win, the picker must release the
+//! request once it is over, and a bad body gets the router's refusal through Envoy.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::PathBuf;
@@ -63,6 +63,10 @@ fn requests_arrive_at_the_endpoint_the_picker_chose() {
         assert_eq!(chosen.len(), 1, "{before:?} -> {after:?}");
         assert_eq!(reply.header(SERVED_BY_HEADER), Some(chosen[0].as_str()));
         served.push(chosen[0].clone());
+        // The request is over: Envoy ends its ext_proc stream and the picker releases it.
+        kvoy_e2e::wait_for("the picker to release the request", timeout, || {
+            proxy.outstanding_requests() == 0
+        });
     }
     // The shared system prompt keeps the conversation on one replica.
     assert!(served.iter().all(|s| *s == served[0]), "{served:?}");

@@ -57,6 +57,11 @@ impl Picker {
             .collect()
     }
 
+    /// Requests counted outstanding now, over the pool.
+    pub fn outstanding_requests(&self) -> u64 {
+        self.outstanding.iter().map(|o| u64::from(o.requests)).sum()
+    }
+
     /// Decodes one message of the stream and answers it. The body is not copied: prost slices
     /// it out of `message`.
     pub fn handle(

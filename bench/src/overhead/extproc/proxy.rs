@@ -70,6 +70,11 @@ impl ExtProcProxy {
         self.picker.routed()
     }
 
+    /// Requests the picker counts outstanding now.
+    pub fn outstanding_requests(&self) -> u64 {
+        self.picker.outstanding_requests()
+    }
+
     pub fn envoy(&self) -> &EnvoyProcess {
         &self.envoy
     }

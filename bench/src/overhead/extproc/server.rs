@@ -69,6 +69,11 @@ impl ExtProcServer {
     pub fn routed(&self) -> Vec<(SocketAddr, u64)> {
         lock(&self.picker).routed()
     }
+
+    /// Requests the picker counts outstanding now.
+    pub fn outstanding_requests(&self) -> u64 {
+        lock(&self.picker).outstanding_requests()
+    }
 }
 
 impl Drop for ExtProcServer {

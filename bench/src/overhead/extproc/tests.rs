@@ -102,7 +102,10 @@ fn a_request_body_is_answered_with_the_destination_of_a_pool_member() {
         .routed()
         .iter()
         .any(|(a, n)| *n == 1 && a.to_string() == dest));
+    assert_eq!(p.outstanding_requests(), 1);
     p.end(&mut s);
+    p.end(&mut s);
+    assert_eq!(p.outstanding_requests(), 0);
 }
 
 #[test]
