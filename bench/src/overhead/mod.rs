@@ -284,9 +284,15 @@ impl Tally {
         }
     }
 
-    /// Since `before`, every backend received exactly what the picker sent it, and the picker
-    /// routed at least every request answered.
-    fn check(&self, before: &Tally, answered: usize, addrs: &[SocketAddr]) -> Result<(), String> {
+    /// Since `before`, every backend received exactly what the picker sent it, the picker
+    /// routed at least every request answered, and, if any request was tried, at least one.
+    fn check(
+        &self,
+        before: &Tally,
+        answered: usize,
+        tried: usize,
+        addrs: &[SocketAddr],
+    ) -> Result<(), String> {
         let mut sent_total = 0;
         for (i, addr) in addrs.iter().enumerate() {
             let got = self.received[i] - before.received[i];
@@ -298,9 +304,9 @@ impl Tally {
             }
             sent_total += sent;
         }
-        if sent_total < answered as u64 || (answered > 0 && sent_total == 0) {
+        if sent_total < answered as u64 || (tried > 0 && sent_total == 0) {
             return Err(format!(
-                "{answered} requests answered but the picker routed {sent_total}"
+                "{tried} requests sent, {answered} answered, but the picker routed {sent_total}"
             ));
         }
         Ok(())
@@ -376,14 +382,15 @@ pub fn run(
     };
     let check = |name: &str,
                  before: Option<Tally>,
-                 answered: usize,
+                 m: &client::Measured,
                  prompt_tokens: u32,
                  concurrency: usize| {
         let (Some(before), Some(after)) = (before, tally(name)) else {
             return Ok(());
         };
+        let answered = m.latencies.len();
         after
-            .check(&before, answered, &addrs)
+            .check(&before, answered, answered + m.errors, &addrs)
             .map_err(|detail| OverheadError::Misrouted {
                 prompt_tokens,
                 concurrency,
@@ -419,7 +426,7 @@ pub fn run(
                 };
                 let before = tally(t.name);
                 let m = client::run(&warm, &|_| {});
-                check(t.name, before, m.latencies.len(), tokens, concurrency)?;
+                check(t.name, before, &m, tokens, concurrency)?;
                 next_index += warm.requests;
             }
             for round in 0..rounds {
@@ -460,7 +467,7 @@ pub fn run(
                             cells,
                         });
                     });
-                    check(name, before, m.latencies.len(), tokens, concurrency)?;
+                    check(name, before, &m, tokens, concurrency)?;
                     let acc = &mut measured[ti];
                     acc.latencies.extend(m.latencies);
                     acc.errors += m.errors;
@@ -566,13 +573,13 @@ mod tests {
             received: vec![7, 6],
             sent: vec![5, 4],
         };
-        assert_eq!(good.check(&before, 3, &addrs), Ok(()));
+        assert_eq!(good.check(&before, 3, 3, &addrs), Ok(()));
         let wrong = Tally {
             received: vec![8, 5],
             sent: vec![5, 4],
         };
         assert!(wrong
-            .check(&before, 3, &addrs)
+            .check(&before, 3, 3, &addrs)
             .unwrap_err()
             .contains("127.0.0.1:1"));
         // Answered, but nothing went through the picker.
@@ -580,7 +587,10 @@ mod tests {
             received: vec![5, 5],
             sent: vec![3, 3],
         };
-        assert!(idle.check(&before, 3, &addrs).is_err());
+        assert!(idle.check(&before, 3, 3, &addrs).is_err());
+        // Nothing answered and nothing routed (Envoy answered 503 to all): still a failure.
+        assert!(idle.check(&before, 0, 800, &addrs).is_err());
+        assert_eq!(idle.check(&before, 0, 0, &addrs), Ok(()));
     }
 
     #[test]
