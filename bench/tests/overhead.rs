@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use kvoy_bench::overhead::{self, OverheadGrid};
 
 #[test]
-fn every_row_measures_plain_envoy_kvoy_and_direct() {
+fn every_row_measures_plain_envoy_kvoy_ext_proc_and_direct() {
     let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
         .join("kvoy-bench-overhead")
         .join(std::process::id().to_string());
@@ -38,5 +38,7 @@ fn every_row_measures_plain_envoy_kvoy_and_direct() {
     let written = report.write_all(&run_dir.join("out")).unwrap();
     let md = std::fs::read_to_string(&written[1]).unwrap();
     assert!(md.contains("| 8000 | 31 KB | 4 |"), "{md}");
+    assert!(md.contains("## The external picker (ext_proc)"), "{md}");
+    assert!(md.contains("| 8000 | 4 | +"), "{md}");
     let _ = std::fs::remove_dir_all(&run_dir);
 }

@@ -11,7 +11,8 @@ kvoy-bench overhead [options]
 
 The latency the kvoy filters add: Envoy with the filters against plain Envoy (ROUND_ROBIN, no
 filter) in front of the same echo backends on 127.0.0.1, alternating in one run; keep-alive
-clients, non-streamed completions, one-token replies.
+clients, non-streamed completions, one-token replies. Also the external picker's architecture:
+the same picker behind Envoy's ext_proc filter (gRPC, body BUFFERED).
 
   --prompts LIST        prompt sizes in tokens, `8k` = 8000 (default 1k,8k,32k,100k)
   --concurrency LIST    clients in flight (default 1,32,150)
@@ -19,6 +20,8 @@ clients, non-streamed completions, one-token replies.
   --rounds N            alternations of the proxies per row (default 2)
   --backends N          echo backends (default 4)
   --no-direct           skip the no-proxy floor
+  --no-ext-proc         skip the external picker (Envoy's ext_proc filter and kvoy's picker
+                        as a gRPC server on 127.0.0.1)
   --seed N              (default 1)
   --out DIR             output directory (default bench/results/overhead)
   --quiet               no progress lines
@@ -87,6 +90,7 @@ pub fn parse(args: &[String]) -> Result<OverheadArgs, CliError> {
                 grid.backends = count(value(&mut it, "--backends")?, "--backends", 1, 64)?;
             }
             "--no-direct" => grid.direct = false,
+            "--no-ext-proc" => grid.ext_proc = false,
             "--seed" => {
                 let v = value(&mut it, "--seed")?;
                 grid.seed = v.parse().map_err(|_| CliError::BadValue {
@@ -118,12 +122,13 @@ mod tests {
         assert_eq!(a.grid.prompt_tokens, vec![1000, 8000, 32000, 100000]);
         assert_eq!(a.grid.concurrency, vec![1, 32, 150]);
         let a = parse(&args(
-            "--prompts 2k,500 --concurrency 4 --no-direct --rounds 3",
+            "--prompts 2k,500 --concurrency 4 --no-direct --no-ext-proc --rounds 3",
         ))
         .unwrap();
         assert_eq!(a.grid.prompt_tokens, vec![2000, 500]);
         assert_eq!(a.grid.concurrency, vec![4]);
         assert!(!a.grid.direct);
+        assert!(!a.grid.ext_proc);
         assert_eq!(a.grid.rounds, 3);
     }
 

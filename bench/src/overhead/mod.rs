@@ -8,9 +8,15 @@
 //! is the proxies' own work on the request. Each prompt is distinct (its first 16 bytes are
 //! the request's number), so the prefix index inserts new blocks for every request, its most
 //! expensive case. The backends answer at once; "direct" (no proxy) is the floor.
+//!
+//! A fourth target, `ext_proc`, is the external picker's architecture ([`extproc`]): the same
+//! kvoy-shared picker behind Envoy's ext_proc filter, over gRPC on loopback. Every one of its
+//! loads is checked: each echo backend must have received exactly the requests the picker sent
+//! it, or the run fails (a picker that routes nothing must not pass for a fast one).
 
 pub mod cli;
 pub mod client;
+pub mod extproc;
 mod report;
 
 use std::net::SocketAddr;
@@ -24,6 +30,7 @@ use kvoy_e2e::{EchoConfig, EchoServer, PoolEndpoint, Stack, StackConfig};
 use crate::live::baseline_proxy;
 use crate::metrics::percentile;
 use crate::rng::Rng;
+use extproc::ExtProcProxy;
 
 pub use report::{chart, summary};
 
@@ -47,6 +54,8 @@ pub struct OverheadGrid {
     pub workers: u32,
     /// Also measure the backends without a proxy.
     pub direct: bool,
+    /// Also measure the external picker (Envoy's ext_proc filter and kvoy's picker over gRPC).
+    pub ext_proc: bool,
     pub seed: u64,
     /// Bound on one proxy's share of one round, real time.
     pub load_deadline: Duration,
@@ -65,6 +74,7 @@ impl OverheadGrid {
             backends: 4,
             workers: 2,
             direct: true,
+            ext_proc: true,
             seed: 1,
             load_deadline: Duration::from_secs(60),
             run_dir,
@@ -91,7 +101,8 @@ pub struct Cell {
     pub prompt_tokens: u32,
     pub body_bytes: usize,
     pub concurrency: usize,
-    /// `direct`, `envoy` (plain) or `kvoy` (Envoy with the filters).
+    /// `direct`, `envoy` (plain), `kvoy` (Envoy with the filters) or `ext_proc` (Envoy's ext_proc
+    /// filter and kvoy's picker as a gRPC server).
     pub proxy: String,
     pub requests: usize,
     pub errors: usize,
@@ -113,7 +124,7 @@ pub struct OverheadReport {
 }
 
 /// The proxies, in the order of the first round.
-pub const PROXIES: [&str; 3] = ["envoy", "kvoy", "direct"];
+pub const PROXIES: [&str; 4] = ["envoy", "kvoy", "ext_proc", "direct"];
 
 impl OverheadReport {
     pub fn cell(&self, prompt_tokens: u32, concurrency: usize, proxy: &str) -> Option<&Cell> {
@@ -135,12 +146,30 @@ impl OverheadReport {
 
     /// kvoy's latency minus plain Envoy's at p50 and p99, milliseconds.
     pub fn added_ms(&self, prompt_tokens: u32, concurrency: usize) -> Option<(f64, f64)> {
-        let kvoy = self.cell(prompt_tokens, concurrency, "kvoy")?;
+        self.added_ms_of("kvoy", prompt_tokens, concurrency)
+    }
+
+    /// `proxy`'s latency minus plain Envoy's at p50 and p99, milliseconds.
+    pub fn added_ms_of(
+        &self,
+        proxy: &str,
+        prompt_tokens: u32,
+        concurrency: usize,
+    ) -> Option<(f64, f64)> {
+        let p = self.cell(prompt_tokens, concurrency, proxy)?;
         let envoy = self.cell(prompt_tokens, concurrency, "envoy")?;
         Some((
-            kvoy.latency.p50_ms - envoy.latency.p50_ms,
-            kvoy.latency.p99_ms - envoy.latency.p99_ms,
+            p.latency.p50_ms - envoy.latency.p50_ms,
+            p.latency.p99_ms - envoy.latency.p99_ms,
         ))
+    }
+
+    /// kvoy's added p50 as a fraction of the external picker's; `None` unless both were
+    /// measured and ext_proc added something.
+    pub fn kvoy_over_ext_proc(&self, prompt_tokens: u32, concurrency: usize) -> Option<f64> {
+        let (kvoy, _) = self.added_ms(prompt_tokens, concurrency)?;
+        let (ext, _) = self.added_ms_of("ext_proc", prompt_tokens, concurrency)?;
+        (ext > 0.0).then(|| kvoy / ext)
     }
 
     pub fn to_json(&self) -> Result<String, serde_json::Error> {
@@ -182,6 +211,12 @@ pub struct OverheadProgress<'a> {
 pub enum OverheadError {
     #[error("setting up the backends and proxies: {0}")]
     Setup(String),
+    #[error("ext_proc at {prompt_tokens} tokens, concurrency {concurrency}: {detail}")]
+    Misrouted {
+        prompt_tokens: u32,
+        concurrency: usize,
+        detail: String,
+    },
 }
 
 /// The prompt text of `tokens` tokens: seeded lowercase words, every request's own first
@@ -223,6 +258,61 @@ struct Target {
     addr: SocketAddr,
 }
 
+/// Requests each backend received and the picker sent to it, by backend.
+struct Tally {
+    received: Vec<u64>,
+    sent: Vec<u64>,
+}
+
+impl Tally {
+    fn take(backends: &[EchoServer], picker: &ExtProcProxy) -> Tally {
+        let routed = picker.routed();
+        Tally {
+            received: backends
+                .iter()
+                .map(EchoServer::inference_requests)
+                .collect(),
+            sent: backends
+                .iter()
+                .map(|b| {
+                    routed
+                        .iter()
+                        .find(|(a, _)| *a == b.addr())
+                        .map_or(0, |(_, n)| *n)
+                })
+                .collect(),
+        }
+    }
+
+    /// Since `before`, every backend received exactly what the picker sent it, the picker
+    /// routed at least every request answered, and, if any request was tried, at least one.
+    fn check(
+        &self,
+        before: &Tally,
+        answered: usize,
+        tried: usize,
+        addrs: &[SocketAddr],
+    ) -> Result<(), String> {
+        let mut sent_total = 0;
+        for (i, addr) in addrs.iter().enumerate() {
+            let got = self.received[i] - before.received[i];
+            let sent = self.sent[i] - before.sent[i];
+            if got != sent {
+                return Err(format!(
+                    "backend {addr} received {got} requests, the picker sent it {sent}"
+                ));
+            }
+            sent_total += sent;
+        }
+        if sent_total < answered as u64 || (tried > 0 && sent_total == 0) {
+            return Err(format!(
+                "{tried} requests sent, {answered} answered, but the picker routed {sent_total}"
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Runs the grid: starts the echo backends, plain Envoy and the kvoy stack, measures every cell.
 pub fn run(
     grid: &OverheadGrid,
@@ -247,6 +337,22 @@ pub fn run(
     let mut config = StackConfig::new(pool, grid.run_dir.join("kvoy"));
     config.concurrency = grid.workers;
     let kvoy = Stack::start(&config).map_err(|e| setup(&format!("kvoy stack: {e:#}")))?;
+    let ext_proc = if grid.ext_proc {
+        let pool: Vec<PoolEndpoint> = addrs
+            .iter()
+            .map(|a| PoolEndpoint::new(*a, &[MODEL]))
+            .collect();
+        let proxy = ExtProcProxy::start(
+            &pool,
+            grid.workers,
+            grid.seed,
+            &grid.run_dir.join("ext_proc"),
+        )
+        .map_err(|e| setup(&format!("ext_proc: {e:#}")))?;
+        Some(proxy)
+    } else {
+        None
+    };
     let mut targets = vec![
         Target {
             name: "envoy",
@@ -257,12 +363,40 @@ pub fn run(
             addr: kvoy.listen,
         },
     ];
+    if let Some(p) = &ext_proc {
+        targets.push(Target {
+            name: "ext_proc",
+            addr: p.listen(),
+        });
+    }
     if grid.direct {
         targets.push(Target {
             name: "direct",
             addr: addrs[0],
         });
     }
+
+    let tally = |name: &str| match (&ext_proc, name) {
+        (Some(p), "ext_proc") => Some(Tally::take(&backends, p)),
+        _ => None,
+    };
+    let check = |name: &str,
+                 before: Option<Tally>,
+                 m: &client::Measured,
+                 prompt_tokens: u32,
+                 concurrency: usize| {
+        let (Some(before), Some(after)) = (before, tally(name)) else {
+            return Ok(());
+        };
+        let answered = m.latencies.len();
+        after
+            .check(&before, answered, answered + m.errors, &addrs)
+            .map_err(|detail| OverheadError::Misrouted {
+                prompt_tokens,
+                concurrency,
+                detail,
+            })
+    };
 
     let cells = grid.prompt_tokens.len() * grid.concurrency.len();
     let mut out = Vec::new();
@@ -290,7 +424,9 @@ pub fn run(
                     timeout: Duration::from_secs(30),
                     deadline: Instant::now() + grid.load_deadline,
                 };
-                client::run(&warm, &|_| {});
+                let before = tally(t.name);
+                let m = client::run(&warm, &|_| {});
+                check(t.name, before, &m, tokens, concurrency)?;
                 next_index += warm.requests;
             }
             for round in 0..rounds {
@@ -314,6 +450,7 @@ pub fn run(
                     next_index += share;
                     let name = t.name;
                     let last = std::sync::Mutex::new(Instant::now());
+                    let before = tally(name);
                     let m = client::run(&load, &|done| {
                         let mut last = last.lock().unwrap_or_else(|p| p.into_inner());
                         if done < share && last.elapsed() < Duration::from_secs(1) {
@@ -330,6 +467,7 @@ pub fn run(
                             cells,
                         });
                     });
+                    check(name, before, &m, tokens, concurrency)?;
                     let acc = &mut measured[ti];
                     acc.latencies.extend(m.latencies);
                     acc.errors += m.errors;
@@ -344,6 +482,7 @@ pub fn run(
             }
         }
     }
+    drop(ext_proc);
     drop(kvoy);
     drop(plain);
     Ok(OverheadReport {
@@ -418,6 +557,40 @@ mod tests {
             "Envoy 1.40.0"
         );
         assert_eq!(envoy_release("odd"), "odd");
+    }
+
+    #[test]
+    fn a_backend_that_did_not_get_what_the_picker_sent_fails_the_check() {
+        let addrs: Vec<SocketAddr> = vec![
+            "127.0.0.1:1".parse().unwrap(),
+            "127.0.0.1:2".parse().unwrap(),
+        ];
+        let before = Tally {
+            received: vec![5, 5],
+            sent: vec![3, 3],
+        };
+        let good = Tally {
+            received: vec![7, 6],
+            sent: vec![5, 4],
+        };
+        assert_eq!(good.check(&before, 3, 3, &addrs), Ok(()));
+        let wrong = Tally {
+            received: vec![8, 5],
+            sent: vec![5, 4],
+        };
+        assert!(wrong
+            .check(&before, 3, 3, &addrs)
+            .unwrap_err()
+            .contains("127.0.0.1:1"));
+        // Answered, but nothing went through the picker.
+        let idle = Tally {
+            received: vec![5, 5],
+            sent: vec![3, 3],
+        };
+        assert!(idle.check(&before, 3, 3, &addrs).is_err());
+        // Nothing answered and nothing routed (Envoy answered 503 to all): still a failure.
+        assert!(idle.check(&before, 0, 800, &addrs).is_err());
+        assert_eq!(idle.check(&before, 0, 0, &addrs), Ok(()));
     }
 
     #[test]

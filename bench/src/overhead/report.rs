@@ -9,6 +9,9 @@ use crate::report::svg::{Chart, Series};
 /// 100k, flat up to 150 concurrent requests.
 pub const TARGET_P50_MS: [(u32, f64); 2] = [(8_000, 0.1), (100_000, 0.3)];
 
+/// Issue 17: kvoy's added p50 at most this fraction of the external picker's, at every size.
+pub const TARGET_OVER_EXT_PROC: f64 = 0.2;
+
 fn ms(v: f64) -> String {
     if v.abs() < 10.0 {
         format!("{v:.2}")
@@ -110,6 +113,7 @@ pub fn summary(r: &OverheadReport) -> String {
             }
         }
     }
+    ext_proc_section(&mut s, r);
     let errors: Vec<String> = r
         .cells
         .iter()
@@ -126,6 +130,64 @@ pub fn summary(r: &OverheadReport) -> String {
         let _ = writeln!(s, "\nErrors:\n\n{}", errors.join("\n"));
     }
     s
+}
+
+fn ratio(part: f64, whole: f64) -> String {
+    if whole > 0.0 {
+        format!("{:.2}x", part / whole)
+    } else {
+        "-".into()
+    }
+}
+
+/// kvoy next to the external picker (Envoy's ext_proc filter and the same picker over gRPC),
+/// both over plain Envoy.
+fn ext_proc_section(s: &mut String, r: &OverheadReport) {
+    if !r.cells.iter().any(|c| c.proxy == "ext_proc") {
+        return;
+    }
+    let _ = writeln!(
+        s,
+        "\n## The external picker (ext_proc)\n\n\
+         The same kvoy-shared picker served natively as an Envoy ext_proc server on 127.0.0.1 \
+         (`envoy.filters.http.ext_proc`, gRPC over HTTP/2, request headers sent, body BUFFERED, \
+         the destination header set in the body's answer, no response phase; \
+         `bench/envoy/extproc.yaml`): what an EPP-style deployment costs at best. Every request \
+         was checked to arrive at the endpoint the picker chose. kvoy is the three filters. \
+         Added over plain Envoy, milliseconds:\n"
+    );
+    let _ = writeln!(
+        s,
+        "| prompt tokens | concurrency | kvoy added p50 / p99 | ext_proc added p50 / p99 | kvoy req/s vs Envoy | ext_proc req/s vs Envoy | **kvoy added p50 / ext_proc's** (target <= {TARGET_OVER_EXT_PROC}) |"
+    );
+    let _ = writeln!(s, "|---:|---:|---:|---:|---:|---:|---:|");
+    for (tokens, conc) in r.grid() {
+        let (Some(e), Some(k), Some(x)) = (
+            r.cell(tokens, conc, "envoy"),
+            r.cell(tokens, conc, "kvoy"),
+            r.cell(tokens, conc, "ext_proc"),
+        ) else {
+            continue;
+        };
+        let versus = r.kvoy_over_ext_proc(tokens, conc).map_or("-".into(), |f| {
+            let verdict = if f <= TARGET_OVER_EXT_PROC {
+                "met"
+            } else {
+                "missed"
+            };
+            format!("{f:.2} ({verdict})")
+        });
+        let _ = writeln!(
+            s,
+            "| {tokens} | {conc} | {} / {} | {} / {} | {} | {} | **{versus}** |",
+            signed(k.latency.p50_ms - e.latency.p50_ms),
+            signed(k.latency.p99_ms - e.latency.p99_ms),
+            signed(x.latency.p50_ms - e.latency.p50_ms),
+            signed(x.latency.p99_ms - e.latency.p99_ms),
+            ratio(k.requests_per_s, e.requests_per_s),
+            ratio(x.requests_per_s, e.requests_per_s),
+        );
+    }
 }
 
 /// Added latency (p50 solid, p99 dashed) against the prompt size, one line per concurrency.
@@ -208,6 +270,7 @@ mod tests {
                 cell(100_000, 1, "kvoy", 4.5),
             ],
         };
+        assert!(!summary(&r).contains("ext_proc"));
         assert_eq!(
             r.added_ms(8_000, 1),
             Some((0.050000000000000044, 0.10000000000000009))
@@ -228,5 +291,34 @@ mod tests {
         // serde_json's default float parsing may differ in the last bit; compare decisions.
         assert_eq!(back.grid(), r.grid());
         assert_eq!(back.cell(100_000, 1, "kvoy").unwrap().latency.p50_ms, 4.5);
+    }
+
+    #[test]
+    fn the_ext_proc_rows_put_kvoy_next_to_the_external_picker() {
+        let r = OverheadReport {
+            tool: "kvoy-bench overhead".into(),
+            envoy: "1.40.0".into(),
+            workers: 2,
+            backends: 4,
+            rounds: 2,
+            cells: vec![
+                cell(8_000, 1, "envoy", 1.0),
+                cell(8_000, 1, "kvoy", 1.1),
+                cell(8_000, 1, "ext_proc", 2.0),
+                cell(100_000, 1, "envoy", 4.0),
+                cell(100_000, 1, "kvoy", 4.5),
+                cell(100_000, 1, "ext_proc", 5.0),
+            ],
+        };
+        let f = r.kvoy_over_ext_proc(8_000, 1).unwrap();
+        assert!((f - 0.1).abs() < 1e-9, "{f}");
+        let md = summary(&r);
+        assert!(
+            md.contains(
+                "| 8000 | 1 | +0.10 / +0.20 | +1.00 / +2.00 | 0.91x | 0.50x | **0.10 (met)** |"
+            ),
+            "{md}"
+        );
+        assert!(md.contains("| 100000 | 1 | +0.50 / +1.00 | +1.00 / +2.00 | 0.89x | 0.80x | **0.50 (missed)** |"), "{md}");
     }
 }
