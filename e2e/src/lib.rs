@@ -51,8 +51,8 @@ pub use envoy::{
 pub use sim::SimFleet;
 pub use stack::{
     bootstrap_template, default_wasm_dir, require_filter_wasm, served_by, stale_sources,
-    workspace_root, Stack, StackConfig, ADMISSION_WASM, AGGREGATOR_CLUSTER, PREFIX_AFFINITY_WASM,
-    SERVED_HEADER, SESSION_WASM,
+    workspace_root, Stack, StackConfig, ADMISSION_WASM, AGGREGATOR_CLUSTER, LOOPBACK_CIDR,
+    PREFIX_AFFINITY_WASM, SERVED_HEADER, SESSION_WASM,
 };
 
 /// Polls `check` every 20 ms until it holds; panics naming `what` after `timeout`.

@@ -330,18 +330,14 @@ pub fn run(
     std::fs::create_dir_all(&grid.run_dir).map_err(|e| setup(&e))?;
     let plain = baseline_proxy("ROUND_ROBIN", &addrs, &grid.run_dir)
         .map_err(|e| setup(&format!("plain Envoy: {e:#}")))?;
-    let pool = addrs
+    let pool: Vec<PoolEndpoint> = addrs
         .iter()
         .map(|a| PoolEndpoint::new(*a, &[MODEL]))
         .collect();
-    let mut config = StackConfig::new(pool, grid.run_dir.join("kvoy"));
+    let mut config = StackConfig::new(pool.clone(), grid.run_dir.join("kvoy"));
     config.concurrency = grid.workers;
     let kvoy = Stack::start(&config).map_err(|e| setup(&format!("kvoy stack: {e:#}")))?;
     let ext_proc = if grid.ext_proc {
-        let pool: Vec<PoolEndpoint> = addrs
-            .iter()
-            .map(|a| PoolEndpoint::new(*a, &[MODEL]))
-            .collect();
         let proxy = ExtProcProxy::start(
             &pool,
             grid.workers,

@@ -255,21 +255,25 @@ mod tests {
         }
     }
 
-    #[test]
-    fn the_summary_states_added_latency_and_the_verdicts() {
-        let r = OverheadReport {
+    fn report(cells: Vec<Cell>) -> OverheadReport {
+        OverheadReport {
             tool: "kvoy-bench overhead".into(),
             envoy: "1.40.0".into(),
             workers: 2,
             backends: 4,
             rounds: 2,
-            cells: vec![
-                cell(8_000, 1, "envoy", 1.0),
-                cell(8_000, 1, "kvoy", 1.05),
-                cell(100_000, 1, "envoy", 4.0),
-                cell(100_000, 1, "kvoy", 4.5),
-            ],
-        };
+            cells,
+        }
+    }
+
+    #[test]
+    fn the_summary_states_added_latency_and_the_verdicts() {
+        let r = report(vec![
+            cell(8_000, 1, "envoy", 1.0),
+            cell(8_000, 1, "kvoy", 1.05),
+            cell(100_000, 1, "envoy", 4.0),
+            cell(100_000, 1, "kvoy", 4.5),
+        ]);
         assert!(!summary(&r).contains("ext_proc"));
         assert_eq!(
             r.added_ms(8_000, 1),
@@ -295,21 +299,14 @@ mod tests {
 
     #[test]
     fn the_ext_proc_rows_put_kvoy_next_to_the_external_picker() {
-        let r = OverheadReport {
-            tool: "kvoy-bench overhead".into(),
-            envoy: "1.40.0".into(),
-            workers: 2,
-            backends: 4,
-            rounds: 2,
-            cells: vec![
-                cell(8_000, 1, "envoy", 1.0),
-                cell(8_000, 1, "kvoy", 1.1),
-                cell(8_000, 1, "ext_proc", 2.0),
-                cell(100_000, 1, "envoy", 4.0),
-                cell(100_000, 1, "kvoy", 4.5),
-                cell(100_000, 1, "ext_proc", 5.0),
-            ],
-        };
+        let r = report(vec![
+            cell(8_000, 1, "envoy", 1.0),
+            cell(8_000, 1, "kvoy", 1.1),
+            cell(8_000, 1, "ext_proc", 2.0),
+            cell(100_000, 1, "envoy", 4.0),
+            cell(100_000, 1, "kvoy", 4.5),
+            cell(100_000, 1, "ext_proc", 5.0),
+        ]);
         let f = r.kvoy_over_ext_proc(8_000, 1).unwrap();
         assert!((f - 0.1).abs() < 1e-9, "{f}");
         let md = summary(&r);

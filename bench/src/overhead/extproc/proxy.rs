@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
-use kvoy_e2e::{free_port, prefix_affinity_config, EnvoyProcess, PoolEndpoint};
+use kvoy_e2e::{free_port, prefix_affinity_config, EnvoyProcess, PoolEndpoint, LOOPBACK_CIDR};
 
 use super::{ExtProcServer, Picker};
 
@@ -22,7 +22,7 @@ pub fn render(listen: u16, admin: u16, picker: u16) -> String {
 /// The picker's configuration: what the kvoy stack gives the prefix-affinity filter for the
 /// same pool (its defaults, loopback destinations allowed).
 pub fn picker_config(pool: &[PoolEndpoint]) -> String {
-    let extra = serde_json::json!({"allowed_destinations": [{"cidr": "127.0.0.0/8"}]});
+    let extra = serde_json::json!({"allowed_destinations": [{"cidr": LOOPBACK_CIDR}]});
     prefix_affinity_config(pool, None, Some(&extra))
 }
 
