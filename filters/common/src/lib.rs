@@ -50,10 +50,16 @@ pub fn header(map: MapType, name: &str) -> Option<String> {
 
 /// Host time in milliseconds since the Unix epoch (0 if unavailable).
 pub fn now_ms() -> u64 {
+    u64::try_from(now().as_millis()).unwrap_or(u64::MAX)
+}
+
+/// The host's clock since the Unix epoch (zero if the host will not tell): every VM of the
+/// proxy reads the same clock, so times written to shared data compare across workers.
+pub fn now() -> std::time::Duration {
     hostcalls::get_current_time()
         .ok()
         .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or_default()
 }
 
 /// A per-VM random value: the host's random source (WASI `random_get`, through std's hash

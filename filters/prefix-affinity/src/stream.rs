@@ -1,6 +1,7 @@
 //! One HTTP request through the filter.
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use log::{debug, warn};
 use proxy_wasm::hostcalls;
@@ -11,12 +12,13 @@ use kvoy_shared::request::{classify_path, Api, PathClass};
 use kvoy_shared::session::PIN_HEADER;
 use kvoy_shared::usage::UsageScanner;
 use kvoy_shared::{
-    Decision, DecisionKind, EndpointId, OutstandingDelta, RequestError, RouteError, SessionOutcome,
+    Charge, Decision, DecisionKind, EndpointId, OutstandingDelta, RequestError, RouteError,
+    SessionOutcome,
 };
 
 use crate::metrics::Metrics;
 use crate::{SharedState, VmState};
-use kvoy_filter_common::HostStore;
+use kvoy_filter_common::{now, HostStore};
 
 /// The destination the ORIGINAL_DST cluster routes by (Gateway API Inference Extension).
 pub(crate) const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
@@ -45,7 +47,7 @@ struct UsageProbe {
 #[derive(Clone, Copy)]
 struct Acquired {
     endpoint: SocketAddr,
-    prefill_tokens: u32,
+    charge: Charge,
     /// The answer began (the prefill tokens were released).
     answered: bool,
 }
@@ -117,7 +119,7 @@ impl RequestStream {
     }
 
     /// Sets the destination, counts the request in flight, shares the decision.
-    fn commit(&mut self, vm: &mut VmState, decision: Decision) -> Action {
+    fn commit(&mut self, vm: &mut VmState, decision: Decision, now: Duration) -> Action {
         let Some(endpoint) = vm.router.pool().get(decision.endpoint) else {
             return self.reply_error(vm, &RouteError::NoEndpoint);
         };
@@ -132,15 +134,15 @@ impl RequestStream {
             return self.reply_error(vm, &RouteError::NoEndpoint);
         }
         self.chosen = Some(decision.endpoint);
-        let tokens = decision.prefill_tokens;
+        let charge = decision.charge;
         if vm
             .outstanding
-            .add(&HostStore, address, OutstandingDelta::sent(tokens))
+            .add(&HostStore, address, OutstandingDelta::sent(charge), now)
             .is_ok()
         {
             self.acquired = Some(Acquired {
                 endpoint: address,
-                prefill_tokens: tokens,
+                charge,
                 answered: false,
             });
             vm.metrics.inflight.add(1);
@@ -194,9 +196,11 @@ impl RequestStream {
 
     /// Brings this VM's view up to date: the live pool, other workers' decisions and the
     /// outstanding work.
-    fn refresh(vm: &mut VmState) {
+    /// Brings the VM's view up to date at `now` (the host's clock, read once per request).
+    fn refresh(vm: &mut VmState, now: Duration) {
         if vm.live.is_some() {
-            crate::live::refresh(vm, kvoy_filter_common::now_ms());
+            let now_ms = u64::try_from(now.as_millis()).unwrap_or(u64::MAX);
+            crate::live::refresh(vm, now_ms);
         }
         vm.catch_up(CATCH_UP_SLOTS_PER_REQUEST);
         vm.outstanding
@@ -227,8 +231,12 @@ impl RequestStream {
         let mut guard = self.state.borrow_mut();
         if let Some(vm) = guard.as_mut() {
             vm.metrics.inflight.add(-1);
-            let delta = OutstandingDelta::finished(a.prefill_tokens, a.answered);
-            if vm.outstanding.add(&HostStore, a.endpoint, delta).is_err() {
+            let delta = OutstandingDelta::finished(a.charge, a.answered);
+            if vm
+                .outstanding
+                .add(&HostStore, a.endpoint, delta, now())
+                .is_err()
+            {
                 Metrics::add(vm.metrics.shared_state_errors, 1);
             }
         }
@@ -240,15 +248,16 @@ impl RequestStream {
         let Some(vm) = guard.as_mut() else {
             return Action::Continue;
         };
-        Self::refresh(vm);
+        let now = now();
+        Self::refresh(vm, now);
         self.routed_api = Some(api);
         let counts = std::mem::take(&mut vm.counts);
         let result = vm
             .router
-            .route_pinned(api, body, &counts, self.pin.as_deref());
+            .route_pinned(api, body, &counts, self.pin.as_deref(), now);
         vm.counts = counts;
         match result {
-            Ok(decision) => self.commit(vm, decision),
+            Ok(decision) => self.commit(vm, decision, now),
             Err(err) => self.reply_error(vm, &err),
         }
     }
@@ -329,12 +338,13 @@ impl HttpContext for RequestStream {
         }
         .filter(|_| method.eq_ignore_ascii_case("POST"));
         let Some(api) = api else {
-            Self::refresh(vm);
+            let now = now();
+            Self::refresh(vm, now);
             let counts = std::mem::take(&mut vm.counts);
             let result = vm.router.route_passthrough(&counts);
             vm.counts = counts;
             return match result {
-                Ok(decision) => self.commit(vm, decision),
+                Ok(decision) => self.commit(vm, decision, now),
                 Err(err) => self.reply_error(vm, &err),
             };
         };
@@ -438,13 +448,18 @@ impl HttpContext for RequestStream {
         // headers leave the server before its first token.
         if let Some(a) = self.acquired.as_mut().filter(|a| !a.answered) {
             a.answered = true;
-            let (endpoint, tokens) = (a.endpoint, a.prefill_tokens);
+            let (endpoint, charge) = (a.endpoint, a.charge);
             let state = self.state.clone();
             let mut guard = state.borrow_mut();
             if let Some(vm) = guard.as_mut() {
                 if vm
                     .outstanding
-                    .add(&HostStore, endpoint, OutstandingDelta::answered(tokens))
+                    .add(
+                        &HostStore,
+                        endpoint,
+                        OutstandingDelta::answered(charge),
+                        now(),
+                    )
                     .is_err()
                 {
                     Metrics::add(vm.metrics.shared_state_errors, 1);
