@@ -48,6 +48,55 @@ pub fn header(map: MapType, name: &str) -> Option<String> {
     String::from_utf8(bytes).ok()
 }
 
+/// Where a filter stage reads request (or response) headers from.
+pub trait Headers {
+    /// The value of header `name`; `None` when it is absent or not UTF-8.
+    fn get(&self, name: &str) -> Option<String>;
+}
+
+/// The host's header map `map`, read on every [`Headers::get`] (a standalone filter's reads).
+#[derive(Clone, Copy, Debug)]
+pub struct HostHeaders(pub MapType);
+
+impl Headers for HostHeaders {
+    fn get(&self, name: &str) -> Option<String> {
+        header(self.0, name)
+    }
+}
+
+/// A header map read at most once per name: each name is fetched from the host the first time
+/// it is asked for and remembered, so stages run in one pass (the combined filter) never read
+/// the same header twice. Keep it only while the map does not change under it.
+#[derive(Debug)]
+pub struct HeaderCache {
+    map: MapType,
+    seen: std::cell::RefCell<Vec<(String, Option<String>)>>,
+}
+
+impl HeaderCache {
+    pub fn new(map: MapType) -> Self {
+        HeaderCache {
+            map,
+            seen: std::cell::RefCell::new(Vec::new()),
+        }
+    }
+}
+
+impl Headers for HeaderCache {
+    fn get(&self, name: &str) -> Option<String> {
+        if let Ok(seen) = self.seen.try_borrow() {
+            if let Some((_, value)) = seen.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)) {
+                return value.clone();
+            }
+        }
+        let value = header(self.map, name);
+        if let Ok(mut seen) = self.seen.try_borrow_mut() {
+            seen.push((name.to_owned(), value.clone()));
+        }
+        value
+    }
+}
+
 /// Host time in milliseconds since the Unix epoch (0 if unavailable).
 pub fn now_ms() -> u64 {
     hostcalls::get_current_time()
