@@ -122,7 +122,10 @@ fn the_combined_filter_stays_within_its_budgets() {
         let got = counts(report);
         assert_eq!(got.len(), 1, "one filter");
         let c = got[0];
-        println!("{shape:13} {:21} {:10}  {:11}  {:10}", "kvoy", c.0, c.1, c.2);
+        println!(
+            "{shape:13} {:21} {:10}  {:11}  {:10}",
+            "kvoy", c.0, c.1, c.2
+        );
         if c.0 > budget.0 || c.1 > budget.1 || c.2 > budget.2 {
             over.push(format!("{shape} / kvoy: {c:?} over the budget {budget:?}"));
         }
