@@ -4,6 +4,7 @@ use std::cell::RefCell;
 use std::net::SocketAddr;
 use std::rc::Rc;
 
+use log::warn;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
@@ -15,6 +16,7 @@ use kvoy_filter_stages::prefix_affinity::{
 };
 use kvoy_filter_stages::session::SessionStage;
 use kvoy_shared::request::Api;
+use kvoy_shared::RouteError;
 
 use crate::Vm;
 
@@ -31,9 +33,6 @@ enum Phase {
     Routed,
     /// Answered by a stage (a local reply ends it): paused for good.
     Replied,
-    /// Nothing more to decide, unrouted (the prefix-affinity stage is not configured: Envoy
-    /// refuses such a plugin, so this is unreachable in practice).
-    Done,
 }
 
 /// One request's state in all three stages; the VM's held list shares it while the admission
@@ -77,20 +76,34 @@ impl Request {
 /// What a callback should return after a step.
 fn action(phase: Phase) -> Action {
     match phase {
-        Phase::Routed | Phase::Done => Action::Continue,
+        Phase::Routed => Action::Continue,
         Phase::Start | Phase::Held | Phase::ReadingBody | Phase::Replied => Action::Pause,
     }
+}
+
+/// Answers 503 a request that cannot be routed now (unreachable in practice: the
+/// prefix-affinity stage is always configured, and never busy when a request reaches it): a
+/// request never goes on without a destination.
+fn unroutable(req: &mut Request) {
+    warn!("kvoy: the prefix-affinity stage cannot route this request now; answering 503");
+    let err = RouteError::NoEndpoint;
+    let _ = hostcalls::send_http_response(
+        err.status().into(),
+        vec![("content-type", "application/json")],
+        Some(err.body().as_bytes()),
+    );
+    req.phase = Phase::Replied;
 }
 
 /// The admission stage let the request go (at its headers, or on release): the prefix-affinity
 /// stage takes it, and routes it at once if nothing more is to come.
 fn admitted(vm: &Vm, req: &mut Request) {
     let Ok(mut guard) = vm.prefix.try_borrow_mut() else {
-        req.phase = Phase::Done;
+        unroutable(req);
         return;
     };
     let Some(prefix) = guard.as_mut() else {
-        req.phase = Phase::Done;
+        unroutable(req);
         return;
     };
     let api =
@@ -125,7 +138,8 @@ fn body(vm: &Vm, prefix: &mut PrefixVm, req: &mut Request) {
         .prefix
         .on_request_body(prefix, req.body_size, req.body_complete)
     {
-        BodyVerdict::NotReading => req.phase = Phase::Done,
+        // Unreachable: the stage reads the body of every request in this phase.
+        BodyVerdict::NotReading => unroutable(req),
         BodyVerdict::More => {}
         BodyVerdict::Replied => req.phase = Phase::Replied,
         BodyVerdict::Complete(api) => route(vm, prefix, req, api, req.body_size),
@@ -176,11 +190,12 @@ pub(crate) fn on_release(vm: &Vm, context: u32) -> bool {
         .try_borrow_mut()
         .ok()
         .and_then(|mut held| held.remove(&context));
-    let Some(req) = held else {
-        return true;
-    };
-    let Ok(mut req) = req.try_borrow_mut() else {
-        return true;
+    // A request the VM does not know (unreachable: every held request is listed) or cannot
+    // reach now is never let go unrouted: it is answered 503 instead.
+    let Some(mut req) = held.as_ref().and_then(|r| r.try_borrow_mut().ok()) else {
+        warn!("kvoy: released request {context} is not held here");
+        unroutable(&mut Request::new());
+        return false;
     };
     if req.phase != Phase::Held {
         return false;
@@ -233,7 +248,7 @@ impl KvoyStream {
                     }
                 }
             }
-            Phase::Start | Phase::Routed | Phase::Replied | Phase::Done => {}
+            Phase::Start | Phase::Routed | Phase::Replied => {}
         }
         action(req.phase)
     }
