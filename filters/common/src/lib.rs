@@ -97,12 +97,46 @@ impl Headers for HeaderCache {
     }
 }
 
-/// Host time in milliseconds since the Unix epoch (0 if unavailable).
+std::thread_local! {
+    /// The clock as read once in the current callback, while a [`ClockPass`] is open: `Some(None)`
+    /// not read yet, `Some(Some(ms))` read.
+    static PASS_CLOCK: std::cell::Cell<Option<Option<u64>>> = const { std::cell::Cell::new(None) };
+}
+
+/// Host time in milliseconds since the Unix epoch (0 if unavailable). Inside a [`ClockPass`]
+/// the host is asked once and the answer reused.
 pub fn now_ms() -> u64 {
-    hostcalls::get_current_time()
+    if let Some(Some(ms)) = PASS_CLOCK.with(std::cell::Cell::get) {
+        return ms;
+    }
+    let ms = hostcalls::get_current_time()
         .ok()
         .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    PASS_CLOCK.with(|c| {
+        if c.get().is_some() {
+            c.set(Some(Some(ms)));
+        }
+    });
+    ms
+}
+
+/// One callback's view of the clock: while it lives, [`now_ms`] reads the host's clock at most
+/// once (a callback is a moment: the stages of the combined filter need not each ask). Open it
+/// at the start of a callback, and let it drop at the end.
+pub struct ClockPass(());
+
+impl ClockPass {
+    pub fn begin() -> ClockPass {
+        PASS_CLOCK.with(|c| c.set(Some(None)));
+        ClockPass(())
+    }
+}
+
+impl Drop for ClockPass {
+    fn drop(&mut self) {
+        PASS_CLOCK.with(|c| c.set(None));
+    }
 }
 
 /// A per-VM random value: the host's random source (WASI `random_get`, through std's hash
@@ -130,10 +164,74 @@ pub fn gauge(name: &str) -> Option<u32> {
     hostcalls::define_metric(MetricType::Gauge, name).ok()
 }
 
+std::thread_local! {
+    /// Counter and [`SharedGauge`] changes kept in the VM until [`flush_metrics`], by metric id;
+    /// `None` until [`defer_metrics`] (every change goes to the host at once).
+    static PENDING: std::cell::RefCell<Option<Vec<(u32, i64)>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// From now on this VM keeps counter additions ([`add`]) and [`SharedGauge`] moves to itself
+/// and gives them to the host, summed per metric, at [`flush_metrics`] (the combined filter
+/// flushes at the end of each request and on its tick: a gauge moved up and back down within
+/// one request then costs no host call, and each counter one per request at most).
+pub fn defer_metrics() {
+    PENDING.with(|p| {
+        if let Ok(mut p) = p.try_borrow_mut() {
+            p.get_or_insert_with(Vec::new);
+        }
+    });
+}
+
+/// Gives the host the metric changes kept since the last flush (see [`defer_metrics`]).
+pub fn flush_metrics() {
+    let pending = PENDING.with(|p| {
+        p.try_borrow_mut()
+            .ok()
+            .and_then(|mut p| p.as_mut().map(std::mem::take))
+    });
+    let Some(mut pending) = pending else {
+        return;
+    };
+    for &(id, delta) in &pending {
+        if delta != 0 {
+            let _ = hostcalls::increment_metric(id, delta);
+        }
+    }
+    pending.clear();
+    // Keep the allocation for the next requests.
+    PENDING.with(|p| {
+        if let Ok(mut p) = p.try_borrow_mut() {
+            if let Some(p) = p.as_mut().filter(|p| p.is_empty()) {
+                *p = pending;
+            }
+        }
+    });
+}
+
+/// Moves metric `id` by `delta`: kept in the VM when deferred, else at once. `false` if the
+/// host refused.
+fn increment(id: u32, delta: i64) -> bool {
+    let kept = PENDING.with(|p| match p.try_borrow_mut() {
+        Ok(mut p) => match p.as_mut() {
+            Some(pending) => {
+                match pending.iter_mut().find(|(i, _)| *i == id) {
+                    Some((_, d)) => *d = d.saturating_add(delta),
+                    None => pending.push((id, delta)),
+                }
+                true
+            }
+            None => false,
+        },
+        Err(_) => false,
+    });
+    kept || hostcalls::increment_metric(id, delta).is_ok()
+}
+
 /// Adds `n` to a counter defined with [`counter`] (nothing if it was not defined).
 pub fn add(id: Option<u32>, n: u64) {
     if let Some(id) = id {
-        let _ = hostcalls::increment_metric(id, n.min(i64::MAX as u64) as i64);
+        increment(id, n.min(i64::MAX as u64) as i64);
     }
 }
 
@@ -181,7 +279,7 @@ impl SharedGauge {
             i64::try_from(old - value).map_or(i64::MIN + 1, |d| -d)
         };
         // Only a part the gauge took is remembered, so the gauge never goes below the others'.
-        if hostcalls::increment_metric(id, delta).is_ok() {
+        if increment(id, delta) {
             self.part.set(value);
         }
     }

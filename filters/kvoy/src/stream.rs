@@ -9,7 +9,7 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 
-use kvoy_filter_common::HeaderCache;
+use kvoy_filter_common::{ClockPass, HeaderCache};
 use kvoy_filter_stages::admission::{AdmissionStage, Verdict};
 use kvoy_filter_stages::prefix_affinity::{
     request_body, BodyVerdict, HeadersVerdict, PrefixStage, PrefixVm, DESTINATION_HEADER,
@@ -281,11 +281,13 @@ impl KvoyStream {
                 }
             }
         }
+        kvoy_filter_common::flush_metrics();
     }
 }
 
 impl Context for KvoyStream {
     fn on_done(&mut self) -> bool {
+        let _clock = ClockPass::begin();
         self.finish();
         true
     }
@@ -293,6 +295,7 @@ impl Context for KvoyStream {
 
 impl HttpContext for KvoyStream {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let _clock = ClockPass::begin();
         // Whatever happens next, the client never chooses the upstream.
         let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, DESTINATION_HEADER, None);
         let vm = self.vm.clone();
@@ -339,10 +342,12 @@ impl HttpContext for KvoyStream {
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let _clock = ClockPass::begin();
         self.on_body(body_size, end_of_stream)
     }
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        let _clock = ClockPass::begin();
         // A request that ends with trailers (HTTP/2, chunked HTTP/1.1): its body is complete
         // now; the body callbacks never saw the end of the stream.
         let size = self.req.try_borrow().map_or(0, |r| r.body_size);
@@ -350,6 +355,7 @@ impl HttpContext for KvoyStream {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        let _clock = ClockPass::begin();
         let vm = self.vm.clone();
         let Ok(mut req) = self.req.try_borrow_mut() else {
             return Action::Continue;
@@ -374,6 +380,7 @@ impl HttpContext for KvoyStream {
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let _clock = ClockPass::begin();
         let vm = self.vm.clone();
         let Ok(mut req) = self.req.try_borrow_mut() else {
             return Action::Continue;
@@ -408,6 +415,7 @@ impl HttpContext for KvoyStream {
     }
 
     fn on_log(&mut self) {
+        let _clock = ClockPass::begin();
         self.finish();
     }
 }
