@@ -177,6 +177,9 @@ fn the_combined_filter_decides_as_the_three_filters_do() {
         assert_eq!(decision(x), decision(y));
     }
     assert_eq!(a.len(), b.len());
+    // `decide` scores the combined filter's requests too (unpinned ones alike).
+    assert!(b[0].scores.is_some());
+    assert_eq!(a[0].scores, b[0].scores);
     // Sessions pinned, the forged destination overwritten, refusals answered.
     assert!(
         matches!(&b[3].outcome, Outcome::Routed { endpoint } if matches!(&b[2].outcome, Outcome::Routed { endpoint: e } if e == endpoint))
