@@ -56,6 +56,10 @@ pub fn sections(raw: &[u8]) -> Result<Sections<'_>, ConfigError> {
     if raw.iter().all(u8::is_ascii_whitespace) {
         return Err(ConfigError::Empty);
     }
+    // serde would also read a struct from an array (`[{...}]`): only an object is one.
+    if raw.trim_ascii_start().first() != Some(&b'{') {
+        return Err(ConfigError::Json("expected a JSON object".to_owned()));
+    }
     let config: RawConfig<'_> =
         serde_json::from_slice(raw).map_err(|e| ConfigError::Json(e.to_string()))?;
     let prefix_affinity = section(config.prefix_affinity).ok_or(ConfigError::NoRouting)?;
