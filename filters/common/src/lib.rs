@@ -164,74 +164,10 @@ pub fn gauge(name: &str) -> Option<u32> {
     hostcalls::define_metric(MetricType::Gauge, name).ok()
 }
 
-std::thread_local! {
-    /// Counter and [`SharedGauge`] changes kept in the VM until [`flush_metrics`], by metric id;
-    /// `None` until [`defer_metrics`] (every change goes to the host at once).
-    static PENDING: std::cell::RefCell<Option<Vec<(u32, i64)>>> =
-        const { std::cell::RefCell::new(None) };
-}
-
-/// From now on this VM keeps counter additions ([`add`]) and [`SharedGauge`] moves to itself
-/// and gives them to the host, summed per metric, at [`flush_metrics`] (the combined filter
-/// flushes at the end of each request and on its tick: a gauge moved up and back down within
-/// one request then costs no host call, and each counter one per request at most).
-pub fn defer_metrics() {
-    PENDING.with(|p| {
-        if let Ok(mut p) = p.try_borrow_mut() {
-            p.get_or_insert_with(Vec::new);
-        }
-    });
-}
-
-/// Gives the host the metric changes kept since the last flush (see [`defer_metrics`]).
-pub fn flush_metrics() {
-    let pending = PENDING.with(|p| {
-        p.try_borrow_mut()
-            .ok()
-            .and_then(|mut p| p.as_mut().map(std::mem::take))
-    });
-    let Some(mut pending) = pending else {
-        return;
-    };
-    for &(id, delta) in &pending {
-        if delta != 0 {
-            let _ = hostcalls::increment_metric(id, delta);
-        }
-    }
-    pending.clear();
-    // Keep the allocation for the next requests.
-    PENDING.with(|p| {
-        if let Ok(mut p) = p.try_borrow_mut() {
-            if let Some(p) = p.as_mut().filter(|p| p.is_empty()) {
-                *p = pending;
-            }
-        }
-    });
-}
-
-/// Moves metric `id` by `delta`: kept in the VM when deferred, else at once. `false` if the
-/// host refused.
-fn increment(id: u32, delta: i64) -> bool {
-    let kept = PENDING.with(|p| match p.try_borrow_mut() {
-        Ok(mut p) => match p.as_mut() {
-            Some(pending) => {
-                match pending.iter_mut().find(|(i, _)| *i == id) {
-                    Some((_, d)) => *d = d.saturating_add(delta),
-                    None => pending.push((id, delta)),
-                }
-                true
-            }
-            None => false,
-        },
-        Err(_) => false,
-    });
-    kept || hostcalls::increment_metric(id, delta).is_ok()
-}
-
 /// Adds `n` to a counter defined with [`counter`] (nothing if it was not defined).
 pub fn add(id: Option<u32>, n: u64) {
     if let Some(id) = id {
-        increment(id, n.min(i64::MAX as u64) as i64);
+        let _ = hostcalls::increment_metric(id, n.min(i64::MAX as u64) as i64);
     }
 }
 
@@ -279,7 +215,7 @@ impl SharedGauge {
             i64::try_from(old - value).map_or(i64::MIN + 1, |d| -d)
         };
         // Only a part the gauge took is remembered, so the gauge never goes below the others'.
-        if increment(id, delta) {
+        if hostcalls::increment_metric(id, delta).is_ok() {
             self.part.set(value);
         }
     }

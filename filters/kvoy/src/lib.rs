@@ -18,9 +18,7 @@
 //!
 //! Envoy needs `allow_on_headers_stop_iteration: true` (as for the separate filters). Metrics
 //! keep the separate filters' names (`kvoy_session_*`, `kvoy_admission_*`,
-//! `kvoy_prefix_affinity_*`); their counters and in-flight gauges are kept in the VM and given to
-//! Envoy at the end of each request and on the tick (every 20 ms with admission, 200 ms
-//! without), so a gauge lags by a tick at most and a request in flight costs no gauge updates.
+//! `kvoy_prefix_affinity_*`).
 //!
 //! Plugin configuration: a JSON object with a section per stage ([`config`]), e.g.
 //! `{"session": {}, "admission": {"endpoints": 1},
@@ -132,9 +130,6 @@ impl KvoyRoot {
             if admission.is_some() { "on" } else { "off" },
             period.as_millis()
         );
-        // Counters and shared gauges are kept in the VM and flushed at the end of each
-        // request and on the tick (see kvoy_filter_common::defer_metrics).
-        kvoy_filter_common::defer_metrics();
         *self.vm.session.borrow_mut() = session;
         *self.vm.admission.borrow_mut() = admission;
         *self.vm.prefix.borrow_mut() = Some(prefix);
@@ -195,7 +190,6 @@ impl RootContext for KvoyRoot {
                 }
             }
         }
-        kvoy_filter_common::flush_metrics();
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {

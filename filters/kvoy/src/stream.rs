@@ -281,7 +281,6 @@ impl KvoyStream {
                 }
             }
         }
-        kvoy_filter_common::flush_metrics();
     }
 }
 
