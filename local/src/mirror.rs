@@ -45,6 +45,8 @@ pub struct Prepared {
     router: Router,
     counts: Vec<Outstanding>,
     pool_live: bool,
+    /// The plugin's clock (the filter's: the outstanding table's entries are on it).
+    now: std::time::Duration,
 }
 
 /// One endpoint's scores.
@@ -133,6 +135,10 @@ impl Mirror {
     /// Reads the filter's state (the pool, the index, the in-flight counts) from `plugin`.
     pub fn prepare(&self, plugin: &Plugin) -> Prepared {
         let store = PluginStore(plugin);
+        let now = plugin
+            .now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
         let mut router = Router::new(self.config.clone(), 1);
         let mut pool_live = false;
         if let Some(settings) = &self.config.aggregator {
@@ -140,10 +146,7 @@ impl Mirror {
             let board = SnapshotBoard::new(&self.namespace, 0);
             let meta = board.read_meta(&store);
             let snapshot = board.read_snapshot(&store);
-            let now_ms = plugin
-                .now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+            let now_ms = u64::try_from(now.as_millis()).unwrap_or(u64::MAX);
             let choice = live::choose(
                 meta,
                 snapshot.is_some(),
@@ -171,6 +174,7 @@ impl Mirror {
             router,
             counts,
             pool_live,
+            now,
         }
     }
 }
@@ -180,7 +184,9 @@ impl Prepared {
     pub fn score(mut self, method: &str, path: &str, body: &[u8], pin: Option<&str>) -> ScoreTable {
         let api = Api::from_path(path).filter(|_| method.eq_ignore_ascii_case("POST"));
         let result = match api {
-            Some(api) => self.router.route_pinned(api, body, &self.counts, pin),
+            Some(api) => self
+                .router
+                .route_pinned(api, body, &self.counts, pin, self.now),
             None => self.router.route_passthrough(&self.counts),
         };
         let weights = self.router.config().weights;

@@ -47,6 +47,8 @@ struct RawModelCost {
     prefill_tokens_per_s: Option<f64>,
     #[serde(default)]
     bytes_per_token: Option<f64>,
+    #[serde(default)]
+    kv_capacity_tokens: Option<u32>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -61,6 +63,8 @@ struct RawCost {
     uncached_weight: f64,
     kv_high: f64,
     kv_full_s: f64,
+    kv_capacity_tokens: Option<u32>,
+    footprint_high: f64,
 }
 
 impl Default for RawCost {
@@ -76,6 +80,8 @@ impl Default for RawCost {
             uncached_weight: d.uncached_weight,
             kv_high: d.kv_high,
             kv_full_s: d.kv_full_s,
+            kv_capacity_tokens: d.kv_capacity_tokens,
+            footprint_high: d.footprint_high,
         }
     }
 }
@@ -106,10 +112,17 @@ impl TryFrom<RawCost> for CostParams {
                 .bytes_per_token
                 .map(|v| positive(&format!("cost.models.{model}.bytes_per_token"), v))
                 .transpose()?;
+            if let Some(v) = m.kv_capacity_tokens {
+                positive(
+                    &format!("cost.models.{model}.kv_capacity_tokens"),
+                    f64::from(v),
+                )?;
+            }
             models.push(ModelCost {
                 model,
                 prefill_tokens_per_s: rate,
                 bytes_per_token: bpt,
+                kv_capacity_tokens: m.kv_capacity_tokens,
             });
         }
         if !(raw.decode_s_per_sequence.is_finite() && raw.decode_s_per_sequence >= 0.0) {
@@ -132,6 +145,16 @@ impl TryFrom<RawCost> for CostParams {
         if raw.step_tokens == 0 {
             return Err(out_of_range("cost.step_tokens", "at least 1", 0));
         }
+        if raw.kv_capacity_tokens == Some(0) {
+            return Err(out_of_range("cost.kv_capacity_tokens", "at least 1", 0));
+        }
+        if !(0.0..1.0).contains(&raw.footprint_high) {
+            return Err(out_of_range(
+                "cost.footprint_high",
+                "within 0..1",
+                raw.footprint_high,
+            ));
+        }
         Ok(CostParams {
             prefill_tokens_per_s: positive("cost.prefill_tokens_per_s", raw.prefill_tokens_per_s)?,
             models,
@@ -142,6 +165,8 @@ impl TryFrom<RawCost> for CostParams {
             uncached_weight: positive("cost.uncached_weight", raw.uncached_weight)?,
             kv_high: raw.kv_high,
             kv_full_s: raw.kv_full_s,
+            kv_capacity_tokens: raw.kv_capacity_tokens,
+            footprint_high: raw.footprint_high,
         })
     }
 }
@@ -221,6 +246,9 @@ struct RawEndpoint {
     /// This endpoint's prefill rate (tokens/s), overriding the model's.
     #[serde(default)]
     prefill_tokens_per_s: Option<f64>,
+    /// This endpoint's KV cache in tokens, overriding the model's.
+    #[serde(default)]
+    kv_capacity_tokens: Option<u32>,
 }
 
 /// Where the filter gets the live pool: `kvoy-aggregator`'s snapshot API, reached through an
@@ -558,6 +586,12 @@ impl TryFrom<RawConfig> for PluginConfig {
                     return Err(ConfigError::BadPrefillRate { index, value });
                 }
             }
+            if let Some(v) = e.kv_capacity_tokens {
+                positive(
+                    &format!("endpoints[{index}].kv_capacity_tokens"),
+                    f64::from(v),
+                )?;
+            }
             if let Err(reason) = allowed.check(address) {
                 refused_endpoints.push(RefusedEndpoint { address, reason });
                 continue;
@@ -568,6 +602,7 @@ impl TryFrom<RawConfig> for PluginConfig {
                     running: None,
                     kv_cache_usage: e.kv_cache_usage,
                     prefill_tokens_per_s: e.prefill_tokens_per_s,
+                    kv_capacity_tokens: e.kv_capacity_tokens,
                 },
                 ..Endpoint::new(address, e.models)
             });
@@ -834,6 +869,44 @@ mod tests {
             r#"{"endpoints":[{"address":"127.0.0.1:1","models":["m"],"prefill_tokens_per_s":-5}]}"#,
         );
         assert!(e.contains("endpoints[0].prefill_tokens_per_s"), "{e}");
+    }
+
+    #[test]
+    fn kv_capacities_resolve_endpoint_then_model_then_default() {
+        let cfg = PluginConfig::from_json(
+            br#"{"endpoints":[{"address":"127.0.0.1:1","models":["m"],"kv_capacity_tokens":5000},
+                {"address":"127.0.0.1:2","models":["m"]}],
+                "cost":{"kv_capacity_tokens":100000,"footprint_high":0.5,
+                        "models":{"m":{"kv_capacity_tokens":400000}}}}"#,
+        )
+        .unwrap();
+        let e = cfg.pool.get(crate::EndpointId(0)).unwrap();
+        assert_eq!(e.load.kv_capacity_tokens, Some(5000));
+        assert_eq!(cfg.cost.model_kv_capacity("m"), Some(400_000));
+        assert_eq!(cfg.cost.model_kv_capacity("other"), Some(100_000));
+        assert_eq!(cfg.cost.footprint_high, 0.5);
+        let ep = r#""endpoints":[{"address":"127.0.0.1:1","models":["m"]}]"#;
+        let default = PluginConfig::from_json(format!("{{{ep}}}").as_bytes()).unwrap();
+        assert_eq!(default.cost.model_kv_capacity("m"), None);
+        for (bad, field) in [
+            (
+                r#""cost":{"kv_capacity_tokens":0}"#,
+                "cost.kv_capacity_tokens",
+            ),
+            (
+                r#""cost":{"models":{"m":{"kv_capacity_tokens":0}}}"#,
+                "cost.models.m.kv_capacity_tokens",
+            ),
+            (r#""cost":{"footprint_high":1}"#, "cost.footprint_high"),
+            (r#""cost":{"footprint_high":-0.1}"#, "cost.footprint_high"),
+        ] {
+            let e = err(&format!("{{{ep},{bad}}}"));
+            assert!(e.contains(field), "{bad}: {e}");
+        }
+        let e = err(
+            r#"{"endpoints":[{"address":"127.0.0.1:1","models":["m"],"kv_capacity_tokens":0}]}"#,
+        );
+        assert!(e.contains("endpoints[0].kv_capacity_tokens"), "{e}");
     }
 
     #[test]

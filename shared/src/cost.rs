@@ -11,8 +11,22 @@
 //! prefill_e  = work_e / rate_e                        the prefill ahead of the first token
 //! decode_e   = (1 + work_e / step_tokens) x running_e x decode_s_per_sequence
 //! kv_e       = kv_full_s x (kv_use_e - kv_high) / (1 - kv_high)   when kv_use_e > kv_high
-//! cost_e     = prefill_e + decode_e + kv_e
+//! cost_e     = prefill_e + decode_e + kv_e + footprint_e
 //! ```
+//!
+//! A request that *matches nowhere* (no candidate holds any of its blocks: no prefix at
+//! stake, pure load balancing) is costed with two changes:
+//! - `queued_e` is this proxy's part by the prefill clock ([`crate::Outstanding`]): the
+//!   tokens still ahead given how long the endpoint has been at them, at its measured rate,
+//!   instead of every token sent and not yet answered;
+//! - `footprint_e = kv_full_s x (f - footprint_high) / (1 - footprint_high)` when
+//!   `f = (prompt tokens of this proxy's requests in flight there + T) / KV capacity` is above
+//!   `footprint_high`: the KV those requests hold while they decode, so that a slow endpoint,
+//!   whose sequences live longer, is not filled until it preempts (needs the capacity:
+//!   configured, or the aggregator's).
+//!
+//! For a request with a match neither applies: moving a prefix off its holder early costs
+//! more in recomputed prefixes than it saves (measured in bench/README.md).
 //!
 //! - *Pending prefill tokens* are the uncached-token estimates of the requests this proxy sent
 //!   to `e` that have not yet produced a first response byte, across all worker threads
@@ -61,6 +75,12 @@ pub struct CostParams {
     pub kv_high: f64,
     /// The wait predicted at a full KV cache, seconds (linear from `kv_high`).
     pub kv_full_s: f64,
+    /// An endpoint's KV cache in tokens, for a model and endpoint with no figure of their own
+    /// (vLLM logs it at start: "GPU KV cache size: N tokens"); none: no footprint term.
+    pub kv_capacity_tokens: Option<u32>,
+    /// The share of an endpoint's KV cache this proxy's requests in flight may fill before a
+    /// request that matches nowhere starts to avoid it.
+    pub footprint_high: f64,
 }
 
 /// A model's own figures.
@@ -69,6 +89,7 @@ pub struct ModelCost {
     pub model: String,
     pub prefill_tokens_per_s: Option<f64>,
     pub bytes_per_token: Option<f64>,
+    pub kv_capacity_tokens: Option<u32>,
 }
 
 impl Default for CostParams {
@@ -88,6 +109,10 @@ impl Default for CostParams {
             uncached_weight: 1.0,
             kv_high: 0.95,
             kv_full_s: 1.0,
+            kv_capacity_tokens: None,
+            // Measured on the half-slow fleet (bench/README.md): 0.5 to 0.7 all avoid the
+            // preemptions; 0.7 spreads least.
+            footprint_high: 0.7,
         }
     }
 }
@@ -102,6 +127,13 @@ impl CostParams {
         self.model(model)
             .and_then(|m| m.prefill_tokens_per_s)
             .unwrap_or(self.prefill_tokens_per_s)
+    }
+
+    /// The configured KV capacity of `model`'s endpoints, tokens.
+    pub fn model_kv_capacity(&self, model: &str) -> Option<u32> {
+        self.model(model)
+            .and_then(|m| m.kv_capacity_tokens)
+            .or(self.kv_capacity_tokens)
     }
 }
 
@@ -120,6 +152,9 @@ pub struct CostTerms {
     pub decode_s: f64,
     /// The KV-cache term: a wait for blocks to free on a nearly full cache.
     pub kv_s: f64,
+    /// The footprint term (a request that matches nowhere only): the KV this proxy's
+    /// requests in flight hold there.
+    pub footprint_s: f64,
     /// Predicted time to first token (the cost), seconds.
     pub total_s: f64,
 }
@@ -135,9 +170,14 @@ pub struct RequestSize {
     pub typical_tokens: f64,
 }
 
-/// Prefill tokens queued at `c` ahead of a new request.
-fn queued(c: &Candidate, req: &RequestSize) -> f64 {
-    let ours = c.prefill_tokens as f64;
+/// Prefill tokens queued at `c` ahead of a new request: this proxy's by the prefill clock for
+/// a request that matches nowhere (`clock`), else every token it sent and has no answer for.
+fn queued(c: &Candidate, req: &RequestSize, clock: bool) -> f64 {
+    let ours = if clock {
+        c.queued_tokens
+    } else {
+        c.prefill_tokens as f64
+    };
     let server = c
         .load
         .waiting
@@ -153,7 +193,7 @@ fn queued(c: &Candidate, req: &RequestSize) -> f64 {
 pub fn uncached_weight(candidates: &[Candidate], req: &RequestSize, params: &CostParams) -> f64 {
     let least = candidates
         .iter()
-        .map(|c| queued(c, req))
+        .map(|c| queued(c, req, false))
         .fold(f64::INFINITY, f64::min);
     if !least.is_finite() {
         return params.uncached_weight;
@@ -162,12 +202,18 @@ pub fn uncached_weight(candidates: &[Candidate], req: &RequestSize, params: &Cos
 }
 
 /// The cost terms of one candidate, its own uncached tokens weighted by `weight` (see
-/// [`uncached_weight`]).
-pub fn terms(c: &Candidate, req: &RequestSize, params: &CostParams, weight: f64) -> CostTerms {
+/// [`uncached_weight`]); `unmatched`: the request matches no candidate (module doc).
+pub fn terms(
+    c: &Candidate,
+    req: &RequestSize,
+    params: &CostParams,
+    weight: f64,
+    unmatched: bool,
+) -> CostTerms {
     let bpt = req.bytes_per_token.max(0.01);
     let matched_tokens = c.matched_bytes as f64 / bpt;
     let uncached = (req.prompt_tokens - matched_tokens).max(1.0);
-    let queued = queued(c, req);
+    let queued = queued(c, req, unmatched);
     let decoding_here = c.inflight.saturating_sub(c.prefilling);
     let running = match c.load.running {
         Some(r) => r.max(decoding_here),
@@ -191,6 +237,14 @@ pub fn terms(c: &Candidate, req: &RequestSize, params: &CostParams, weight: f64)
         }
         _ => 0.0,
     };
+    let footprint_s = match c.kv_capacity_tokens {
+        Some(capacity) if unmatched && capacity > 0 && params.footprint_high < 1.0 => {
+            let filled = (c.prompt_tokens as f64 + req.prompt_tokens) / f64::from(capacity);
+            let over = (filled - params.footprint_high) / (1.0 - params.footprint_high);
+            over.max(0.0) * params.kv_full_s
+        }
+        _ => 0.0,
+    };
     CostTerms {
         uncached_tokens: uncached,
         queued_tokens: queued,
@@ -199,7 +253,8 @@ pub fn terms(c: &Candidate, req: &RequestSize, params: &CostParams, weight: f64)
         prefill_s,
         decode_s,
         kv_s,
-        total_s: prefill_s + decode_s + kv_s,
+        footprint_s,
+        total_s: prefill_s + decode_s + kv_s + footprint_s,
     }
 }
 
@@ -212,7 +267,12 @@ pub fn fill(
 ) {
     out.clear();
     let weight = uncached_weight(candidates, req, params);
-    out.extend(candidates.iter().map(|c| terms(c, req, params, weight)));
+    let unmatched = candidates.iter().all(|c| c.matched == 0);
+    out.extend(
+        candidates
+            .iter()
+            .map(|c| terms(c, req, params, weight, unmatched)),
+    );
 }
 
 /// Costs `candidates` into `out` (same order) and returns the index of the cheapest, ties
@@ -304,6 +364,9 @@ mod tests {
             inflight,
             prefilling: u32::from(prefill_tokens > 0).min(inflight),
             prefill_tokens,
+            queued_tokens: prefill_tokens as f64,
+            prompt_tokens: prefill_tokens,
+            kv_capacity_tokens: None,
             prefill_rate: 20_000.0,
             load: EndpointLoad::default(),
             pinned: false,
@@ -353,6 +416,58 @@ mod tests {
     }
 
     #[test]
+    fn a_request_that_matches_nowhere_sees_how_far_each_queue_has_got() {
+        let r = req(1000.0);
+        // Endpoint 0 was sent 6,000 tokens long ago, 500 of them still ahead by its clock;
+        // endpoint 1 was just sent 1,000.
+        let mut a = cand(0, 0, 1, 6_000);
+        a.queued_tokens = 500.0;
+        let b = cand(1, 0, 1, 1_000);
+        let (i, t) = choose(&[a, b], &r);
+        assert_eq!(i, 0);
+        assert_eq!(t[0].queued_tokens, 500.0);
+        // With a prefix at stake (a match on endpoint 1), every token sent and not answered
+        // counts: moving a prefix on a guess about progress costs more than it saves.
+        let mut b = b;
+        b.matched = 1;
+        b.matched_bytes = 64;
+        let (i, t) = choose(&[a, b], &r);
+        assert_eq!(t[0].queued_tokens, 6_000.0);
+        assert_eq!(i, 1);
+    }
+
+    #[test]
+    fn a_request_that_matches_nowhere_avoids_a_cache_its_requests_fill() {
+        let r = req(1000.0);
+        let p = CostParams {
+            kv_capacity_tokens: Some(10_000),
+            ..CostParams::default()
+        };
+        // Endpoint 0 holds 8,000 prompt tokens of this proxy's requests: 9,000 of 10,000 with
+        // this one, past 0.7, (0.9 - 0.7) / 0.3 of kv_full_s. Endpoint 1 holds none.
+        let mut a = cand(0, 0, 4, 0);
+        a.prompt_tokens = 8_000;
+        a.kv_capacity_tokens = p.kv_capacity_tokens;
+        let mut b = cand(1, 0, 0, 0);
+        b.kv_capacity_tokens = p.kv_capacity_tokens;
+        let mut out = Vec::new();
+        let i = pick(&[a, b], &r, &p, &mut Rng::new(1), &mut out).unwrap();
+        assert_eq!(i, 1);
+        assert!(
+            (out[0].footprint_s - 0.2 / 0.3).abs() < 1e-9,
+            "{:?}",
+            out[0]
+        );
+        assert_eq!(out[1].footprint_s, 0.0);
+        // Unknown capacity: no term.
+        a.kv_capacity_tokens = None;
+        assert_eq!(terms(&a, &r, &p, 1.0, true).footprint_s, 0.0);
+        // A request with a match anywhere: no term either.
+        a.kv_capacity_tokens = p.kv_capacity_tokens;
+        assert_eq!(terms(&a, &r, &p, 1.0, false).footprint_s, 0.0);
+    }
+
+    #[test]
     fn decoding_sequences_cost_each_step() {
         let r = req(1000.0);
         // Same prefix, same queue; endpoint 0 decodes 200 sequences, endpoint 1 none.
@@ -369,7 +484,10 @@ mod tests {
             running: Some(50),
             ..EndpointLoad::default()
         };
-        assert_eq!(terms(&c, &r, &CostParams::default(), 1.0).running, 50);
+        assert_eq!(
+            terms(&c, &r, &CostParams::default(), 1.0, false).running,
+            50
+        );
     }
 
     #[test]
@@ -378,12 +496,12 @@ mod tests {
         let mut c = cand(0, 0, 1, 500);
         c.load.waiting = Some(4);
         assert_eq!(
-            terms(&c, &r, &CostParams::default(), 1.0).queued_tokens,
+            terms(&c, &r, &CostParams::default(), 1.0, false).queued_tokens,
             4000.0
         );
         c.load.waiting = Some(0);
         assert_eq!(
-            terms(&c, &r, &CostParams::default(), 1.0).queued_tokens,
+            terms(&c, &r, &CostParams::default(), 1.0, false).queued_tokens,
             500.0
         );
     }
@@ -406,7 +524,7 @@ mod tests {
         let mut broken = slow;
         broken.prefill_rate = 0.0;
         assert_eq!(
-            terms(&broken, &r, &CostParams::default(), 1.0).rate,
+            terms(&broken, &r, &CostParams::default(), 1.0, false).rate,
             20_000.0
         );
     }
@@ -417,14 +535,14 @@ mod tests {
         let mut c = cand(0, 0, 0, 0);
         let p = CostParams::default();
         c.load.kv_cache_usage = Some(0.9);
-        assert_eq!(terms(&c, &r, &p, 1.0).kv_s, 0.0);
+        assert_eq!(terms(&c, &r, &p, 1.0, false).kv_s, 0.0);
         c.load.kv_cache_usage = Some(0.975);
-        assert!((terms(&c, &r, &p, 1.0).kv_s - 0.5).abs() < 1e-9);
+        assert!((terms(&c, &r, &p, 1.0, false).kv_s - 0.5).abs() < 1e-9);
         c.load.kv_cache_usage = Some(1.5);
-        assert!((terms(&c, &r, &p, 1.0).kv_s - 1.0).abs() < 1e-9);
+        assert!((terms(&c, &r, &p, 1.0, false).kv_s - 1.0).abs() < 1e-9);
         // A request whose prefix is cached there (3,000 of 4,000 bytes) waits for a quarter.
         c.matched_bytes = 3000;
-        let t = terms(&c, &r, &p, 1.0);
+        let t = terms(&c, &r, &p, 1.0, false);
         assert!((t.kv_s - 0.25).abs() < 1e-9, "{t:?}");
     }
 

@@ -84,81 +84,9 @@ pub struct EndpointLoad {
     /// The endpoint's prefill rate in prompt tokens per second, when known: configured for a
     /// static endpoint, or estimated by the aggregator from the server's metrics.
     pub prefill_tokens_per_s: Option<f64>,
-}
-
-/// What this proxy has outstanding at one endpoint, across its worker threads.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Outstanding {
-    /// Requests sent that have not finished.
-    pub requests: u32,
-    /// Of those, the ones whose answer has not begun (still queued or prefilling).
-    pub prefilling: u32,
-    /// Their estimated uncached prompt tokens.
-    pub prefill_tokens: u32,
-}
-
-impl Outstanding {
-    /// `n` requests and nothing else (a count-only view, e.g. a test's).
-    pub fn requests(n: u32) -> Self {
-        Outstanding {
-            requests: n,
-            ..Outstanding::default()
-        }
-    }
-}
-
-/// A change to an [`Outstanding`] entry.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct OutstandingDelta {
-    pub requests: i32,
-    pub prefilling: i32,
-    pub prefill_tokens: i64,
-}
-
-impl OutstandingDelta {
-    /// A request sent with an estimated `tokens` uncached prompt tokens.
-    pub fn sent(tokens: u32) -> Self {
-        OutstandingDelta {
-            requests: 1,
-            prefilling: 1,
-            prefill_tokens: i64::from(tokens),
-        }
-    }
-
-    /// Its answer began: its prefill is done.
-    pub fn answered(tokens: u32) -> Self {
-        OutstandingDelta {
-            requests: 0,
-            prefilling: -1,
-            prefill_tokens: -i64::from(tokens),
-        }
-    }
-
-    /// It finished; `answered` says whether [`OutstandingDelta::answered`] was applied.
-    pub fn finished(tokens: u32, answered: bool) -> Self {
-        if answered {
-            OutstandingDelta {
-                requests: -1,
-                ..OutstandingDelta::default()
-            }
-        } else {
-            OutstandingDelta {
-                requests: -1,
-                prefilling: -1,
-                prefill_tokens: -i64::from(tokens),
-            }
-        }
-    }
-}
-
-impl Outstanding {
-    /// Applies `d`, saturating at 0 and `u32::MAX`.
-    pub fn apply(&mut self, d: OutstandingDelta) {
-        self.requests = self.requests.saturating_add_signed(d.requests);
-        self.prefilling = self.prefilling.saturating_add_signed(d.prefilling);
-        let tokens = i64::from(self.prefill_tokens).saturating_add(d.prefill_tokens);
-        self.prefill_tokens = tokens.clamp(0, i64::from(u32::MAX)) as u32;
-    }
+    /// The endpoint's KV cache in tokens, when known: configured for a static endpoint, or
+    /// the server's own figure through the aggregator.
+    pub kv_capacity_tokens: Option<u32>,
 }
 
 /// The endpoints a proxy may route to; nothing outside it is ever chosen. Ids may have holes

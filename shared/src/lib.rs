@@ -11,7 +11,8 @@
 //! let mut router = Router::new(cfg, 7);
 //! let body = br#"{"model":"m","messages":[{"role":"user","content":"hello"}]}"#;
 //! let outstanding = [kvoy_shared::Outstanding::default(); 2];
-//! let decision = router.route_body(Api::ChatCompletions, body, &outstanding).unwrap();
+//! let now = std::time::Duration::ZERO; // the caller's clock
+//! let decision = router.route_body(Api::ChatCompletions, body, &outstanding, now).unwrap();
 //! let address = &router.pool().get(decision.endpoint).unwrap().address_text;
 //! assert!(address.starts_with("10.0.0."));
 //! ```
@@ -25,6 +26,7 @@ mod index;
 pub mod live;
 mod lru;
 mod once;
+mod outstanding;
 pub mod prefix;
 pub mod replica;
 pub mod request;
@@ -40,12 +42,11 @@ pub use config::{
     RefusedEndpoint, Scorer, SessionPin, Weights, INDEX_MEMORY_LIMIT, MAX_ENDPOINTS,
 };
 pub use cost::{CostParams, CostTerms};
-pub use endpoint::{
-    Endpoint, EndpointId, EndpointLoad, Health, Outstanding, OutstandingDelta, Pool,
-};
+pub use endpoint::{Endpoint, EndpointId, EndpointLoad, Health, Pool};
 pub use index::PrefixIndex;
 pub use lru::LruSet;
 pub use once::LogOnce;
+pub use outstanding::{Charge, Outstanding, OutstandingDelta};
 pub use request::RequestError;
 pub use rng::Rng;
 pub use router::{BreakReason, Decision, DecisionKind, RouteError, Router, SessionOutcome};

@@ -180,9 +180,16 @@ pub fn live_pool(snapshot: &Snapshot, with_loads: bool) -> Pool {
                 running: Some(s.running),
                 kv_cache_usage: Some(f64::from(s.kv_cache_usage)),
                 prefill_tokens_per_s: s.prefill_tokens_per_s.map(f64::from),
+                kv_capacity_tokens: None,
             }
         } else {
             EndpointLoad::default()
+        };
+        // The cache's size is geometry, not load: known whatever the freshness.
+        let capacity = s.capacity_blocks.saturating_mul(s.block_size);
+        let load = EndpointLoad {
+            kv_capacity_tokens: (capacity > 0).then_some(capacity),
+            ..load
         };
         (
             EndpointId(s.slot),
@@ -392,10 +399,15 @@ mod tests {
         let mut ids = Vec::new();
         pool.serving("m", &mut ids);
         assert_eq!(ids, [EndpointId(0)]);
+        assert_eq!(e0.load.kv_capacity_tokens, Some(100 * 16));
         let pool = live_pool(&history.snapshot(), false);
+        // Without loads only the cache's size is known (geometry, not load).
         assert_eq!(
             pool.get(EndpointId(0)).unwrap().load,
-            EndpointLoad::default()
+            EndpointLoad {
+                kv_capacity_tokens: Some(100 * 16),
+                ..EndpointLoad::default()
+            }
         );
     }
 

@@ -19,7 +19,10 @@ use thiserror::Error;
 
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 
-use crate::endpoint::{EndpointId, Outstanding, OutstandingDelta, Pool};
+use std::time::Duration;
+
+use crate::endpoint::{EndpointId, Pool};
+use crate::outstanding::{Outstanding, OutstandingDelta};
 use crate::prefix::BlockKey;
 
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -150,12 +153,12 @@ impl InflightTable {
 
 /// Per-endpoint [`Outstanding`] work shared by all VMs of a proxy, keyed by the endpoint's
 /// address: one value of [`OUTSTANDING_ENTRY_BYTES`] per endpoint with work outstanding
-/// (address, then requests, prefilling, prefill tokens as little-endian `u32`s), changed by
-/// CAS. It feeds the cost model, so every worker sees the prefill work every other worker
+/// (address, then the [`Outstanding`] fields in order, little-endian), changed by CAS. It feeds the cost model, so every worker sees the prefill work every other worker
 /// queued. Keyed by address, not by pool id: a pool change or an aggregator restart renumbers
 /// endpoints, and a request that started before must still release what it charged, at the
 /// endpoint it was sent to, whatever id that endpoint has now (or had on another worker).
-/// Entries whose counts are back to zero are dropped, so the value holds only live work.
+/// Entries with nothing in flight are dropped once their measured rate is
+/// [`crate::outstanding::IDLE_KEEP`] old, so the value holds live work and fresh rates.
 ///
 /// A [`OutstandingTable::read`] primes the next [`OutstandingTable::add`]: its first attempt
 /// writes against the value and version just read instead of reading them again, saving a
@@ -171,8 +174,9 @@ pub struct OutstandingTable {
     primed: Option<u32>,
 }
 
-/// Bytes of one entry: family (1), address (16), port (2), three counts (12).
-pub const OUTSTANDING_ENTRY_BYTES: usize = 31;
+/// Bytes of one entry: family (1), address (16), port (2), four counts (16), the clock (8),
+/// three rates (12), the measurement's time (8).
+pub const OUTSTANDING_ENTRY_BYTES: usize = 63;
 /// Entries the table holds at most (twice the largest pool: a pool change may leave the old
 /// endpoints' work outstanding for a while).
 const OUTSTANDING_MAX_ENTRIES: usize = 2 * crate::MAX_ENDPOINTS;
@@ -188,6 +192,12 @@ fn encode_entry(address: SocketAddr, o: &Outstanding, out: &mut Vec<u8>) {
     out.extend_from_slice(&o.requests.to_le_bytes());
     out.extend_from_slice(&o.prefilling.to_le_bytes());
     out.extend_from_slice(&o.prefill_tokens.to_le_bytes());
+    out.extend_from_slice(&o.prompt_tokens.to_le_bytes());
+    out.extend_from_slice(&o.drained_at_us.to_le_bytes());
+    out.extend_from_slice(&o.nominal_rate.to_le_bytes());
+    out.extend_from_slice(&o.answered_tokens.to_le_bytes());
+    out.extend_from_slice(&o.busy_s.to_le_bytes());
+    out.extend_from_slice(&o.measured_at_us.to_le_bytes());
 }
 
 fn decode_entry(c: &[u8]) -> Option<(SocketAddr, Outstanding)> {
@@ -200,6 +210,14 @@ fn decode_entry(c: &[u8]) -> Option<(SocketAddr, Outstanding)> {
     };
     let word =
         |i: usize| -> Option<u32> { Some(u32::from_le_bytes(c.get(i..i + 4)?.try_into().ok()?)) };
+    let long =
+        |i: usize| -> Option<u64> { Some(u64::from_le_bytes(c.get(i..i + 8)?.try_into().ok()?)) };
+    // A rate that is not a finite number at or above 0 reads as none (the value is only ever
+    // written by this code, but shared data outlives a module version).
+    let rate = |i: usize| -> Option<f32> {
+        let r = f32::from_bits(word(i)?);
+        Some(if r.is_finite() && r >= 0.0 { r } else { 0.0 })
+    };
     let port = u16::from_le_bytes(c.get(17..19)?.try_into().ok()?);
     Some((
         SocketAddr::new(ip, port),
@@ -207,6 +225,12 @@ fn decode_entry(c: &[u8]) -> Option<(SocketAddr, Outstanding)> {
             requests: word(19)?,
             prefilling: word(23)?,
             prefill_tokens: word(27)?,
+            prompt_tokens: word(31)?,
+            drained_at_us: long(35)?,
+            nominal_rate: rate(43)?,
+            answered_tokens: rate(47)?,
+            busy_s: rate(51)?,
+            measured_at_us: long(55)?,
         },
     ))
 }
@@ -249,12 +273,13 @@ impl OutstandingTable {
         }
     }
 
-    /// Applies `delta` to the entry of `address` (saturating at 0 and `u32::MAX`).
+    /// Applies `delta` at `now` to the entry of `address` (see [`Outstanding::apply`]).
     pub fn add(
         &mut self,
         store: &impl SharedStore,
         address: SocketAddr,
         delta: OutstandingDelta,
+        now: Duration,
     ) -> Result<(), StoreError> {
         let mut last = StoreError::CasMismatch;
         for _ in 0..CAS_RETRIES {
@@ -273,15 +298,15 @@ impl OutstandingTable {
             };
             let full = self.scratch.len() >= OUTSTANDING_MAX_ENTRIES;
             match self.scratch.iter_mut().find(|(a, _)| *a == address) {
-                Some((_, o)) => o.apply(delta),
+                Some((_, o)) => o.apply(delta, now),
                 None if full => return Err(StoreError::Full),
                 None => {
                     let mut o = Outstanding::default();
-                    o.apply(delta);
+                    o.apply(delta, now);
                     self.scratch.push((address, o));
                 }
             }
-            self.scratch.retain(|(_, o)| *o != Outstanding::default());
+            self.scratch.retain(|(_, o)| !o.is_spent(now));
             self.bytes.clear();
             for (a, o) in &self.scratch {
                 encode_entry(*a, o, &mut self.bytes);
@@ -556,6 +581,7 @@ impl SharedStore for MemoryStore {
 mod tests {
     use super::*;
     use crate::endpoint::Endpoint;
+    use crate::outstanding::Charge;
 
     fn keys(v: &[u64]) -> Vec<BlockKey> {
         v.iter().copied().map(BlockKey).collect()
@@ -598,21 +624,21 @@ mod tests {
         // Nothing stored yet: the read does not prime (a version of 0 would make the write
         // unconditional), so the add reads again.
         a.read(&store, &pool, &mut out);
-        a.add(&store, at(1), OutstandingDelta::sent(10)).unwrap();
+        a.add(&store, at(1), sent(10), T0).unwrap();
         assert_eq!(store.ops(), (2, 1));
         // Read then add: one get and one set.
         a.read(&store, &pool, &mut out);
-        a.add(&store, at(1), OutstandingDelta::sent(20)).unwrap();
+        a.add(&store, at(1), sent(20), T0).unwrap();
         assert_eq!(store.ops(), (1, 1));
         // The prime is used once: the next add reads.
-        a.add(&store, at(2), OutstandingDelta::sent(5)).unwrap();
+        a.add(&store, at(2), sent(5), T0).unwrap();
         assert_eq!(store.ops(), (1, 1));
         // Another worker writes between the read and the add: the primed write fails its
         // compare-and-swap and is retried on a fresh read; both changes survive.
         a.read(&store, &pool, &mut out);
-        b.add(&store, at(2), OutstandingDelta::sent(7)).unwrap();
+        b.add(&store, at(2), sent(7), T0).unwrap();
         store.ops();
-        a.add(&store, at(1), OutstandingDelta::sent(30)).unwrap();
+        a.add(&store, at(1), sent(30), T0).unwrap();
         assert_eq!(store.ops(), (1, 2));
         b.read(&store, &pool, &mut out);
         assert_eq!(out[0].prefill_tokens, 60);
@@ -708,6 +734,35 @@ mod tests {
         SocketAddr::from(([10, 0, 0, 1], port))
     }
 
+    const T0: Duration = Duration::from_secs(1_000);
+
+    fn charge(tokens: u32) -> Charge {
+        Charge {
+            prefill_tokens: tokens,
+            prompt_tokens: tokens * 2,
+            rate: 1_000.0,
+        }
+    }
+
+    fn sent(tokens: u32) -> OutstandingDelta {
+        OutstandingDelta::sent(charge(tokens))
+    }
+
+    fn answered(tokens: u32) -> OutstandingDelta {
+        OutstandingDelta::answered(charge(tokens))
+    }
+
+    fn finished(tokens: u32, answered: bool) -> OutstandingDelta {
+        OutstandingDelta::finished(charge(tokens), answered)
+    }
+
+    /// (requests, prefilling, prefill tokens) of each entry.
+    fn counts(out: &[Outstanding]) -> Vec<(u32, u32, u32)> {
+        out.iter()
+            .map(|o| (o.requests, o.prefilling, o.prefill_tokens))
+            .collect()
+    }
+
     #[test]
     fn outstanding_work_is_shared_and_saturates() {
         let store = MemoryStore::default();
@@ -716,48 +771,70 @@ mod tests {
         let mut out = Vec::new();
         t.read(&store, &pool, &mut out);
         assert_eq!(out, vec![Outstanding::default(); 3]);
-        t.add(&store, at(2), OutstandingDelta::sent(700)).unwrap();
-        t.add(&store, at(2), OutstandingDelta::sent(300)).unwrap();
-        t.add(&store, at(3), OutstandingDelta::sent(50)).unwrap();
+        t.add(&store, at(2), sent(700), T0).unwrap();
+        t.add(&store, at(2), sent(300), T0).unwrap();
+        t.add(&store, at(3), sent(50), T0).unwrap();
         let mut other = OutstandingTable::new("ns");
         other.read(&store, &pool, &mut out);
-        let want = |requests, prefilling, prefill_tokens| Outstanding {
-            requests,
-            prefilling,
-            prefill_tokens,
-        };
-        assert_eq!(out, vec![want(0, 0, 0), want(2, 2, 1000), want(1, 1, 50)]);
+        assert_eq!(counts(&out), vec![(0, 0, 0), (2, 2, 1000), (1, 1, 50)]);
+        assert_eq!(out[1].prompt_tokens, 2_000);
         // One answered, then both finished: back to zero, never below.
-        other
-            .add(&store, at(2), OutstandingDelta::answered(700))
-            .unwrap();
+        other.add(&store, at(2), answered(700), T0).unwrap();
         t.read(&store, &pool, &mut out);
-        assert_eq!(out[1], want(2, 1, 300));
-        t.add(&store, at(2), OutstandingDelta::finished(700, true))
-            .unwrap();
-        t.add(&store, at(2), OutstandingDelta::finished(300, false))
-            .unwrap();
-        t.add(&store, at(2), OutstandingDelta::finished(300, false))
-            .unwrap();
+        assert_eq!(counts(&out)[1], (2, 1, 300));
+        t.add(&store, at(2), finished(700, true), T0).unwrap();
+        t.add(&store, at(2), finished(300, false), T0).unwrap();
+        t.add(&store, at(2), finished(300, false), T0).unwrap();
         t.read(&store, &pool, &mut out);
-        assert_eq!(out[1], want(0, 0, 0));
-        // Only live work is stored: one entry left (port 3).
+        assert_eq!(counts(&out)[1], (0, 0, 0));
+        assert_eq!(out[1].prompt_tokens, 0);
+        // An endpoint with nothing in flight keeps its entry (its measured rate) for a while,
+        // then only live work is stored: one entry left (port 3).
+        let (bytes, _) = store.get("ns.outstanding").unwrap();
+        assert_eq!(bytes.len(), 2 * OUTSTANDING_ENTRY_BYTES);
+        let later = T0 + crate::outstanding::IDLE_KEEP;
+        t.add(&store, at(3), sent(0), later).unwrap();
         let (bytes, _) = store.get("ns.outstanding").unwrap();
         assert_eq!(bytes.len(), OUTSTANDING_ENTRY_BYTES);
         // Work at addresses outside the pool is kept for whoever routes there.
-        t.add(&store, at(9), OutstandingDelta::sent(1)).unwrap();
+        t.add(&store, at(9), sent(1), later).unwrap();
         t.add(
             &store,
             SocketAddr::from(([0xfd00, 0, 0, 0, 0, 0, 0, 1], 9)),
-            OutstandingDelta::sent(4),
+            sent(4),
+            later,
         )
         .unwrap();
         t.read(&store, &pool_of(&[9, 3]), &mut out);
-        assert_eq!(out, vec![want(1, 1, 1), want(1, 1, 50)]);
+        assert_eq!(counts(&out), vec![(1, 1, 1), (2, 2, 50)]);
         // A garbled value reads as what it can decode, padded with zeros.
         store.set("ns.outstanding", &[1, 2, 3], 0).unwrap();
         t.read(&store, &pool, &mut out);
         assert_eq!(out, vec![Outstanding::default(); 3]);
+    }
+
+    #[test]
+    fn an_outstanding_entry_round_trips_and_a_garbled_rate_reads_as_none() {
+        let o = Outstanding {
+            requests: 3,
+            prefilling: 2,
+            prefill_tokens: 4_000,
+            prompt_tokens: 9_000,
+            drained_at_us: 1_234_567_890,
+            nominal_rate: 25_000.0,
+            answered_tokens: 61_000.5,
+            busy_s: 3.25,
+            measured_at_us: 1_234_000_000,
+        };
+        let mut bytes = Vec::new();
+        encode_entry(at(7), &o, &mut bytes);
+        assert_eq!(bytes.len(), OUTSTANDING_ENTRY_BYTES);
+        assert_eq!(decode_entry(&bytes), Some((at(7), o)));
+        // The nominal rate's bytes (after the address, four counts and the clock) as NaN.
+        bytes[43..47].copy_from_slice(&f32::NAN.to_bits().to_le_bytes());
+        let (_, garbled) = decode_entry(&bytes).unwrap();
+        assert_eq!(garbled.nominal_rate, 0.0);
+        assert_eq!(decode_entry(&bytes[..OUTSTANDING_ENTRY_BYTES - 1]), None);
     }
 
     #[test]
@@ -768,27 +845,16 @@ mod tests {
         let mut t = OutstandingTable::new("ns");
         let before = pool_of(&[1, 2]);
         let after = pool_of(&[2, 1]);
-        t.add(&store, at(1), OutstandingDelta::sent(100)).unwrap();
-        t.add(&store, at(2), OutstandingDelta::sent(5)).unwrap();
+        t.add(&store, at(1), sent(100), T0).unwrap();
+        t.add(&store, at(2), sent(5), T0).unwrap();
         let mut out = Vec::new();
         t.read(&store, &before, &mut out);
         assert_eq!((out[0].requests, out[1].requests), (1, 1));
         t.read(&store, &after, &mut out);
         assert_eq!((out[0].prefill_tokens, out[1].prefill_tokens), (5, 100));
-        t.add(&store, at(1), OutstandingDelta::finished(100, false))
-            .unwrap();
+        t.add(&store, at(1), finished(100, false), T0).unwrap();
         t.read(&store, &after, &mut out);
-        assert_eq!(
-            out,
-            vec![
-                Outstanding {
-                    requests: 1,
-                    prefilling: 1,
-                    prefill_tokens: 5
-                },
-                Outstanding::default()
-            ]
-        );
+        assert_eq!(counts(&out), vec![(1, 1, 5), (0, 0, 0)]);
     }
 
     /// A store that fails the first `n` CAS writes, as if another VM raced each one.

@@ -4,15 +4,18 @@ use thiserror::Error;
 
 use crate::config::{InvalidBodyPolicy, PluginConfig, RefusedEndpoint, Scorer};
 use crate::cost::{self, CostTerms, RequestSize, TokenRatio};
-use crate::endpoint::{EndpointId, Outstanding, Pool};
+use std::time::Duration;
+
+use crate::endpoint::{EndpointId, Pool};
 use crate::index::PrefixIndex;
+use crate::outstanding::{Charge, Outstanding};
 use crate::prefix::{BlockKey, KeySchedule, PrefixHasher};
 use crate::request::{self, Api, ParsedRequest, RequestError};
 use crate::rng::Rng;
 use crate::score::{self, Candidate, EndpointScore};
 
 /// Where a request goes and why.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Decision {
     pub endpoint: EndpointId,
     /// Leading prefix blocks the chosen endpoint was believed to hold.
@@ -21,9 +24,11 @@ pub struct Decision {
     pub request_blocks: u32,
     pub kind: DecisionKind,
     pub session: SessionOutcome,
-    /// Estimated prompt tokens the chosen endpoint computes for it (the cost model's
-    /// `uncached`): what the caller counts as pending prefill there until the answer begins.
-    pub prefill_tokens: u32,
+    /// What the caller charges the chosen endpoint's [`Outstanding`] entry with: the
+    /// estimated prompt tokens it computes for this request (the cost model's `uncached`,
+    /// pending prefill there until the answer begins), the prompt's tokens (KV held until the
+    /// request finishes) and the rate it was costed at.
+    pub charge: Charge,
 }
 
 /// What became of a request's session pin.
@@ -284,7 +289,13 @@ impl Router {
         self.index.record(endpoint, keys);
     }
 
-    fn fill_candidates(&mut self, outstanding: &[Outstanding], model_rate: f64) {
+    fn fill_candidates(
+        &mut self,
+        outstanding: &[Outstanding],
+        model_rate: f64,
+        kv_capacity: Option<u32>,
+        now: Duration,
+    ) {
         self.candidates.clear();
         let ends = self.hasher.ends();
         self.index.matched_all(&self.keys, &mut self.matched);
@@ -303,6 +314,9 @@ impl Router {
                 inflight: o.requests,
                 prefilling: o.prefilling.min(o.requests),
                 prefill_tokens: u64::from(o.prefill_tokens),
+                queued_tokens: o.queued_tokens_at(now),
+                prompt_tokens: u64::from(o.prompt_tokens),
+                kv_capacity_tokens: load.kv_capacity_tokens.or(kv_capacity),
                 prefill_rate: load.prefill_tokens_per_s.unwrap_or(model_rate),
                 load,
                 pinned: false,
@@ -311,14 +325,16 @@ impl Router {
     }
 
     /// Routes an OpenAI request body. `outstanding` is what this proxy has outstanding per
-    /// endpoint (by id); server loads come from the pool.
+    /// endpoint (by id), `now` the clock its entries were written with; server loads come
+    /// from the pool.
     pub fn route_body(
         &mut self,
         api: Api,
         body: &[u8],
         outstanding: &[Outstanding],
+        now: Duration,
     ) -> Result<Decision, RouteError> {
-        self.route_pinned(api, body, outstanding, None)
+        self.route_pinned(api, body, outstanding, None, now)
     }
 
     /// [`Router::route_body`] for a request whose session is pinned to `pin` (an `ip:port`
@@ -330,9 +346,10 @@ impl Router {
         body: &[u8],
         outstanding: &[Outstanding],
         pin: Option<&str>,
+        now: Duration,
     ) -> Result<Decision, RouteError> {
         let parsed = self.parse(api, body);
-        self.route_parsed(parsed, outstanding, pin)
+        self.route_parsed(parsed, outstanding, pin, now)
     }
 
     /// Parses `body` with this router's bounds (`max_body_bytes`, `max_prompt_segments`), for
@@ -353,6 +370,7 @@ impl Router {
         parsed: Result<ParsedRequest<'_>, RequestError>,
         outstanding: &[Outstanding],
         pin: Option<&str>,
+        now: Duration,
     ) -> Result<Decision, RouteError> {
         self.keys.clear();
         let req = match parsed {
@@ -384,7 +402,8 @@ impl Router {
         self.last_model.push_str(&req.model);
         self.last_prompt_bytes = req.prompt_len() as u64;
         let model_rate = self.config.cost.model_rate(&req.model);
-        self.fill_candidates(outstanding, model_rate);
+        let kv_capacity = self.config.cost.model_kv_capacity(&req.model);
+        self.fill_candidates(outstanding, model_rate, kv_capacity, now);
         let mut session = match pin {
             None => SessionOutcome::None,
             Some(address) => self.apply_pin(address, &req.model),
@@ -436,7 +455,10 @@ impl Router {
         }
         let c = self.candidates[chosen];
         self.index.record(c.id, &self.keys);
-        let uncached = self.costs.get(chosen).map_or(0.0, |t| t.uncached_tokens);
+        let (uncached, rate) = self
+            .costs
+            .get(chosen)
+            .map_or((0.0, c.prefill_rate), |t| (t.uncached_tokens, t.rate));
         self.typical_tokens = Some(match self.typical_tokens {
             None => uncached,
             Some(t) => t + TYPICAL_ALPHA * (uncached - t),
@@ -447,7 +469,11 @@ impl Router {
             request_blocks: self.keys.len() as u32,
             kind: DecisionKind::Scored,
             session,
-            prefill_tokens: uncached.round().clamp(0.0, f64::from(u32::MAX)) as u32,
+            charge: Charge {
+                prefill_tokens: tokens(uncached),
+                prompt_tokens: tokens(size.prompt_tokens),
+                rate: rate as f32,
+            },
         })
     }
 
@@ -499,7 +525,8 @@ impl Router {
     ) -> Result<Decision, RouteError> {
         self.pool.all(&mut self.ids);
         let rate = self.config.cost.prefill_tokens_per_s;
-        self.fill_candidates(outstanding, rate);
+        // Least-loaded reads request counts only: no clock needed.
+        self.fill_candidates(outstanding, rate, None, Duration::ZERO);
         self.scores.clear();
         self.costs.clear();
         let chosen =
@@ -510,9 +537,14 @@ impl Router {
             request_blocks: 0,
             kind,
             session: SessionOutcome::None,
-            prefill_tokens: 0,
+            charge: Charge::default(),
         })
     }
+}
+
+/// A token estimate as the whole count the outstanding table keeps.
+fn tokens(estimate: f64) -> u32 {
+    estimate.round().clamp(0.0, f64::from(u32::MAX)) as u32
 }
 
 #[cfg(test)]
@@ -545,6 +577,7 @@ mod tests {
                 Api::ChatCompletions,
                 &chat("a", &system, "q0"),
                 &[Outstanding::default(); 3],
+                Duration::ZERO,
             )
             .unwrap();
         for i in 1..20 {
@@ -553,6 +586,7 @@ mod tests {
                     Api::ChatCompletions,
                     &chat("a", &system, &format!("q{i}")),
                     &[Outstanding::default(); 3],
+                    Duration::ZERO,
                 )
                 .unwrap();
             assert_eq!(d.endpoint, first.endpoint);
@@ -569,6 +603,7 @@ mod tests {
                     Api::ChatCompletions,
                     &chat("b", "s", &format!("{i}")),
                     &[Outstanding::default(); 3],
+                    Duration::ZERO,
                 )
                 .unwrap();
             assert_eq!(d.endpoint, EndpointId(1));
@@ -578,6 +613,7 @@ mod tests {
                 Api::ChatCompletions,
                 &chat("zzz", "s", "u"),
                 &[Outstanding::default(); 3],
+                Duration::ZERO,
             )
             .unwrap_err();
         assert_eq!(e.status(), 404);
@@ -588,7 +624,12 @@ mod tests {
     fn bad_bodies_per_policy() {
         let mut r = router("");
         let e = r
-            .route_body(Api::ChatCompletions, b"{nope", &[Outstanding::default(); 3])
+            .route_body(
+                Api::ChatCompletions,
+                b"{nope",
+                &[Outstanding::default(); 3],
+                Duration::ZERO,
+            )
             .unwrap_err();
         assert_eq!(e.status(), 400);
         let v: serde_json::Value = serde_json::from_str(&e.body()).unwrap();
@@ -599,6 +640,7 @@ mod tests {
                 Api::ChatCompletions,
                 b"{nope",
                 &[3, 0, 5].map(Outstanding::requests),
+                Duration::ZERO,
             )
             .unwrap();
         assert_eq!(d.kind, DecisionKind::Fallback);
@@ -609,6 +651,7 @@ mod tests {
                 Api::ChatCompletions,
                 &[b' '; 101],
                 &[Outstanding::default(); 3],
+                Duration::ZERO,
             )
             .unwrap_err();
         assert_eq!(e.status(), 413);
@@ -632,12 +675,22 @@ mod tests {
         let mut b = router("");
         let body = chat("a", &"x".repeat(2000), "u");
         let d = a
-            .route_body(Api::ChatCompletions, &body, &[Outstanding::default(); 3])
+            .route_body(
+                Api::ChatCompletions,
+                &body,
+                &[Outstanding::default(); 3],
+                Duration::ZERO,
+            )
             .unwrap();
         b.apply_remote(d.endpoint, a.last_keys());
         for _ in 0..5 {
             let e = b
-                .route_body(Api::ChatCompletions, &body, &[Outstanding::default(); 3])
+                .route_body(
+                    Api::ChatCompletions,
+                    &body,
+                    &[Outstanding::default(); 3],
+                    Duration::ZERO,
+                )
                 .unwrap();
             assert_eq!(e.endpoint, d.endpoint);
             assert_eq!(e.matched_blocks, e.request_blocks);
@@ -650,7 +703,12 @@ mod tests {
         let system = "A long shared system prompt. ".repeat(40);
         let body = chat("a", &system, "q");
         let holder = r
-            .route_body(Api::ChatCompletions, &body, &[Outstanding::default(); 3])
+            .route_body(
+                Api::ChatCompletions,
+                &body,
+                &[Outstanding::default(); 3],
+                Duration::ZERO,
+            )
             .unwrap()
             .endpoint;
         let other = if holder == EndpointId(0) {
@@ -665,6 +723,7 @@ mod tests {
                 &body,
                 &[Outstanding::default(); 3],
                 Some(other),
+                Duration::ZERO,
             )
             .unwrap();
         assert_eq!(r.pool().get(d.endpoint).unwrap().address_text, other);
@@ -676,6 +735,7 @@ mod tests {
                 &body,
                 &[Outstanding::default(); 3],
                 Some("10.9.9.9:1"),
+                Duration::ZERO,
             )
             .unwrap();
         assert_eq!(d.session, SessionOutcome::Broken(BreakReason::NotInPool));
@@ -689,6 +749,7 @@ mod tests {
                 &body,
                 &[Outstanding::default(); 3],
                 Some("garbage"),
+                Duration::ZERO,
             )
             .unwrap();
         assert_eq!(d.session, SessionOutcome::Broken(BreakReason::NotInPool));
@@ -699,6 +760,7 @@ mod tests {
                 &chat("b", "s", "u"),
                 &[Outstanding::default(); 3],
                 Some("10.0.0.1:8000"),
+                Duration::ZERO,
             )
             .unwrap();
         assert_eq!(d.session, SessionOutcome::Broken(BreakReason::NotServing));
@@ -713,6 +775,7 @@ mod tests {
                     Outstanding::default(),
                 ],
                 Some("10.0.0.1:8000"),
+                Duration::ZERO,
             )
             .unwrap();
         assert_eq!(d.session, SessionOutcome::Broken(BreakReason::Overloaded));
@@ -728,6 +791,7 @@ mod tests {
                     Outstanding::default(),
                 ],
                 Some("10.0.0.1:8000"),
+                Duration::ZERO,
             )
             .unwrap();
         assert_eq!(
@@ -745,6 +809,7 @@ mod tests {
                 &body,
                 &[Outstanding::default(); 3],
                 Some("10.0.0.1:8000"),
+                Duration::ZERO,
             )
             .unwrap();
         assert_eq!(d.session, SessionOutcome::Broken(BreakReason::Unhealthy));
@@ -756,7 +821,12 @@ mod tests {
         let mut r = router("");
         let body = chat("a", &"x".repeat(2000), "u");
         let d = r
-            .route_body(Api::ChatCompletions, &body, &[Outstanding::default(); 3])
+            .route_body(
+                Api::ChatCompletions,
+                &body,
+                &[Outstanding::default(); 3],
+                Duration::ZERO,
+            )
             .unwrap();
         assert!(r.index().blocks(d.endpoint) > 0);
         let same: Vec<_> = r.pool().iter().map(|(id, e)| (id, e.clone())).collect();
@@ -810,6 +880,7 @@ mod tests {
                     Api::ChatCompletions,
                     &chat("a", "s", &format!("q{i}")),
                     &outstanding,
+                    Duration::ZERO,
                 )
                 .unwrap();
             let addr = r.pool().get(d.endpoint).unwrap().address.to_string();

@@ -37,6 +37,13 @@ pub struct Candidate {
     pub prefilling: u32,
     /// Their estimated uncached prompt tokens.
     pub prefill_tokens: u64,
+    /// Of those, the ones still ahead of a request arriving now, by this proxy's prefill
+    /// clock ([`crate::Outstanding::queued_tokens_at`]).
+    pub queued_tokens: f64,
+    /// Estimated prompt tokens of every request this proxy has in flight there.
+    pub prompt_tokens: u64,
+    /// The endpoint's KV cache in tokens, when known (configured, or the aggregator's).
+    pub kv_capacity_tokens: Option<u32>,
     /// The endpoint's prefill rate, tokens/s (see [`crate::cost`]).
     pub prefill_rate: f64,
     pub load: EndpointLoad,
@@ -189,6 +196,9 @@ mod tests {
             inflight,
             prefilling: 0,
             prefill_tokens: 0,
+            queued_tokens: 0.0,
+            prompt_tokens: 0,
+            kv_capacity_tokens: None,
             prefill_rate: 20_000.0,
             load: EndpointLoad::default(),
         }
@@ -276,12 +286,14 @@ mod tests {
             running: None,
             kv_cache_usage: Some(0.9),
             prefill_tokens_per_s: None,
+            kv_capacity_tokens: None,
         };
         b.load = EndpointLoad {
             waiting: Some(0),
             running: None,
             kv_cache_usage: Some(0.1),
             prefill_tokens_per_s: None,
+            kv_capacity_tokens: None,
         };
         assert_eq!(choose(&[a, b], 4, 3), 1);
         // unknown load where others are known scores as the worst
@@ -298,6 +310,7 @@ mod tests {
             running: Some(8),
             kv_cache_usage: None,
             prefill_tokens_per_s: None,
+            kv_capacity_tokens: None,
         };
         assert_eq!(c.guard_load(), 10);
         // Other proxies' requests show in the server's count.

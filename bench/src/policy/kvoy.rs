@@ -28,7 +28,8 @@ use kvoy_shared::prefix::BlockKey;
 use kvoy_shared::request::Api;
 use kvoy_shared::snapshot::{EndpointStatus, Snapshot};
 use kvoy_shared::{
-    live, ConfigError, EndpointId, Outstanding, OutstandingDelta, PluginConfig, Router, Scorer,
+    live, Charge, ConfigError, EndpointId, Outstanding, OutstandingDelta, PluginConfig, Router,
+    Scorer,
 };
 
 use super::{argmin_random, Policy, Prefilled, RouteRequest, View};
@@ -51,6 +52,9 @@ pub struct KvoyOptions {
     pub scorer: Scorer,
     /// `cost.prefill_tokens_per_s`, as an operator sets it from `kvoy-aggregator calibrate`.
     pub prefill_tokens_per_s: f64,
+    /// `cost.kv_capacity_tokens`, as an operator reads it from vLLM's start-up log ("GPU KV
+    /// cache size: N tokens"); every replica has the same geometry.
+    pub kv_capacity_tokens: u32,
 }
 
 /// A kvoy configuration over `replicas` simulated endpoints with the crate's defaults but for
@@ -77,7 +81,10 @@ pub fn config(
     let json = serde_json::json!({
         "endpoints": endpoints,
         "scorer": scorer,
-        "cost": {"prefill_tokens_per_s": o.prefill_tokens_per_s},
+        "cost": {
+            "prefill_tokens_per_s": o.prefill_tokens_per_s,
+            "kv_capacity_tokens": o.kv_capacity_tokens,
+        },
     })
     .to_string();
     PluginConfig::from_json(json.as_bytes())
@@ -87,7 +94,7 @@ pub fn config(
 #[derive(Clone, Copy, Debug)]
 struct Sent {
     endpoint: usize,
-    tokens: u32,
+    charge: Charge,
     answered: bool,
 }
 
@@ -135,9 +142,9 @@ impl Kvoy {
         &self.router
     }
 
-    fn apply(&mut self, endpoint: usize, delta: OutstandingDelta) {
+    fn apply(&mut self, endpoint: usize, delta: OutstandingDelta, now: Duration) {
         if let Some(o) = self.outstanding.get_mut(endpoint) {
-            o.apply(delta);
+            o.apply(delta, now);
         }
     }
 
@@ -188,7 +195,7 @@ impl Policy for Kvoy {
     fn pick(&mut self, request: &RouteRequest<'_>, view: &View<'_>) -> usize {
         match self
             .router
-            .route_body(Api::Completions, request.body, &self.outstanding)
+            .route_body(Api::Completions, request.body, &self.outstanding, view.now)
         {
             Ok(decision) => {
                 if self.aggregator {
@@ -196,13 +203,13 @@ impl Policy for Kvoy {
                         .insert(request.id, self.router.last_keys().to_vec());
                 }
                 let endpoint = decision.endpoint.index();
-                let tokens = decision.prefill_tokens;
-                self.apply(endpoint, OutstandingDelta::sent(tokens));
+                let charge = decision.charge;
+                self.apply(endpoint, OutstandingDelta::sent(charge), view.now);
                 self.sent.insert(
                     request.id,
                     Sent {
                         endpoint,
-                        tokens,
+                        charge,
                         answered: false,
                     },
                 );
@@ -219,19 +226,20 @@ impl Policy for Kvoy {
         }
     }
 
-    fn on_first_token(&mut self, request: u64, _endpoint: usize, _now: Duration) {
+    fn on_first_token(&mut self, request: u64, _endpoint: usize, now: Duration) {
         if let Some(sent) = self.sent.get_mut(&request).filter(|s| !s.answered) {
             sent.answered = true;
-            let (endpoint, tokens) = (sent.endpoint, sent.tokens);
-            self.apply(endpoint, OutstandingDelta::answered(tokens));
+            let (endpoint, charge) = (sent.endpoint, sent.charge);
+            self.apply(endpoint, OutstandingDelta::answered(charge), now);
         }
     }
 
-    fn on_finished(&mut self, request: u64, _endpoint: usize, _now: Duration) {
+    fn on_finished(&mut self, request: u64, _endpoint: usize, now: Duration) {
         if let Some(sent) = self.sent.remove(&request) {
             self.apply(
                 sent.endpoint,
-                OutstandingDelta::finished(sent.tokens, sent.answered),
+                OutstandingDelta::finished(sent.charge, sent.answered),
+                now,
             );
         }
     }
@@ -272,6 +280,7 @@ mod tests {
                 aggregator: true,
                 scorer: Scorer::Weighted,
                 prefill_tokens_per_s: 25_000.0,
+                kv_capacity_tokens: 409_600,
             },
             &[],
         )
@@ -339,6 +348,7 @@ mod tests {
             aggregator: true,
             scorer: Scorer::Cost,
             prefill_tokens_per_s: 25_000.0,
+            kv_capacity_tokens: 409_600,
         };
         let mut p = Kvoy::new(2, 1, &options, &[]).unwrap();
         let inflight = [0u32; 2];

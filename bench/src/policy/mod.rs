@@ -203,6 +203,10 @@ impl PolicyKind {
                         kvoy_shared::Scorer::Cost
                     },
                     prefill_tokens_per_s: o.profile.prefill_tokens_per_s,
+                    kv_capacity_tokens: o
+                        .profile
+                        .num_gpu_blocks
+                        .saturating_mul(o.profile.block_size),
                 };
                 let rates: Vec<f64> = o
                     .replica_profiles

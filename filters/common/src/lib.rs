@@ -99,29 +99,36 @@ impl Headers for HeaderCache {
 
 std::thread_local! {
     /// The clock as read once in the current callback, while a [`ClockPass`] is open: `Some(None)`
-    /// not read yet, `Some(Some(ms))` read.
-    static PASS_CLOCK: std::cell::Cell<Option<Option<u64>>> = const { std::cell::Cell::new(None) };
+    /// not read yet, `Some(Some(t))` read.
+    static PASS_CLOCK: std::cell::Cell<Option<Option<std::time::Duration>>> =
+        const { std::cell::Cell::new(None) };
 }
 
-/// Host time in milliseconds since the Unix epoch (0 if unavailable). Inside a [`ClockPass`]
-/// the host is asked once and the answer reused.
+/// Host time in milliseconds since the Unix epoch (0 if unavailable); see [`now`].
 pub fn now_ms() -> u64 {
-    if let Some(Some(ms)) = PASS_CLOCK.with(std::cell::Cell::get) {
-        return ms;
+    u64::try_from(now().as_millis()).unwrap_or(u64::MAX)
+}
+
+/// The host's clock since the Unix epoch (zero if the host will not tell): every VM of the
+/// proxy reads the same clock, so times written to shared data compare across workers. Inside
+/// a [`ClockPass`] the host is asked once and the answer reused.
+pub fn now() -> std::time::Duration {
+    if let Some(Some(t)) = PASS_CLOCK.with(std::cell::Cell::get) {
+        return t;
     }
-    let ms = hostcalls::get_current_time()
+    let t = hostcalls::get_current_time()
         .ok()
         .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        .unwrap_or_default();
     PASS_CLOCK.with(|c| {
         if c.get().is_some() {
-            c.set(Some(Some(ms)));
+            c.set(Some(Some(t)));
         }
     });
-    ms
+    t
 }
 
-/// One callback's view of the clock: while it lives, [`now_ms`] reads the host's clock at most
+/// One callback's view of the clock: while it lives, [`now`] reads the host's clock at most
 /// once (a callback is a moment: the stages of the combined filter need not each ask). Open it
 /// at the start of a callback, and let it drop at the end.
 pub struct ClockPass(());

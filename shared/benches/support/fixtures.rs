@@ -43,12 +43,22 @@ pub fn bench_route(
     let mut router = kvoy_shared::Router::new(config, 1);
     let inflight = [kvoy_shared::Outstanding::default(); 8];
     router
-        .route_body(Api::ChatCompletions, body, &inflight)
+        .route_body(
+            Api::ChatCompletions,
+            body,
+            &inflight,
+            std::time::Duration::ZERO,
+        )
         .expect("routes");
     group.bench_with_input(id, body, |b, body| {
         b.iter(|| {
             router
-                .route_body(Api::ChatCompletions, black_box(body), &inflight)
+                .route_body(
+                    Api::ChatCompletions,
+                    black_box(body),
+                    &inflight,
+                    std::time::Duration::ZERO,
+                )
                 .map(|d| d.endpoint)
         })
     });

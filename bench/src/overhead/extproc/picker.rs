@@ -3,10 +3,13 @@
 //! simulated kvoy does (`policy/kvoy.rs`). One picker serves every stream, like one EPP.
 
 use std::net::SocketAddr;
+use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 use kvoy_shared::request::Api;
-use kvoy_shared::{ConfigError, EndpointId, Outstanding, OutstandingDelta, PluginConfig, Router};
+use kvoy_shared::{
+    Charge, ConfigError, EndpointId, Outstanding, OutstandingDelta, PluginConfig, Router,
+};
 use prost::Message as _;
 
 use super::grpc::{Code, Status};
@@ -26,7 +29,7 @@ pub struct StreamState {
     /// Body pieces before the last one (only if Envoy streams; BUFFERED sends one).
     body: BytesMut,
     /// What the decision charged to the outstanding table, released once.
-    charged: Option<(EndpointId, u32)>,
+    charged: Option<(EndpointId, Charge)>,
 }
 
 pub struct Picker {
@@ -35,6 +38,8 @@ pub struct Picker {
     outstanding: Vec<Outstanding>,
     /// Decisions per endpoint id, for the benchmark's check that requests arrived there.
     routed: Vec<u64>,
+    /// The outstanding table's clock starts here.
+    epoch: Instant,
 }
 
 impl Picker {
@@ -45,6 +50,7 @@ impl Picker {
             router,
             outstanding: vec![Outstanding::default(); n],
             routed: vec![0; n],
+            epoch: Instant::now(),
         })
     }
 
@@ -121,7 +127,8 @@ impl Picker {
             // Not an inference API: nothing to route (the filter passes such requests by).
             return Response::RequestBody(BodyResponse::default());
         };
-        match self.router.route_body(api, body, &self.outstanding) {
+        let now = self.epoch.elapsed();
+        match self.router.route_body(api, body, &self.outstanding, now) {
             Ok(decision) => {
                 let id = decision.endpoint;
                 let Some(endpoint) = self.router.pool().get(id) else {
@@ -133,12 +140,12 @@ impl Picker {
                     raw_value: endpoint.address_text.as_bytes().to_vec(),
                 };
                 if let Some(o) = self.outstanding.get_mut(id.index()) {
-                    o.apply(OutstandingDelta::sent(decision.prefill_tokens));
+                    o.apply(OutstandingDelta::sent(decision.charge), now);
                 }
                 if let Some(n) = self.routed.get_mut(id.index()) {
                     *n += 1;
                 }
-                stream.charged = Some((id, decision.prefill_tokens));
+                stream.charged = Some((id, decision.charge));
                 Response::RequestBody(BodyResponse {
                     response: Some(CommonResponse {
                         header_mutation: Some(HeaderMutation {
@@ -159,9 +166,10 @@ impl Picker {
     /// the answer, so this is the ext_proc stream's end, which Envoy closes once it has nothing
     /// more to send: the count covers routing, not generation.
     pub fn end(&mut self, stream: &mut StreamState) {
-        if let Some((id, tokens)) = stream.charged.take() {
+        if let Some((id, charge)) = stream.charged.take() {
+            let now = self.epoch.elapsed();
             if let Some(o) = self.outstanding.get_mut(id.index()) {
-                o.apply(OutstandingDelta::finished(tokens, false));
+                o.apply(OutstandingDelta::finished(charge, false), now);
             }
         }
     }

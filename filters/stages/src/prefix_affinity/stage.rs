@@ -1,16 +1,18 @@
 //! One request through the prefix-affinity stage.
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use log::{debug, warn};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType};
 
-use kvoy_filter_common::{Headers, HostStore};
+use kvoy_filter_common::{now, Headers, HostStore};
 use kvoy_shared::request::{classify_path, Api, ParsedRequest, PathClass};
 use kvoy_shared::usage::UsageScanner;
 use kvoy_shared::{
-    Decision, DecisionKind, EndpointId, OutstandingDelta, RequestError, RouteError, SessionOutcome,
+    Charge, Decision, DecisionKind, EndpointId, OutstandingDelta, RequestError, RouteError,
+    SessionOutcome,
 };
 
 use super::{Metrics, PrefixVm as VmState};
@@ -42,7 +44,7 @@ struct UsageProbe {
 #[derive(Clone, Copy)]
 struct Acquired {
     endpoint: SocketAddr,
-    prefill_tokens: u32,
+    charge: Charge,
     /// The answer began (the prefill tokens were released).
     answered: bool,
 }
@@ -119,11 +121,12 @@ fn reply_error(vm: &mut VmState, err: &RouteError) {
     );
 }
 
-/// Brings this VM's view up to date: the live pool, other workers' decisions and the
-/// outstanding work.
-fn refresh(vm: &mut VmState) {
+/// Brings this VM's view up to date at `now` (the host's clock, read once per request): the
+/// live pool, other workers' decisions and the outstanding work.
+fn refresh(vm: &mut VmState, now: Duration) {
     if vm.live.is_some() {
-        super::live::refresh(vm, kvoy_filter_common::now_ms());
+        let now_ms = u64::try_from(now.as_millis()).unwrap_or(u64::MAX);
+        super::live::refresh(vm, now_ms);
     }
     vm.catch_up(CATCH_UP_SLOTS_PER_REQUEST);
     vm.outstanding
@@ -172,12 +175,13 @@ impl PrefixStage {
         }
         .filter(|_| method.eq_ignore_ascii_case("POST"));
         let Some(api) = api else {
-            refresh(vm);
+            let now = now();
+            refresh(vm, now);
             let counts = std::mem::take(&mut vm.counts);
             let result = vm.router.route_passthrough(&counts);
             vm.counts = counts;
             return match result {
-                Ok(decision) => self.commit(vm, decision),
+                Ok(decision) => self.commit(vm, decision, now),
                 Err(err) => {
                     reply_error(vm, &err);
                     HeadersVerdict::Replied
@@ -266,13 +270,14 @@ impl PrefixStage {
         pin: Option<&str>,
     ) -> bool {
         self.api = None;
-        refresh(vm);
+        let now = now();
+        refresh(vm, now);
         self.routed_api = Some(api);
         let counts = std::mem::take(&mut vm.counts);
-        let result = vm.router.route_parsed(parsed, &counts, pin);
+        let result = vm.router.route_parsed(parsed, &counts, pin, now);
         vm.counts = counts;
         match result {
-            Ok(decision) => self.commit(vm, decision) == HeadersVerdict::Routed,
+            Ok(decision) => self.commit(vm, decision, now) == HeadersVerdict::Routed,
             Err(err) => {
                 reply_error(vm, &err);
                 false
@@ -281,7 +286,7 @@ impl PrefixStage {
     }
 
     /// Sets the destination, counts the request in flight, shares the decision.
-    fn commit(&mut self, vm: &mut VmState, decision: Decision) -> HeadersVerdict {
+    fn commit(&mut self, vm: &mut VmState, decision: Decision, now: Duration) -> HeadersVerdict {
         let Some(endpoint) = vm.router.pool().get(decision.endpoint) else {
             reply_error(vm, &RouteError::NoEndpoint);
             return HeadersVerdict::Replied;
@@ -298,15 +303,15 @@ impl PrefixStage {
             return HeadersVerdict::Replied;
         }
         self.chosen = Some(decision.endpoint);
-        let tokens = decision.prefill_tokens;
+        let charge = decision.charge;
         if vm
             .outstanding
-            .add(&HostStore, address, OutstandingDelta::sent(tokens))
+            .add(&HostStore, address, OutstandingDelta::sent(charge), now)
             .is_ok()
         {
             self.acquired = Some(Acquired {
                 endpoint: address,
-                prefill_tokens: tokens,
+                charge,
                 answered: false,
             });
             vm.metrics.inflight.add(1);
@@ -412,10 +417,15 @@ impl PrefixStage {
         // headers leave the server before its first token.
         if let Some(a) = self.acquired.as_mut().filter(|a| !a.answered) {
             a.answered = true;
-            let (endpoint, tokens) = (a.endpoint, a.prefill_tokens);
+            let (endpoint, charge) = (a.endpoint, a.charge);
             if vm
                 .outstanding
-                .add(&HostStore, endpoint, OutstandingDelta::answered(tokens))
+                .add(
+                    &HostStore,
+                    endpoint,
+                    OutstandingDelta::answered(charge),
+                    now(),
+                )
                 .is_err()
             {
                 Metrics::add(vm.metrics.shared_state_errors, 1);
@@ -460,8 +470,12 @@ impl PrefixStage {
             return;
         };
         vm.metrics.inflight.add(-1);
-        let delta = OutstandingDelta::finished(a.prefill_tokens, a.answered);
-        if vm.outstanding.add(&HostStore, a.endpoint, delta).is_err() {
+        let delta = OutstandingDelta::finished(a.charge, a.answered);
+        if vm
+            .outstanding
+            .add(&HostStore, a.endpoint, delta, now())
+            .is_err()
+        {
             Metrics::add(vm.metrics.shared_state_errors, 1);
         }
     }
