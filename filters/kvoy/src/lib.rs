@@ -47,7 +47,12 @@ use crate::stream::{KvoyStream, Request};
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
     proxy_wasm::set_root_context(|context_id| -> Box<dyn RootContext> {
-        Box::new(KvoyRoot { context_id, vm: Rc::new(Vm::default()), ticks: Ticks::default() })
+        Box::new(KvoyRoot {
+            context_id,
+            vm: Rc::new(Vm::default()),
+            ticks: Ticks::default(),
+            serves: std::cell::Cell::new(false),
+        })
     });
 }}
 
@@ -90,6 +95,8 @@ struct KvoyRoot {
     context_id: u32,
     vm: Rc<Vm>,
     ticks: Ticks,
+    /// This VM has had a request (a worker's VM; Envoy's main-thread VM never has one).
+    serves: std::cell::Cell<bool>,
 }
 
 impl KvoyRoot {
@@ -186,13 +193,16 @@ impl RootContext for KvoyRoot {
         if Ticks::due(&mut self.ticks.prefix, now) {
             if let Ok(mut guard) = self.vm.prefix.try_borrow_mut() {
                 if let Some(prefix) = guard.as_mut() {
-                    prefix.on_tick();
+                    // A VM that has had no request (Envoy's main-thread VM) keeps no index: it
+                    // follows the live pool, and replays the log once it serves.
+                    prefix.on_tick_with(self.serves.get());
                 }
             }
         }
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        self.serves.set(true);
         Some(Box::new(KvoyStream::new(self.vm.clone(), context_id)))
     }
 

@@ -114,10 +114,18 @@ impl PrefixVm {
 
     /// The tick: the live pool, then every decision the other workers logged since the last.
     pub fn on_tick(&mut self) {
+        self.on_tick_with(true);
+    }
+
+    /// [`PrefixVm::on_tick`], replaying the other workers' decisions only if `catch_up` (a VM
+    /// that routes no requests, such as Envoy's main-thread VM, need not keep an index).
+    pub fn on_tick_with(&mut self, catch_up: bool) {
         if self.live.is_some() {
             live::on_tick(self);
         }
-        self.catch_up(usize::MAX);
+        if catch_up {
+            self.catch_up(usize::MAX);
+        }
     }
 
     /// Whether the HTTP call `token` is this stage's aggregator poll.
