@@ -23,8 +23,8 @@ CARGO ?= cargo
 # The machine is small and shared: cap parallel compile jobs.
 JOBS ?= 2
 WASM_TARGET := wasm32-wasip1
-# One crate per proxy-wasm filter, plus the harness's SDK test guest.
-WASM_CRATES := kvoy-prefix-affinity kvoy-session kvoy-admission kvoy-harness-guest
+# One crate per proxy-wasm filter (kvoy-filter: the combined `kvoy`), plus the harness's SDK test guest.
+WASM_CRATES := kvoy-filter kvoy-prefix-affinity kvoy-session kvoy-admission kvoy-harness-guest
 # Crates with native binaries.
 BIN_CRATES := kvoy-e2e kvoy-sim
 # Flags for kvoy-stack (`kvoy-stack --help`), e.g. RUN_ARGS='--backend echo --speedup 1'.

@@ -11,7 +11,7 @@
 # The output is reproducible: file times, owners and gzip headers are fixed.
 #
 # usage: scripts/build-oci.sh [-o OUT_DIR] [-v VERSION] [MODULE.wasm ...]
-#   MODULE.wasm  default: kvoy_session, kvoy_admission and kvoy_prefix_affinity .wasm from
+#   MODULE.wasm  default: kvoy, kvoy_session, kvoy_admission and kvoy_prefix_affinity .wasm from
 #                $KVOY_WASM_DIR, else ${CARGO_TARGET_DIR:-target}/wasm32-wasip1/release (`make wasm`)
 #   -o OUT_DIR   default: target/oci/kvoy (replaced if it is an OCI layout already)
 #   -v VERSION   org.opencontainers.image.version (default: the workspace version)
@@ -44,7 +44,7 @@ shift $((OPTIND - 1))
 modules=("$@")
 if [ "${#modules[@]}" -eq 0 ]; then
     wasm_dir="${KVOY_WASM_DIR:-${CARGO_TARGET_DIR:-${root}/target}/wasm32-wasip1/release}"
-    for name in kvoy_session kvoy_admission kvoy_prefix_affinity; do
+    for name in kvoy kvoy_session kvoy_admission kvoy_prefix_affinity; do
         modules+=("${wasm_dir}/${name}.wasm")
     done
 fi

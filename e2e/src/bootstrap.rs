@@ -1,4 +1,5 @@
-//! Rendering `envoy/kvoy.yaml`: substitutes its `{{NAME}}` placeholders in one pass.
+//! Rendering `envoy/kvoy.yaml` (the combined `kvoy` filter) or `envoy/kvoy-separate.yaml` (the
+//! three separate filters): substitutes their `{{NAME}}` placeholders in one pass.
 //!
 //! String values land inside double-quoted YAML scalars in the template, so they are escaped as
 //! JSON string contents (YAML 1.2 double-quoted scalars accept every JSON escape).
@@ -9,14 +10,15 @@ use std::path::{Path, PathBuf};
 use serde_json::{json, Value};
 use thiserror::Error;
 
-/// What the `envoy/kvoy.yaml` template needs.
+/// What the bootstrap templates need. The three stage configurations go into the combined
+/// filter's sections (`KVOY_CONFIG`, see [`kvoy_config`]) or to the three separate filters.
 #[derive(Clone, Debug)]
 pub struct BootstrapParams {
     /// Port of the proxy listener on 127.0.0.1.
     pub listen_port: u16,
     /// Port of the admin interface on 127.0.0.1.
     pub admin_port: u16,
-    /// Directory holding `kvoy_prefix_affinity.wasm`.
+    /// Directory holding `kvoy.wasm` (and the separate filters' modules).
     pub wasm_dir: PathBuf,
     /// The prefix-affinity filter's JSON configuration.
     pub prefix_affinity_config: String,
@@ -48,18 +50,31 @@ pub fn quoted_contents(s: &str) -> String {
     quoted[1..quoted.len() - 1].to_string()
 }
 
-const PLACEHOLDERS: [&str; 7] = [
+const PLACEHOLDERS: [&str; 8] = [
     "LISTEN_PORT",
     "ADMIN_PORT",
     "WASM_DIR",
+    "AGGREGATOR_PORT",
+    "KVOY_CONFIG",
     "PREFIX_AFFINITY_CONFIG",
     "SESSION_CONFIG",
-    "AGGREGATOR_PORT",
     "ADMISSION_CONFIG",
 ];
 
-/// Renders `template` (the text of `envoy/kvoy.yaml`). Every placeholder must be known and every
-/// known placeholder must occur; substituted text is never scanned again.
+/// Placeholders every template has (the first four of `PLACEHOLDERS`); then either the combined
+/// filter's configuration (`KVOY_CONFIG`) or the three separate ones.
+const COMMON: usize = 4;
+
+/// The combined filter's configuration: each stage's JSON as its section, byte for byte.
+pub fn kvoy_config(session: &str, admission: &str, prefix_affinity: &str) -> String {
+    format!(
+        r#"{{"session":{session},"admission":{admission},"prefix_affinity":{prefix_affinity}}}"#
+    )
+}
+
+/// Renders `template` (the text of `envoy/kvoy.yaml` or `envoy/kvoy-separate.yaml`). Every
+/// placeholder must be known, and every placeholder of its layout must occur; substituted text
+/// is never scanned again.
 pub fn render_bootstrap(template: &str, params: &BootstrapParams) -> Result<String, RenderError> {
     let wasm_dir = params
         .wasm_dir
@@ -71,6 +86,11 @@ pub fn render_bootstrap(template: &str, params: &BootstrapParams) -> Result<Stri
             "LISTEN_PORT" => Some(params.listen_port.to_string()),
             "ADMIN_PORT" => Some(params.admin_port.to_string()),
             "WASM_DIR" => Some(quoted_contents(wasm_dir)),
+            "KVOY_CONFIG" => Some(quoted_contents(&kvoy_config(
+                &params.session_config,
+                &params.admission_config,
+                &params.prefix_affinity_config,
+            ))),
             "PREFIX_AFFINITY_CONFIG" => Some(quoted_contents(&params.prefix_affinity_config)),
             "SESSION_CONFIG" => Some(quoted_contents(&params.session_config)),
             "ADMISSION_CONFIG" => Some(quoted_contents(&params.admission_config)),
@@ -99,8 +119,14 @@ pub fn render_bootstrap(template: &str, params: &BootstrapParams) -> Result<Stri
         rest = &rest[consumed..];
     }
     out.push_str(rest);
-    if let Some(i) = seen.iter().position(|s| !s) {
+    if let Some(i) = seen[..COMMON].iter().position(|s| !s) {
         return Err(RenderError::Missing(PLACEHOLDERS[i]));
+    }
+    // The combined layout, or else every separate filter's configuration.
+    if !seen[COMMON] {
+        if let Some(i) = seen[COMMON + 1..].iter().position(|s| !s) {
+            return Err(RenderError::Missing(PLACEHOLDERS[COMMON + 1 + i]));
+        }
     }
     Ok(out)
 }
@@ -183,6 +209,25 @@ mod tests {
         let line = out.lines().find(|l| l.starts_with("v: ")).unwrap();
         let decoded: String = serde_json::from_str(&line[3..]).unwrap();
         assert_eq!(decoded, config);
+    }
+
+    #[test]
+    fn the_combined_layout_gets_one_configuration_with_a_section_per_stage() {
+        let t = "l: {{LISTEN_PORT}}\na: {{ADMIN_PORT}}\nf: \"{{WASM_DIR}}/kvoy.wasm\"\ng: {{AGGREGATOR_PORT}}\nk: \"{{KVOY_CONFIG}}\"\n";
+        let out = render_bootstrap(t, &params(r#"{"endpoints":[]}"#)).unwrap();
+        let line = out.lines().find(|l| l.starts_with("k: ")).unwrap();
+        let decoded: String = serde_json::from_str(&line[3..]).unwrap();
+        let v: Value = serde_json::from_str(&decoded).unwrap();
+        assert_eq!(v["session"], json!({}));
+        assert_eq!(v["admission"], json!({"endpoints": 1}));
+        assert_eq!(v["prefix_affinity"], json!({"endpoints": []}));
+        assert_eq!(
+            render_bootstrap(
+                "{{LISTEN_PORT}} {{ADMIN_PORT}} {{WASM_DIR}} {{AGGREGATOR_PORT}}",
+                &params("{}")
+            ),
+            Err(RenderError::Missing("PREFIX_AFFINITY_CONFIG"))
+        );
     }
 
     #[test]

@@ -38,7 +38,7 @@ mod stack;
 
 pub use aggregator::{aggregator_yaml, AggregatedEndpoint, LocalAggregator};
 pub use bootstrap::{
-    prefix_affinity_config, quoted_contents, render_bootstrap, render_bootstrap_file,
+    kvoy_config, prefix_affinity_config, quoted_contents, render_bootstrap, render_bootstrap_file,
     BootstrapParams, PoolEndpoint, RenderError,
 };
 pub use echo::{
@@ -50,9 +50,10 @@ pub use envoy::{
 };
 pub use sim::SimFleet;
 pub use stack::{
-    bootstrap_template, default_wasm_dir, require_filter_wasm, served_by, stale_sources,
-    workspace_root, Stack, StackConfig, ADMISSION_WASM, AGGREGATOR_CLUSTER, LOOPBACK_CIDR,
-    PREFIX_AFFINITY_WASM, SERVED_HEADER, SESSION_WASM,
+    bootstrap_template, default_wasm_dir, require_filter_wasm, separate_bootstrap_template,
+    served_by, stale_sources, workspace_root, FilterLayout, Stack, StackConfig, ADMISSION_WASM,
+    AGGREGATOR_CLUSTER, KVOY_WASM, LOOPBACK_CIDR, PREFIX_AFFINITY_WASM, SERVED_HEADER,
+    SESSION_WASM,
 };
 
 /// Polls `check` every 20 ms until it holds; panics naming `what` after `timeout`.

@@ -1,4 +1,4 @@
-//! A kvoy stack: the rendered `envoy/kvoy.yaml` running in a real Envoy in front of a static pool.
+//! A kvoy stack: the rendered `envoy/kvoy.yaml` (or `envoy/kvoy-separate.yaml`) running in a real Envoy in front of a static pool.
 //! Used by `kvoy-stack` (`make run`) and by the end-to-end tests; the backends are started by
 //! the caller.
 
@@ -20,6 +20,9 @@ pub const LOOPBACK_CIDR: &str = "127.0.0.0/8";
 /// The bootstrap's cluster for kvoy-aggregator.
 pub const AGGREGATOR_CLUSTER: &str = "kvoy_aggregator";
 
+/// File name of the combined filter module.
+pub const KVOY_WASM: &str = "kvoy.wasm";
+
 /// File name of the admission filter module.
 pub const ADMISSION_WASM: &str = "kvoy_admission.wasm";
 
@@ -35,9 +38,34 @@ pub fn workspace_root() -> PathBuf {
     manifest.parent().unwrap_or(manifest).to_path_buf()
 }
 
-/// `envoy/kvoy.yaml` in the repository.
+/// `envoy/kvoy.yaml` in the repository (the combined `kvoy` filter).
 pub fn bootstrap_template() -> PathBuf {
     workspace_root().join("envoy").join("kvoy.yaml")
+}
+
+/// `envoy/kvoy-separate.yaml` in the repository (the three separate filters).
+pub fn separate_bootstrap_template() -> PathBuf {
+    workspace_root().join("envoy").join("kvoy-separate.yaml")
+}
+
+/// Which filters run the stages.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FilterLayout {
+    /// The combined `kvoy` filter (`envoy/kvoy.yaml`).
+    #[default]
+    Combined,
+    /// `kvoy_session`, `kvoy_admission` and `kvoy_prefix_affinity` (`envoy/kvoy-separate.yaml`).
+    Separate,
+}
+
+impl FilterLayout {
+    /// The bootstrap template of this layout.
+    pub fn template(self) -> PathBuf {
+        match self {
+            FilterLayout::Combined => bootstrap_template(),
+            FilterLayout::Separate => separate_bootstrap_template(),
+        }
+    }
 }
 
 /// Where the release wasm filters are: `$KVOY_WASM_DIR`, else
@@ -52,19 +80,25 @@ pub fn default_wasm_dir() -> PathBuf {
     target.join("wasm32-wasip1").join("release")
 }
 
-/// The prefix-affinity module in `wasm_dir`, or an error that says how to build it.
+/// The combined module in `wasm_dir` (the separate ones checked too), or an error that says how
+/// to build them.
 pub fn require_filter_wasm(wasm_dir: &Path) -> anyhow::Result<PathBuf> {
-    for module in [SESSION_WASM, ADMISSION_WASM, PREFIX_AFFINITY_WASM] {
+    for module in [
+        KVOY_WASM,
+        SESSION_WASM,
+        ADMISSION_WASM,
+        PREFIX_AFFINITY_WASM,
+    ] {
         let path = wasm_dir.join(module);
         if !path.is_file() {
             bail!(
                 "the filter module {} is missing: build it with `make wasm` \
-                 (cargo build --release --target wasm32-wasip1 -p kvoy-prefix-affinity -p kvoy-session -p kvoy-admission)",
+                 (cargo build --release --target wasm32-wasip1 -p kvoy-filter -p kvoy-prefix-affinity -p kvoy-session -p kvoy-admission)",
                 path.display()
             );
         }
     }
-    Ok(wasm_dir.join(PREFIX_AFFINITY_WASM))
+    Ok(wasm_dir.join(KVOY_WASM))
 }
 
 /// Source files (under `filters/` and `shared/`, outside `benches/` and `tests/`) newer than the built module at `wasm`: when
@@ -134,6 +168,8 @@ pub struct StackConfig {
     pub wasm_dir: PathBuf,
     /// Envoy worker threads.
     pub concurrency: u32,
+    /// The combined filter (default) or the three separate ones.
+    pub layout: FilterLayout,
     /// How long to wait for Envoy to become ready.
     pub ready_timeout: Duration,
 }
@@ -153,6 +189,7 @@ impl StackConfig {
             run_dir,
             wasm_dir: default_wasm_dir(),
             concurrency: 2,
+            layout: FilterLayout::default(),
             ready_timeout: Duration::from_secs(60),
         }
     }
@@ -242,8 +279,8 @@ impl Stack {
         }
     }
 
-    /// Renders `envoy/kvoy.yaml` into `run_dir/envoy.yaml`, starts Envoy and waits until it is
-    /// ready.
+    /// Renders `envoy/kvoy.yaml` (or `envoy/kvoy-separate.yaml`, per `layout`) into
+    /// `run_dir/envoy.yaml`, starts Envoy and waits until it is ready.
     pub fn start(config: &StackConfig) -> anyhow::Result<Stack> {
         crate::envoy::envoy_version()?;
         let wasm = require_filter_wasm(&config.wasm_dir)?;
@@ -291,7 +328,7 @@ impl Stack {
             // Without an aggregator the cluster is unused; any port will do.
             aggregator_port: config.aggregator.map_or(9, |a| a.port()),
         };
-        let rendered = render_bootstrap_file(&bootstrap_template(), &params)?;
+        let rendered = render_bootstrap_file(&config.layout.template(), &params)?;
         let config_path = config.run_dir.join("envoy.yaml");
         std::fs::write(&config_path, rendered)
             .with_context(|| format!("writing {}", config_path.display()))?;

@@ -1,4 +1,5 @@
-//! `envoy/kvoy.yaml`, rendered as `make run` and the end-to-end tests render it, passes
+//! `envoy/kvoy.yaml` (the combined filter) and `envoy/kvoy-separate.yaml` (the three separate
+//! filters), rendered as `make run` and the end-to-end tests render them, pass
 //! `envoy --mode validate`. Validation loads the wasm module, so this needs the built filter
 //! (`make wasm`) and fails, saying so, without it.
 #![allow(clippy::expect_used, clippy::unwrap_used)]
@@ -7,7 +8,8 @@ use std::path::PathBuf;
 
 use kvoy_e2e::{
     bootstrap_template, default_wasm_dir, envoy_version, prefix_affinity_config,
-    render_bootstrap_file, require_filter_wasm, validate_config, BootstrapParams, PoolEndpoint,
+    render_bootstrap_file, require_filter_wasm, separate_bootstrap_template, validate_config,
+    BootstrapParams, PoolEndpoint,
 };
 use serde_json::json;
 
@@ -37,17 +39,22 @@ fn rendered_bootstrap_passes_envoy_validate() {
         admission_config: r#"{"endpoints":2,"flow":{"objectives":{"chat":10}}}"#.to_string(),
         aggregator_port: 18090,
     };
-    let rendered = render_bootstrap_file(&bootstrap_template(), &params).expect("render");
-    assert!(rendered.contains("allow_on_headers_stop_iteration: true"));
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("kvoy-e2e");
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(format!("validate-{}.yaml", std::process::id()));
-    std::fs::write(&path, rendered).unwrap();
-    match validate_config(&path) {
-        Ok(out) => {
-            eprintln!("{}", out.lines().last().unwrap_or(""));
-            let _ = std::fs::remove_file(&path);
+    for (layout, template) in [
+        ("combined", bootstrap_template()),
+        ("separate", separate_bootstrap_template()),
+    ] {
+        let rendered = render_bootstrap_file(&template, &params).expect("render");
+        assert!(rendered.contains("allow_on_headers_stop_iteration: true"));
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("kvoy-e2e");
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(format!("validate-{layout}-{}.yaml", std::process::id()));
+        std::fs::write(&path, rendered).unwrap();
+        match validate_config(&path) {
+            Ok(out) => {
+                eprintln!("{layout}: {}", out.lines().last().unwrap_or(""));
+                let _ = std::fs::remove_file(&path);
+            }
+            Err(e) => panic!("{layout}: {e:#}"),
         }
-        Err(e) => panic!("{e:#}"),
     }
 }

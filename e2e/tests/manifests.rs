@@ -207,7 +207,8 @@ fn merge(into: &mut Map<String, Value>, from: &Value) {
     }
 }
 
-/// The module a code reference names: `.../kvoy-prefix-affinity:0.1.0` -> kvoy_prefix_affinity.wasm
+/// The module a code reference names: `.../kvoy-prefix-affinity:0.1.0` -> kvoy_prefix_affinity.wasm,
+/// `.../kvoy:0.1.0` -> kvoy.wasm
 /// (the file `make wasm` builds), which must exist in `wasm_dir`.
 fn module_file(reference: &str, wasm_dir: &Path) -> PathBuf {
     let last = reference.rsplit('/').next().unwrap();
@@ -493,10 +494,19 @@ fn envoy_validate(name: &str, chain: &Chain) -> anyhow::Result<String> {
         .iter()
         .map(|f| f["typed_config"]["config"]["root_id"].as_str().unwrap())
         .collect();
+    // The combined filter, or the separate prefix-affinity filter after the other two.
     let pa = roots
         .iter()
-        .position(|r| *r == "kvoy_prefix_affinity")
-        .expect("kvoy_prefix_affinity in the chain");
+        .position(|r| *r == "kvoy" || *r == "kvoy_prefix_affinity")
+        .expect("kvoy (or kvoy_prefix_affinity) in the chain");
+    if roots[pa] == "kvoy" {
+        assert!(
+            !roots
+                .iter()
+                .any(|r| ["kvoy_session", "kvoy_admission", "kvoy_prefix_affinity"].contains(r)),
+            "{name}: the combined filter runs every stage; no separate one beside it"
+        );
+    }
     if let Some(s) = roots.iter().position(|r| *r == "kvoy_session") {
         assert!(
             s < pa,
@@ -511,7 +521,7 @@ fn envoy_validate(name: &str, chain: &Chain) -> anyhow::Result<String> {
     }
     assert_eq!(
         chain.filters[pa]["typed_config"]["config"]["allow_on_headers_stop_iteration"], true,
-        "{name}: kvoy_prefix_affinity reads the body before routing"
+        "{name}: the routing filter reads the body before routing"
     );
     assert_eq!(
         chain.route["cluster"], "kvoy_pool",
@@ -570,10 +580,13 @@ fn istio_variants(wasm_dir: &Path) -> Vec<(&'static str, Chain, Configs)> {
 fn istio_envoyfilters_pass_envoy_validate() {
     let wasm_dir = wasm_dir();
     for (name, chain, _) in istio_variants(&wasm_dir) {
+        // The combined filter, except in the WasmPlugin flavour (the separate filters: a
+        // WasmPlugin cannot set allow_on_headers_stop_iteration, which kvoy needs).
+        let expected = if name == "istio-wasmplugin" { 3 } else { 1 };
         assert_eq!(
             chain.filters.len(),
-            3,
-            "{name}: session, admission, prefix affinity"
+            expected,
+            "{name}: kvoy, or session, admission, prefix affinity"
         );
         match envoy_validate(name, &chain) {
             Ok(out) => eprintln!("{name}: {}", out.lines().last().unwrap_or("")),
@@ -586,7 +599,7 @@ fn istio_envoyfilters_pass_envoy_validate() {
 fn envoy_gateway_policies_pass_envoy_validate() {
     let wasm_dir = wasm_dir();
     let (chain, _) = envoy_gateway_chain(&wasm_dir);
-    assert_eq!(chain.filters.len(), 3);
+    assert_eq!(chain.filters.len(), 1, "the combined filter");
     if let Err(e) = envoy_validate("envoy-gateway", &chain) {
         panic!("{e:#}");
     }
@@ -641,6 +654,35 @@ fn plugin_and_aggregator_configurations_parse() {
                     kvoy_shared::session::SessionConfig::from_json(bytes)
                         .unwrap_or_else(|e| panic!("{variant} {root_id}: {e}"));
                     None
+                }
+                "kvoy" => {
+                    // A section per stage, each its stage's configuration; nothing else.
+                    let sections: Map<String, Value> = serde_json::from_slice(bytes)
+                        .unwrap_or_else(|e| panic!("{variant} {root_id}: {e}"));
+                    for key in sections.keys() {
+                        assert!(
+                            ["session", "admission", "prefix_affinity"].contains(&key.as_str()),
+                            "{variant} {root_id}: unknown section {key}"
+                        );
+                    }
+                    let section = |k: &str| sections.get(k).map(|v| v.to_string());
+                    let pa = section("prefix_affinity")
+                        .unwrap_or_else(|| panic!("{variant} {root_id}: no prefix_affinity"));
+                    let pa = kvoy_shared::PluginConfig::from_json(pa.as_bytes())
+                        .unwrap_or_else(|e| panic!("{variant} {root_id} prefix_affinity: {e}"));
+                    if let Some(s) = section("session") {
+                        kvoy_shared::session::SessionConfig::from_json(s.as_bytes())
+                            .unwrap_or_else(|e| panic!("{variant} {root_id} session: {e}"));
+                    }
+                    if let Some(a) = section("admission") {
+                        let a = kvoy_shared::flow::AdmissionFilterConfig::from_json(a.as_bytes())
+                            .unwrap_or_else(|e| panic!("{variant} {root_id} admission: {e}"));
+                        assert_eq!(
+                            a.aggregator, pa.aggregator,
+                            "{variant}: both stages follow the same aggregator"
+                        );
+                    }
+                    pa.aggregator
                 }
                 other => panic!("{variant}: unknown filter {other}"),
             };

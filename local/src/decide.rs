@@ -22,6 +22,8 @@ use crate::request::Request;
 
 /// The filter whose scores are shown.
 pub const PREFIX_AFFINITY: &str = "kvoy_prefix_affinity";
+/// The combined filter: its `prefix_affinity` section's scores are shown.
+pub const COMBINED: &str = "kvoy";
 /// The header the chain's routing decision is read from.
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
 /// The filter-state object that can carry the destination instead (Envoy's original-dst).
@@ -78,7 +80,9 @@ pub struct RequestReport {
     pub upstream_headers: Vec<(String, String)>,
     /// Headers the filters added to (or changed in) the simulated upstream response.
     pub response_headers: Vec<(String, String)>,
-    /// Scores of the prefix-affinity filter, when it is in the chain and saw the request.
+    /// Scores of the prefix-affinity filter (or the combined filter's stage), when it is in the
+    /// chain and saw the request. The combined filter's session pin is not visible outside it:
+    /// its requests are scored unpinned.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub scores: Option<ScoreTable>,
     /// Time in each filter (wall clock, µs) until the decision, in chain order.
@@ -140,10 +144,17 @@ pub fn decide(
         Snapshot::decode(bytes).map_err(|e| DecideError::Snapshot(e.to_string()))?;
     }
     let chain = chain::start(config, Callouts::Recorded, None)?;
-    let mirror = match config.filter(PREFIX_AFFINITY) {
-        Some((index, f)) => Some((
+    let prefix = match config.filter(PREFIX_AFFINITY) {
+        Some((index, f)) => Some((index, f.configuration.as_slice())),
+        None => match config.filter(COMBINED) {
+            Some((index, f)) => Some((index, prefix_section(&f.configuration)?)),
+            None => None,
+        },
+    };
+    let mirror = match prefix {
+        Some((index, raw)) => Some((
             index,
-            Mirror::new(&f.configuration).map_err(|e| DecideError::PrefixConfig(e.to_string()))?,
+            Mirror::new(raw).map_err(|e| DecideError::PrefixConfig(e.to_string()))?,
         )),
         None => None,
     };
@@ -157,6 +168,22 @@ pub fn decide(
         reports.push(report);
     }
     Ok(reports)
+}
+
+/// The `prefix_affinity` section of the combined filter's configuration, byte for byte (its
+/// shared-data namespace is derived from these bytes).
+fn prefix_section(raw: &[u8]) -> Result<&[u8], DecideError> {
+    #[derive(serde::Deserialize)]
+    struct Sections<'a> {
+        #[serde(borrow)]
+        prefix_affinity: Option<&'a serde_json::value::RawValue>,
+    }
+    let sections: Sections<'_> = serde_json::from_slice(raw)
+        .map_err(|e| DecideError::PrefixConfig(format!("`{COMBINED}`: {e}")))?;
+    sections
+        .prefix_affinity
+        .map(|r| r.get().as_bytes())
+        .ok_or_else(|| DecideError::PrefixConfig(format!("`{COMBINED}` has no `prefix_affinity`")))
 }
 
 /// Ticks the chain until the filters have polled the aggregator and got the snapshot.

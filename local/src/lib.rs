@@ -1,8 +1,9 @@
 //! `kvoy-local`: run, inspect and debug kvoy's wasm filters under wasmtime, without Envoy.
 //!
 //! The filters run in [`kvoy_harness`], a proxy-wasm ABI 0.2.1 host with Envoy's semantics, as
-//! the chain Envoy would run (`kvoy_session` -> `kvoy_admission` -> `kvoy_prefix_affinity` in
-//! `envoy/kvoy.yaml`), configured by a file ([`config`]):
+//! the chain Envoy would run (the combined `kvoy` filter of `envoy/kvoy.yaml`, or
+//! `kvoy_session` -> `kvoy_admission` -> `kvoy_prefix_affinity` of `envoy/kvoy-separate.yaml`),
+//! configured by a file ([`config`]):
 //!
 //! - [`decide`]: runs requests through the chain and reports the endpoint chosen (or the local
 //!   reply), every scorer's score per endpoint and the time spent in each filter;

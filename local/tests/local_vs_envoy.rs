@@ -1,8 +1,9 @@
 //! The differential test: the same sequence of requests through a real Envoy (`envoy/kvoy.yaml`,
-//! one worker) and through `kvoy-local serve` (one worker), with the same three filters and
-//! plugin configurations in front of the same echo backends, gives the same routing decisions,
-//! the same local replies and response headers, and the filters' state evolving the same way
-//! (every `kvoy_*` counter and gauge equal at the end).
+//! one worker, the combined `kvoy` filter) and through `kvoy-local serve` (one worker, the three
+//! separate filters), with the same stage configurations in front of the same echo backends,
+//! gives the same routing decisions, the same local replies and response headers, and the
+//! filters' state evolving the same way (every `kvoy_*` counter and gauge equal at the end): the
+//! two layouts, and the harness and Envoy, agree.
 //!
 //! Envoy seeds each VM's random tie-breaks from the host's randomness, which no configuration
 //! controls, so the sequence is built so that no scored decision is a tie: the endpoints have

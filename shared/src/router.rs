@@ -10,7 +10,7 @@ use crate::endpoint::{EndpointId, Pool};
 use crate::index::PrefixIndex;
 use crate::outstanding::{Charge, Outstanding};
 use crate::prefix::{BlockKey, KeySchedule, PrefixHasher};
-use crate::request::{self, Api, RequestError};
+use crate::request::{self, Api, ParsedRequest, RequestError};
 use crate::rng::Rng;
 use crate::score::{self, Candidate, EndpointScore};
 
@@ -348,13 +348,32 @@ impl Router {
         pin: Option<&str>,
         now: Duration,
     ) -> Result<Decision, RouteError> {
-        self.keys.clear();
-        let req = match request::parse_with(
+        let parsed = self.parse(api, body);
+        self.route_parsed(parsed, outstanding, pin, now)
+    }
+
+    /// Parses `body` with this router's bounds (`max_body_bytes`, `max_prompt_segments`), for
+    /// a caller that reads the request itself before routing it with [`Router::route_parsed`]
+    /// (the combined filter: one parse serves the session keys and the route).
+    pub fn parse<'b>(&self, api: Api, body: &'b [u8]) -> Result<ParsedRequest<'b>, RequestError> {
+        request::parse_with(
             api,
             body,
             self.config.max_body_bytes,
             self.config.max_prompt_segments,
-        ) {
+        )
+    }
+
+    /// [`Router::route_pinned`] for a body already parsed by [`Router::parse`].
+    pub fn route_parsed(
+        &mut self,
+        parsed: Result<ParsedRequest<'_>, RequestError>,
+        outstanding: &[Outstanding],
+        pin: Option<&str>,
+        now: Duration,
+    ) -> Result<Decision, RouteError> {
+        self.keys.clear();
+        let req = match parsed {
             Ok(req) => req,
             // Bounds are never waved through, whatever `on_invalid_body` says.
             Err(e @ (RequestError::TooLarge { .. } | RequestError::TooManySegments { .. })) => {

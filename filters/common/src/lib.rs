@@ -48,18 +48,102 @@ pub fn header(map: MapType, name: &str) -> Option<String> {
     String::from_utf8(bytes).ok()
 }
 
-/// Host time in milliseconds since the Unix epoch (0 if unavailable).
+/// Where a filter stage reads request (or response) headers from.
+pub trait Headers {
+    /// The value of header `name`; `None` when it is absent or not UTF-8.
+    fn get(&self, name: &str) -> Option<String>;
+}
+
+/// The host's header map `map`, read on every [`Headers::get`] (a standalone filter's reads).
+#[derive(Clone, Copy, Debug)]
+pub struct HostHeaders(pub MapType);
+
+impl Headers for HostHeaders {
+    fn get(&self, name: &str) -> Option<String> {
+        header(self.0, name)
+    }
+}
+
+/// A header map read at most once per name: each name is fetched from the host the first time
+/// it is asked for and remembered, so stages run in one pass (the combined filter) never read
+/// the same header twice. Keep it only while the map does not change under it.
+#[derive(Debug)]
+pub struct HeaderCache {
+    map: MapType,
+    seen: std::cell::RefCell<Vec<(String, Option<String>)>>,
+}
+
+impl HeaderCache {
+    pub fn new(map: MapType) -> Self {
+        HeaderCache {
+            map,
+            seen: std::cell::RefCell::new(Vec::new()),
+        }
+    }
+}
+
+impl Headers for HeaderCache {
+    fn get(&self, name: &str) -> Option<String> {
+        if let Ok(seen) = self.seen.try_borrow() {
+            if let Some((_, value)) = seen.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)) {
+                return value.clone();
+            }
+        }
+        let value = header(self.map, name);
+        if let Ok(mut seen) = self.seen.try_borrow_mut() {
+            seen.push((name.to_owned(), value.clone()));
+        }
+        value
+    }
+}
+
+std::thread_local! {
+    /// The clock as read once in the current callback, while a [`ClockPass`] is open: `Some(None)`
+    /// not read yet, `Some(Some(t))` read.
+    static PASS_CLOCK: std::cell::Cell<Option<Option<std::time::Duration>>> =
+        const { std::cell::Cell::new(None) };
+}
+
+/// Host time in milliseconds since the Unix epoch (0 if unavailable); see [`now`].
 pub fn now_ms() -> u64 {
     u64::try_from(now().as_millis()).unwrap_or(u64::MAX)
 }
 
 /// The host's clock since the Unix epoch (zero if the host will not tell): every VM of the
-/// proxy reads the same clock, so times written to shared data compare across workers.
+/// proxy reads the same clock, so times written to shared data compare across workers. Inside
+/// a [`ClockPass`] the host is asked once and the answer reused.
 pub fn now() -> std::time::Duration {
-    hostcalls::get_current_time()
+    if let Some(Some(t)) = PASS_CLOCK.with(std::cell::Cell::get) {
+        return t;
+    }
+    let t = hostcalls::get_current_time()
         .ok()
         .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-        .unwrap_or_default()
+        .unwrap_or_default();
+    PASS_CLOCK.with(|c| {
+        if c.get().is_some() {
+            c.set(Some(Some(t)));
+        }
+    });
+    t
+}
+
+/// One callback's view of the clock: while it lives, [`now`] reads the host's clock at most
+/// once (a callback is a moment: the stages of the combined filter need not each ask). Open it
+/// at the start of a callback, and let it drop at the end.
+pub struct ClockPass(());
+
+impl ClockPass {
+    pub fn begin() -> ClockPass {
+        PASS_CLOCK.with(|c| c.set(Some(None)));
+        ClockPass(())
+    }
+}
+
+impl Drop for ClockPass {
+    fn drop(&mut self) {
+        PASS_CLOCK.with(|c| c.set(None));
+    }
 }
 
 /// A per-VM random value: the host's random source (WASI `random_get`, through std's hash

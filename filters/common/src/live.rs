@@ -152,6 +152,11 @@ impl LiveSnapshot {
         }
     }
 
+    /// Whether `token` is this VM's poll in flight (an HTTP call answer is for it).
+    pub fn owns(&self, token: u32) -> bool {
+        self.poll.is_some_and(|(t, _)| t == token)
+    }
+
     /// The answer to this VM's poll: applied, published on the board and kept. `None` when
     /// `token` is not our poll; `Some(Ok(changed))` or the error otherwise.
     pub fn on_response(

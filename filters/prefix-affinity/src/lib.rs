@@ -1,35 +1,32 @@
 //! `kvoy_prefix_affinity`: a proxy-wasm HTTP filter that sends each OpenAI request to the pool
 //! endpoint most likely to hold its prompt prefix in KV cache, weighed against load.
 //!
-//! A thin adapter over [`kvoy_shared::Router`]: it pauses at request headers (Envoy needs
+//! A thin adapter over the prefix-affinity stage ([`kvoy_filter_stages::prefix_affinity`],
+//! logic in [`kvoy_shared::Router`]): it pauses at request headers (Envoy needs
 //! `allow_on_headers_stop_iteration: true`), buffers the body, asks the router, and writes
 //! `x-gateway-destination-endpoint` for an `ORIGINAL_DST` cluster. Cross-worker state lives in
 //! Envoy shared data (see [`kvoy_shared::replica`]): outstanding work per endpoint (requests,
 //! and the prefill tokens of those whose answer has not begun, for the cost model) and a
-//! bounded log of decisions that each worker replays into its own prefix index.
+//! bounded log of decisions that each worker replays into its own prefix index. It honours the
+//! session pin `kvoy_session` hands over in an internal header. The combined `kvoy` filter runs
+//! the same stage with the other two in one pass.
 //!
 //! Plugin configuration: the JSON of [`kvoy_shared::PluginConfig`], e.g.
 //! `{"endpoints":[{"address":"10.0.0.1:8000","models":["llama"]}]}`.
 
-mod live;
-mod metrics;
 mod stream;
 
 use std::cell::RefCell;
 use std::rc::Rc;
-use std::time::Duration;
 
-use log::{error, info, warn};
+use log::error;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{ContextType, LogLevel};
 
-use kvoy_shared::replica::{self, DecisionLog, OutstandingTable};
-use kvoy_shared::{LogOnce, Outstanding, PluginConfig, Router};
+use kvoy_filter_stages::prefix_affinity::PrefixVm;
 
-use crate::metrics::Metrics;
 use crate::stream::RequestStream;
-use kvoy_filter_common::HostStore;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -38,47 +35,7 @@ proxy_wasm::main! {{
     });
 }}
 
-/// Everything one VM keeps between requests.
-pub(crate) struct VmState {
-    pub router: Router,
-    pub outstanding: OutstandingTable,
-    pub log: DecisionLog,
-    pub metrics: Metrics,
-    /// Scratch for the outstanding work read per request.
-    pub counts: Vec<Outstanding>,
-    /// The aggregator's pool, when configured.
-    pub live: Option<live::LivePool>,
-    /// Requests routed by their body; every [`stream::USAGE_SAMPLE_EVERY`]th has its answer's
-    /// `usage` read, to learn the model's bytes per token.
-    pub scored: u64,
-    /// Refused endpoints and requests already logged (each is logged once, counted always).
-    pub logged: LogOnce,
-}
-
-pub(crate) type SharedState = Rc<RefCell<Option<VmState>>>;
-
-/// How often a VM with a static pool wakes to replay other workers' decisions (a live pool's
-/// VMs tick at the snapshot's period and replay then).
-const CATCH_UP_TICK: Duration = Duration::from_millis(200);
-
-impl VmState {
-    /// Replays other workers' decisions into this VM's index, reading at most `max_slots`
-    /// records of the shared log (see [`DecisionLog::poll_at_most`]).
-    pub(crate) fn catch_up(&mut self, max_slots: usize) {
-        let VmState {
-            router,
-            log,
-            metrics,
-            ..
-        } = self;
-        let applied = log.poll_at_most(&HostStore, max_slots, |endpoint, keys| {
-            router.apply_remote(endpoint, keys)
-        });
-        if applied > 0 {
-            Metrics::add(metrics.remote_applied, applied as u64);
-        }
-    }
-}
+pub(crate) type SharedState = Rc<RefCell<Option<PrefixVm>>>;
 
 struct PrefixAffinityRoot {
     context_id: u32,
@@ -94,12 +51,7 @@ impl Context for PrefixAffinityRoot {
         _num_trailers: usize,
     ) {
         if let Some(vm) = self.state.borrow_mut().as_mut() {
-            let limit = vm
-                .live
-                .as_ref()
-                .map_or(0, |l| l.snapshot.settings().max_snapshot_bytes);
-            let (status, body) = kvoy_filter_common::call_response(num_headers, body_size, limit);
-            live::on_poll_response(vm, token_id, status, &body);
+            vm.on_http_call_response(token_id, num_headers, body_size);
         }
     }
 }
@@ -110,78 +62,23 @@ impl RootContext for PrefixAffinityRoot {
             error!("kvoy_prefix_affinity: no plugin configuration; an endpoint list is required");
             return false;
         };
-        let config = match PluginConfig::from_json(&raw) {
-            Ok(c) => c,
+        let vm = match PrefixVm::configure(&raw, self.context_id) {
+            Ok(vm) => vm,
             Err(e) => {
                 error!("kvoy_prefix_affinity: bad configuration: {e}");
                 return false;
             }
         };
-        // Shared-data keys are namespaced by the configuration, so that a new configuration
-        // (new endpoint order) never reads the previous one's counters.
-        let namespace = replica::namespace("kvoy.pa", &raw);
-        let seed = kvoy_filter_common::vm_seed(self.context_id);
-        let endpoints = config.pool.id_bound();
-        let metrics = Metrics::define();
-        for r in &config.refused_endpoints {
-            warn!(
-                "kvoy_prefix_affinity: endpoint {} left out of the pool: {}",
-                r.address, r.reason
-            );
-        }
-        Metrics::add(
-            metrics.endpoints_refused,
-            config.refused_endpoints.len() as u64,
-        );
-        if config.aggregator.is_none() && !config.allowed_destinations.is_restricted() {
-            info!(
-                "kvoy_prefix_affinity: no allowed_destinations: the static endpoints are the pool"
-            );
-        }
-        let live = config
-            .aggregator
-            .clone()
-            .map(|a| live::LivePool::new(a, &namespace, seed));
-        // Every VM ticks: each replays the other workers' decisions, follows the board of a
-        // live pool, and the lease holder polls the aggregator.
-        let tick = live
-            .as_ref()
-            .map_or(CATCH_UP_TICK, |l| l.snapshot.tick_period());
-        if hostcalls::set_tick_period(tick).is_err() {
+        if hostcalls::set_tick_period(vm.tick_period()).is_err() {
             error!("kvoy_prefix_affinity: cannot set the tick period; idle workers catch up on requests only, and an aggregator is not polled");
         }
-        if let Some(l) = &live {
-            info!(
-                "kvoy_prefix_affinity: live pool from the aggregator cluster {:?} every {} ms",
-                l.snapshot.settings().cluster,
-                l.snapshot.settings().poll_interval_ms
-            );
-        }
-        let mut log = DecisionLog::new(&namespace, config.decision_log_slots, seed);
-        log.start_at_head(&HostStore);
-        info!(
-            "kvoy_prefix_affinity: configured {endpoints} endpoints, block size {}, namespace {namespace}",
-            config.block_size
-        );
-        *self.state.borrow_mut() = Some(VmState {
-            router: Router::new(config, seed),
-            outstanding: OutstandingTable::new(&namespace),
-            log,
-            metrics,
-            counts: Vec::with_capacity(endpoints),
-            live,
-            scored: 0,
-            logged: LogOnce::new(256),
-        });
+        *self.state.borrow_mut() = Some(vm);
         true
     }
 
     fn on_tick(&mut self) {
         if let Some(vm) = self.state.borrow_mut().as_mut() {
-            if vm.live.is_some() {
-                live::on_tick(vm);
-            }
-            vm.catch_up(usize::MAX);
+            vm.on_tick();
         }
     }
 

@@ -96,3 +96,35 @@ pub fn chat_body(model: &str, system: &str, user: &str) -> Vec<u8> {
     }))
     .unwrap()
 }
+
+/// The combined `kvoy` filter with the same stage configurations as [`chain_config`] (a
+/// section per stage; `None` leaves the stage out).
+pub fn kvoy_config(
+    session: Option<&str>,
+    admission: Option<&str>,
+    prefix: &str,
+    workers: usize,
+) -> Value {
+    let wasm_dir = kvoy_e2e::default_wasm_dir();
+    kvoy_e2e::require_filter_wasm(&wasm_dir).unwrap_or_else(|e| panic!("{e:#}"));
+    let mut sections = serde_json::Map::new();
+    if let Some(s) = session {
+        sections.insert("session".into(), serde_json::from_str(s).unwrap());
+    }
+    if let Some(a) = admission {
+        sections.insert("admission".into(), serde_json::from_str(a).unwrap());
+    }
+    sections.insert(
+        "prefix_affinity".into(),
+        serde_json::from_str(prefix).unwrap(),
+    );
+    json!({
+        "wasm_dir": wasm_dir,
+        "workers": workers,
+        // kvoy-local gives filter i the seed `seed ^ i * K`: this is the seed the chain of
+        // [`chain_config`] gives kvoy_prefix_affinity (filter 2), so that both layouts draw the
+        // same tie-breaks.
+        "seed": 7u64 ^ 2u64.wrapping_mul(0x9e37_79b9_7f4a_7c15),
+        "filters": [{"name": "kvoy", "configuration": Value::Object(sections)}],
+    })
+}

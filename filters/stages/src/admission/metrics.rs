@@ -4,14 +4,14 @@ use kvoy_filter_common::{counter, histogram, SharedGauge};
 use kvoy_shared::flow::{AdmissionConfig, BandStats, RejectReason};
 
 /// The queue gauges of one priority band (each worker adds its own queue's part).
-pub(crate) struct BandGauges {
+pub struct BandGauges {
     priority: i32,
     depth: SharedGauge,
     bytes: SharedGauge,
 }
 
 /// The metric-name suffix of a band: `priority_10`, `priority_minus_1`.
-pub(crate) fn band_suffix(priority: i32) -> String {
+pub fn band_suffix(priority: i32) -> String {
     if priority < 0 {
         format!("priority_minus_{}", priority.unsigned_abs())
     } else {
@@ -19,7 +19,7 @@ pub(crate) fn band_suffix(priority: i32) -> String {
     }
 }
 
-pub(crate) struct Metrics {
+pub struct Metrics {
     pub admitted: Option<u32>,
     pub queued: Option<u32>,
     pub released: Option<u32>,

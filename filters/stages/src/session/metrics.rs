@@ -2,7 +2,7 @@
 
 use kvoy_filter_common::counter;
 
-pub(crate) struct Metrics {
+pub struct Metrics {
     /// Requests that carried a session key or token.
     pub keyed: Option<u32>,
     /// Requests whose key was bound (or whose token was well-formed): a pin was handed over.

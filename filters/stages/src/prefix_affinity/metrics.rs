@@ -13,7 +13,7 @@ const BREAKS: [BreakReason; 5] = [
     BreakReason::Outscored,
 ];
 
-pub(crate) struct Metrics {
+pub struct Metrics {
     pub decisions: Option<u32>,
     pub passthrough: Option<u32>,
     pub fallbacks: Option<u32>,

@@ -7,11 +7,11 @@ use kvoy_filter_common::{now_ms, CallBody, LiveSnapshot, PollStart};
 use kvoy_shared::live::{self, PoolChoice};
 use kvoy_shared::AggregatorSettings;
 
-use crate::metrics::Metrics;
-use crate::VmState;
+use super::Metrics;
+use super::PrefixVm as VmState;
 
 /// Per-VM state of the live pool.
-pub(crate) struct LivePool {
+pub struct LivePool {
     pub snapshot: LiveSnapshot,
     /// What the router's pool was last built from.
     applied: Option<(PoolChoice, u64, u64)>,
@@ -28,7 +28,7 @@ impl LivePool {
 
 /// Brings the router's pool in line with the board: a small read per call, a snapshot read
 /// and a pool rebuild only when the version or the choice changed.
-pub(crate) fn refresh(vm: &mut VmState, now_ms: u64) {
+pub fn refresh(vm: &mut VmState, now_ms: u64) {
     let Some(live) = vm.live.as_mut() else {
         return;
     };
@@ -73,7 +73,7 @@ pub(crate) fn refresh(vm: &mut VmState, now_ms: u64) {
 }
 
 /// On a tick: refresh, then poll if this VM holds the lease.
-pub(crate) fn on_tick(vm: &mut VmState) {
+pub fn on_tick(vm: &mut VmState) {
     let now = now_ms();
     refresh(vm, now);
     let Some(live) = vm.live.as_mut() else {
@@ -85,7 +85,7 @@ pub(crate) fn on_tick(vm: &mut VmState) {
 }
 
 /// The answer to a poll: apply it, publish it, use it.
-pub(crate) fn on_poll_response(vm: &mut VmState, token: u32, status: Option<u32>, body: &CallBody) {
+pub fn on_poll_response(vm: &mut VmState, token: u32, status: Option<u32>, body: &CallBody) {
     let now = now_ms();
     let Some(live) = vm.live.as_mut() else {
         return;

@@ -1,0 +1,327 @@
+//! The admission stage ([`kvoy_shared::flow`]): admits requests at once while the pool has
+//! room and otherwise holds them in priority bands with fair share between flows.
+//!
+//! At the request headers it classifies the request (objective -> priority, fairness id ->
+//! flow), measures saturation (this proxy's in-flight requests, a shared-data counter, against
+//! the per-endpoint limit) and asks the VM's [`FlowQueue`]: admit, hold, or reject (429 with
+//! `x-kvoy-dropped-reason`). Held requests are released by the VM that holds them, in the
+//! queue's order, when one of its requests completes and on every tick; those past the queue
+//! TTL get 429 `ttl-expired`; a client that leaves while held is removed.
+//!
+//! Configuration: the JSON of [`kvoy_shared::flow::AdmissionFilterConfig`].
+
+mod metrics;
+mod stage;
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use log::{info, warn};
+use proxy_wasm::hostcalls;
+
+use kvoy_filter_common::{now_ms, HostStore, LiveSnapshot, PollStart};
+use kvoy_shared::flow::{
+    saturation, saturation_from_inflight, AdmissionFilterConfig, FlowQueue, HeldBoard,
+    EXPIRED_REASON,
+};
+use kvoy_shared::live::PoolChoice;
+use kvoy_shared::replica::{self, InflightTable};
+use kvoy_shared::EndpointId;
+
+pub use metrics::Metrics;
+pub use stage::{reject, reject_no_endpoint, AdmissionStage, Verdict, DROPPED_REASON_HEADER};
+
+/// The slot of the in-flight table that counts every request of the proxy.
+const ALL: EndpointId = EndpointId(0);
+
+/// What one VM keeps between requests.
+pub struct AdmissionVm {
+    pub config: AdmissionFilterConfig,
+    pub queue: FlowQueue,
+    /// This proxy's requests in flight (admitted, not finished), across workers: one count
+    /// (slot 0) of a shared in-flight table, the filter running before the endpoint is known.
+    pub inflight: InflightTable,
+    counts: Vec<u32>,
+    /// Requests of this VM counted in flight (admitted or released), by context id.
+    pub acquired: HashSet<u32>,
+    /// When each held request was queued, for the wait histogram.
+    pub queued_at: std::collections::HashMap<u32, u64>,
+    pub metrics: Metrics,
+    /// The highest priority each worker holds: strict priority across workers.
+    pub held: HeldBoard,
+    /// The aggregator's snapshot, when configured.
+    pub live: Option<LiveSnapshot>,
+    tick: Duration,
+    scratch: Vec<u32>,
+    slots: Vec<u16>,
+    /// The snapshot's endpoints inside `allowed_destinations`, and the snapshot they are of.
+    allowed: Vec<kvoy_shared::snapshot::EndpointStatus>,
+    allowed_of: Option<(u64, u64)>,
+    released: Vec<u64>,
+    expired: Vec<u64>,
+}
+
+/// What the pool has room for, at one moment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Room {
+    /// The pool's saturation and how many held requests may be released into it.
+    Pool { saturated: bool, capacity: u32 },
+    /// The aggregator's pool is empty: answer 503.
+    NoEndpoint,
+}
+
+impl AdmissionVm {
+    /// Counts `context` in flight.
+    pub fn acquire(&mut self, context: u32) {
+        if !self.acquired.insert(context) {
+            return;
+        }
+        self.metrics.inflight.add(1);
+        if self.inflight.add(&HostStore, ALL, 1).is_err() {
+            kvoy_filter_common::add(self.metrics.shared_state_errors, 1);
+        }
+    }
+
+    /// Releases `context`'s in-flight count, if it had one.
+    pub fn release_inflight(&mut self, context: u32) {
+        if !self.acquired.remove(&context) {
+            return;
+        }
+        self.metrics.inflight.add(-1);
+        if self.inflight.add(&HostStore, ALL, -1).is_err() {
+            kvoy_filter_common::add(self.metrics.shared_state_errors, 1);
+        }
+    }
+
+    /// Whether the pool is saturated now, and how many held requests may go: from the
+    /// aggregator's snapshot (servers' queues and KV use, stale = saturated) when it is fresh,
+    /// with this proxy's in-flight count against the per-endpoint limit; from the in-flight
+    /// count alone otherwise. A live pool with no endpoint at all is [`Room::NoEndpoint`].
+    pub fn room(&mut self) -> Room {
+        self.inflight.read(&HostStore, &mut self.counts);
+        let total = self.counts.first().copied().unwrap_or(0);
+        if let Some(live) = self.live.as_mut() {
+            live.refresh();
+            if let PoolChoice::Live { with_loads } = live.choose(now_ms(), true) {
+                // Only what the prefix-affinity filter may route to is capacity.
+                let endpoints = self.config.allowed_endpoints(
+                    live.snapshot(),
+                    &mut self.allowed,
+                    &mut self.allowed_of,
+                );
+                if endpoints.is_empty() {
+                    return Room::NoEndpoint;
+                }
+                if with_loads {
+                    self.slots.clear();
+                    self.slots.extend(endpoints.iter().map(|e| e.slot));
+                    AdmissionFilterConfig::spread_by_slot(total, &self.slots, &mut self.scratch);
+                    let sat = saturation(&self.config.flow, endpoints, &self.scratch, None);
+                    return Room::Pool {
+                        saturated: sat.saturated,
+                        capacity: sat.release_capacity(),
+                    };
+                }
+            }
+        }
+        self.config.spread(total, &mut self.scratch);
+        let sat = saturation_from_inflight(&self.config.flow, &self.scratch, None);
+        Room::Pool {
+            saturated: sat.saturated,
+            capacity: sat.release_capacity(),
+        }
+    }
+
+    /// Releases what the capacity allows and expires what waited too long. Resuming a held
+    /// request switches the effective context, which only its own VM may do: this runs on the
+    /// VM's root context (tick) or at the end of one of its streams.
+    pub fn release_held(&mut self) {
+        self.release_held_with(&mut |_| true);
+    }
+
+    /// [`AdmissionVm::release_held`], calling `on_release(context)` for each request it
+    /// releases, with that request's context made effective, before resuming it: the request is
+    /// resumed only when `on_release` returns `true` (the combined filter routes it first, and
+    /// lets its body callback continue it when the body is still arriving).
+    pub fn release_held_with(&mut self, on_release: &mut dyn FnMut(u32) -> bool) {
+        if self.queue.is_empty() {
+            return;
+        }
+        let now = now_ms();
+        let room = self.room();
+        // No endpoint: every held request is answered 503 (it would only wait for its TTL).
+        let capacity = match room {
+            // Another worker holds a higher band: it releases first, at its next tick.
+            Room::Pool { .. } if self.outranked_by_others(now) => 0,
+            Room::Pool { capacity, .. } => capacity,
+            Room::NoEndpoint => u32::MAX,
+        };
+        let mut released = std::mem::take(&mut self.released);
+        let mut expired = std::mem::take(&mut self.expired);
+        released.clear();
+        expired.clear();
+        self.queue
+            .release(now, capacity, &mut released, &mut expired);
+        for &id in &released {
+            let Ok(context) = u32::try_from(id) else {
+                continue;
+            };
+            if room == Room::NoEndpoint {
+                self.queued_at.remove(&context);
+                if hostcalls::set_effective_context(context).is_ok() {
+                    reject_no_endpoint(&self.metrics);
+                }
+                continue;
+            }
+            self.acquire(context);
+            if let Some(at) = self.queued_at.remove(&context) {
+                kvoy_filter_common::record(self.metrics.wait_ms, now.saturating_sub(at));
+            }
+            kvoy_filter_common::add(self.metrics.released, 1);
+            if hostcalls::set_effective_context(context).is_ok() && on_release(context) {
+                if let Err(e) = hostcalls::resume_http_request() {
+                    warn!("kvoy_admission: cannot resume request {context}: {e:?}");
+                }
+            }
+        }
+        for &id in &expired {
+            let Ok(context) = u32::try_from(id) else {
+                continue;
+            };
+            self.queued_at.remove(&context);
+            if hostcalls::set_effective_context(context).is_ok() {
+                reject(&self.metrics, EXPIRED_REASON);
+            }
+        }
+        self.released = released;
+        self.expired = expired;
+        self.queue_changed();
+    }
+
+    /// Whether another worker holds a request of a higher band than this one's highest.
+    fn outranked_by_others(&mut self, now: u64) -> bool {
+        match self.queue.highest_waiting_priority() {
+            Some(top) => self.held.outranked(&HostStore, top, now),
+            None => false,
+        }
+    }
+
+    /// Publishes this worker's highest held band for the others (when it changed, and as a
+    /// refresh while it holds requests).
+    pub fn publish_held(&mut self, now: u64) {
+        let top = self
+            .queue
+            .bands()
+            .next()
+            .map(|b| (b.priority, u32::try_from(b.requests).unwrap_or(u32::MAX)));
+        if self.held.publish(&HostStore, top, now).is_err() {
+            kvoy_filter_common::add(self.metrics.shared_state_errors, 1);
+        }
+    }
+
+    /// After every change to the queue: gauges, and the band published to the other workers.
+    pub fn queue_changed(&mut self) {
+        self.publish_held(now_ms());
+        self.update_gauges();
+    }
+
+    pub fn update_gauges(&self) {
+        self.metrics.queue_depth.set(self.queue.len() as u64);
+        self.metrics.queue_bytes.set(self.queue.bytes());
+        self.metrics.set_bands(self.queue.bands());
+    }
+}
+
+impl AdmissionVm {
+    /// Checks the stage's JSON configuration and sets the VM up (`context_id`: the root
+    /// context's, for this VM's random seed); the error says what is wrong. The VM should tick
+    /// every [`AdmissionVm::tick_period`].
+    pub fn configure(raw: &[u8], context_id: u32) -> Result<AdmissionVm, String> {
+        let config = AdmissionFilterConfig::from_json(raw).map_err(|e| e.to_string())?;
+        let namespace = replica::namespace("kvoy.adm", raw);
+        let live = config
+            .aggregator
+            .clone()
+            .map(|a| LiveSnapshot::new(a, &namespace, kvoy_filter_common::vm_seed(context_id)));
+        // Ticks release held requests (and poll the aggregator, at its own pace).
+        let tick = live.as_ref().map_or(config.tick_ms, |l| {
+            config.tick_ms.min(l.settings().poll_interval_ms)
+        });
+        info!(
+            "kvoy_admission: {} endpoints, limit {:?} per endpoint, TTL {} ms",
+            config.endpoints,
+            config.flow.saturation.max_inflight_per_endpoint,
+            config.flow.queue_ttl_ms
+        );
+        let metrics = Metrics::define(&config.flow);
+        // A worker that stopped refreshing its entry (it refreshes every tick while it holds
+        // requests) blocks no one for long.
+        let held = HeldBoard::new(
+            &namespace,
+            kvoy_filter_common::vm_seed(context_id),
+            (tick * 10).max(250),
+        );
+        Ok(AdmissionVm {
+            queue: FlowQueue::new(&config.flow),
+            config,
+            inflight: InflightTable::new(&namespace, 1),
+            counts: Vec::with_capacity(1),
+            acquired: HashSet::new(),
+            queued_at: std::collections::HashMap::new(),
+            metrics,
+            live,
+            held,
+            tick: Duration::from_millis(tick),
+            scratch: Vec::new(),
+            slots: Vec::new(),
+            allowed: Vec::new(),
+            allowed_of: None,
+            released: Vec::new(),
+            expired: Vec::new(),
+        })
+    }
+
+    /// How often the VM should tick (release held requests, poll the aggregator).
+    pub fn tick_period(&self) -> Duration {
+        self.tick
+    }
+
+    /// The tick: polls the aggregator (at its pace), releases what it can (see
+    /// [`AdmissionVm::release_held_with`]) and refreshes the band published to other workers.
+    pub fn on_tick(&mut self, on_release: &mut dyn FnMut(u32) -> bool) {
+        if let Some(live) = self.live.as_mut() {
+            if live.poll(now_ms()) == PollStart::Failed {
+                kvoy_filter_common::add(self.metrics.snapshot_poll_failures, 1);
+            }
+        }
+        self.release_held_with(on_release);
+        self.publish_held(now_ms());
+    }
+
+    /// Whether the HTTP call `token` is this stage's aggregator poll.
+    pub fn owns_call(&self, token: u32) -> bool {
+        self.live.as_ref().is_some_and(|l| l.owns(token))
+    }
+
+    /// The answer to an HTTP call (the aggregator's snapshot, if `token` is this stage's poll).
+    pub fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize) {
+        let Some(live) = self.live.as_mut() else {
+            return;
+        };
+        if !live.owns(token) {
+            return;
+        }
+        let limit = live.settings().max_snapshot_bytes;
+        let (status, body) = kvoy_filter_common::call_response(num_headers, body_size, limit);
+        match live.on_response(token, status, &body, now_ms()) {
+            Some(Ok(())) => kvoy_filter_common::add(self.metrics.snapshot_polls, 1),
+            Some(Err(e)) => {
+                kvoy_filter_common::add(self.metrics.snapshot_poll_failures, 1);
+                if e.is_rejected_input() {
+                    kvoy_filter_common::add(self.metrics.snapshot_rejected, 1);
+                }
+            }
+            None => {}
+        }
+    }
+}

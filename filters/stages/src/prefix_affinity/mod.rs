@@ -1,0 +1,165 @@
+//! The prefix-affinity stage over [`kvoy_shared::Router`]: reads the OpenAI request, asks the
+//! router for the pool endpoint most likely to hold its prompt prefix (weighed against load,
+//! honouring a session pin for a healthy pool member) and writes
+//! `x-gateway-destination-endpoint` for an `ORIGINAL_DST` cluster. Cross-worker state lives in
+//! Envoy shared data (see [`kvoy_shared::replica`]): outstanding work per endpoint (requests,
+//! and the prefill tokens of those whose answer has not begun, for the cost model) and a
+//! bounded log of decisions that each worker replays into its own prefix index.
+//!
+//! Configuration: the JSON of [`kvoy_shared::PluginConfig`], e.g.
+//! `{"endpoints":[{"address":"10.0.0.1:8000","models":["llama"]}]}`.
+
+mod live;
+mod metrics;
+mod stage;
+
+use std::time::Duration;
+
+use log::{info, warn};
+
+use kvoy_filter_common::HostStore;
+use kvoy_shared::replica::{self, DecisionLog, OutstandingTable};
+use kvoy_shared::{LogOnce, Outstanding, PluginConfig, Router};
+
+pub use metrics::Metrics;
+pub use stage::{
+    request_body, BodyVerdict, HeadersVerdict, PrefixStage, DESTINATION_HEADER, SERVED_HEADER,
+    USAGE_SAMPLE_EVERY,
+};
+
+/// Everything one VM keeps between requests.
+pub struct PrefixVm {
+    pub router: Router,
+    pub outstanding: OutstandingTable,
+    pub log: DecisionLog,
+    pub metrics: Metrics,
+    /// Scratch for the outstanding work read per request.
+    pub counts: Vec<Outstanding>,
+    /// The aggregator's pool, when configured.
+    pub live: Option<live::LivePool>,
+    /// Requests routed by their body; every [`USAGE_SAMPLE_EVERY`]th has its answer's
+    /// `usage` read, to learn the model's bytes per token.
+    pub scored: u64,
+    /// Refused endpoints and requests already logged (each is logged once, counted always).
+    pub logged: LogOnce,
+}
+
+/// How often a VM with a static pool wakes to replay other workers' decisions (a live pool's
+/// VMs tick at the snapshot's period and replay then).
+const CATCH_UP_TICK: Duration = Duration::from_millis(200);
+
+impl PrefixVm {
+    /// Checks the stage's JSON configuration and sets the VM up (`context_id`: the root
+    /// context's, for this VM's random seed); the error says what is wrong. The VM should tick
+    /// every [`PrefixVm::tick_period`].
+    pub fn configure(raw: &[u8], context_id: u32) -> Result<PrefixVm, String> {
+        let config = PluginConfig::from_json(raw).map_err(|e| e.to_string())?;
+        // Shared-data keys are namespaced by the configuration, so that a new configuration
+        // (new endpoint order) never reads the previous one's counters.
+        let namespace = replica::namespace("kvoy.pa", raw);
+        let seed = kvoy_filter_common::vm_seed(context_id);
+        let endpoints = config.pool.id_bound();
+        let metrics = Metrics::define();
+        for r in &config.refused_endpoints {
+            warn!(
+                "kvoy_prefix_affinity: endpoint {} left out of the pool: {}",
+                r.address, r.reason
+            );
+        }
+        Metrics::add(
+            metrics.endpoints_refused,
+            config.refused_endpoints.len() as u64,
+        );
+        if config.aggregator.is_none() && !config.allowed_destinations.is_restricted() {
+            info!(
+                "kvoy_prefix_affinity: no allowed_destinations: the static endpoints are the pool"
+            );
+        }
+        let live = config
+            .aggregator
+            .clone()
+            .map(|a| live::LivePool::new(a, &namespace, seed));
+        if let Some(l) = &live {
+            info!(
+                "kvoy_prefix_affinity: live pool from the aggregator cluster {:?} every {} ms",
+                l.snapshot.settings().cluster,
+                l.snapshot.settings().poll_interval_ms
+            );
+        }
+        let mut log = DecisionLog::new(&namespace, config.decision_log_slots, seed);
+        log.start_at_head(&HostStore);
+        info!(
+            "kvoy_prefix_affinity: configured {endpoints} endpoints, block size {}, namespace {namespace}",
+            config.block_size
+        );
+        Ok(PrefixVm {
+            router: Router::new(config, seed),
+            outstanding: OutstandingTable::new(&namespace),
+            log,
+            metrics,
+            counts: Vec::with_capacity(endpoints),
+            live,
+            scored: 0,
+            logged: LogOnce::new(256),
+        })
+    }
+
+    /// How often the VM should tick: every VM replays the other workers' decisions, follows the
+    /// board of a live pool, and the lease holder polls the aggregator.
+    pub fn tick_period(&self) -> Duration {
+        self.live
+            .as_ref()
+            .map_or(CATCH_UP_TICK, |l| l.snapshot.tick_period())
+    }
+
+    /// The tick: the live pool, then every decision the other workers logged since the last.
+    pub fn on_tick(&mut self) {
+        self.on_tick_with(true);
+    }
+
+    /// [`PrefixVm::on_tick`], replaying the other workers' decisions only if `catch_up` (a VM
+    /// that routes no requests, such as Envoy's main-thread VM, need not keep an index).
+    pub fn on_tick_with(&mut self, catch_up: bool) {
+        if self.live.is_some() {
+            live::on_tick(self);
+        }
+        if catch_up {
+            self.catch_up(usize::MAX);
+        }
+    }
+
+    /// Whether the HTTP call `token` is this stage's aggregator poll.
+    pub fn owns_call(&self, token: u32) -> bool {
+        self.live.as_ref().is_some_and(|l| l.snapshot.owns(token))
+    }
+
+    /// The answer to an HTTP call (the aggregator's snapshot, if `token` is this stage's poll).
+    pub fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize) {
+        let Some(l) = self.live.as_ref() else {
+            return;
+        };
+        if !l.snapshot.owns(token) {
+            return;
+        }
+        let limit = l.snapshot.settings().max_snapshot_bytes;
+        let (status, body) = kvoy_filter_common::call_response(num_headers, body_size, limit);
+        live::on_poll_response(self, token, status, &body);
+    }
+
+    /// Replays other workers' decisions into this VM's index, reading at most `max_slots`
+    /// records of the shared log (see [`DecisionLog::poll_at_most`]).
+    pub fn catch_up(&mut self, max_slots: usize) {
+        let PrefixVm {
+            router,
+            log,
+            metrics,
+            ..
+        } = self;
+        let applied = log.poll_at_most(&HostStore, max_slots, |endpoint, keys| {
+            router.apply_remote(endpoint, keys)
+        });
+        if applied > 0 {
+            Metrics::add(metrics.remote_applied, applied as u64);
+        }
+    }
+}
