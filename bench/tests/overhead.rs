@@ -39,6 +39,11 @@ fn every_row_measures_plain_envoy_kvoy_ext_proc_and_direct() {
     let md = std::fs::read_to_string(&written[1]).unwrap();
     assert!(md.contains("| 8000 | 31 KB | 4 |"), "{md}");
     assert!(md.contains("## The external picker (ext_proc)"), "{md}");
-    assert!(md.contains("| 8000 | 4 | +"), "{md}");
+    // The ext_proc row of the last cell; its added latency may be of either sign on a busy
+    // machine (two proxies measured side by side).
+    assert!(
+        md.contains("| 8000 | 4 | +") || md.contains("| 8000 | 4 | -"),
+        "{md}"
+    );
     let _ = std::fs::remove_dir_all(&run_dir);
 }

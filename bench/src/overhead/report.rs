@@ -153,7 +153,8 @@ fn ext_proc_section(s: &mut String, r: &OverheadReport) {
          (`envoy.filters.http.ext_proc`, gRPC over HTTP/2, request headers sent, body BUFFERED, \
          the destination header set in the body's answer, no response phase; \
          `bench/envoy/extproc.yaml`): what an EPP-style deployment costs at best. Every request \
-         was checked to arrive at the endpoint the picker chose. kvoy is the three filters. \
+         was checked to arrive at the endpoint the picker chose. kvoy is the `kvoy` filter as \
+         `envoy/kvoy.yaml` runs it. \
          Added over plain Envoy, milliseconds:\n"
     );
     let _ = writeln!(
