@@ -110,8 +110,8 @@ impl Default for CostParams {
             kv_high: 0.95,
             kv_full_s: 1.0,
             kv_capacity_tokens: None,
-            // Measured on the half-slow fleet (bench/README.md): 0.5 to 0.7 all avoid the
-            // preemptions; 0.7 spreads least.
+            // Measured on the half-slow fleet (bench/README.md): 0.3, 0.5 and 0.7 all avoid
+            // the preemptions; 0.7 did best on both fleets.
             footprint_high: 0.7,
         }
     }
