@@ -145,6 +145,19 @@ fn a_responses_chain_follows_its_response_id_without_an_internal_header() -> Tes
     Ok(())
 }
 
+/// The request went upstream with a destination inside the pool.
+fn assert_routed_to_the_pool(s: &HttpStream) {
+    let dest = s
+        .forwarded_request_headers()
+        .unwrap()
+        .get(DEST)
+        .map(str::to_owned);
+    assert!(
+        dest.as_deref().is_some_and(|d| POOL.contains(&d)),
+        "{dest:?}"
+    );
+}
+
 #[test]
 fn a_held_request_is_routed_before_it_goes_on() -> TestResult {
     let config = format!(
@@ -173,15 +186,7 @@ fn a_held_request_is_routed_before_it_goes_on() -> TestResult {
     assert!(whole.forwarded_request_headers().is_none());
     running.finish()?;
     assert!(resumed(&whole), "released and resumed");
-    let dest = whole
-        .forwarded_request_headers()
-        .unwrap()
-        .get(DEST)
-        .map(str::to_owned);
-    assert!(
-        dest.as_deref().is_some_and(|d| POOL.contains(&d)),
-        "{dest:?}"
-    );
+    assert_routed_to_the_pool(&whole);
 
     // Held before its body arrived: released (the one ahead ends), not resumed; its body's end
     // routes and continues it.
@@ -200,15 +205,7 @@ fn a_held_request_is_routed_before_it_goes_on() -> TestResult {
         partial.send_request_body(&body[10..], true)?,
         Action::Continue
     );
-    let dest = partial
-        .forwarded_request_headers()
-        .unwrap()
-        .get(DEST)
-        .map(str::to_owned);
-    assert!(
-        dest.as_deref().is_some_and(|d| POOL.contains(&d)),
-        "{dest:?}"
-    );
+    assert_routed_to_the_pool(&partial);
     partial.finish()?;
     assert_eq!(p.counter("kvoy_admission_released_total"), Some(2));
     assert_eq!(p.counter("kvoy_prefix_affinity_decisions_total"), Some(3));
