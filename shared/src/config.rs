@@ -61,6 +61,7 @@ struct RawCost {
     bytes_per_token: f64,
     learn_bytes_per_token: bool,
     uncached_weight: f64,
+    pressure_time_constant_s: f64,
     kv_high: f64,
     kv_full_s: f64,
     kv_capacity_tokens: Option<u32>,
@@ -78,6 +79,7 @@ impl Default for RawCost {
             bytes_per_token: d.bytes_per_token,
             learn_bytes_per_token: d.learn_bytes_per_token,
             uncached_weight: d.uncached_weight,
+            pressure_time_constant_s: d.pressure_time_constant_s,
             kv_high: d.kv_high,
             kv_full_s: d.kv_full_s,
             kv_capacity_tokens: d.kv_capacity_tokens,
@@ -132,6 +134,13 @@ impl TryFrom<RawCost> for CostParams {
                 raw.decode_s_per_sequence,
             ));
         }
+        if !(raw.pressure_time_constant_s.is_finite() && raw.pressure_time_constant_s >= 0.0) {
+            return Err(out_of_range(
+                "cost.pressure_time_constant_s",
+                "a finite number of seconds >= 0",
+                raw.pressure_time_constant_s,
+            ));
+        }
         if !(0.0..=1.0).contains(&raw.kv_high) {
             return Err(out_of_range("cost.kv_high", "within 0..=1", raw.kv_high));
         }
@@ -163,6 +172,7 @@ impl TryFrom<RawCost> for CostParams {
             bytes_per_token: positive("cost.bytes_per_token", raw.bytes_per_token)?,
             learn_bytes_per_token: raw.learn_bytes_per_token,
             uncached_weight: positive("cost.uncached_weight", raw.uncached_weight)?,
+            pressure_time_constant_s: raw.pressure_time_constant_s,
             kv_high: raw.kv_high,
             kv_full_s: raw.kv_full_s,
             kv_capacity_tokens: raw.kv_capacity_tokens,
@@ -885,6 +895,7 @@ mod tests {
         assert_eq!(cfg.cost.model_kv_capacity("m"), Some(400_000));
         assert_eq!(cfg.cost.model_kv_capacity("other"), Some(100_000));
         assert_eq!(cfg.cost.footprint_high, 0.5);
+        assert_eq!(cfg.cost.pressure_time_constant_s, 10.0);
         let ep = r#""endpoints":[{"address":"127.0.0.1:1","models":["m"]}]"#;
         let default = PluginConfig::from_json(format!("{{{ep}}}").as_bytes()).unwrap();
         assert_eq!(default.cost.model_kv_capacity("m"), None);
@@ -899,6 +910,10 @@ mod tests {
             ),
             (r#""cost":{"footprint_high":1}"#, "cost.footprint_high"),
             (r#""cost":{"footprint_high":-0.1}"#, "cost.footprint_high"),
+            (
+                r#""cost":{"pressure_time_constant_s":-1}"#,
+                "cost.pressure_time_constant_s",
+            ),
         ] {
             let e = err(&format!("{{{ep},{bad}}}"));
             assert!(e.contains(field), "{bad}: {e}");

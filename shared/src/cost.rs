@@ -38,8 +38,9 @@
 //!   decoding from taking every request that shares its prefix.
 //! - The *KV term* (aggregator figures only): a nearly full cache admits a new sequence only
 //!   once running ones free blocks.
-//! - The uncached tokens are weighted by [`uncached_weight`] (1 while some endpoint has
-//!   nothing queued, more once all do).
+//! - The uncached tokens are weighted by `uncached_weight x (1 + pressure)` ([`Pressure`]: the
+//!   work queued at the least busy candidate, in typical requests, now or on recent average,
+//!   whichever is larger; 0 while the fleet has idle endpoints, growing once none is).
 //! - Tokens are estimated from prompt bytes with a per-model ratio ([`TokenRatio`]), learned
 //!   from the servers' `usage` figures or configured.
 //! - `rate_e` is the endpoint's own prefill rate (configured, or the aggregator's estimate),
@@ -68,8 +69,12 @@ pub struct CostParams {
     pub bytes_per_token: f64,
     /// Learn each model's bytes-per-token ratio from the servers' `usage` figures.
     pub learn_bytes_per_token: bool,
-    /// How much more a token this request would compute counts than a token already queued.
+    /// How much more a token this request would compute counts than a token already queued,
+    /// on an unloaded fleet (see [`Pressure`]).
     pub uncached_weight: f64,
+    /// The time constant, seconds, over which the fleet's pressure is smoothed (0: each
+    /// request's own figure).
+    pub pressure_time_constant_s: f64,
     /// KV-cache use (as the aggregator reports it) above which an endpoint may have to wait
     /// for running sequences to free blocks before it admits this request.
     pub kv_high: f64,
@@ -107,6 +112,8 @@ impl Default for CostParams {
             bytes_per_token: 4.0,
             learn_bytes_per_token: true,
             uncached_weight: 1.0,
+            // Agents at 2x saturation, five seeds (bench/README.md): 3, 10 and 30 s tried.
+            pressure_time_constant_s: 10.0,
             kv_high: 0.95,
             kv_full_s: 1.0,
             kv_capacity_tokens: None,
@@ -185,24 +192,61 @@ fn queued(c: &Candidate, req: &RequestSize, clock: bool) -> f64 {
     ours.max(server)
 }
 
-/// The weight of this request's own uncached tokens: `uncached_weight` while some candidate
-/// has nothing queued, growing with the work queued at the least busy one. Computing a prefix
-/// again elsewhere costs the fleet capacity that every later request waits for once no
-/// endpoint is idle; so a saturated fleet keeps prefixes where they are instead of chasing
-/// short-lived queue differences.
-pub fn uncached_weight(candidates: &[Candidate], req: &RequestSize, params: &CostParams) -> f64 {
+/// How loaded the fleet is for a request: the prefill work queued at the least busy candidate,
+/// in typical requests (0 while some candidate has nothing queued); `None` without candidates.
+pub fn least_queued_requests(candidates: &[Candidate], req: &RequestSize) -> Option<f64> {
     let least = candidates
         .iter()
         .map(|c| queued(c, req, false))
         .fold(f64::INFINITY, f64::min);
-    if !least.is_finite() {
-        return params.uncached_weight;
+    least
+        .is_finite()
+        .then(|| least / req.typical_tokens.max(1.0))
+}
+
+/// The fleet's pressure for weighing uncached tokens: [`least_queued_requests`] now, or its
+/// recent average if larger (an exponentially weighted average over time, time constant
+/// `cost.pressure_time_constant_s`, sampled at each routed request). Computing a prefix again
+/// elsewhere costs the fleet capacity that every later request waits for once no endpoint is
+/// idle, so the uncached tokens weigh `uncached_weight x (1 + pressure)`. The average, because
+/// an overloaded fleet has lulls: an endpoint idle for a moment used to reset the weight to 1,
+/// and the prefixes spilled then were paid for later (agents at 2x saturation); the figure now,
+/// because the average lags a load that rises, and less weight then cost prefixes too (the
+/// aggregator mode on the half-slow fleet's shared-prefix; both in bench/README.md).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Pressure {
+    smoothed: f64,
+    at: Option<std::time::Duration>,
+}
+
+impl Pressure {
+    /// Folds in the pressure `instant` seen at `now` and returns the pressure to weigh by:
+    /// the larger of `instant` and the average. `time_constant_s` 0 keeps no history. A clock
+    /// that went back counts as no time passed.
+    pub fn observe(&mut self, instant: f64, now: std::time::Duration, time_constant_s: f64) -> f64 {
+        let elapsed = match self.at {
+            Some(at) => now.saturating_sub(at).as_secs_f64(),
+            // The first sample is taken as it is.
+            None => f64::INFINITY,
+        };
+        self.at = Some(self.at.map_or(now, |at| at.max(now)));
+        let keep = if time_constant_s > 0.0 {
+            (-elapsed / time_constant_s).exp()
+        } else {
+            0.0
+        };
+        self.smoothed = instant + keep * (self.smoothed - instant);
+        instant.max(self.smoothed)
     }
-    params.uncached_weight * (1.0 + least / req.typical_tokens.max(1.0))
+
+    /// The uncached tokens' weight at this pressure.
+    pub fn weight(smoothed: f64, params: &CostParams) -> f64 {
+        params.uncached_weight * (1.0 + smoothed.max(0.0))
+    }
 }
 
 /// The cost terms of one candidate, its own uncached tokens weighted by `weight` (see
-/// [`uncached_weight`]); `unmatched`: the request matches no candidate (module doc).
+/// [`Pressure`]); `unmatched`: the request matches no candidate (module doc).
 pub fn terms(
     c: &Candidate,
     req: &RequestSize,
@@ -258,15 +302,15 @@ pub fn terms(
     }
 }
 
-/// Costs `candidates` into `out` (same order).
+/// Costs `candidates` into `out` (same order), their uncached tokens weighted by `weight`.
 pub fn fill(
     candidates: &[Candidate],
     req: &RequestSize,
     params: &CostParams,
+    weight: f64,
     out: &mut Vec<CostTerms>,
 ) {
     out.clear();
-    let weight = uncached_weight(candidates, req, params);
     let unmatched = candidates.iter().all(|c| c.matched == 0);
     out.extend(
         candidates
@@ -281,10 +325,11 @@ pub fn pick(
     candidates: &[Candidate],
     req: &RequestSize,
     params: &CostParams,
+    weight: f64,
     rng: &mut Rng,
     out: &mut Vec<CostTerms>,
 ) -> Option<usize> {
-    fill(candidates, req, params, out);
+    fill(candidates, req, params, weight, out);
     let best = out.iter().map(|t| t.total_s).fold(f64::INFINITY, f64::min);
     const EPS: f64 = 1e-9;
     let ties = out.iter().filter(|t| t.total_s <= best + EPS).count();
@@ -355,6 +400,7 @@ impl TokenRatio {
 mod tests {
     use super::*;
     use crate::endpoint::{EndpointId, EndpointLoad};
+    use std::time::Duration;
 
     fn cand(id: u16, matched_bytes: u64, inflight: u32, prefill_tokens: u64) -> Candidate {
         Candidate {
@@ -381,10 +427,58 @@ mod tests {
         }
     }
 
+    /// The pressure of these candidates alone, as a router with no history sees it.
+    fn weight(c: &[Candidate], r: &RequestSize, p: &CostParams) -> f64 {
+        Pressure::weight(least_queued_requests(c, r).unwrap_or(0.0), p)
+    }
+
     fn choose(c: &[Candidate], r: &RequestSize) -> (usize, Vec<CostTerms>) {
         let mut out = Vec::new();
-        let i = pick(c, r, &CostParams::default(), &mut Rng::new(1), &mut out).unwrap();
+        let p = CostParams::default();
+        let i = pick(c, r, &p, weight(c, r, &p), &mut Rng::new(1), &mut out).unwrap();
         (i, out)
+    }
+
+    #[test]
+    fn the_weight_grows_with_the_least_busy_candidates_queue() {
+        let r = req(1000.0);
+        let p = CostParams::default();
+        assert_eq!(
+            weight(&[cand(0, 0, 1, 3_000), cand(1, 0, 0, 0)], &r, &p),
+            1.0
+        );
+        assert_eq!(
+            weight(&[cand(0, 0, 1, 3_000), cand(1, 0, 1, 2_000)], &r, &p),
+            3.0
+        );
+        assert_eq!(least_queued_requests(&[], &r), None);
+    }
+
+    #[test]
+    fn pressure_outlasts_a_lull() {
+        let s = Duration::from_secs;
+        let mut p = Pressure::default();
+        // The first sample is taken as it is.
+        assert_eq!(p.observe(4.0, s(100), 10.0), 4.0);
+        // An endpoint idle for a moment, 1 s later: most of the pressure stays.
+        let after = p.observe(0.0, s(101), 10.0);
+        assert!((after - 4.0 * (-0.1f64).exp()).abs() < 1e-12, "{after}");
+        // Many seconds of an idle endpoint: it fades.
+        let later = p.observe(0.0, s(161), 10.0);
+        assert!(later < 0.01, "{later}");
+        // A load that rises counts at once, the average behind it.
+        assert_eq!(p.observe(9.0, s(161), 10.0), 9.0);
+        assert!(
+            p.observe(0.0, s(161), 10.0) < 0.01,
+            "no time passed: no history gained"
+        );
+        // A clock that goes back counts as no time passed.
+        assert!(p.observe(0.0, s(50), 10.0) < 0.01);
+        // No time constant: no history.
+        assert_eq!(p.observe(2.5, s(162), 0.0), 2.5);
+        assert_eq!(p.observe(0.0, s(163), 0.0), 0.0);
+        assert_eq!(Pressure::weight(2.5, &CostParams::default()), 3.5);
+        assert_eq!(Pressure::weight(-1.0, &CostParams::default()), 1.0);
     }
 
     #[test]
@@ -451,7 +545,7 @@ mod tests {
         let mut b = cand(1, 0, 0, 0);
         b.kv_capacity_tokens = p.kv_capacity_tokens;
         let mut out = Vec::new();
-        let i = pick(&[a, b], &r, &p, &mut Rng::new(1), &mut out).unwrap();
+        let i = pick(&[a, b], &r, &p, 1.0, &mut Rng::new(1), &mut out).unwrap();
         assert_eq!(i, 1);
         assert!(
             (out[0].footprint_s - 0.2 / 0.3).abs() < 1e-9,
@@ -554,11 +648,11 @@ mod tests {
         let mut rng = Rng::new(3);
         let mut out = Vec::new();
         for _ in 0..300 {
-            seen[pick(&c, &r, &CostParams::default(), &mut rng, &mut out).unwrap()] += 1;
+            seen[pick(&c, &r, &CostParams::default(), 1.0, &mut rng, &mut out).unwrap()] += 1;
         }
         assert!(seen.iter().all(|&n| n > 60), "{seen:?}");
         assert_eq!(
-            pick(&[], &r, &CostParams::default(), &mut rng, &mut out),
+            pick(&[], &r, &CostParams::default(), 1.0, &mut rng, &mut out),
             None
         );
     }

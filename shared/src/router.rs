@@ -3,7 +3,7 @@
 use thiserror::Error;
 
 use crate::config::{InvalidBodyPolicy, PluginConfig, RefusedEndpoint, Scorer};
-use crate::cost::{self, CostTerms, RequestSize, TokenRatio};
+use crate::cost::{self, CostTerms, Pressure, RequestSize, TokenRatio};
 use std::time::Duration;
 
 use crate::endpoint::{EndpointId, Pool};
@@ -152,6 +152,8 @@ pub struct Router {
     ratio: TokenRatio,
     /// Uncached tokens of a typical request routed here (EWMA): sizes a server's queue.
     typical_tokens: Option<f64>,
+    /// The fleet's pressure as this router has seen it (weighs the uncached tokens).
+    pressure: Pressure,
     /// The model and prompt bytes of the last request routed by its body.
     last_model: String,
     last_prompt_bytes: u64,
@@ -190,6 +192,7 @@ impl Router {
             matched: Vec::new(),
             ratio: TokenRatio::default(),
             typical_tokens: None,
+            pressure: Pressure::default(),
             last_model: String::new(),
             last_prompt_bytes: 0,
             refused: Vec::new(),
@@ -415,14 +418,21 @@ impl Router {
         };
         let hard = self.config.session.hard;
         let pinned = self.candidates.iter().position(|c| c.pinned);
+        let pressure = self.pressure.observe(
+            cost::least_queued_requests(&self.candidates, &size).unwrap_or(0.0),
+            now,
+            self.config.cost.pressure_time_constant_s,
+        );
+        let weight = Pressure::weight(pressure, &self.config.cost);
+        let params = &self.config.cost;
         self.scores.clear();
         let chosen = match (self.config.scorer, pinned) {
             (Scorer::Weighted, Some(i)) if hard => {
-                cost::fill(&self.candidates, &size, &self.config.cost, &mut self.costs);
+                cost::fill(&self.candidates, &size, params, weight, &mut self.costs);
                 i
             }
             (Scorer::Weighted, _) => {
-                cost::fill(&self.candidates, &size, &self.config.cost, &mut self.costs);
+                cost::fill(&self.candidates, &size, params, weight, &mut self.costs);
                 score::pick(
                     &self.candidates,
                     self.hasher.ends().last().map_or(0, |&e| u64::from(e)),
@@ -438,7 +448,8 @@ impl Router {
                 let cheapest = cost::pick(
                     &self.candidates,
                     &size,
-                    &self.config.cost,
+                    params,
+                    weight,
                     &mut self.rng,
                     &mut self.costs,
                 )
