@@ -74,6 +74,16 @@ fn request(shape: &str, n: usize) -> Request {
     }
 }
 
+/// The host calls by name, as one line for the notes.
+fn names(calls: &kvoy_local::decide::FilterCalls) -> String {
+    let names: Vec<String> = calls
+        .by_name
+        .iter()
+        .map(|(name, n)| format!("{} {n}", name.trim_start_matches("proxy_")))
+        .collect();
+    names.join(", ")
+}
+
 fn counts(report: &RequestReport) -> Vec<Crossings> {
     report
         .filter_calls
@@ -130,6 +140,7 @@ fn the_combined_filter_stays_within_its_budgets() {
             "{shape:13} {:21} {:10}  {:11}  {:10}",
             "kvoy", c.0, c.1, c.2
         );
+        println!("    {}", names(&report.filter_calls[0]));
         if c.0 > budget.0 || c.1 > budget.1 || c.2 > budget.2 {
             over.push(format!("{shape} / kvoy: {c:?} over the budget {budget:?}"));
         }
@@ -160,6 +171,7 @@ fn crossings_per_request_stay_within_their_budgets() {
         for (i, (c, b)) in got.iter().zip(budget).enumerate() {
             let name = &report.filter_calls[i].filter;
             println!("{shape:13} {name:21} {:10}  {:11}  {:10}", c.0, c.1, c.2);
+            println!("    {}", names(&report.filter_calls[i]));
             if c.0 > b.0 || c.1 > b.1 || c.2 > b.2 {
                 over.push(format!("{shape} / {name}: {c:?} over the budget {b:?}"));
             }
