@@ -18,7 +18,10 @@
 //!
 //! Envoy needs `allow_on_headers_stop_iteration: true` (as for the separate filters). Metrics
 //! keep the separate filters' names (`kvoy_session_*`, `kvoy_admission_*`,
-//! `kvoy_prefix_affinity_*`).
+//! `kvoy_prefix_affinity_*`). Counters and the shared in-flight gauges are kept in the VM and
+//! given to Envoy in one call per metric: counters as a request's answer ends (before its last
+//! byte leaves, so a client holding its answer finds it counted), everything at the request's
+//! end and on the tick; a gauge moved up and back down within a request costs no host call.
 //!
 //! Plugin configuration: a JSON object with a section per stage ([`config`]), e.g.
 //! `{"session": {}, "admission": {"endpoints": 1},
@@ -137,6 +140,8 @@ impl KvoyRoot {
             if admission.is_some() { "on" } else { "off" },
             period.as_millis()
         );
+        // See the crate doc: metrics kept in the VM until flushed.
+        kvoy_filter_common::defer_metrics();
         *self.vm.session.borrow_mut() = session;
         *self.vm.admission.borrow_mut() = admission;
         *self.vm.prefix.borrow_mut() = Some(prefix);
@@ -156,6 +161,7 @@ impl Context for KvoyRoot {
         if let Ok(mut guard) = self.vm.admission.try_borrow_mut() {
             if let Some(vm) = guard.as_mut().filter(|vm| vm.owns_call(token_id)) {
                 vm.on_http_call_response(token_id, num_headers, body_size);
+                kvoy_filter_common::flush_metrics();
                 return;
             }
         }
@@ -164,6 +170,7 @@ impl Context for KvoyRoot {
                 vm.on_http_call_response(token_id, num_headers, body_size);
             }
         }
+        kvoy_filter_common::flush_metrics();
     }
 }
 
@@ -199,6 +206,7 @@ impl RootContext for KvoyRoot {
                 }
             }
         }
+        kvoy_filter_common::flush_metrics();
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
