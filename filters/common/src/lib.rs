@@ -171,27 +171,18 @@ pub fn gauge(name: &str) -> Option<u32> {
     hostcalls::define_metric(MetricType::Gauge, name).ok()
 }
 
-/// A metric change kept in the VM (see [`defer_metrics`]).
-struct Pending {
-    id: u32,
-    delta: i64,
-    /// A [`SharedGauge`]'s move (else a counter's addition).
-    gauge: bool,
-}
-
 std::thread_local! {
-    /// Counter additions and [`SharedGauge`] moves kept in the VM until they are flushed, one
-    /// entry per metric; `None` until [`defer_metrics`] (every change goes to the host at once).
-    static PENDING: std::cell::RefCell<Option<Vec<Pending>>> =
+    /// Counter additions and [`SharedGauge`] moves kept in the VM until [`flush_metrics`], as
+    /// `(metric id, delta)`, one entry per metric; `None` until [`defer_metrics`] (every change
+    /// goes to the host at once).
+    static PENDING: std::cell::RefCell<Option<Vec<(u32, i64)>>> =
         const { std::cell::RefCell::new(None) };
 }
 
 /// From now on this VM keeps counter additions ([`add`]) and [`SharedGauge`] moves to itself,
-/// summed per metric, and gives them to the host when flushed: counters by [`flush_counters`]
-/// (the combined filter flushes them as a request's answer ends, so that a client holding its
-/// answer finds it counted), everything by [`flush_metrics`] (at the end of each request and
-/// on the tick). Each counter then costs a request one host call at most, and a gauge moved up
-/// and back down within a request none.
+/// summed per metric, and gives them to the host at [`flush_metrics`] (the combined filter
+/// flushes on its tick): a request then costs no metric host call, and a tick one per metric
+/// that changed since the last.
 pub fn defer_metrics() {
     PENDING.with(|p| {
         if let Ok(mut p) = p.try_borrow_mut() {
@@ -200,17 +191,8 @@ pub fn defer_metrics() {
     });
 }
 
-/// Gives the host the counter additions kept since the last flush (see [`defer_metrics`]).
-pub fn flush_counters() {
-    flush(false);
-}
-
-/// Gives the host every metric change kept since the last flush (see [`defer_metrics`]).
+/// Gives the host the metric changes kept since the last flush (see [`defer_metrics`]).
 pub fn flush_metrics() {
-    flush(true);
-}
-
-fn flush(gauges: bool) {
     PENDING.with(|p| {
         let Ok(mut p) = p.try_borrow_mut() else {
             return;
@@ -218,21 +200,17 @@ fn flush(gauges: bool) {
         let Some(pending) = p.as_mut() else {
             return;
         };
-        pending.retain(|m| {
-            if m.gauge && !gauges {
-                return true;
+        for (id, delta) in pending.drain(..) {
+            if delta != 0 {
+                let _ = hostcalls::increment_metric(id, delta);
             }
-            if m.delta != 0 {
-                let _ = hostcalls::increment_metric(m.id, m.delta);
-            }
-            false
-        });
+        }
     });
 }
 
 /// Moves metric `id` by `delta`: kept in the VM when deferred, else given to the host at once.
 /// `false` if the host refused.
-fn increment(id: u32, delta: i64, gauge: bool) -> bool {
+fn increment(id: u32, delta: i64) -> bool {
     let kept = PENDING.with(|p| {
         let Ok(mut p) = p.try_borrow_mut() else {
             return false;
@@ -240,9 +218,9 @@ fn increment(id: u32, delta: i64, gauge: bool) -> bool {
         let Some(pending) = p.as_mut() else {
             return false;
         };
-        match pending.iter_mut().find(|m| m.id == id) {
-            Some(m) => m.delta = m.delta.saturating_add(delta),
-            None => pending.push(Pending { id, delta, gauge }),
+        match pending.iter_mut().find(|(i, _)| *i == id) {
+            Some((_, d)) => *d = d.saturating_add(delta),
+            None => pending.push((id, delta)),
         }
         true
     });
@@ -252,7 +230,7 @@ fn increment(id: u32, delta: i64, gauge: bool) -> bool {
 /// Adds `n` to a counter defined with [`counter`] (nothing if it was not defined).
 pub fn add(id: Option<u32>, n: u64) {
     if let Some(id) = id {
-        increment(id, n.min(i64::MAX as u64) as i64, false);
+        increment(id, n.min(i64::MAX as u64) as i64);
     }
 }
 
@@ -300,7 +278,7 @@ impl SharedGauge {
             i64::try_from(old - value).map_or(i64::MIN + 1, |d| -d)
         };
         // Only a part the gauge took is remembered, so the gauge never goes below the others'.
-        if increment(id, delta, true) {
+        if increment(id, delta) {
             self.part.set(value);
         }
     }

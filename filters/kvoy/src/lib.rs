@@ -18,10 +18,10 @@
 //!
 //! Envoy needs `allow_on_headers_stop_iteration: true` (as for the separate filters). Metrics
 //! keep the separate filters' names (`kvoy_session_*`, `kvoy_admission_*`,
-//! `kvoy_prefix_affinity_*`). Counters and the shared in-flight gauges are kept in the VM and
-//! given to Envoy in one call per metric: counters as a request's answer ends (before its last
-//! byte leaves, so a client holding its answer finds it counted), everything at the request's
-//! end and on the tick; a gauge moved up and back down within a request costs no host call.
+//! `kvoy_prefix_affinity_*`). Counters and the shared gauges are kept in the VM and given to
+//! Envoy on the tick (every 20 ms with admission, 200 ms without, the poll interval with a live
+//! pool), one call per metric changed: a request costs no metric host call, and Envoy's stats
+//! lag the VM by a tick at most.
 //!
 //! Plugin configuration: a JSON object with a section per stage ([`config`]), e.g.
 //! `{"session": {}, "admission": {"endpoints": 1},
@@ -131,7 +131,10 @@ impl KvoyRoot {
             .map(|(p, _)| p)
             .min()
             .unwrap_or(Duration::from_millis(200));
-        if hostcalls::set_tick_period(period).is_err() {
+        if hostcalls::set_tick_period(period).is_ok() {
+            // See the crate doc: metrics kept in the VM until the tick.
+            kvoy_filter_common::defer_metrics();
+        } else {
             error!("kvoy: cannot set the tick period; held requests are released only as others end, idle workers catch up on requests only, and an aggregator is not polled");
         }
         info!(
@@ -140,8 +143,6 @@ impl KvoyRoot {
             if admission.is_some() { "on" } else { "off" },
             period.as_millis()
         );
-        // See the crate doc: metrics kept in the VM until flushed.
-        kvoy_filter_common::defer_metrics();
         *self.vm.session.borrow_mut() = session;
         *self.vm.admission.borrow_mut() = admission;
         *self.vm.prefix.borrow_mut() = Some(prefix);
@@ -150,6 +151,12 @@ impl KvoyRoot {
 }
 
 impl Context for KvoyRoot {
+    fn on_done(&mut self) -> bool {
+        // The VM is going away: what the last tick did not give Envoy goes now.
+        kvoy_filter_common::flush_metrics();
+        true
+    }
+
     fn on_http_call_response(
         &mut self,
         token_id: u32,

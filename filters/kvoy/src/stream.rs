@@ -73,16 +73,11 @@ impl Request {
     }
 }
 
-/// What a callback should return after a step. A request a stage answered has its counters
-/// given to the host first: the reply leaves as the callback returns (see the crate doc).
+/// What a callback should return after a step.
 fn action(phase: Phase) -> Action {
     match phase {
         Phase::Routed => Action::Continue,
-        Phase::Replied => {
-            kvoy_filter_common::flush_counters();
-            Action::Pause
-        }
-        Phase::Start | Phase::Held | Phase::ReadingBody => Action::Pause,
+        Phase::Start | Phase::Held | Phase::ReadingBody | Phase::Replied => Action::Pause,
     }
 }
 
@@ -286,7 +281,6 @@ impl KvoyStream {
                 }
             }
         }
-        kvoy_filter_common::flush_metrics();
     }
 }
 
@@ -330,7 +324,7 @@ impl HttpContext for KvoyStream {
                     Verdict::Admit => {}
                     Verdict::Replied => {
                         req.phase = Phase::Replied;
-                        return action(req.phase);
+                        return Action::Pause;
                     }
                     Verdict::Hold => {
                         req.phase = Phase::Held;
@@ -359,7 +353,7 @@ impl HttpContext for KvoyStream {
         self.on_body(size, true)
     }
 
-    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         let _clock = ClockPass::begin();
         let vm = self.vm.clone();
         let Ok(mut req) = self.req.try_borrow_mut() else {
@@ -380,10 +374,6 @@ impl HttpContext for KvoyStream {
                         .is_some_and(|s| s.trim() == "200")
                 });
             }
-        }
-        if end_of_stream {
-            // An answer with no body: counted before it leaves (see the crate doc).
-            kvoy_filter_common::flush_counters();
         }
         Action::Continue
     }
@@ -419,10 +409,6 @@ impl HttpContext for KvoyStream {
                     stage.on_response_chunk(session, chunk.as_deref().unwrap_or_default());
                 }
             }
-        }
-        if end_of_stream {
-            // Counted before the answer's last byte leaves (see the crate doc).
-            kvoy_filter_common::flush_counters();
         }
         Action::Continue
     }
