@@ -68,6 +68,10 @@ impl FilterLayout {
     }
 }
 
+/// How long a read of the filters' metrics waits: two of the combined filter's longest tick
+/// (200 ms, a static pool without admission), as it keeps its metrics in the VM until then.
+pub const METRICS_TICK_WAIT: std::time::Duration = std::time::Duration::from_millis(400);
+
 /// Where the release wasm filters are: `$KVOY_WASM_DIR`, else
 /// `$CARGO_TARGET_DIR/wasm32-wasip1/release`, else `<root>/target/wasm32-wasip1/release`.
 pub fn default_wasm_dir() -> PathBuf {
@@ -246,8 +250,10 @@ impl Stack {
     }
 
     /// Envoy's stats whose names contain `filter`, from the admin interface (`name: value`
-    /// lines; counters and gauges, histograms skipped).
+    /// lines; counters and gauges, histograms skipped), once the filters have ticked: the
+    /// combined filter gives Envoy its metrics on its tick ([`METRICS_TICK_WAIT`]).
     pub fn stats(&self, filter: &str) -> anyhow::Result<std::collections::BTreeMap<String, u64>> {
+        std::thread::sleep(METRICS_TICK_WAIT);
         let path = format!("/stats?filter={filter}");
         let reply = crate::http::send(
             self.admin,

@@ -743,6 +743,13 @@ fn aggregator_ready(agg: SocketAddr) -> u64 {
     .unwrap_or(0)
 }
 
+/// `/stats/prometheus` once the filters have ticked (they give Envoy their metrics on the
+/// tick, every 20 ms here): see [`prometheus_kvoy`].
+fn prometheus_kvoy_settled(admin: SocketAddr) -> BTreeMap<String, f64> {
+    std::thread::sleep(Duration::from_millis(100));
+    prometheus_kvoy(admin)
+}
+
 /// `/stats/prometheus`: every kvoy sample, by series (labels included), histograms skipped.
 fn prometheus_kvoy(admin: SocketAddr) -> BTreeMap<String, f64> {
     let r = http::send(
@@ -943,7 +950,7 @@ fn ten_thousand_requests_through_resets_kills_and_restarts() {
             decoy_phase.store(true, Ordering::SeqCst);
         }
         if b == DECOY_LISTED.end {
-            let stats = prometheus_kvoy(stack.admin);
+            let stats = prometheus_kvoy_settled(stack.admin);
             decoy_refused = counter(&stats, "kvoy_prefix_affinity_endpoints_refused_total");
             std::fs::write(&agg_config, &yaml).unwrap();
             wait_for(
@@ -1018,7 +1025,7 @@ fn ten_thousand_requests_through_resets_kills_and_restarts() {
             "[{NAME}] no gauge {name} in /stats/prometheus: {last:?}"
         );
     }
-    let stats = prometheus_kvoy(stack.admin);
+    let stats = prometheus_kvoy_settled(stack.admin);
 
     // Nothing leaked in the shared in-flight counts either: on the idle proxy, requests one
     // at a time are admitted at once (none is held), and answered by the pool.
@@ -1038,7 +1045,10 @@ fn ten_thousand_requests_through_resets_kills_and_restarts() {
         );
     }
     assert_eq!(
-        counter(&prometheus_kvoy(stack.admin), "kvoy_admission_queued_total"),
+        counter(
+            &prometheus_kvoy_settled(stack.admin),
+            "kvoy_admission_queued_total"
+        ),
         queued_before,
         "[{NAME}] the idle proxy held a request: its in-flight count leaked"
     );

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::callouts::LocalReply;
-use crate::counts::CallCounts;
+use crate::counts::{CallCounts, HostCallNames};
 use crate::error::{Error, Result};
 use crate::headers::HeaderMap;
 use crate::http_driver::Side;
@@ -81,6 +81,14 @@ impl FilterChain {
     /// Each filter's [`Plugin::call_counts`], in chain order.
     pub fn call_counts(&self) -> Vec<CallCounts> {
         self.filters.iter().map(|(_, p)| p.call_counts()).collect()
+    }
+
+    /// Each filter's [`Plugin::host_call_names`], in chain order.
+    pub fn host_call_names(&self) -> Vec<HostCallNames> {
+        self.filters
+            .iter()
+            .map(|(_, p)| p.host_call_names())
+            .collect()
     }
 
     /// The number of workers every filter has a VM for.

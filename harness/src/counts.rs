@@ -2,6 +2,7 @@
 //! counted as Envoy would pay for them (each host call and each entry into the VM is a
 //! boundary crossing; each shared-data operation also takes Envoy's one process-wide lock).
 
+use std::collections::BTreeMap;
 use std::ops::{Add, Sub};
 
 /// Crossings counted over a plugin's VMs (see [`crate::Plugin::call_counts`]).
@@ -36,5 +37,33 @@ impl Sub for CallCounts {
             shared_data: self.shared_data.saturating_sub(o.shared_data),
             vm_entries: self.vm_entries.saturating_sub(o.vm_entries),
         }
+    }
+}
+
+/// Host calls by import name, over a plugin's VMs (see [`crate::Plugin::host_call_names`]):
+/// every proxy-wasm import, and the WASI imports that do work (`fd_write`, `clock_time_get`,
+/// `random_get`); the WASI stubs are counted in [`CallCounts::host_calls`] only.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HostCallNames(pub BTreeMap<&'static str, u64>);
+
+impl HostCallNames {
+    /// Adds `o`'s counts to these.
+    pub fn merge(&mut self, o: &HostCallNames) {
+        for (name, n) in &o.0 {
+            *self.0.entry(name).or_insert(0) += n;
+        }
+    }
+
+    /// The calls since the reading `before` (names with none left out).
+    pub fn since(&self, before: &HostCallNames) -> HostCallNames {
+        HostCallNames(
+            self.0
+                .iter()
+                .filter_map(|(name, n)| {
+                    let d = n.saturating_sub(before.0.get(name).copied().unwrap_or(0));
+                    (d > 0).then_some((*name, d))
+                })
+                .collect(),
+        )
     }
 }

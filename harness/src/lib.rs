@@ -71,7 +71,7 @@ pub use callouts::{ForeignCall, ForeignFunction, HttpCall, HttpResponse, LocalRe
 pub use chain::{ChainState, ChainStream, Downstream, FilterChain, UpstreamRequest};
 pub use connection::Connection;
 pub use connection_state::ConnectionEvent;
-pub use counts::CallCounts;
+pub use counts::{CallCounts, HostCallNames};
 pub use error::{Error, Result};
 pub use grpc::{GrpcCall, GrpcStream, GrpcTarget};
 pub use headers::{decode_pairs, encode_pairs, HeaderMap, PairsError, RawPair};

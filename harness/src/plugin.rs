@@ -10,7 +10,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use crate::callouts::{ForeignCall, ForeignFunction, HttpCall, HttpResponse};
 use crate::clock::{Clock, DEFAULT_START};
 use crate::connection::Connection;
-use crate::counts::CallCounts;
+use crate::counts::{CallCounts, HostCallNames};
 use crate::error::{Error, Result};
 use crate::host::HostInner;
 use crate::logs::{LogBuffer, LogEntry};
@@ -288,6 +288,21 @@ impl Plugin {
                     .counts
             })
             .fold(CallCounts::default(), |a, b| a + b)
+    }
+
+    /// The host calls of [`Plugin::call_counts`] by import name, over all this plugin's VMs.
+    pub fn host_call_names(&self) -> HostCallNames {
+        let mut names = HostCallNames::default();
+        for vm in self.vms.iter() {
+            names.merge(
+                &vm.lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .store
+                    .data()
+                    .call_names,
+            );
+        }
+        names
     }
 
     /// A handle on VM `index` (errors surface when it is used, if there is no such VM).

@@ -7,7 +7,7 @@ use wasmtime::{Memory, TypedFunc};
 
 use crate::callouts::HttpResponse;
 use crate::connection_state::ConnectionState;
-use crate::counts::CallCounts;
+use crate::counts::{CallCounts, HostCallNames};
 use crate::grpc::{CalloutIds, CalloutKind};
 use crate::headers::HeaderMap;
 use crate::logs::{LineSplitter, LogEntry, LogSource};
@@ -44,6 +44,8 @@ pub(crate) struct VmState {
     pub vm: usize,
     /// Host calls, shared-data operations and VM entries so far.
     pub counts: CallCounts,
+    /// The host calls in `counts` by import name (see [`crate::HostCallNames`]).
+    pub call_names: HostCallNames,
     pub shared: Arc<Shared>,
     pub memory: Option<Memory>,
     pub allocate: Option<TypedFunc<u32, u32>>,
@@ -79,11 +81,17 @@ pub(crate) struct VmState {
 }
 
 impl VmState {
+    /// Counts one call of the host function `name` (the call hook counts it in `counts`).
+    pub fn note_host_call(&mut self, name: &'static str) {
+        *self.call_names.0.entry(name).or_insert(0) += 1;
+    }
+
     pub fn new(vm: usize, shared: Arc<Shared>) -> VmState {
         let seed = shared.config.seed ^ (vm as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
         VmState {
             vm,
             counts: CallCounts::default(),
+            call_names: HostCallNames::default(),
             shared,
             memory: None,
             allocate: None,

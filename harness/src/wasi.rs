@@ -40,6 +40,7 @@ pub(crate) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
         MODULE,
         "fd_write",
         |mut c: Ctx<'_>, fd: i32, iovs: i32, len: i32, nwritten: i32| {
+            c.data_mut().note_host_call("fd_write");
             errno(fd_write(
                 &mut c,
                 fd,
@@ -127,6 +128,7 @@ pub(crate) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
         MODULE,
         "clock_time_get",
         |mut c: Ctx<'_>, id: i32, _precision: i64, out: i32| {
+            c.data_mut().note_host_call("clock_time_get");
             errno(clock_time_get(&mut c, id, out as u32))
         },
     )?;
@@ -143,7 +145,10 @@ pub(crate) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
     linker.func_wrap(
         MODULE,
         "random_get",
-        |mut c: Ctx<'_>, buf: i32, len: i32| errno(random_get(&mut c, buf as u32, len as u32)),
+        |mut c: Ctx<'_>, buf: i32, len: i32| {
+            c.data_mut().note_host_call("random_get");
+            errno(random_get(&mut c, buf as u32, len as u32))
+        },
     )?;
     linker.func_wrap(MODULE, "sched_yield", |_: Ctx<'_>| SUCCESS)?;
     linker.func_wrap(

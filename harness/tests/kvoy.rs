@@ -7,6 +7,8 @@
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+use std::time::Duration;
+
 use kvoy_harness::{testing, Action, Error, HttpStream, Plugin, StreamEvent, StreamType};
 
 type TestResult = Result<(), Error>;
@@ -137,6 +139,8 @@ fn a_responses_chain_follows_its_response_id_without_an_internal_header() -> Tes
         assert_eq!(again, dest, "pinned by its previous response");
         next.finish()?;
     }
+    // The combined filter gives the host its metrics on its tick.
+    p.advance(Duration::from_millis(250))?;
     assert_eq!(p.counter("kvoy_session_response_ids_bound_total"), Some(1));
     assert_eq!(
         p.counter("kvoy_prefix_affinity_session_pins_honoured_total"),
@@ -207,6 +211,8 @@ fn a_held_request_is_routed_before_it_goes_on() -> TestResult {
     );
     assert_routed_to_the_pool(&partial);
     partial.finish()?;
+    // The combined filter gives the host its metrics on its tick.
+    p.advance(Duration::from_millis(250))?;
     assert_eq!(p.counter("kvoy_admission_released_total"), Some(2));
     assert_eq!(p.counter("kvoy_prefix_affinity_decisions_total"), Some(3));
     Ok(())

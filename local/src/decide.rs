@@ -102,6 +102,9 @@ pub struct FilterCalls {
     pub host_calls: u64,
     pub shared_data: u64,
     pub vm_entries: u64,
+    /// The host calls by import name (WASI stubs left out: see
+    /// [`kvoy_harness::HostCallNames`]).
+    pub by_name: std::collections::BTreeMap<&'static str, u64>,
 }
 
 /// Time spent in one filter's callbacks.
@@ -227,6 +230,7 @@ fn run_one(
         None => None,
     };
     let calls_before = chain.call_counts();
+    let names_before = chain.host_call_names();
     let mut stream = chain.stream(worker)?;
     let port = 40_000 + (index % 20_000) as u16;
     stream.set_property(&["source", "address"], format!("127.0.0.1:{port}"))?;
@@ -319,13 +323,15 @@ fn run_one(
     let filter_calls = chain
         .names()
         .zip(chain.call_counts().into_iter().zip(calls_before))
-        .map(|(filter, (after, before))| {
+        .zip(chain.host_call_names().into_iter().zip(names_before))
+        .map(|((filter, (after, before)), (names, names_before))| {
             let c = after - before;
             FilterCalls {
                 filter: filter.to_owned(),
                 host_calls: c.host_calls,
                 shared_data: c.shared_data,
                 vm_entries: c.vm_entries,
+                by_name: names.since(&names_before).0,
             }
         })
         .collect();

@@ -2,8 +2,8 @@
 //! a [`kvoy_shared::replica::SharedStore`] ([`HostStore`]), the host clock in milliseconds
 //! ([`now_ms`]), and metrics that fail soft ([`counter`], [`gauge`], [`add`], [`set`], and
 //! [`SharedGauge`] for a figure every worker holds a part of: a metric that cannot be defined
-//! is skipped, never fatal), and the aggregator's snapshot as a filter follows it
-//! ([`LiveSnapshot`]).
+//! is skipped, never fatal; [`defer_metrics`] keeps changes in the VM until flushed), and the
+//! aggregator's snapshot as a filter follows it ([`LiveSnapshot`]).
 
 mod live;
 
@@ -171,10 +171,66 @@ pub fn gauge(name: &str) -> Option<u32> {
     hostcalls::define_metric(MetricType::Gauge, name).ok()
 }
 
+std::thread_local! {
+    /// Counter additions and [`SharedGauge`] moves kept in the VM until [`flush_metrics`], as
+    /// `(metric id, delta)`, one entry per metric; `None` until [`defer_metrics`] (every change
+    /// goes to the host at once).
+    static PENDING: std::cell::RefCell<Option<Vec<(u32, i64)>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// From now on this VM keeps counter additions ([`add`]) and [`SharedGauge`] moves to itself,
+/// summed per metric, and gives them to the host at [`flush_metrics`] (the combined filter
+/// flushes on its tick): a request then costs no metric host call, and a tick one per metric
+/// that changed since the last.
+pub fn defer_metrics() {
+    PENDING.with(|p| {
+        if let Ok(mut p) = p.try_borrow_mut() {
+            p.get_or_insert_with(Vec::new);
+        }
+    });
+}
+
+/// Gives the host the metric changes kept since the last flush (see [`defer_metrics`]).
+pub fn flush_metrics() {
+    PENDING.with(|p| {
+        let Ok(mut p) = p.try_borrow_mut() else {
+            return;
+        };
+        let Some(pending) = p.as_mut() else {
+            return;
+        };
+        for (id, delta) in pending.drain(..) {
+            if delta != 0 {
+                let _ = hostcalls::increment_metric(id, delta);
+            }
+        }
+    });
+}
+
+/// Moves metric `id` by `delta`: kept in the VM when deferred, else given to the host at once.
+/// `false` if the host refused.
+fn increment(id: u32, delta: i64) -> bool {
+    let kept = PENDING.with(|p| {
+        let Ok(mut p) = p.try_borrow_mut() else {
+            return false;
+        };
+        let Some(pending) = p.as_mut() else {
+            return false;
+        };
+        match pending.iter_mut().find(|(i, _)| *i == id) {
+            Some((_, d)) => *d = d.saturating_add(delta),
+            None => pending.push((id, delta)),
+        }
+        true
+    });
+    kept || hostcalls::increment_metric(id, delta).is_ok()
+}
+
 /// Adds `n` to a counter defined with [`counter`] (nothing if it was not defined).
 pub fn add(id: Option<u32>, n: u64) {
     if let Some(id) = id {
-        let _ = hostcalls::increment_metric(id, n.min(i64::MAX as u64) as i64);
+        increment(id, n.min(i64::MAX as u64) as i64);
     }
 }
 
@@ -222,7 +278,7 @@ impl SharedGauge {
             i64::try_from(old - value).map_or(i64::MIN + 1, |d| -d)
         };
         // Only a part the gauge took is remembered, so the gauge never goes below the others'.
-        if hostcalls::increment_metric(id, delta).is_ok() {
+        if increment(id, delta) {
             self.part.set(value);
         }
     }

@@ -30,6 +30,9 @@ pub(super) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
          headers_ptr: i32,
          headers_size: i32,
          grpc_status: i32| {
+            caller
+                .data_mut()
+                .note_host_call("proxy_send_local_response");
             let args = LocalReplyArgs {
                 status: status as u32,
                 details: (details_ptr as u32, details_size as u32),
@@ -43,15 +46,18 @@ pub(super) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
     env_fn!(linker, "proxy_continue_stream", continue_stream, (stream));
     // ABI 0.1.0 names Envoy still links.
     linker.func_wrap("env", "proxy_continue_request", |mut caller: Ctx<'_>| {
+        caller.data_mut().note_host_call("proxy_continue_request");
         to_status(continue_stream(&mut caller, StreamType::HttpRequest as u32))
     })?;
     linker.func_wrap("env", "proxy_continue_response", |mut caller: Ctx<'_>| {
+        caller.data_mut().note_host_call("proxy_continue_response");
         to_status(continue_stream(
             &mut caller,
             StreamType::HttpResponse as u32,
         ))
     })?;
-    linker.func_wrap("env", "proxy_clear_route_cache", |_: Ctx<'_>| {
+    linker.func_wrap("env", "proxy_clear_route_cache", |mut caller: Ctx<'_>| {
+        caller.data_mut().note_host_call("proxy_clear_route_cache");
         Status::Ok as i32
     })?;
     env_fn!(linker, "proxy_close_stream", close_stream, (stream));

@@ -20,7 +20,8 @@ pub(super) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
     linker.func_wrap(
         "env",
         "proxy_record_metric",
-        |caller: Ctx<'_>, id: i32, value: i64| {
+        |mut caller: Ctx<'_>, id: i32, value: i64| {
+            caller.data_mut().note_host_call("proxy_record_metric");
             to_status(
                 caller
                     .data()
@@ -35,7 +36,8 @@ pub(super) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
     linker.func_wrap(
         "env",
         "proxy_increment_metric",
-        |caller: Ctx<'_>, id: i32, offset: i64| {
+        |mut caller: Ctx<'_>, id: i32, offset: i64| {
+            caller.data_mut().note_host_call("proxy_increment_metric");
             to_status(
                 caller
                     .data()

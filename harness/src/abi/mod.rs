@@ -59,6 +59,7 @@ macro_rules! env_fn {
             "env",
             $name,
             |mut caller: wasmtime::Caller<'_, crate::vm_state::VmState>, $($arg: i32),*| {
+                caller.data_mut().note_host_call($name);
                 crate::abi::to_status($body(&mut caller, $($arg as u32),*))
             },
         )?;

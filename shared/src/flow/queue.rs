@@ -236,6 +236,12 @@ impl FlowQueue {
         self.nodes.len()
     }
 
+    /// Whether [`FlowQueue::offer`] admits any request at once, whatever the time: the pool has
+    /// room and nothing waits (a filter then need not read the clock to offer it).
+    pub fn admits_at_once(&self, saturated: bool) -> bool {
+        !saturated && self.is_empty()
+    }
+
     pub fn is_empty(&self) -> bool {
         self.nodes.is_empty()
     }

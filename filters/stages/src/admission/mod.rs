@@ -33,15 +33,24 @@ pub use stage::{reject, reject_no_endpoint, AdmissionStage, Verdict, DROPPED_REA
 
 /// The slot of the in-flight table that counts every request of the proxy.
 const ALL: EndpointId = EndpointId(0);
+/// The slot of the in-flight table that counts the workers with an entry on the held board: a
+/// worker that reads none but itself there (with the in-flight count it reads anyway) need not
+/// read the board. A worker is counted before its entry appears and uncounted only once its
+/// entry is gone, so a count of none means an empty board at the moment it was read.
+const HOLDERS: EndpointId = EndpointId(1);
 
 /// What one VM keeps between requests.
 pub struct AdmissionVm {
     pub config: AdmissionFilterConfig,
     pub queue: FlowQueue,
     /// This proxy's requests in flight (admitted, not finished), across workers: one count
-    /// (slot 0) of a shared in-flight table, the filter running before the endpoint is known.
+    /// (slot 0) of a shared in-flight table, the filter running before the endpoint is known;
+    /// slot 1 counts the workers on the held board ([`HOLDERS`]).
     pub inflight: InflightTable,
+    /// The table as the last [`AdmissionVm::room`] read it.
     counts: Vec<u32>,
+    /// This worker is counted in [`HOLDERS`].
+    holder: bool,
     /// Requests of this VM counted in flight (admitted or released), by context id.
     pub acquired: HashSet<u32>,
     /// When each held request was queued, for the wait histogram.
@@ -201,9 +210,17 @@ impl AdmissionVm {
     /// Whether another worker holds a request of a higher band than this one's highest.
     fn outranked_by_others(&mut self, now: u64) -> bool {
         match self.queue.highest_waiting_priority() {
-            Some(top) => self.held.outranked(&HostStore, top, now),
+            Some(top) => self.outranked(top, || now),
             None => false,
         }
+    }
+
+    /// Whether another worker holds a request that outranks `priority`: the held board is read
+    /// only when, as of the last [`AdmissionVm::room`], another worker is on it.
+    /// `now` is asked for only then.
+    pub fn outranked(&mut self, priority: i32, now: impl FnOnce() -> u64) -> bool {
+        let holders = self.counts.get(HOLDERS.index()).copied().unwrap_or(0);
+        holders > u32::from(self.holder) && self.held.outranked(&HostStore, priority, now())
     }
 
     /// Publishes this worker's highest held band for the others (when it changed, and as a
@@ -214,8 +231,23 @@ impl AdmissionVm {
             .bands()
             .next()
             .map(|b| (b.priority, u32::try_from(b.requests).unwrap_or(u32::MAX)));
+        // Counted among the holders before the entry appears, uncounted once it is gone (see
+        // HOLDERS); a count that cannot be changed leaves the others reading the board.
+        if top.is_some() && !self.holder {
+            match self.inflight.add(&HostStore, HOLDERS, 1) {
+                Ok(()) => self.holder = true,
+                Err(_) => kvoy_filter_common::add(self.metrics.shared_state_errors, 1),
+            }
+        }
         if self.held.publish(&HostStore, top, now).is_err() {
             kvoy_filter_common::add(self.metrics.shared_state_errors, 1);
+            return;
+        }
+        if top.is_none() && self.holder {
+            match self.inflight.add(&HostStore, HOLDERS, -1) {
+                Ok(()) => self.holder = false,
+                Err(_) => kvoy_filter_common::add(self.metrics.shared_state_errors, 1),
+            }
         }
     }
 
@@ -264,8 +296,9 @@ impl AdmissionVm {
         Ok(AdmissionVm {
             queue: FlowQueue::new(&config.flow),
             config,
-            inflight: InflightTable::new(&namespace, 1),
-            counts: Vec::with_capacity(1),
+            inflight: InflightTable::new(&namespace, 2),
+            counts: Vec::with_capacity(2),
+            holder: false,
             acquired: HashSet::new(),
             queued_at: std::collections::HashMap::new(),
             metrics,

@@ -3,7 +3,7 @@
 use log::debug;
 use proxy_wasm::hostcalls;
 
-use kvoy_filter_common::{add, now_ms, Headers, HostStore};
+use kvoy_filter_common::{add, now_ms, Headers};
 use kvoy_shared::flow::{classify, Offer, FAIRNESS_HEADERS, OBJECTIVE_HEADERS};
 use kvoy_shared::openai_error_body;
 use kvoy_shared::RouteError;
@@ -105,10 +105,18 @@ impl AdmissionStage {
             fairness.as_deref(),
             length,
         );
-        let now = now_ms();
+        // The clock is read once, and only if the answer depends on it: an admission into an
+        // empty queue, with no other worker on the held board, needs none.
+        let mut clock = None;
+        let mut now = || *clock.get_or_insert_with(now_ms);
         // Room in the pool, but another worker holds a higher band: that one goes first.
-        let saturated = saturated || vm.held.outranked(&HostStore, class.priority, now);
-        match vm.queue.offer(u64::from(self.id), &class, now, saturated) {
+        let saturated = saturated || vm.outranked(class.priority, &mut now);
+        let offer = if vm.queue.admits_at_once(saturated) {
+            Offer::Admit
+        } else {
+            vm.queue.offer(u64::from(self.id), &class, now(), saturated)
+        };
+        match offer {
             Offer::Admit => {
                 vm.acquire(self.id);
                 add(vm.metrics.admitted, 1);
@@ -120,7 +128,7 @@ impl AdmissionStage {
                     self.id, class.priority, class.flow
                 );
                 self.held = true;
-                vm.queued_at.insert(self.id, now);
+                vm.queued_at.insert(self.id, now());
                 add(vm.metrics.queued, 1);
                 vm.queue_changed();
                 Verdict::Hold

@@ -71,7 +71,6 @@ impl SessionStage {
         previous_response_id: Option<&str>,
         conversation: Option<&str>,
     ) -> Option<SocketAddr> {
-        let now = now_ms();
         let keys = RequestKeys {
             header: self.header.as_deref(),
             cookie: self.cookie.as_deref(),
@@ -79,7 +78,10 @@ impl SessionStage {
             previous_response_id,
             conversation,
         };
+        // The clock is read once, and only if there is a key to look up.
+        let mut now = None;
         let r = resolve(&vm.config, &keys, |key| {
+            let now = *now.get_or_insert_with(now_ms);
             vm.table.lookup(&HostStore, key, now)
         });
         if r.keyed {
