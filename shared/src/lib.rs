@@ -22,6 +22,7 @@ mod config;
 pub mod cost;
 mod endpoint;
 pub mod flow;
+pub mod header_map;
 mod index;
 pub mod live;
 mod lru;

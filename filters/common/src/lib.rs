@@ -64,12 +64,59 @@ impl Headers for HostHeaders {
     }
 }
 
-/// A header map read at most once per name: each name is fetched from the host the first time
-/// it is asked for and remembered, so stages run in one pass (the combined filter) never read
-/// the same header twice. Keep it only while the map does not change under it.
+/// The whole header map `map` in one host call, as the host serialized it; `None` when the host
+/// will not give it (the caller then reads header by header).
+///
+/// The SDK's `get_map` and `get_map_bytes` call the same import but convert every name (and,
+/// for `get_map`, every value) with an unwrap, and panic on a status they do not expect; this
+/// keeps the bytes and the status. Hand-written for the one host call it saves per header a
+/// stage reads (a chat completion through the combined filter read 8 request headers).
+#[allow(unsafe_code)]
+pub fn header_map(map: MapType) -> Option<kvoy_shared::header_map::SerializedMap> {
+    #[cfg(target_arch = "wasm32")]
+    {
+        #[link(wasm_import_module = "env")]
+        extern "C" {
+            fn proxy_get_header_map_pairs(
+                map_type: u32,
+                return_map_data: *mut *mut u8,
+                return_map_size: *mut usize,
+            ) -> u32;
+        }
+        let mut data: *mut u8 = std::ptr::null_mut();
+        let mut size: usize = 0;
+        // SAFETY: the host fills `data` and `size` with a buffer it allocated in this module
+        // through `proxy_on_memory_allocate` (the SDK's: a boxed slice of exactly `size`
+        // bytes), whose ownership passes to the caller, as the SDK's own `get_map` takes it.
+        let status = unsafe { proxy_get_header_map_pairs(map as u32, &mut data, &mut size) };
+        const OK: u32 = 0;
+        if status != OK {
+            return None;
+        }
+        let bytes = if data.is_null() {
+            Vec::new()
+        } else {
+            // SAFETY: see above; a non-null buffer of `size` bytes owned by us from here on.
+            unsafe { Vec::from_raw_parts(data, size, size) }
+        };
+        kvoy_shared::header_map::SerializedMap::new(bytes).ok()
+    }
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        // Natively there is no host: the filters' unit tests use their own header sources.
+        let _ = map;
+        None
+    }
+}
+
+/// A header map read once: the whole map in one host call the first time a header is asked
+/// for ([`header_map`]), so stages run in one pass (the combined filter) pay one crossing for
+/// all their headers. If the host will not give the whole map, each name is read on its own
+/// and remembered. Keep it only while the map does not change under it.
 #[derive(Debug)]
 pub struct HeaderCache {
     map: MapType,
+    all: std::cell::OnceCell<Option<kvoy_shared::header_map::SerializedMap>>,
     seen: std::cell::RefCell<Vec<(String, Option<String>)>>,
 }
 
@@ -77,13 +124,31 @@ impl HeaderCache {
     pub fn new(map: MapType) -> Self {
         HeaderCache {
             map,
+            all: std::cell::OnceCell::new(),
             seen: std::cell::RefCell::new(Vec::new()),
+        }
+    }
+}
+
+impl HeaderCache {
+    /// Whether the map may hold header `name`: present with any value (one that is not UTF-8
+    /// too), or the host would not give the whole map. For a caller that strips a header, so
+    /// that a request without it costs no host call.
+    pub fn may_contain(&self, name: &str) -> bool {
+        match self.all.get_or_init(|| header_map(self.map)) {
+            Some(all) => all.get(name).is_some(),
+            None => true,
         }
     }
 }
 
 impl Headers for HeaderCache {
     fn get(&self, name: &str) -> Option<String> {
+        if let Some(all) = self.all.get_or_init(|| header_map(self.map)) {
+            return all
+                .get(name)
+                .and_then(|v| String::from_utf8(v.to_vec()).ok());
+        }
         if let Ok(seen) = self.seen.try_borrow() {
             if let Some((_, value)) = seen.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)) {
                 return value.clone();

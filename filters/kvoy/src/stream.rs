@@ -295,13 +295,20 @@ impl Context for KvoyStream {
 impl HttpContext for KvoyStream {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let _clock = ClockPass::begin();
-        // Whatever happens next, the client never chooses the upstream.
-        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, DESTINATION_HEADER, None);
+        let strip = || {
+            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, DESTINATION_HEADER, None);
+        };
         let vm = self.vm.clone();
         let Ok(mut guard) = self.req.try_borrow_mut() else {
+            strip();
             return Action::Pause;
         };
         let req = &mut *guard;
+        // Whatever happens next, the client never chooses the upstream: a destination it sent
+        // (any value) is removed; the header map read once tells whether there is one.
+        if req.headers.may_contain(DESTINATION_HEADER) {
+            strip();
+        }
         req.end_of_stream_at_headers = end_of_stream;
         req.body_complete = end_of_stream;
         if let Ok(session) = vm.session.try_borrow() {
