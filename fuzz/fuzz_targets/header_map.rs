@@ -1,22 +1,26 @@
 //! The proxy-wasm serialized header map (`kvoy_shared::header_map`), which carries client
 //! headers into the filter.
 //!
-//! Beyond "no panic": a map that is accepted re-serializes to the same bytes, and a lookup
-//! finds the first pair of that name.
+//! Beyond "no panic": the map accepts exactly what `decode_pairs` (the test host's decoder)
+//! decodes, with the same pairs; an accepted map re-serializes to the same bytes; a lookup finds
+//! the first pair of that name.
 #![no_main]
 
-use kvoy_shared::header_map::{serialize, SerializedMap};
+use kvoy_shared::header_map::{decode_pairs, encode_pairs, SerializedMap};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
+    let decoded = decode_pairs(data);
     let Ok(map) = SerializedMap::new(data.to_vec()) else {
+        assert!(decoded.is_err(), "refused by the map, decoded as pairs");
         return;
     };
     let pairs: Vec<(&[u8], &[u8])> = map.pairs().collect();
+    assert_eq!(decoded.as_deref(), Ok(&pairs[..]));
     assert_eq!(pairs.len(), map.len());
     if !data.is_empty() {
         // Trailing bytes past the last entry are tolerated, as the host's own reader does.
-        let again = serialize(pairs.iter().copied());
+        let again = encode_pairs(pairs.iter().copied());
         assert_eq!(&data[..again.len()], &again[..]);
     }
     for (name, _) in &pairs {

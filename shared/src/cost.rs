@@ -240,8 +240,8 @@ impl Pressure {
     }
 
     /// The uncached tokens' weight at this pressure.
-    pub fn weight(smoothed: f64, params: &CostParams) -> f64 {
-        params.uncached_weight * (1.0 + smoothed.max(0.0))
+    pub fn weight(pressure: f64, params: &CostParams) -> f64 {
+        params.uncached_weight * (1.0 + pressure.max(0.0))
     }
 }
 

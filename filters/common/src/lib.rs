@@ -128,9 +128,7 @@ impl HeaderCache {
             seen: std::cell::RefCell::new(Vec::new()),
         }
     }
-}
 
-impl HeaderCache {
     /// Whether the map may hold header `name`: present with any value (one that is not UTF-8
     /// too), or the host would not give the whole map. For a caller that strips a header, so
     /// that a request without it costs no host call.
