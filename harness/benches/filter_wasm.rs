@@ -10,6 +10,8 @@
 //! so each request also replays the other VM's last decision from the shared decision log, as
 //! on an Envoy with 2 workers. The index is warmed first: every request matches its full chain.
 //! `filter/native/N` is `Router::route_body` on the same body with a warmed index.
+//! `filter/wasm_cold/N` is `filter/wasm/N` with every key new (a prompt no VM has seen: its
+//! chosen endpoint records the whole chain, the index evicting as it fills).
 //! `filter/wasm_passthrough/get` is the per-stream floor: a `GET /v1/models` the filter routes
 //! at the headers, with no body to parse.
 //! `filter/wasm_weighted/N` is the same filter with `scorer: "weighted"` (the cost scorer's cost
@@ -28,7 +30,7 @@
 use std::hint::black_box;
 use std::path::Path;
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion, Throughput};
 
 use kvoy_harness::{testing, Action, Host, Plugin};
 
@@ -76,6 +78,10 @@ fn request(plugin: &Plugin, vm: usize, headers: &[(&str, &str)], body: &[u8]) {
         "no {DESTINATION} header"
     );
     stream.finish().expect("finish");
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
 }
 
 fn counter(plugin: &Plugin, name: &str) -> u64 {
@@ -171,6 +177,36 @@ fn bench(c: &mut Criterion) {
             });
             assert_eq!(counter(plugin, SHARED_ERRORS), 0, "shared state errors");
         }
+
+        // Every key new: the same body with a counter stamped over the start of its system
+        // prompt, so its first block (and so every chained key) was never seen. The copy is
+        // made outside the timed part.
+        let at = find(&body, b"The quick").expect("the fixture's system prompt");
+        let mut stamp = 0u64;
+        let mut fresh = || {
+            stamp += 1;
+            let mut b = body.clone();
+            b[at..at + 16].copy_from_slice(format!("{stamp:016x}").as_bytes());
+            b
+        };
+        let (requested, matched) = (counter(plugin, REQUESTED), counter(plugin, MATCHED));
+        request(plugin, 0, &headers, &fresh());
+        assert!(
+            counter(plugin, REQUESTED) > requested && counter(plugin, MATCHED) == matched,
+            "a fresh prompt matched"
+        );
+        let mut next_vm = 0;
+        g.bench_function(BenchmarkId::new("wasm_cold", tokens), |b| {
+            b.iter_batched(
+                &mut fresh,
+                |body| {
+                    request(plugin, next_vm, &headers, black_box(&body));
+                    next_vm = (next_vm + 1) % VMS;
+                },
+                BatchSize::SmallInput,
+            )
+        });
+        assert_eq!(counter(plugin, SHARED_ERRORS), 0, "shared state errors");
 
         bench_route(&mut g, BenchmarkId::new("native", tokens), &body);
     }
