@@ -24,7 +24,7 @@ CARGO ?= cargo
 JOBS ?= 2
 WASM_TARGET := wasm32-wasip1
 # One crate per proxy-wasm filter (kvoy-filter: the combined `kvoy`), plus the harness's SDK test guest.
-WASM_CRATES := kvoy-filter kvoy-prefix-affinity kvoy-session kvoy-admission kvoy-harness-guest
+WASM_CRATES := kvoy-filter kvoy-prefix-affinity kvoy-session kvoy-admission kvoy-harness-guest kvoy-floor
 # Crates with native binaries.
 BIN_CRATES := kvoy-e2e kvoy-sim
 # Flags for kvoy-stack (`kvoy-stack --help`), e.g. RUN_ARGS='--backend echo --speedup 1'.

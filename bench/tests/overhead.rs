@@ -1,6 +1,6 @@
-//! The overhead benchmark end to end, small: real Envoy with and without the filters in front
-//! of echo backends. Every row must have every proxy, with every request answered, and the
-//! written files must carry the figures.
+//! The overhead benchmark end to end, small: real Envoy with and without the filters (and with
+//! the floor filter, `bench/floor/`) in front of echo backends. Every row must have every proxy,
+//! with every request answered, and the written files must carry the figures.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::PathBuf;
@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use kvoy_bench::overhead::{self, OverheadGrid};
 
 #[test]
-fn every_row_measures_plain_envoy_kvoy_ext_proc_and_direct() {
+fn every_row_measures_plain_envoy_kvoy_the_floor_ext_proc_and_direct() {
     let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
         .join("kvoy-bench-overhead")
         .join(std::process::id().to_string());
@@ -39,6 +39,9 @@ fn every_row_measures_plain_envoy_kvoy_ext_proc_and_direct() {
     let md = std::fs::read_to_string(&written[1]).unwrap();
     assert!(md.contains("| 8000 | 31 KB | 4 |"), "{md}");
     assert!(md.contains("## The external picker (ext_proc)"), "{md}");
+    // The floor filter answered every request (above): its ORIGINAL_DST route needs the
+    // destination header it sets.
+    assert!(md.contains("## The wasm floor"), "{md}");
     // The ext_proc row of the last cell; its added latency may be of either sign on a busy
     // machine (two proxies measured side by side).
     assert!(

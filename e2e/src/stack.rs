@@ -176,6 +176,9 @@ pub struct StackConfig {
     pub layout: FilterLayout,
     /// How long to wait for Envoy to become ready.
     pub ready_timeout: Duration,
+    /// Another module in `wasm_dir` in the combined filter's place, with the same
+    /// configuration (the overhead benchmark's floor, `kvoy_floor.wasm`); `None`: `kvoy.wasm`.
+    pub filter_module: Option<String>,
 }
 
 impl StackConfig {
@@ -195,6 +198,7 @@ impl StackConfig {
             concurrency: 2,
             layout: FilterLayout::default(),
             ready_timeout: Duration::from_secs(60),
+            filter_module: None,
         }
     }
 }
@@ -334,7 +338,32 @@ impl Stack {
             // Without an aggregator the cluster is unused; any port will do.
             aggregator_port: config.aggregator.map_or(9, |a| a.port()),
         };
-        let rendered = render_bootstrap_file(&config.layout.template(), &params)?;
+        let rendered = match &config.filter_module {
+            None => render_bootstrap_file(&config.layout.template(), &params)?,
+            Some(module) => {
+                let path = config.layout.template();
+                let template = std::fs::read_to_string(&path)
+                    .with_context(|| format!("reading {}", path.display()))?;
+                let combined = format!("\"{{{{WASM_DIR}}}}/{KVOY_WASM}\"");
+                if config.layout != FilterLayout::Combined
+                    || template.matches(&combined).count() != 1
+                {
+                    bail!("{module} can only stand in for the one {KVOY_WASM} of the combined bootstrap");
+                }
+                if module.contains(['"', '\\', '/']) {
+                    bail!("{module:?} is not a plain file name");
+                }
+                if !config.wasm_dir.join(module).is_file() {
+                    bail!(
+                        "the module {module} is not in {}: run `make wasm`",
+                        config.wasm_dir.display()
+                    );
+                }
+                let template =
+                    template.replace(&combined, &format!("\"{{{{WASM_DIR}}}}/{module}\""));
+                crate::bootstrap::render_bootstrap(&template, &params)?
+            }
+        };
         let config_path = config.run_dir.join("envoy.yaml");
         std::fs::write(&config_path, rendered)
             .with_context(|| format!("writing {}", config_path.display()))?;

@@ -19,7 +19,9 @@ the same picker behind Envoy's ext_proc filter (gRPC, body BUFFERED).
   --requests N          requests per row and proxy, at least 8 per client (default 400)
   --rounds N            alternations of the proxies per row (default 2)
   --backends N          echo backends (default 4)
-  --no-direct           skip the no-proxy floor
+  --no-direct           skip the no-proxy baseline
+  --no-floor            skip the wasm floor (kvoy's bootstrap with the minimal filter
+                        kvoy_floor.wasm: buffer, copy, hash, set the destination)
   --no-ext-proc         skip the external picker (Envoy's ext_proc filter and kvoy's picker
                         as a gRPC server on 127.0.0.1)
   --seed N              (default 1)
@@ -91,6 +93,7 @@ pub fn parse(args: &[String]) -> Result<OverheadArgs, CliError> {
             }
             "--no-direct" => grid.direct = false,
             "--no-ext-proc" => grid.ext_proc = false,
+            "--no-floor" => grid.floor = false,
             "--seed" => {
                 let v = value(&mut it, "--seed")?;
                 grid.seed = v.parse().map_err(|_| CliError::BadValue {
@@ -122,13 +125,14 @@ mod tests {
         assert_eq!(a.grid.prompt_tokens, vec![1000, 8000, 32000, 100000]);
         assert_eq!(a.grid.concurrency, vec![1, 32, 150]);
         let a = parse(&args(
-            "--prompts 2k,500 --concurrency 4 --no-direct --no-ext-proc --rounds 3",
+            "--prompts 2k,500 --concurrency 4 --no-direct --no-ext-proc --no-floor --rounds 3",
         ))
         .unwrap();
         assert_eq!(a.grid.prompt_tokens, vec![2000, 500]);
         assert_eq!(a.grid.concurrency, vec![4]);
         assert!(!a.grid.direct);
         assert!(!a.grid.ext_proc);
+        assert!(!a.grid.floor);
         assert_eq!(a.grid.rounds, 3);
     }
 

@@ -13,6 +13,11 @@
 //! kvoy-shared picker behind Envoy's ext_proc filter, over gRPC on loopback. Every one of its
 //! loads is checked: each echo backend must have received exactly the requests the picker sent
 //! it, or the run fails (a picker that routes nothing must not pass for a fast one).
+//!
+//! A fifth, `floor`, is kvoy's bootstrap with `kvoy_floor.wasm` (`bench/floor/`) in the filter's
+//! place: buffer the body, copy it into the VM, hash it, set the destination header, nothing
+//! else. What it adds is what any body-routing wasm filter costs on this Envoy; kvoy's added
+//! latency beyond it is kvoy's own work.
 
 pub mod cli;
 pub mod client;
@@ -56,6 +61,8 @@ pub struct OverheadGrid {
     pub direct: bool,
     /// Also measure the external picker (Envoy's ext_proc filter and kvoy's picker over gRPC).
     pub ext_proc: bool,
+    /// Also measure the wasm floor (`kvoy_floor.wasm` in kvoy's bootstrap).
+    pub floor: bool,
     pub seed: u64,
     /// Bound on one proxy's share of one round, real time.
     pub load_deadline: Duration,
@@ -75,6 +82,7 @@ impl OverheadGrid {
             workers: 2,
             direct: true,
             ext_proc: true,
+            floor: true,
             seed: 1,
             load_deadline: Duration::from_secs(60),
             run_dir,
@@ -101,8 +109,8 @@ pub struct Cell {
     pub prompt_tokens: u32,
     pub body_bytes: usize,
     pub concurrency: usize,
-    /// `direct`, `envoy` (plain), `kvoy` (Envoy with the filters) or `ext_proc` (Envoy's ext_proc
-    /// filter and kvoy's picker as a gRPC server).
+    /// `direct`, `envoy` (plain), `kvoy` (Envoy with the filters), `ext_proc` (Envoy's ext_proc
+    /// filter and kvoy's picker as a gRPC server) or `floor` (the minimal wasm filter).
     pub proxy: String,
     pub requests: usize,
     pub errors: usize,
@@ -123,8 +131,11 @@ pub struct OverheadReport {
     pub cells: Vec<Cell>,
 }
 
+/// The floor filter's module (`bench/floor/`, built by `make wasm`).
+pub const FLOOR_WASM: &str = "kvoy_floor.wasm";
+
 /// The proxies, in the order of the first round.
-pub const PROXIES: [&str; 4] = ["envoy", "kvoy", "ext_proc", "direct"];
+pub const PROXIES: [&str; 5] = ["envoy", "kvoy", "floor", "ext_proc", "direct"];
 
 impl OverheadReport {
     pub fn cell(&self, prompt_tokens: u32, concurrency: usize, proxy: &str) -> Option<&Cell> {
@@ -337,6 +348,14 @@ pub fn run(
     let mut config = StackConfig::new(pool.clone(), grid.run_dir.join("kvoy"));
     config.concurrency = grid.workers;
     let kvoy = Stack::start(&config).map_err(|e| setup(&format!("kvoy stack: {e:#}")))?;
+    let floor = if grid.floor {
+        let mut config = config.clone();
+        config.run_dir = grid.run_dir.join("floor");
+        config.filter_module = Some(FLOOR_WASM.to_owned());
+        Some(Stack::start(&config).map_err(|e| setup(&format!("floor stack: {e:#}")))?)
+    } else {
+        None
+    };
     let ext_proc = if grid.ext_proc {
         let proxy = ExtProcProxy::start(
             &pool,
@@ -359,6 +378,12 @@ pub fn run(
             addr: kvoy.listen,
         },
     ];
+    if let Some(f) = &floor {
+        targets.push(Target {
+            name: "floor",
+            addr: f.listen,
+        });
+    }
     if let Some(p) = &ext_proc {
         targets.push(Target {
             name: "ext_proc",
@@ -479,6 +504,7 @@ pub fn run(
         }
     }
     drop(ext_proc);
+    drop(floor);
     drop(kvoy);
     drop(plain);
     Ok(OverheadReport {

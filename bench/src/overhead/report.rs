@@ -113,6 +113,7 @@ pub fn summary(r: &OverheadReport) -> String {
             }
         }
     }
+    floor_section(&mut s, r);
     ext_proc_section(&mut s, r);
     let errors: Vec<String> = r
         .cells
@@ -137,6 +138,46 @@ fn ratio(part: f64, whole: f64) -> String {
         format!("{:.2}x", part / whole)
     } else {
         "-".into()
+    }
+}
+
+/// kvoy next to the wasm floor (the minimal body-routing filter in kvoy's bootstrap), both
+/// over plain Envoy: how much of what kvoy adds any such filter would add on this Envoy.
+fn floor_section(s: &mut String, r: &OverheadReport) {
+    if !r.cells.iter().any(|c| c.proxy == "floor") {
+        return;
+    }
+    let _ = writeln!(
+        s,
+        "\n## The wasm floor\n\n\
+         kvoy's bootstrap with `kvoy_floor.wasm` (`bench/floor/`) in the filter's place: it holds \
+         the headers, lets Envoy buffer the body, copies it into the VM, hashes it and sets the \
+         destination header; no parsing, index, shared data or metrics. What it adds is the cost \
+         of any filter that routes on the body in this Envoy's V8; the last column is kvoy's own \
+         work.\n"
+    );
+    let _ = writeln!(
+        s,
+        "| prompt tokens | concurrency | floor added p50 | kvoy added p50 | floor req/s vs Envoy | kvoy req/s vs Envoy | **kvoy p50 - floor p50** |"
+    );
+    let _ = writeln!(s, "|---:|---:|---:|---:|---:|---:|---:|");
+    for (tokens, conc) in r.grid() {
+        let (Some(e), Some(f), Some(k)) = (
+            r.cell(tokens, conc, "envoy"),
+            r.cell(tokens, conc, "floor"),
+            r.cell(tokens, conc, "kvoy"),
+        ) else {
+            continue;
+        };
+        let _ = writeln!(
+            s,
+            "| {tokens} | {conc} | {} | {} | {} | {} | **{}** |",
+            signed(f.latency.p50_ms - e.latency.p50_ms),
+            signed(k.latency.p50_ms - e.latency.p50_ms),
+            ratio(f.requests_per_s, e.requests_per_s),
+            ratio(k.requests_per_s, e.requests_per_s),
+            signed(k.latency.p50_ms - f.latency.p50_ms),
+        );
     }
 }
 
@@ -296,6 +337,26 @@ mod tests {
         // serde_json's default float parsing may differ in the last bit; compare decisions.
         assert_eq!(back.grid(), r.grid());
         assert_eq!(back.cell(100_000, 1, "kvoy").unwrap().latency.p50_ms, 4.5);
+    }
+
+    #[test]
+    fn the_floor_rows_put_kvoy_next_to_the_minimal_filter() {
+        let r = report(vec![
+            cell(8_000, 1, "envoy", 0.20),
+            cell(8_000, 1, "kvoy", 0.45),
+            cell(8_000, 1, "floor", 0.30),
+        ]);
+        let s = summary(&r);
+        assert!(s.contains("## The wasm floor"), "{s}");
+        assert!(
+            s.contains("| 8000 | 1 | +0.10 | +0.25 | 0.67x | 0.44x | **+0.15** |"),
+            "{s}"
+        );
+        let without = summary(&report(vec![
+            cell(8_000, 1, "envoy", 0.20),
+            cell(8_000, 1, "kvoy", 0.45),
+        ]));
+        assert!(!without.contains("wasm floor"));
     }
 
     #[test]
