@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use super::OverheadGrid;
+use super::{OverheadGrid, Stages};
 use crate::cli::CliError;
 use crate::live::cli::value;
 
@@ -20,6 +20,9 @@ the same picker behind Envoy's ext_proc filter (gRPC, body BUFFERED).
   --rounds N            alternations of the proxies per row (default 2)
   --backends N          echo backends (default 4)
   --no-direct           skip the no-proxy baseline
+  --stages LIST         the kvoy filter's stages, among session, admission, prefix-affinity
+                        (default all three; prefix-affinity must be in it): a stage's cost is
+                        the difference between two runs
   --no-floor            skip the wasm floor (kvoy's bootstrap with the minimal filter
                         kvoy_floor.wasm: buffer, copy, hash, set the destination)
   --no-ext-proc         skip the external picker (Envoy's ext_proc filter and kvoy's picker
@@ -94,6 +97,15 @@ pub fn parse(args: &[String]) -> Result<OverheadArgs, CliError> {
             "--no-direct" => grid.direct = false,
             "--no-ext-proc" => grid.ext_proc = false,
             "--no-floor" => grid.floor = false,
+            "--stages" => {
+                let v = value(&mut it, "--stages")?;
+                grid.stages = Stages::parse(v).ok_or_else(|| CliError::BadValue {
+                    flag: "--stages",
+                    value: v.to_owned(),
+                    expected: "a comma-separated list among session, admission, prefix-affinity \
+                               (which must be in it)",
+                })?;
+            }
             "--seed" => {
                 let v = value(&mut it, "--seed")?;
                 grid.seed = v.parse().map_err(|_| CliError::BadValue {
@@ -134,6 +146,17 @@ mod tests {
         assert!(!a.grid.ext_proc);
         assert!(!a.grid.floor);
         assert_eq!(a.grid.rounds, 3);
+        assert_eq!(a.grid.stages, Stages::ALL);
+        let a = parse(&args("--stages prefix-affinity,session")).unwrap();
+        assert_eq!(
+            a.grid.stages,
+            Stages {
+                session: true,
+                admission: false
+            }
+        );
+        assert!(parse(&args("--stages session")).is_err());
+        assert!(parse(&args("--stages prefix-affinity,cache")).is_err());
     }
 
     #[test]

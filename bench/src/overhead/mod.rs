@@ -63,6 +63,8 @@ pub struct OverheadGrid {
     pub ext_proc: bool,
     /// Also measure the wasm floor (`kvoy_floor.wasm` in kvoy's bootstrap).
     pub floor: bool,
+    /// The kvoy filter's stages besides prefix affinity (which routes, so is always on).
+    pub stages: Stages,
     pub seed: u64,
     /// Bound on one proxy's share of one round, real time.
     pub load_deadline: Duration,
@@ -83,6 +85,7 @@ impl OverheadGrid {
             direct: true,
             ext_proc: true,
             floor: true,
+            stages: Stages::ALL,
             seed: 1,
             load_deadline: Duration::from_secs(60),
             run_dir,
@@ -128,7 +131,58 @@ pub struct OverheadReport {
     pub workers: u32,
     pub backends: usize,
     pub rounds: usize,
+    /// The kvoy filter's stages in this run (all three unless `--stages` said otherwise).
+    #[serde(default)]
+    pub stages: Stages,
     pub cells: Vec<Cell>,
+}
+
+/// Which of the kvoy filter's stages run besides prefix affinity.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stages {
+    pub session: bool,
+    pub admission: bool,
+}
+
+impl Default for Stages {
+    fn default() -> Self {
+        Stages::ALL
+    }
+}
+
+impl Stages {
+    pub const ALL: Stages = Stages {
+        session: true,
+        admission: true,
+    };
+
+    /// `session,admission,prefix-affinity`, or a part of it that names `prefix-affinity`.
+    pub fn parse(list: &str) -> Option<Stages> {
+        let mut stages = Stages {
+            session: false,
+            admission: false,
+        };
+        let mut routes = false;
+        for name in list.split(',').map(str::trim) {
+            match name {
+                "session" => stages.session = true,
+                "admission" => stages.admission = true,
+                "prefix-affinity" => routes = true,
+                _ => return None,
+            }
+        }
+        routes.then_some(stages)
+    }
+
+    /// `session, admission and prefix affinity`, or the part that ran.
+    pub fn describe(&self) -> &'static str {
+        match (self.session, self.admission) {
+            (true, true) => "session, admission and prefix affinity",
+            (true, false) => "session and prefix affinity (no admission)",
+            (false, true) => "admission and prefix affinity (no session)",
+            (false, false) => "prefix affinity alone",
+        }
+    }
 }
 
 /// The floor filter's module (`bench/floor/`, built by `make wasm`).
@@ -347,9 +401,17 @@ pub fn run(
         .collect();
     let mut config = StackConfig::new(pool.clone(), grid.run_dir.join("kvoy"));
     config.concurrency = grid.workers;
+    let floor_config = config.clone();
+    // A `null` section turns the combined filter's stage off.
+    if !grid.stages.session {
+        config.session_config = "null".to_owned();
+    }
+    if !grid.stages.admission {
+        config.admission_config = Some("null".to_owned());
+    }
     let kvoy = Stack::start(&config).map_err(|e| setup(&format!("kvoy stack: {e:#}")))?;
     let floor = if grid.floor {
-        let mut config = config.clone();
+        let mut config = floor_config;
         config.run_dir = grid.run_dir.join("floor");
         config.filter_module = Some(FLOOR_WASM.to_owned());
         Some(Stack::start(&config).map_err(|e| setup(&format!("floor stack: {e:#}")))?)
@@ -513,6 +575,7 @@ pub fn run(
         workers: grid.workers,
         backends: addrs.len(),
         rounds: grid.rounds.max(1),
+        stages: grid.stages,
         cells: out,
     })
 }

@@ -37,8 +37,12 @@ pub fn summary(r: &OverheadReport) -> String {
         "Added latency of Envoy with the kvoy filters over plain Envoy (`ROUND_ROBIN`, no \
          filter), same {} echo backends, {}, {} workers each; keep-alive clients, non-streamed \
          completions with a one-token reply, every prompt distinct; the proxies alternate in {} \
-         rounds per row. Latencies in milliseconds.\n",
-        r.backends, r.envoy, r.workers, r.rounds
+         rounds per row; the kvoy filter runs {}. Latencies in milliseconds.\n",
+        r.backends,
+        r.envoy,
+        r.workers,
+        r.rounds,
+        r.stages.describe()
     );
     let direct = r.cells.iter().any(|c| c.proxy == "direct");
     let _ = write!(
@@ -275,7 +279,7 @@ pub fn chart(r: &OverheadReport) -> String {
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
-    use super::super::{Cell, Latency};
+    use super::super::{Cell, Latency, Stages};
     use super::*;
 
     fn cell(tokens: u32, conc: usize, proxy: &str, p50: f64) -> Cell {
@@ -304,6 +308,7 @@ mod tests {
             workers: 2,
             backends: 4,
             rounds: 2,
+            stages: Stages::ALL,
             cells,
         }
     }
@@ -348,6 +353,7 @@ mod tests {
         ]);
         let s = summary(&r);
         assert!(s.contains("## The wasm floor"), "{s}");
+        assert!(s.contains("the kvoy filter runs session, admission and prefix affinity"));
         assert!(
             s.contains("| 8000 | 1 | +0.10 | +0.25 | 0.67x | 0.44x | **+0.15** |"),
             "{s}"
