@@ -3,7 +3,7 @@
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, MapType};
 
-use kvoy_filter_common::HostHeaders;
+use kvoy_filter_common::HeaderCache;
 use kvoy_filter_stages::admission::{AdmissionStage, Verdict};
 
 use crate::SharedState;
@@ -57,7 +57,7 @@ impl HttpContext for AdmissionStream {
         };
         match self
             .stage
-            .on_request_headers(vm, &HostHeaders(MapType::HttpRequestHeaders))
+            .on_request_headers(vm, &HeaderCache::new(MapType::HttpRequestHeaders))
         {
             Verdict::Admit => Action::Continue,
             Verdict::Hold | Verdict::Replied => Action::Pause,

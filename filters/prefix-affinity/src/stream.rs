@@ -5,7 +5,7 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 
-use kvoy_filter_common::{Headers, HostHeaders};
+use kvoy_filter_common::{HeaderCache, Headers};
 use kvoy_filter_stages::prefix_affinity::{
     request_body, BodyVerdict, HeadersVerdict, PrefixStage, DESTINATION_HEADER,
 };
@@ -71,9 +71,13 @@ impl Context for RequestStream {
 impl HttpContext for RequestStream {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         // Whatever happens next, the client never chooses the upstream, and the session pin
-        // (an internal header) never leaves the proxy.
-        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, DESTINATION_HEADER, None);
-        let headers = HostHeaders(MapType::HttpRequestHeaders);
+        // (an internal header) never leaves the proxy. The request headers come in one host
+        // call (the stage reads its pseudo-headers from them, never the destination), which
+        // also says whether there is a destination to remove.
+        let headers = HeaderCache::new(MapType::HttpRequestHeaders);
+        if headers.may_contain(DESTINATION_HEADER) {
+            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, DESTINATION_HEADER, None);
+        }
         self.pin = headers.get(PIN_HEADER);
         if self.pin.is_some() {
             let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, PIN_HEADER, None);

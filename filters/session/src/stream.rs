@@ -7,7 +7,7 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 
-use kvoy_filter_common::{Headers, HostHeaders};
+use kvoy_filter_common::{HeaderCache, Headers, HostHeaders};
 use kvoy_filter_stages::session::{SessionStage, SessionVm};
 use kvoy_shared::request::{self, Api};
 use kvoy_shared::session::PIN_HEADER;
@@ -86,14 +86,18 @@ impl Context for SessionStream {}
 
 impl HttpContext for SessionStream {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        // Only this filter sets the pin; a client's value is dropped.
-        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, PIN_HEADER, None);
+        // The request headers in one host call; the stage reads only its own keys from them.
+        let headers = HeaderCache::new(MapType::HttpRequestHeaders);
+        // Only this filter sets the pin; a client's value is dropped (a request without one
+        // costs no host call for it).
+        if headers.may_contain(PIN_HEADER) {
+            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, PIN_HEADER, None);
+        }
         let state = self.state.clone();
         let guard = state.borrow();
         let Some(vm) = guard.as_ref() else {
             return Action::Continue;
         };
-        let headers = HostHeaders(MapType::HttpRequestHeaders);
         if self.stage.on_request_headers(vm, &headers, end_of_stream) {
             self.reading_body = true;
             return Action::Pause;
