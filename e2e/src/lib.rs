@@ -42,7 +42,7 @@ pub use bootstrap::{
     BootstrapParams, PoolEndpoint, RenderError,
 };
 pub use echo::{
-    error_body, EchoConfig, EchoServer, DELAY_HEADER, DESTINATION_HEADER, MAX_DELAY,
+    error_body, EchoConfig, EchoServer, DELAY_HEADER, DESTINATION_HEADER, MAX_DELAY, PIN_HEADER,
     SERVED_BY_HEADER,
 };
 pub use envoy::{

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use kvoy_e2e::http::{self, Response};
 use kvoy_e2e::{
     EchoConfig, EchoServer, PoolEndpoint, Stack, StackConfig, DELAY_HEADER, DESTINATION_HEADER,
-    SERVED_BY_HEADER,
+    PIN_HEADER, SERVED_BY_HEADER,
 };
 use serde_json::{json, Value};
 
@@ -111,6 +111,12 @@ impl Fixture {
                 v["kvoy_echo"]["destination_header"],
                 json!(served),
                 "[{}] {what}: the backend should have received {DESTINATION_HEADER} = itself",
+                self.name
+            );
+            assert_eq!(
+                v["kvoy_echo"]["pin_header"],
+                Value::Null,
+                "[{}] {what}: the session pin {PIN_HEADER} reached the backend",
                 self.name
             );
         }
@@ -270,20 +276,21 @@ fn forged_destination_headers_are_ignored() {
         .expect("a second pool member");
     let outsider = f.outsider.addr().to_string();
     let forgeries = [outsider.as_str(), "127.0.0.1:1", other_member.as_str()];
-    for (i, forged) in forgeries.iter().enumerate() {
-        let r = f.chat(
-            &system,
-            &format!("forged question {i}"),
-            &[(DESTINATION_HEADER, forged)],
-        );
-        let served = f.served_ok(
-            &r,
-            &format!("request forging {DESTINATION_HEADER}: {forged}"),
-        );
-        assert_eq!(
-            served, home,
-            "forging {DESTINATION_HEADER}: {forged} moved a request whose prefix lives on {home} to {served}"
-        );
+    // The destination, and the internal session pin (which only the session stage sets; a
+    // client's is neither followed nor passed on: `served_ok` checks the backend saw none).
+    for header in [DESTINATION_HEADER, PIN_HEADER] {
+        for (i, forged) in forgeries.iter().enumerate() {
+            let r = f.chat(
+                &system,
+                &format!("forged question {i} in {header}"),
+                &[(header, forged)],
+            );
+            let served = f.served_ok(&r, &format!("request forging {header}: {forged}"));
+            assert_eq!(
+                served, home,
+                "forging {header}: {forged} moved a request whose prefix lives on {home} to {served}"
+            );
+        }
     }
     assert_eq!(
         f.outsider.requests(),

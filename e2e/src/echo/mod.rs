@@ -21,6 +21,9 @@ use openai::{completion_body, models_body, stream_events, Api};
 
 /// The header a routing proxy sets to choose the endpoint; echoed back in the reply.
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+/// kvoy's internal session-pin header, echoed back in the reply (`pin_header`) so that tests
+/// can check that it never reaches a model server.
+pub use kvoy_shared::session::PIN_HEADER;
 /// Response header naming the address that served the request.
 pub const SERVED_BY_HEADER: &str = "x-served-by";
 /// Request header asking for a delay before the reply, in milliseconds.
@@ -329,6 +332,7 @@ fn handle<W: Write>(
         "served_by": shared.served_by,
         "path": path,
         "destination_header": headers.get(DESTINATION_HEADER),
+        "pin_header": headers.get(PIN_HEADER),
     });
     let stream = matches!(request.get("stream"), Some(Value::Bool(true)));
     let text = format!("Hello from kvoy echo backend {}.", shared.served_by);

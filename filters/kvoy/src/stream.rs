@@ -16,6 +16,7 @@ use kvoy_filter_stages::prefix_affinity::{
 };
 use kvoy_filter_stages::session::SessionStage;
 use kvoy_shared::request::Api;
+use kvoy_shared::session::PIN_HEADER;
 use kvoy_shared::RouteError;
 
 use crate::Vm;
@@ -305,9 +306,14 @@ impl HttpContext for KvoyStream {
         };
         let req = &mut *guard;
         // Whatever happens next, the client never chooses the upstream: a destination it sent
-        // (any value) is removed; the header map read once tells whether there is one.
+        // (any value) is removed; the header map read once tells whether there is one. Nor
+        // does kvoy's internal pin header leave the proxy (the session stage's pin is a value
+        // here, and a client's is never followed).
         if req.headers.may_contain(DESTINATION_HEADER) {
             strip();
+        }
+        if req.headers.may_contain(PIN_HEADER) {
+            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, PIN_HEADER, None);
         }
         req.end_of_stream_at_headers = end_of_stream;
         req.body_complete = end_of_stream;
