@@ -6,9 +6,10 @@ use std::net::SocketAddr;
 use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
-use kvoy_shared::request::Api;
+use kvoy_shared::request::{Api, RequestError};
 use kvoy_shared::{
-    Charge, ConfigError, EndpointId, Outstanding, OutstandingDelta, PluginConfig, Router,
+    Charge, ConfigError, EndpointId, Outstanding, OutstandingDelta, PluginConfig, RouteError,
+    Router,
 };
 use prost::Message as _;
 
@@ -89,7 +90,15 @@ impl Picker {
                 Response::RequestHeaders(HeadersResponse::default())
             }
             Some(Request::RequestBody(b)) => {
-                if !b.end_of_stream {
+                let limit = self.router.config().max_body_bytes;
+                let size = stream.body.len().saturating_add(b.body.len());
+                if size > limit {
+                    // Refused as the router refuses a body over its bound (413), before it is
+                    // held: a streamed body cannot grow the picker's memory without bound.
+                    stream.body = BytesMut::new();
+                    let e = RouteError::BadRequest(RequestError::TooLarge { size, limit });
+                    refusal(e.status(), e.code(), e.body())
+                } else if !b.end_of_stream {
                     stream.body.extend_from_slice(&b.body);
                     Response::RequestBody(BodyResponse::default())
                 } else if stream.body.is_empty() {

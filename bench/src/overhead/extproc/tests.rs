@@ -122,6 +122,40 @@ fn a_bad_body_gets_the_routers_local_reply() {
 }
 
 #[test]
+fn a_streamed_body_over_the_bound_is_refused_not_held() {
+    let endpoints: Vec<_> = POOL
+        .iter()
+        .map(|a| serde_json::json!({"address": a, "models": ["m"]}))
+        .collect();
+    let config = serde_json::json!({"endpoints": endpoints, "max_body_bytes": 1024}).to_string();
+    let mut p = Picker::new(config.as_bytes(), 1).unwrap();
+    let mut s = StreamState::default();
+    let piece = |end_of_stream: bool| {
+        let m = ProcessingRequest {
+            request: Some(Request::RequestBody(HttpBody {
+                body: Bytes::from(vec![b' '; 600]),
+                end_of_stream,
+            })),
+        };
+        Bytes::from(m.encode_to_vec())
+    };
+    let h = Bytes::from(headers("/v1/chat/completions").encode_to_vec());
+    p.handle(&mut s, h).unwrap();
+    // 600 bytes are held; 1,200 are over the bound: 413 at once, nothing more kept.
+    let r = p.handle(&mut s, piece(false)).unwrap();
+    assert!(
+        matches!(r.response, Some(Response::RequestBody(_))),
+        "{r:?}"
+    );
+    let r = p.handle(&mut s, piece(false)).unwrap();
+    let Some(Response::ImmediateResponse(r)) = &r.response else {
+        panic!("{r:?}");
+    };
+    assert_eq!(r.status.as_ref().unwrap().code, 413);
+    assert_eq!(p.outstanding_requests(), 0);
+}
+
+#[test]
 fn garbage_is_an_error_status_never_a_panic() {
     let mut p = picker();
     let mut s = StreamState::default();
