@@ -2,7 +2,7 @@
 
 use std::fmt::Write;
 
-use super::OverheadReport;
+use super::{Cell, OverheadReport};
 use crate::report::svg::{Chart, Series};
 
 /// The design's targets for the added p50 (DESIGN.md): 0.1 ms at 8k-token prompts, 0.3 ms at
@@ -145,6 +145,31 @@ fn ratio(part: f64, whole: f64) -> String {
     }
 }
 
+/// One row of a table that puts kvoy beside another proxy: the three cells of a grid point.
+struct Beside<'a> {
+    tokens: u32,
+    conc: usize,
+    envoy: &'a Cell,
+    kvoy: &'a Cell,
+    other: &'a Cell,
+}
+
+/// The grid points where plain Envoy, kvoy and `other` were all measured, in grid order.
+fn beside<'a>(r: &'a OverheadReport, other: &str) -> Vec<Beside<'a>> {
+    r.grid()
+        .into_iter()
+        .filter_map(|(tokens, conc)| {
+            Some(Beside {
+                tokens,
+                conc,
+                envoy: r.cell(tokens, conc, "envoy")?,
+                kvoy: r.cell(tokens, conc, "kvoy")?,
+                other: r.cell(tokens, conc, other)?,
+            })
+        })
+        .collect()
+}
+
 /// kvoy next to the wasm floor (the minimal body-routing filter in kvoy's bootstrap), both
 /// over plain Envoy: how much of what kvoy adds any such filter would add on this Envoy.
 fn floor_section(s: &mut String, r: &OverheadReport) {
@@ -165,14 +190,14 @@ fn floor_section(s: &mut String, r: &OverheadReport) {
         "| prompt tokens | concurrency | floor added p50 | kvoy added p50 | floor req/s vs Envoy | kvoy req/s vs Envoy | **kvoy p50 - floor p50** |"
     );
     let _ = writeln!(s, "|---:|---:|---:|---:|---:|---:|---:|");
-    for (tokens, conc) in r.grid() {
-        let (Some(e), Some(f), Some(k)) = (
-            r.cell(tokens, conc, "envoy"),
-            r.cell(tokens, conc, "floor"),
-            r.cell(tokens, conc, "kvoy"),
-        ) else {
-            continue;
-        };
+    for Beside {
+        tokens,
+        conc,
+        envoy: e,
+        kvoy: k,
+        other: f,
+    } in beside(r, "floor")
+    {
         let _ = writeln!(
             s,
             "| {tokens} | {conc} | {} | {} | {} | {} | **{}** |",
@@ -207,14 +232,14 @@ fn ext_proc_section(s: &mut String, r: &OverheadReport) {
         "| prompt tokens | concurrency | kvoy added p50 / p99 | ext_proc added p50 / p99 | kvoy req/s vs Envoy | ext_proc req/s vs Envoy | **kvoy added p50 / ext_proc's** (target <= {TARGET_OVER_EXT_PROC}) |"
     );
     let _ = writeln!(s, "|---:|---:|---:|---:|---:|---:|---:|");
-    for (tokens, conc) in r.grid() {
-        let (Some(e), Some(k), Some(x)) = (
-            r.cell(tokens, conc, "envoy"),
-            r.cell(tokens, conc, "kvoy"),
-            r.cell(tokens, conc, "ext_proc"),
-        ) else {
-            continue;
-        };
+    for Beside {
+        tokens,
+        conc,
+        envoy: e,
+        kvoy: k,
+        other: x,
+    } in beside(r, "ext_proc")
+    {
         let versus = r.kvoy_over_ext_proc(tokens, conc).map_or("-".into(), |f| {
             let verdict = if f <= TARGET_OVER_EXT_PROC {
                 "met"
@@ -279,7 +304,7 @@ pub fn chart(r: &OverheadReport) -> String {
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
-    use super::super::{Cell, Latency, Stages};
+    use super::super::{Latency, Stages};
     use super::*;
 
     fn cell(tokens: u32, conc: usize, proxy: &str, p50: f64) -> Cell {
