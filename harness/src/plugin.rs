@@ -36,6 +36,8 @@ pub struct PluginBuilder {
     max_log_entries: usize,
     properties: HashMap<Vec<u8>, Vec<u8>>,
     foreign: HashMap<String, ForeignFunction>,
+    /// Shared data the plugin starts with (see [`PluginBuilder::shared_data_of`]).
+    data: Option<SharedData>,
 }
 
 impl PluginBuilder {
@@ -54,6 +56,7 @@ impl PluginBuilder {
                 upstreams: HashMap::new(),
                 seed: 0x6b76_6f79,
             },
+            data: None,
             vms: 1,
             start_time: DEFAULT_START,
             max_log_entries: 100_000,
@@ -175,13 +178,21 @@ impl PluginBuilder {
 
     /// Instantiates and starts every VM (see [`crate::Host`] for the sequence). A guest that
     /// traps or returns false from `proxy_on_vm_start` / `proxy_on_configure` fails the start.
+    /// Starts with a copy of `plugin`'s shared data, as Envoy keeps shared data (per `vm_id`,
+    /// process-wide) when a new filter configuration replaces the old one: the new plugin's
+    /// VMs find what the old configuration's VMs wrote.
+    pub fn shared_data_of(mut self, plugin: &Plugin) -> Self {
+        self.data = Some(plugin.shared.lock().data.clone());
+        self
+    }
+
     pub fn start(self) -> Result<Plugin> {
         if self.vms == 0 {
             return Err(Error::NoVms);
         }
         let state = SharedState {
             clock: Clock::new(self.start_time, self.vms),
-            data: SharedData::default(),
+            data: self.data.unwrap_or_default(),
             queues: SharedQueues::default(),
             metrics: Metrics::default(),
             logs: LogBuffer::new(self.max_log_entries, LogBuffer::echo_from_env()),

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use crate::types::Status;
 
 /// The key-value store behind `proxy_get_shared_data` / `proxy_set_shared_data`.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct SharedData {
     entries: HashMap<String, (Vec<u8>, u32)>,
     next_cas: u32,

@@ -110,7 +110,10 @@ fn destination(stream: &HttpStream) -> String {
 fn outstanding(plugin: &Plugin, config: &str) -> Vec<(u32, u32, u32)> {
     let key = format!(
         "{}.outstanding",
-        replica::namespace("kvoy.pa", config.as_bytes())
+        replica::pool_namespace(
+            "kvoy.pa",
+            &kvoy_shared::PluginConfig::from_json(config.as_bytes()).unwrap()
+        )
     );
     let word = |c: &[u8], i: usize| u32::from_le_bytes([c[i], c[i + 1], c[i + 2], c[i + 3]]);
     let mut out = vec![(0, 0, 0); POOL.len()];
@@ -745,5 +748,82 @@ fn an_idle_worker_catches_up_on_its_tick_not_on_the_request_that_wakes_it() -> T
             "conversation {i}"
         );
     }
+    Ok(())
+}
+
+/// A multi-turn workload: conversation `i`'s turn `t` repeats turns `0..t` and adds one.
+fn turn(i: usize, t: usize) -> Vec<u8> {
+    let mut history = format!("Conversation {i}: {}", "context ".repeat(40));
+    for k in 0..t {
+        history.push_str(&format!(
+            " Question {k} of {i}? Answer {k}, at some length."
+        ));
+    }
+    chat(&history, &format!("question {t}"))
+}
+
+/// Routes turns `turns` of conversations `0..n` through `plugin`, alternating its two VMs;
+/// counts the turns that went where the conversation's previous turn went (`last`).
+fn follow(plugin: &Plugin, n: usize, turns: std::ops::Range<usize>, last: &mut [String]) -> usize {
+    let mut hits = 0;
+    for t in turns {
+        for (i, previous) in last.iter_mut().enumerate().take(n) {
+            let got = route(plugin, (i + t) % 2, &turn(i, t)).unwrap();
+            hits += usize::from(got == *previous);
+            *previous = got;
+        }
+    }
+    hits
+}
+
+#[test]
+fn a_new_configuration_of_the_same_pool_keeps_the_routing_state() -> TestResult {
+    // 40 conversations, 3 turns each, on the first configuration.
+    let before = config(serde_json::json!({}));
+    let old = plugin_with(&before, 7)?;
+    let mut last = vec![String::new(); 40];
+    follow(&old, 40, 0..3, &mut last);
+    // The next 200 requests (5 more turns each) on the steady proxy, and on a new
+    // configuration that changes a field other than the pool: Envoy keeps shared data and
+    // starts the new configuration's VMs (new root contexts, other seeds) beside it.
+    let after = config(serde_json::json!({"max_body_bytes": 4 << 20}));
+    let new = testing::filter_host("kvoy_prefix_affinity")?
+        .plugin()
+        .configuration(after.as_str())
+        .vms(2)
+        .seed(8)
+        .shared_data_of(&old)
+        .start()?;
+    let mut steady_last = last.clone();
+    let steady = follow(&old, 40, 3..8, &mut steady_last);
+    let changed = follow(&new, 40, 3..8, &mut last);
+    assert!(steady >= 190, "the steady proxy kept {steady} of 200 turns");
+    assert!(
+        changed * 10 >= steady * 9,
+        "after the change {changed} of 200 turns went where their conversation was, \
+         against {steady} on the steady proxy"
+    );
+    // The new VMs learned it from the old configuration's decisions.
+    assert!(new
+        .counter("kvoy_prefix_affinity_remote_decisions_applied_total")
+        .is_some_and(|n| n >= 120));
+    // A new pool (another endpoint order) is a new namespace: nothing carries over.
+    let reordered: serde_json::Value = serde_json::json!({
+        "endpoints": POOL.iter().rev().map(|a| serde_json::json!({"address": a, "models": ["m"]})).collect::<Vec<_>>(),
+    });
+    let other = testing::filter_host("kvoy_prefix_affinity")?
+        .plugin()
+        .configuration(reordered.to_string())
+        .vms(2)
+        .seed(9)
+        .shared_data_of(&old)
+        .start()?;
+    route(&other, 0, &turn(0, 8))?;
+    assert_eq!(
+        other
+            .counter("kvoy_prefix_affinity_remote_decisions_applied_total")
+            .unwrap_or(0),
+        0
+    );
     Ok(())
 }

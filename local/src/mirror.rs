@@ -126,9 +126,10 @@ impl From<&Weights> for WeightsOut {
 impl Mirror {
     /// From the plugin configuration bytes the filter was given.
     pub fn new(raw: &[u8]) -> Result<Mirror, kvoy_shared::ConfigError> {
+        let config = PluginConfig::from_json(raw)?;
         Ok(Mirror {
-            config: PluginConfig::from_json(raw)?,
-            namespace: replica::namespace("kvoy.pa", raw),
+            namespace: replica::pool_namespace("kvoy.pa", &config),
+            config,
         })
     }
 

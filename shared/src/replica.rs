@@ -56,6 +56,29 @@ pub fn namespace(prefix: &str, config: &[u8]) -> String {
     format!("{prefix}.{:016x}", xxhash_rust::xxh3::xxh3_64(config))
 }
 
+/// The shared-data namespace of a pool's routing state: `{prefix}.p{hash:016x}`, from what the
+/// state's meaning depends on and nothing else: the static endpoints in id order (a decision
+/// record names its endpoint by id), the aggregator's cluster (a live pool's ids are the
+/// aggregator's slots) and the decision log's ring size (a record's slot). A new configuration
+/// that changes any other field (scorer, cost, block size, admission...) keeps the namespace, so
+/// its VMs find the outstanding work and replay the decisions of the configuration before;
+/// a changed pool (new endpoint, other order) starts apart, as it must.
+pub fn pool_namespace(prefix: &str, config: &crate::PluginConfig) -> String {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(b"kvoy-pool-v1");
+    for (id, endpoint) in config.pool.iter() {
+        h.update(&(id.index() as u64).to_le_bytes());
+        h.update(endpoint.address.to_string().as_bytes());
+        h.update(b";");
+    }
+    if let Some(a) = &config.aggregator {
+        h.update(b"aggregator:");
+        h.update(a.cluster.as_bytes());
+    }
+    h.update(&config.decision_log_slots.to_le_bytes());
+    format!("{prefix}.p{:016x}", h.digest())
+}
+
 /// Per-endpoint in-flight counts shared by all VMs of a proxy. A read primes the next add, as
 /// for [`OutstandingTable`].
 #[derive(Debug, Clone)]
@@ -431,10 +454,19 @@ impl DecisionLog {
         }
     }
 
-    /// Skips everything already logged: a VM that starts late does not replay old history
-    /// it could only partly see.
+    /// Skips everything already logged: a VM that starts late does not replay old history.
     pub fn start_at_head(&mut self, store: &impl SharedStore) {
         self.seen = Self::head(store, &self.head_key).0;
+    }
+
+    /// Starts at the oldest record the ring still holds, so that the next polls replay what
+    /// the pool's VMs decided before this one started (a new configuration's VMs, or a worker
+    /// that joins late, begin with the pool's recent history instead of an empty index). At
+    /// most `slots` records, read through the usual bounded polls.
+    pub fn start_with_history(&mut self, store: &impl SharedStore) {
+        self.seen = Self::head(store, &self.head_key)
+            .0
+            .saturating_sub(self.slots);
     }
 
     /// Appends a decision; returns its sequence number.
@@ -612,6 +644,52 @@ mod tests {
             self.gets.set(0);
             self.sets.set(0);
             ops
+        }
+    }
+
+    #[test]
+    fn a_log_started_with_history_replays_what_the_ring_still_holds() {
+        let store = MemoryStore::default();
+        let mut writer = DecisionLog::new("ns", 4, 1);
+        for k in 0..6u64 {
+            writer
+                .append(&store, EndpointId(k as u16 % 2), &keys(&[k]))
+                .unwrap();
+        }
+        // The ring holds the last 4 of 6: a VM started with history replays exactly those.
+        let mut late = DecisionLog::new("ns", 4, 2);
+        late.start_with_history(&store);
+        let mut seen = Vec::new();
+        late.poll(&store, |_, k| seen.push(k[0].0));
+        assert_eq!(seen, [2, 3, 4, 5]);
+        // One started at the head replays nothing of it.
+        let mut fresh = DecisionLog::new("ns", 4, 3);
+        fresh.start_at_head(&store);
+        assert_eq!(fresh.poll(&store, |_, _| {}), 0);
+    }
+
+    #[test]
+    fn the_pool_namespace_follows_the_pool_and_nothing_else() {
+        let parse = |json: &str| crate::PluginConfig::from_json(json.as_bytes()).unwrap();
+        let base = parse(
+            r#"{"endpoints":[{"address":"10.0.0.1:80","models":["m"]},{"address":"10.0.0.2:80","models":["m"]}]}"#,
+        );
+        let tuned = parse(
+            r#"{"endpoints":[{"address":"10.0.0.1:80","models":["m"]},{"address":"10.0.0.2:80","models":["m"]}],"max_body_bytes":1024,"weights":{"prefix":2}}"#,
+        );
+        let reordered = parse(
+            r#"{"endpoints":[{"address":"10.0.0.2:80","models":["m"]},{"address":"10.0.0.1:80","models":["m"]}]}"#,
+        );
+        let bigger = parse(
+            r#"{"endpoints":[{"address":"10.0.0.1:80","models":["m"]},{"address":"10.0.0.2:80","models":["m"]},{"address":"10.0.0.3:80","models":["m"]}]}"#,
+        );
+        let ring = parse(
+            r#"{"endpoints":[{"address":"10.0.0.1:80","models":["m"]},{"address":"10.0.0.2:80","models":["m"]}],"decision_log_slots":8}"#,
+        );
+        let ns = |c: &crate::PluginConfig| pool_namespace("kvoy.pa", c);
+        assert_eq!(ns(&base), ns(&tuned));
+        for other in [&reordered, &bigger, &ring] {
+            assert_ne!(ns(&base), ns(other));
         }
     }
 

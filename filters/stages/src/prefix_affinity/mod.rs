@@ -54,9 +54,10 @@ impl PrefixVm {
     /// every [`PrefixVm::tick_period`].
     pub fn configure(raw: &[u8], context_id: u32) -> Result<PrefixVm, String> {
         let config = PluginConfig::from_json(raw).map_err(|e| e.to_string())?;
-        // Shared-data keys are namespaced by the configuration, so that a new configuration
-        // (new endpoint order) never reads the previous one's counters.
-        let namespace = replica::namespace("kvoy.pa", raw);
+        // Shared-data keys are namespaced by the pool, not by the whole configuration: a new
+        // configuration of the same pool keeps the outstanding work and the decision log (and
+        // replays the log below); a new pool (other endpoints or order) starts apart.
+        let namespace = replica::pool_namespace("kvoy.pa", &config);
         let seed = kvoy_filter_common::vm_seed(context_id);
         let endpoints = config.pool.id_bound();
         let metrics = Metrics::define();
@@ -87,7 +88,9 @@ impl PrefixVm {
             );
         }
         let mut log = DecisionLog::new(&namespace, config.decision_log_slots, seed);
-        log.start_at_head(&HostStore);
+        // Begin with the pool's recent decisions (a configuration change, a late worker), replayed
+        // by the bounded catch-up of the first ticks and requests.
+        log.start_with_history(&HostStore);
         info!(
             "kvoy_prefix_affinity: configured {endpoints} endpoints, block size {}, namespace {namespace}",
             config.block_size
