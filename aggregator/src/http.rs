@@ -14,17 +14,18 @@
 use std::convert::Infallible;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::Full;
+use http_body_util::{BodyExt, Full, Limited};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use serde_json::json;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 
+use kvoy_shared::relay::{self, DecisionBatch, DecisionRelay};
 use kvoy_shared::snapshot::{SnapshotFormat, CONTENT_TYPE};
 
 use crate::config::{ApiToken, Limits};
@@ -46,6 +47,13 @@ pub struct ApiCounters {
     /// Snapshot polls answered 503 "not loaded yet".
     pub snapshots_not_loaded: AtomicU64,
     pub snapshot_bytes: AtomicU64,
+    /// Relayed routing decisions: received from proxies, refused (an address outside the
+    /// pool), sent on to the other proxies; and the bytes both ways.
+    pub decisions_received: AtomicU64,
+    pub decisions_refused: AtomicU64,
+    pub decisions_sent: AtomicU64,
+    pub decision_bytes_in: AtomicU64,
+    pub decision_bytes_out: AtomicU64,
     /// Connections open now.
     pub connections: AtomicU64,
 }
@@ -58,7 +66,13 @@ pub struct Api {
     pub rejections: Arc<Rejections>,
     token: Option<ApiToken>,
     limits: Limits,
+    /// The routing decisions the proxies relay to each other (`POST /v1/decisions`).
+    relay: Arc<Mutex<DecisionRelay>>,
 }
+
+/// Keys of relayed decisions the aggregator holds at most (8 bytes each, plus the entry): a
+/// few seconds of decisions at the rates a pool's proxies route.
+const RELAY_MAX_KEYS: usize = 1 << 20;
 
 impl Api {
     pub fn new(
@@ -72,6 +86,7 @@ impl Api {
             rejections: Arc::new(Rejections::new("kvoy-aggregator API")),
             token,
             limits,
+            relay: Arc::new(Mutex::new(DecisionRelay::new(RELAY_MAX_KEYS))),
         }
     }
 }
@@ -141,7 +156,12 @@ pub async fn serve(listener: TcpListener, api: Api, mut shutdown: watch::Receive
             let handler = api.clone();
             let service = hyper::service::service_fn(move |req| {
                 let api = handler.clone();
-                async move { Ok::<_, Infallible>(api.handle(&req)) }
+                async move {
+                    if req.uri().path() == relay::PATH {
+                        return Ok::<_, Infallible>(api.decisions(req).await);
+                    }
+                    Ok::<_, Infallible>(api.handle(&req))
+                }
             });
             let served = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
@@ -295,6 +315,104 @@ impl Api {
                 "not found; try /v1/snapshot, /v1/endpoints, /metrics, /healthz, /readyz\n",
             ),
         }
+    }
+
+    /// `POST /v1/decisions?since=C[&limit=N]`: stores the proxy's decisions (only those naming a pool
+    /// member) and answers with the other proxies' decisions after cursor `C`.
+    async fn decisions(&self, req: Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
+        if req.method() != Method::POST {
+            return text(StatusCode::METHOD_NOT_ALLOWED, "only POST\n");
+        }
+        if !self.authorized(&req) {
+            return text(StatusCode::UNAUTHORIZED, "a bearer token is required\n");
+        }
+        let query = req.uri().query().unwrap_or("");
+        let param = |name: &str| -> Option<u64> {
+            query
+                .split('&')
+                .find_map(|p| p.strip_prefix(name)?.strip_prefix('='))
+                .and_then(|v| v.parse().ok())
+        };
+        let cursor = param("since").unwrap_or(0);
+        // The poller bounds what it takes per exchange (each costs it shared-data writes).
+        let limit = param("limit").map_or(relay::MAX_DECISIONS, |l| {
+            usize::try_from(l)
+                .unwrap_or(usize::MAX)
+                .min(relay::MAX_DECISIONS)
+        });
+        let body = match Limited::new(req.into_body(), relay::MAX_BATCH_BYTES)
+            .collect()
+            .await
+        {
+            Ok(b) => b.to_bytes(),
+            Err(e) => {
+                self.rejections.reject(
+                    Reason::BadRequest,
+                    format_args!(
+                        "POST {}: body unreadable or over {} bytes: {e}",
+                        relay::PATH,
+                        relay::MAX_BATCH_BYTES
+                    ),
+                );
+                return text(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "decision batch too large or unreadable\n",
+                );
+            }
+        };
+        let batch = match DecisionBatch::decode(&body) {
+            Ok(b) => b,
+            Err(e) => {
+                self.rejections.reject(
+                    Reason::BadRequest,
+                    format_args!("POST {}: {e}", relay::PATH),
+                );
+                return text(
+                    StatusCode::BAD_REQUEST,
+                    format!("bad decision batch: {e}\n"),
+                );
+            }
+        };
+        self.counters
+            .decision_bytes_in
+            .fetch_add(body.len() as u64, Ordering::Relaxed);
+        let view = self.views.borrow().clone();
+        let received = batch.decisions.len();
+        // Only the pool's members travel on: an address the aggregator does not serve is
+        // never handed to another proxy.
+        let kept: Vec<_> = batch
+            .decisions
+            .into_iter()
+            .filter(|d| {
+                view.endpoints
+                    .iter()
+                    .any(|e| e.status.address == d.endpoint)
+            })
+            .collect();
+        let c = &self.counters;
+        c.decisions_received
+            .fetch_add(received as u64, Ordering::Relaxed);
+        c.decisions_refused
+            .fetch_add((received - kept.len()) as u64, Ordering::Relaxed);
+        let (decisions, next) = {
+            let Ok(mut relay) = self.relay.lock() else {
+                return text(StatusCode::INTERNAL_SERVER_ERROR, "relay unavailable\n");
+            };
+            relay.push(batch.proxy, kept);
+            relay.since(cursor, batch.proxy, limit)
+        };
+        c.decisions_sent
+            .fetch_add(decisions.len() as u64, Ordering::Relaxed);
+        let mut out = Vec::new();
+        DecisionBatch {
+            proxy: 0,
+            cursor: next,
+            decisions,
+        }
+        .encode(&mut out);
+        c.decision_bytes_out
+            .fetch_add(out.len() as u64, Ordering::Relaxed);
+        reply(StatusCode::OK, relay::CONTENT_TYPE, out)
     }
 
     fn snapshot(&self, view: &PoolView, query: &str) -> Response<Full<Bytes>> {
@@ -577,6 +695,37 @@ pub fn render_metrics(view: &PoolView, api: &ApiCounters, rejected: &Rejections)
         &[],
         api.snapshot_bytes.load(Ordering::Relaxed) as f64,
     );
+    f.head(
+        "kvoy_aggregator_decisions_total",
+        "counter",
+        "Routing decisions relayed between proxies (POST /v1/decisions), by what became of them.",
+    );
+    for (what, c) in [
+        ("received", &api.decisions_received),
+        ("refused", &api.decisions_refused),
+        ("sent", &api.decisions_sent),
+    ] {
+        f.sample(
+            "kvoy_aggregator_decisions_total",
+            &[("what", what)],
+            c.load(Ordering::Relaxed) as f64,
+        );
+    }
+    f.head(
+        "kvoy_aggregator_decision_bytes_total",
+        "counter",
+        "Bytes of decision batches, received from and sent to proxies.",
+    );
+    for (direction, c) in [
+        ("in", &api.decision_bytes_in),
+        ("out", &api.decision_bytes_out),
+    ] {
+        f.sample(
+            "kvoy_aggregator_decision_bytes_total",
+            &[("direction", direction)],
+            c.load(Ordering::Relaxed) as f64,
+        );
+    }
     f.head(
         "kvoy_aggregator_source_reloads_total",
         "counter",

@@ -237,7 +237,42 @@ fn k8s() {
     );
 }
 
+/// Decision batches as proxies and the aggregator exchange them.
+fn decisions() {
+    use kvoy_shared::prefix::BlockKey;
+    use kvoy_shared::relay::{DecisionBatch, RelayedDecision};
+    let encode = |batch: DecisionBatch| {
+        let mut out = Vec::new();
+        batch.encode(&mut out);
+        out
+    };
+    write("decisions", "empty", encode(DecisionBatch::default()));
+    let v4: SocketAddr = "10.0.0.1:8000".parse().expect("address");
+    let v6: SocketAddr = "[2001:db8::2]:8000"
+        .parse()
+        .unwrap_or_else(|_| unreachable!());
+    write(
+        "decisions",
+        "two",
+        encode(DecisionBatch {
+            proxy: 7,
+            cursor: 42,
+            decisions: vec![
+                RelayedDecision {
+                    endpoint: v4,
+                    keys: (1..=16).map(BlockKey).collect(),
+                },
+                RelayedDecision {
+                    endpoint: v6,
+                    keys: vec![],
+                },
+            ],
+        }),
+    );
+}
+
 fn main() {
+    decisions();
     snapshots();
     kv_events();
     request_bodies();

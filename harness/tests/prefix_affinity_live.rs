@@ -88,10 +88,30 @@ fn spread(plugin: &Plugin, n: usize) -> Result<BTreeMap<String, usize>, Error> {
     Ok(seen)
 }
 
+/// The snapshot polls in flight; the poller's decision exchanges (`POST /v1/decisions`, made
+/// on the ticks it polls) are answered as an aggregator with nothing to relay does.
+fn snapshot_polls(plugin: &Plugin) -> Result<Vec<HttpCall>, Error> {
+    let mut polls = Vec::new();
+    for call in plugin.http_calls() {
+        if call
+            .headers
+            .get(":path")
+            .is_some_and(|p| p.starts_with(kvoy_shared::relay::PATH))
+        {
+            let mut none = Vec::new();
+            kvoy_shared::relay::DecisionBatch::default().encode(&mut none);
+            plugin.respond_http_call(&call, HttpResponse::new(200).body(none))?;
+        } else {
+            polls.push(call);
+        }
+    }
+    Ok(polls)
+}
+
 /// Advances one poll interval and returns the single poll it caused.
 fn next_poll(plugin: &Plugin) -> Result<HttpCall, Error> {
     plugin.advance(Duration::from_millis(100))?;
-    let calls = plugin.http_calls();
+    let calls = snapshot_polls(plugin)?;
     assert_eq!(calls.len(), 1, "one poller per proxy: {calls:?}");
     let call = calls.into_iter().next().unwrap();
     assert_eq!(call.upstream, CLUSTER);
@@ -263,5 +283,82 @@ fn a_forged_destination_never_leaves_the_live_pool() -> TestResult {
         assert_eq!(dest.as_deref(), Some("127.0.0.1:19001"), "forged {forged}");
         stream.finish()?;
     }
+    Ok(())
+}
+
+/// The decision exchange a poll tick started, if any (`POST /v1/decisions`).
+fn exchange_call(plugin: &Plugin) -> Option<HttpCall> {
+    plugin.http_calls().into_iter().find(|c| {
+        c.headers
+            .get(":path")
+            .is_some_and(|p| p.starts_with(kvoy_shared::relay::PATH))
+    })
+}
+
+#[test]
+fn decisions_relayed_by_the_aggregator_steer_another_proxy_within_its_pool_only() -> TestResult {
+    use kvoy_shared::relay::{DecisionBatch, CONTENT_TYPE};
+    // Two proxies (two plugins: separate shared data) following the same aggregator pool.
+    let (a, b) = (plugin()?, plugin()?);
+    let mut history = SnapshotHistory::new(42);
+    history.update((0..4).map(|s| status(s, 19001 + s)).collect());
+    for p in [&a, &b] {
+        let call = next_poll(p)?;
+        answer(p, &call, &history)?;
+    }
+    // Proxy A routes 20 conversations; on its next poll tick it sends them.
+    let chosen: Vec<String> = (0..20)
+        .map(|i| route(&a, i % 2, 100 + i))
+        .collect::<Result<_, _>>()?;
+    a.advance(Duration::from_millis(100))?;
+    let sent = exchange_call(&a).expect("proxy A exchanges decisions on its poll tick");
+    assert_eq!(sent.headers.get(":method"), Some("POST"));
+    assert_eq!(sent.headers.get("content-type"), Some(CONTENT_TYPE));
+    let mut batch = DecisionBatch::decode(&sent.body).unwrap();
+    assert_eq!(batch.decisions.len(), 20);
+    assert_eq!(
+        a.counter("kvoy_prefix_affinity_relay_decisions_sent_total"),
+        Some(20)
+    );
+    // The aggregator hands them to proxy B, with one more naming an address outside B's pool
+    // (in `allowed_destinations`, but not one of the aggregator's endpoints that B knows).
+    let mut outsider = batch.decisions[0].clone();
+    outsider.endpoint = "127.0.0.9:19009".parse().unwrap();
+    batch.decisions.insert(0, outsider);
+    batch.proxy = 0;
+    batch.cursor = 21;
+    let mut body = Vec::new();
+    batch.encode(&mut body);
+    b.advance(Duration::from_millis(100))?;
+    let call = exchange_call(&b).expect("proxy B exchanges too");
+    b.respond_http_call(&call, HttpResponse::new(200).body(body))?;
+    assert_eq!(
+        b.counter("kvoy_prefix_affinity_relay_decisions_received_total"),
+        Some(21)
+    );
+    assert_eq!(
+        b.counter("kvoy_prefix_affinity_relay_decisions_refused_total"),
+        Some(1)
+    );
+    // Proxy B's workers replay them: each conversation goes where A sent it, on either VM,
+    // and never to the outsider.
+    b.advance(Duration::from_millis(100))?;
+    for (i, want) in chosen.iter().enumerate() {
+        assert_eq!(&route(&b, (i + 1) % 2, 100 + i)?, want, "conversation {i}");
+    }
+    // B's next exchange (on its next poll, once the polls in flight are answered) asks from
+    // the cursor it was given.
+    for call in b.http_calls() {
+        answer(&b, &call, &history)?;
+    }
+    b.advance(Duration::from_millis(100))?;
+    let next = exchange_call(&b).expect("another exchange");
+    assert!(
+        next.headers
+            .get(":path")
+            .is_some_and(|p| p.contains("since=21")),
+        "{:?}",
+        next.headers.get(":path")
+    );
     Ok(())
 }

@@ -29,6 +29,7 @@ mod lru;
 mod once;
 mod outstanding;
 pub mod prefix;
+pub mod relay;
 pub mod replica;
 pub mod request;
 mod rng;

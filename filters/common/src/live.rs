@@ -64,6 +64,11 @@ impl LiveSnapshot {
         &self.settings
     }
 
+    /// The `authorization` header value of calls to the aggregator, when a token is set.
+    pub fn authorization(&self) -> Option<&str> {
+        self.authorization.as_deref()
+    }
+
     /// How often to tick: once per poll interval.
     pub fn tick_period(&self) -> Duration {
         Duration::from_millis(self.settings.poll_interval_ms)

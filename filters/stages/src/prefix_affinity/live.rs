@@ -79,8 +79,39 @@ pub fn on_tick(vm: &mut VmState) {
     let Some(live) = vm.live.as_mut() else {
         return;
     };
-    if live.snapshot.poll(now) == PollStart::Failed {
-        Metrics::add(vm.metrics.snapshot_poll_failures, 1);
+    match live.snapshot.poll(now) {
+        PollStart::Failed => Metrics::add(vm.metrics.snapshot_poll_failures, 1),
+        // The lease holder relays decisions on the ticks it polls.
+        PollStart::Started => {
+            if let Some(relay) = vm.relay.as_mut() {
+                let settings = live.snapshot.settings();
+                if let Some(sent) =
+                    relay.exchange(&vm.router, settings, live.snapshot.authorization(), now)
+                {
+                    Metrics::add(vm.metrics.relay_sent, sent as u64);
+                }
+            }
+        }
+        PollStart::Skipped => {}
+    }
+}
+
+/// The answer to a decision exchange: the other proxies' decisions into the log.
+pub fn on_relay_response(vm: &mut VmState, num_headers: usize, body_size: usize) {
+    let Some(relay) = vm.relay.as_mut() else {
+        return;
+    };
+    let (status, body) =
+        kvoy_filter_common::call_response(num_headers, body_size, relay.max_answer_bytes());
+    match relay.on_response(status, &body, &vm.router) {
+        Ok(done) => {
+            Metrics::add(vm.metrics.relay_received, done.received as u64);
+            Metrics::add(vm.metrics.relay_refused, done.refused as u64);
+        }
+        Err(e) => {
+            debug!("decision relay: {e}");
+            Metrics::add(vm.metrics.relay_failures, 1);
+        }
     }
 }
 

@@ -27,6 +27,12 @@ pub struct Metrics {
     pub rejected_no_endpoint: Option<u32>,
     pub snapshot_polls: Option<u32>,
     pub snapshot_poll_failures: Option<u32>,
+    /// Decisions relayed through the aggregator: sent, received, received for an address
+    /// outside the pool (dropped), and exchanges that failed.
+    pub relay_sent: Option<u32>,
+    pub relay_received: Option<u32>,
+    pub relay_refused: Option<u32>,
+    pub relay_failures: Option<u32>,
     pub pool_updates: Option<u32>,
     /// Endpoints in the pool routed to, and whether it is the aggregator's (1) or static (0).
     pub pool_endpoints: Option<u32>,
@@ -63,6 +69,10 @@ impl Metrics {
             rejected_no_endpoint: counter("kvoy_prefix_affinity_errors_no_endpoint_total"),
             snapshot_polls: counter("kvoy_prefix_affinity_snapshot_polls_total"),
             snapshot_poll_failures: counter("kvoy_prefix_affinity_snapshot_poll_failures_total"),
+            relay_sent: counter("kvoy_prefix_affinity_relay_decisions_sent_total"),
+            relay_received: counter("kvoy_prefix_affinity_relay_decisions_received_total"),
+            relay_refused: counter("kvoy_prefix_affinity_relay_decisions_refused_total"),
+            relay_failures: counter("kvoy_prefix_affinity_relay_failures_total"),
             pool_updates: counter("kvoy_prefix_affinity_pool_updates_total"),
             pool_endpoints: gauge("kvoy_prefix_affinity_pool_endpoints"),
             pool_live: gauge("kvoy_prefix_affinity_pool_live"),

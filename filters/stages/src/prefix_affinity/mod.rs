@@ -11,6 +11,7 @@
 
 mod live;
 mod metrics;
+mod relay;
 mod stage;
 
 use std::time::Duration;
@@ -37,6 +38,8 @@ pub struct PrefixVm {
     pub counts: Vec<Outstanding>,
     /// The aggregator's pool, when configured.
     pub live: Option<live::LivePool>,
+    /// Decisions shared with the pool's other proxies through the aggregator (with `live`).
+    pub relay: Option<relay::Relay>,
     /// Requests routed by their body; every [`USAGE_SAMPLE_EVERY`]th has its answer's
     /// `usage` read, to learn the model's bytes per token.
     pub scored: u64,
@@ -87,6 +90,9 @@ impl PrefixVm {
                 l.snapshot.settings().poll_interval_ms
             );
         }
+        let relay = live
+            .as_ref()
+            .map(|_| relay::Relay::new(&namespace, config.decision_log_slots, seed));
         let mut log = DecisionLog::new(&namespace, config.decision_log_slots, seed);
         // Begin with the pool's recent decisions (a configuration change, a late worker), replayed
         // by the bounded catch-up of the first ticks and requests.
@@ -102,6 +108,7 @@ impl PrefixVm {
             metrics,
             counts: Vec::with_capacity(endpoints),
             live,
+            relay,
             scored: 0,
             logged: LogOnce::new(256),
         })
@@ -134,10 +141,15 @@ impl PrefixVm {
     /// Whether the HTTP call `token` is this stage's aggregator poll.
     pub fn owns_call(&self, token: u32) -> bool {
         self.live.as_ref().is_some_and(|l| l.snapshot.owns(token))
+            || self.relay.as_ref().is_some_and(|r| r.owns(token))
     }
 
     /// The answer to an HTTP call (the aggregator's snapshot, if `token` is this stage's poll).
     pub fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize) {
+        if self.relay.as_ref().is_some_and(|r| r.owns(token)) {
+            live::on_relay_response(self, num_headers, body_size);
+            return;
+        }
         let Some(l) = self.live.as_ref() else {
             return;
         };

@@ -1,0 +1,229 @@
+//! `POST /v1/decisions`: the aggregator relays the routing decisions of each proxy to the
+//! others, only for addresses of its pool, with a token when one is configured, refusing
+//! malformed batches with 400; counted in `/metrics`. On 127.0.0.1, every wait bounded.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use kvoy_aggregator::config::AggregatorConfig;
+use kvoy_aggregator::source::StaticSource;
+use kvoy_aggregator::Aggregator;
+use kvoy_shared::prefix::BlockKey;
+use kvoy_shared::relay::{DecisionBatch, RelayedDecision, CONTENT_TYPE, PATH};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// One HTTP/1.1 request with a binary body: status, lowercased head, body.
+fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &str,
+    body: &[u8],
+) -> (u16, String, Vec<u8>) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nhost: t\r\nconnection: close\r\n{headers}content-length: {}\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    s.write_all(body).unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
+    let head = String::from_utf8_lossy(&raw[..split]).to_ascii_lowercase();
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    (status, head, raw[split + 4..].to_vec())
+}
+
+fn exchange(api: SocketAddr, since: u64, batch: &DecisionBatch, headers: &str) -> DecisionBatch {
+    let mut body = Vec::new();
+    batch.encode(&mut body);
+    let (status, head, answer) = request(
+        api,
+        "POST",
+        &format!("{PATH}?since={since}"),
+        headers,
+        &body,
+    );
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&answer));
+    assert!(head.contains(CONTENT_TYPE), "{head}");
+    DecisionBatch::decode(&answer).unwrap()
+}
+
+fn decision(endpoint: SocketAddr, keys: &[u64]) -> RelayedDecision {
+    RelayedDecision {
+        endpoint,
+        keys: keys.iter().copied().map(BlockKey).collect(),
+    }
+}
+
+fn start(yaml: &str) -> (tokio::runtime::Runtime, Aggregator) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let cfg = AggregatorConfig::from_yaml(yaml).unwrap();
+    let source = StaticSource::new(cfg.endpoints.clone());
+    let agg = rt
+        .block_on(Aggregator::start(
+            &cfg,
+            Box::new(source),
+            "127.0.0.1:0".parse().unwrap(),
+        ))
+        .unwrap();
+    let api = agg.local_addr();
+    let start = Instant::now();
+    while request(api, "GET", "/readyz", "", b"").0 != 200 {
+        assert!(
+            start.elapsed() < WAIT,
+            "the aggregator never loaded its pool"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    (rt, agg)
+}
+
+#[test]
+fn decisions_travel_between_proxies_for_pool_members_only() {
+    let (a, b) = (free_port(), free_port());
+    let yaml = format!(
+        "endpoints: [{{address: '127.0.0.1:{a}', models: [m]}}, {{address: '127.0.0.1:{b}', models: [m]}}]\n"
+    );
+    let (rt, agg) = start(&yaml);
+    let api = agg.local_addr();
+    let ea: SocketAddr = format!("127.0.0.1:{a}").parse().unwrap();
+    let eb: SocketAddr = format!("127.0.0.1:{b}").parse().unwrap();
+    let outsider: SocketAddr = "10.9.9.9:80".parse().unwrap();
+    // Proxy 1 sends two decisions and one for an address outside the pool; it gets nothing
+    // back (nobody else has spoken).
+    let first = exchange(
+        api,
+        0,
+        &DecisionBatch {
+            proxy: 1,
+            cursor: 0,
+            decisions: vec![
+                decision(ea, &[1, 2]),
+                decision(outsider, &[3]),
+                decision(eb, &[4]),
+            ],
+        },
+        "",
+    );
+    assert!(first.decisions.is_empty());
+    // Proxy 2 gets proxy 1's two pool decisions, never the outsider.
+    let second = exchange(
+        api,
+        0,
+        &DecisionBatch {
+            proxy: 2,
+            cursor: 0,
+            decisions: vec![decision(eb, &[9])],
+        },
+        "",
+    );
+    assert_eq!(
+        second.decisions,
+        vec![decision(ea, &[1, 2]), decision(eb, &[4])]
+    );
+    // A poller's `limit` bounds the answer; the cursor says where it stopped.
+    let mut empty = Vec::new();
+    DecisionBatch {
+        proxy: 2,
+        ..Default::default()
+    }
+    .encode(&mut empty);
+    let (status, _, page) = request(api, "POST", &format!("{PATH}?since=0&limit=1"), "", &empty);
+    assert_eq!(status, 200);
+    let page = DecisionBatch::decode(&page).unwrap();
+    assert_eq!((page.decisions.len(), page.cursor), (1, 1));
+    // Its next exchange from the cursor it was given has nothing new.
+    let third = exchange(
+        api,
+        second.cursor,
+        &DecisionBatch {
+            proxy: 2,
+            ..Default::default()
+        },
+        "",
+    );
+    assert!(third.decisions.is_empty());
+    assert_eq!(third.cursor, second.cursor);
+    // Proxy 1, from its cursor, gets proxy 2's one.
+    let back = exchange(
+        api,
+        first.cursor,
+        &DecisionBatch {
+            proxy: 1,
+            ..Default::default()
+        },
+        "",
+    );
+    assert_eq!(back.decisions, vec![decision(eb, &[9])]);
+    // Malformed batches and other methods are refused, not stored.
+    let (status, _, _) = request(api, "POST", PATH, "", b"KVDR\x01garbage");
+    assert_eq!(status, 400);
+    assert_eq!(request(api, "GET", PATH, "", b"").0, 405);
+    let (_, _, m) = request(api, "GET", "/metrics", "", b"");
+    let m = String::from_utf8(m).unwrap();
+    for line in [
+        "kvoy_aggregator_decisions_total{what=\"received\"} 4",
+        "kvoy_aggregator_decisions_total{what=\"refused\"} 1",
+        "kvoy_aggregator_decisions_total{what=\"sent\"} 4",
+    ] {
+        assert!(m.contains(line), "{line} in\n{m}");
+    }
+    rt.block_on(agg.shutdown());
+}
+
+#[test]
+fn the_exchange_requires_the_token_when_one_is_configured() {
+    let dir = std::env::temp_dir().join(format!("kvoy-agg-relay-token-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let token_file = dir.join("token");
+    std::fs::write(&token_file, "relay-token-0123456789\n").unwrap();
+    let port = free_port();
+    let yaml = format!(
+        "api_token_file: {}\nendpoints: [{{address: '127.0.0.1:{port}', models: [m]}}]\n",
+        token_file.display()
+    );
+    let (rt, agg) = start(&yaml);
+    let api = agg.local_addr();
+    let mut body = Vec::new();
+    DecisionBatch {
+        proxy: 1,
+        cursor: 0,
+        decisions: vec![decision(format!("127.0.0.1:{port}").parse().unwrap(), &[1])],
+    }
+    .encode(&mut body);
+    assert_eq!(request(api, "POST", PATH, "", &body).0, 401);
+    let with = "authorization: Bearer relay-token-0123456789\r\n";
+    assert_eq!(request(api, "POST", PATH, with, &body).0, 200);
+    // What the refused exchange carried was not stored: proxy 2 sees one decision.
+    let got = exchange(
+        api,
+        0,
+        &DecisionBatch {
+            proxy: 2,
+            ..Default::default()
+        },
+        with,
+    );
+    assert_eq!(got.decisions.len(), 1);
+    rt.block_on(agg.shutdown());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,204 @@
+//! End to end: several real Envoys (the combined `kvoy` filter, `--concurrency 2`) in front of
+//! the same four kvoy-sim simulators, sharing their routing decisions through one in-process
+//! kvoy-aggregator (`POST /v1/decisions`). A multi-turn workload whose turns go to the proxies
+//! in turn: with the relay, a turn reaches the simulator that served the conversation's last
+//! turn (and holds its prefix) whichever proxy routes it; with each proxy's own index
+//! (aggregator off) in the same run, about a quarter do.
+//!
+//! Needs `envoy` on PATH and the built wasm filters (`make test` provides both).
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use kvoy_e2e::http;
+use kvoy_e2e::{
+    aggregator_yaml, wait_for, AggregatedEndpoint, LocalAggregator, PoolEndpoint, SimFleet, Stack,
+    StackConfig,
+};
+use serde_json::{json, Value};
+
+const NAME: &str = "relay";
+const MODEL: &str = "kvoy-demo";
+const TIMEOUT: Duration = Duration::from_secs(30);
+const CONVERSATIONS: usize = 30;
+const TURNS: usize = 6;
+/// Between two turns of one conversation (an agent's tool call, a person typing): the relay's
+/// round trip is two poll intervals (100 ms each) and a catch-up tick.
+const THINK: Duration = Duration::from_millis(500);
+
+/// Turn `t` of conversation `i`: the history of turns `0..t`, then a new question.
+fn turn(i: usize, t: usize) -> Vec<u8> {
+    let mut messages = vec![json!({"role": "system", "content":
+        format!("Conversation {i}. {}", "You are a careful assistant with a long brief. ".repeat(12))})];
+    for k in 0..t {
+        messages
+            .push(json!({"role": "user", "content": format!("Question {k} of conversation {i}?")}));
+        messages.push(json!({"role": "assistant", "content": format!("Answer {k}, at some length, for conversation {i}.")}));
+    }
+    messages.push(json!({"role": "user", "content": format!("Question {t} of conversation {i}?")}));
+    serde_json::to_vec(&json!({"model": MODEL, "max_tokens": 2, "messages": messages})).unwrap()
+}
+
+/// Runs the workload on conversations `base..base + CONVERSATIONS`, turn `t` of the `i`th
+/// through proxy `(i + t) % proxies.len()`; returns how many turns after the first reached the
+/// simulator that served the previous one, and of how many.
+fn follow(proxies: &[SocketAddr], base: usize) -> (usize, usize) {
+    let mut last = vec![String::new(); CONVERSATIONS];
+    let (mut kept, mut turns) = (0, 0);
+    for t in 0..TURNS {
+        for (i, previous) in last.iter_mut().enumerate() {
+            let proxy = proxies[(i + t) % proxies.len()];
+            let r = http::post_json(
+                proxy,
+                "/v1/chat/completions",
+                &[],
+                &turn(base + i, t),
+                TIMEOUT,
+            )
+            .unwrap();
+            assert_eq!(r.status, 200, "{}", r.text());
+            let served = r
+                .header(kvoy_e2e::SERVED_BY_HEADER)
+                .unwrap_or("?")
+                .to_owned();
+            if t > 0 {
+                turns += 1;
+                kept += usize::from(served == *previous);
+            }
+            *previous = served;
+        }
+        std::thread::sleep(THINK);
+    }
+    (kept, turns)
+}
+
+fn metric(admin: SocketAddr, name: &str) -> u64 {
+    let r = http::send(
+        admin,
+        "GET",
+        "/stats?format=json&filter=kvoy",
+        &[],
+        b"",
+        TIMEOUT,
+    )
+    .unwrap();
+    let v: Value = serde_json::from_slice(&r.body).unwrap();
+    v["stats"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|s| s["name"].as_str().is_some_and(|n| n.ends_with(name)))
+        .filter_map(|s| s["value"].as_u64())
+        .sum()
+}
+
+#[test]
+fn turns_alternating_between_proxies_reach_their_conversations_simulator() {
+    let fleet = SimFleet::start(
+        &["127.0.0.1:0".parse().unwrap(); 4],
+        &["--model", MODEL, "--speedup", "10"],
+    )
+    .unwrap();
+    fleet.wait_healthy(Duration::from_secs(10)).unwrap();
+    let addrs = fleet.addrs().to_vec();
+    let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join("kvoy-e2e")
+        .join(format!("{NAME}-{}", std::process::id()));
+    std::fs::create_dir_all(&run_dir).unwrap();
+    let endpoints: Vec<AggregatedEndpoint> = addrs
+        .iter()
+        .map(|a| AggregatedEndpoint {
+            address: *a,
+            models: vec![MODEL.into()],
+            kv_events: None,
+        })
+        .collect();
+    let yaml = aggregator_yaml("scrape_interval_ms: 50\n", &endpoints);
+    let agg = LocalAggregator::start(
+        &run_dir.join("aggregator.yaml"),
+        &yaml,
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .unwrap();
+    let pool: Vec<PoolEndpoint> = addrs
+        .iter()
+        .map(|a| PoolEndpoint::new(*a, &[MODEL]))
+        .collect();
+    let start = |name: &str, aggregator: Option<SocketAddr>| {
+        let mut config = StackConfig::new(pool.clone(), run_dir.join(name));
+        config.aggregator = aggregator;
+        Stack::start(&config)
+            .unwrap_or_else(|e| panic!("[{NAME}] could not start Envoy {name}: {e:#}"))
+    };
+    let relayed: Vec<Stack> = (0..4)
+        .map(|p| start(&format!("relayed-{p}"), Some(agg.addr())))
+        .collect();
+    let alone: Vec<Stack> = (0..2).map(|p| start(&format!("alone-{p}"), None)).collect();
+    wait_for(
+        "the simulators ready in the aggregator",
+        Duration::from_secs(10),
+        || {
+            http::send(agg.addr(), "GET", "/readyz", &[], b"", TIMEOUT)
+                .map(|r| r.text().contains("4 ready"))
+                .unwrap_or(false)
+        },
+    );
+    std::thread::sleep(Duration::from_millis(500));
+
+    let listen = |stacks: &[Stack]| stacks.iter().map(|s| s.listen).collect::<Vec<_>>();
+    // Each run has conversations of its own.
+    let (two, of_two) = follow(&listen(&relayed[..2]), 0);
+    let (alone_kept, of_alone) = follow(&listen(&alone), 1000);
+    let (four, of_four) = follow(&listen(&relayed), 2000);
+    let sent: u64 = relayed
+        .iter()
+        .map(|s| metric(s.admin, "kvoy_prefix_affinity_relay_decisions_sent_total"))
+        .sum();
+    let received: u64 = relayed
+        .iter()
+        .map(|s| {
+            metric(
+                s.admin,
+                "kvoy_prefix_affinity_relay_decisions_received_total",
+            )
+        })
+        .sum();
+    let agg_metrics = http::send(agg.addr(), "GET", "/metrics", &[], b"", TIMEOUT)
+        .unwrap()
+        .text();
+    let bytes = |direction: &str| -> f64 {
+        let prefix = format!("kvoy_aggregator_decision_bytes_total{{direction=\"{direction}\"}} ");
+        agg_metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0.0)
+    };
+    // The relayed runs' requests (both relayed workloads).
+    let requests = (2 * CONVERSATIONS * TURNS) as f64;
+    eprintln!(
+        "[{NAME}] turns kept on their simulator: 2 proxies relayed {two}/{of_two}, 2 proxies alone {alone_kept}/{of_alone}, 4 proxies relayed {four}/{of_four}; decisions sent {sent}, received {received}; to the aggregator {:.0} bytes per request, from it {:.0}",
+        bytes("in") / requests,
+        bytes("out") / requests
+    );
+    assert!(
+        two * 100 >= of_two * 95,
+        "2 relayed proxies kept {two} of {of_two}"
+    );
+    assert!(
+        four * 100 >= of_four * 95,
+        "4 relayed proxies kept {four} of {of_four}"
+    );
+    // The comparison is real: alone, the proxies split the conversations.
+    assert!(
+        alone_kept * 100 < of_alone * 80,
+        "2 proxies alone kept {alone_kept} of {of_alone}"
+    );
+    assert!(sent > 0 && received > 0);
+    drop(relayed);
+    drop(alone);
+    drop(agg);
+    drop(fleet);
+}

@@ -1,0 +1,204 @@
+//! Decisions relayed through the aggregator ([`kvoy_shared::relay`]), so that several proxies in
+//! front of one pool share what each learned: the VM that holds the snapshot lease, on the tick
+//! it polls, sends the decisions its proxy's workers logged since its last exchange
+//! (`POST /v1/decisions`) and appends the other proxies' decisions from the answer to the
+//! proxy's decision log, from which every worker replays them as it replays its neighbours'.
+//! Nothing of this is on a request's path; a slow aggregator costs decisions (the exchange is
+//! skipped while one is in flight, and the ring forgets what waits too long), never latency.
+
+use std::time::Duration;
+
+use log::{debug, warn};
+use proxy_wasm::hostcalls;
+
+use kvoy_filter_common::{CallBody, HostStore};
+use kvoy_shared::relay::{self, DecisionBatch, RelayedDecision};
+use kvoy_shared::replica::{DecisionLog, SharedStore};
+use kvoy_shared::{AggregatorSettings, Router};
+
+/// The origin of the records the relay appends: every worker replays them (their origins are
+/// random seeds), and the relay's own reader skips them, so that nothing echoes back.
+pub const RELAY_ORIGIN: u64 = u64::MAX;
+/// Local decisions sent per exchange at most; the rest wait for the next one.
+const FORWARD_PER_EXCHANGE: usize = 512;
+/// Other proxies' decisions asked for per exchange at most (each costs two shared-data writes
+/// on the tick of the VM that receives it).
+const RELAYED_PER_EXCHANGE: usize = 512;
+/// The answer's size at most: that many decisions at 64 keys each, with room to spare.
+const MAX_ANSWER_BYTES: usize = 2 << 20;
+
+/// What one exchange did, for the filter's counters.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Exchanged {
+    pub received: usize,
+    /// Received for an address outside this proxy's pool: dropped.
+    pub refused: usize,
+}
+
+/// One VM's side of the relay.
+pub struct Relay {
+    /// Reads every local worker's decisions (its origin is [`RELAY_ORIGIN`], so it skips the
+    /// relayed ones) and appends the relayed ones.
+    log: DecisionLog,
+    proxy_key: String,
+    /// The aggregator's cursor: the last relayed decision this VM has seen.
+    cursor: u64,
+    call: Option<(u32, u64)>,
+    /// Set after the aggregator answered 404 (an aggregator older than the relay).
+    unsupported: bool,
+    scratch: Vec<u8>,
+}
+
+impl Relay {
+    pub fn new(namespace: &str, slots: u32, seed: u64) -> Self {
+        let mut log = DecisionLog::new(namespace, slots, RELAY_ORIGIN);
+        log.start_at_head(&HostStore);
+        let proxy_key = format!("{namespace}.relay.proxy");
+        // The proxy's id, one for all its workers (the aggregator does not send a proxy its
+        // own decisions back); whichever VM writes last, they all read the same one.
+        if HostStore.get(&proxy_key).is_none() {
+            let _ = HostStore.set(&proxy_key, &seed.to_le_bytes(), 0);
+        }
+        Relay {
+            log,
+            proxy_key,
+            cursor: 0,
+            call: None,
+            unsupported: false,
+            scratch: Vec::new(),
+        }
+    }
+
+    fn proxy(&self) -> u64 {
+        HostStore
+            .get(&self.proxy_key)
+            .and_then(|(b, _)| b.get(..8).and_then(|b| b.try_into().ok()))
+            .map_or(0, u64::from_le_bytes)
+    }
+
+    /// Starts an exchange unless one is in flight (within twice the timeout); returns how many
+    /// local decisions it sends when it started. Only the lease holder calls this, right after
+    /// its snapshot poll started.
+    pub fn exchange(
+        &mut self,
+        router: &Router,
+        settings: &AggregatorSettings,
+        authorization: Option<&str>,
+        now_ms: u64,
+    ) -> Option<usize> {
+        if self.unsupported {
+            return None;
+        }
+        if let Some((_, started)) = self.call {
+            if now_ms.saturating_sub(started) <= settings.timeout_ms.saturating_mul(2) {
+                return None;
+            }
+            self.call = None;
+        }
+        let pool = router.pool();
+        let mut decisions = Vec::new();
+        self.log
+            .poll_at_most(&HostStore, FORWARD_PER_EXCHANGE, |endpoint, keys| {
+                if let Some(e) = pool.get(endpoint) {
+                    decisions.push(RelayedDecision {
+                        endpoint: e.address,
+                        keys: keys.to_vec(),
+                    });
+                }
+            });
+        let sent = decisions.len();
+        self.scratch.clear();
+        DecisionBatch {
+            proxy: self.proxy(),
+            cursor: 0,
+            decisions,
+        }
+        .encode(&mut self.scratch);
+        let path = format!(
+            "{}?since={}&limit={RELAYED_PER_EXCHANGE}",
+            relay::PATH,
+            self.cursor
+        );
+        let authority = settings
+            .authority
+            .clone()
+            .unwrap_or_else(|| settings.cluster.clone());
+        let mut headers = vec![
+            (":method", "POST"),
+            (":path", path.as_str()),
+            (":authority", authority.as_str()),
+            ("content-type", relay::CONTENT_TYPE),
+        ];
+        if let Some(auth) = authorization {
+            headers.push(("authorization", auth));
+        }
+        match hostcalls::dispatch_http_call(
+            &settings.cluster,
+            headers,
+            Some(&self.scratch),
+            vec![],
+            Duration::from_millis(settings.timeout_ms),
+        ) {
+            Ok(token) => {
+                self.call = Some((token, now_ms));
+                Some(sent)
+            }
+            Err(status) => {
+                debug!(
+                    "decision relay: cannot call {:?}: {status:?}",
+                    settings.cluster
+                );
+                None
+            }
+        }
+    }
+
+    pub fn owns(&self, token: u32) -> bool {
+        self.call.is_some_and(|(t, _)| t == token)
+    }
+
+    /// The limit on an answer's body.
+    pub fn max_answer_bytes(&self) -> usize {
+        MAX_ANSWER_BYTES
+    }
+
+    /// The aggregator's answer: the other proxies' decisions go into the decision log (only
+    /// for members of this proxy's pool). `Err` says why the answer was not used.
+    pub fn on_response(
+        &mut self,
+        status: Option<u32>,
+        body: &CallBody,
+        router: &Router,
+    ) -> Result<Exchanged, String> {
+        self.call = None;
+        let body = match (status, body) {
+            (Some(200), CallBody::Read(b)) => b,
+            (Some(404), _) => {
+                self.unsupported = true;
+                warn!("the aggregator has no {}: decisions are not relayed (an aggregator older than this filter?)", relay::PATH);
+                return Err("not supported by the aggregator".into());
+            }
+            (Some(200), CallBody::TooLarge(n)) => return Err(format!("answer of {n} bytes")),
+            (status, _) => return Err(format!("status {status:?}")),
+        };
+        let batch = DecisionBatch::decode(body).map_err(|e| e.to_string())?;
+        let pool = router.pool();
+        let mut done = Exchanged {
+            received: batch.decisions.len(),
+            refused: 0,
+        };
+        for d in &batch.decisions {
+            // An address outside this proxy's pool is never routed to, whoever names it.
+            match pool.id_of(d.endpoint) {
+                Some(id) => {
+                    if let Err(e) = self.log.append(&HostStore, id, &d.keys) {
+                        debug!("decision relay: cannot log a relayed decision: {e}");
+                    }
+                }
+                None => done.refused += 1,
+            }
+        }
+        self.cursor = batch.cursor;
+        Ok(done)
+    }
+}

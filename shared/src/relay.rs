@@ -1,0 +1,397 @@
+//! Routing decisions relayed between proxies through kvoy-aggregator, so that every proxy in
+//! front of a pool learns where the others sent each prompt prefix.
+//!
+//! A proxy's lease holder sends the decisions its workers logged since its last call in the
+//! body of `POST /v1/decisions?since=C`; the answer carries the decisions the *other* proxies
+//! sent after cursor `C`, and the cursor to ask from next. Both directions use one binary
+//! format ([`DecisionBatch`]); the decoder is total and validating (the bytes come from the
+//! network). Endpoints travel as addresses, not ids: each side maps them onto its own pool, and
+//! an address outside the receiver's pool is dropped, never routed to.
+//!
+//! The aggregator keeps the decisions in a [`DecisionRelay`]: a ring bounded by the keys it
+//! holds, which forgets the oldest first. A proxy that falls behind the ring gets what is left.
+//!
+//! ```
+//! use kvoy_shared::prefix::BlockKey;
+//! use kvoy_shared::relay::{DecisionBatch, DecisionRelay, RelayedDecision};
+//! let d = RelayedDecision { endpoint: "10.0.0.1:8000".parse().unwrap(), keys: vec![BlockKey(7)] };
+//! let mut relay = DecisionRelay::new(1_000);
+//! relay.push(1, vec![d.clone()]);
+//! // Proxy 2 sees proxy 1's decision; proxy 1 does not get its own back.
+//! let (for_two, next) = relay.since(0, 2, 100);
+//! assert_eq!((for_two, next), (vec![d.clone()], 1));
+//! assert!(relay.since(0, 1, 100).0.is_empty());
+//! let mut bytes = Vec::new();
+//! DecisionBatch { proxy: 2, cursor: next, decisions: vec![d] }.encode(&mut bytes);
+//! assert_eq!(DecisionBatch::decode(&bytes).unwrap().cursor, 1);
+//! ```
+
+use std::collections::VecDeque;
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+
+use thiserror::Error;
+
+use crate::prefix::BlockKey;
+
+/// The HTTP `Content-Type` of an encoded [`DecisionBatch`].
+pub const CONTENT_TYPE: &str = "application/x-kvoy-decisions";
+/// The aggregator's path for the exchange.
+pub const PATH: &str = "/v1/decisions";
+
+const MAGIC: &[u8; 4] = b"KVDR";
+const FORMAT: u8 = 1;
+/// Magic, format, proxy, cursor, count.
+const HEADER_BYTES: usize = 4 + 1 + 8 + 8 + 4;
+/// Family, address, port, key count.
+const DECISION_HEADER_BYTES: usize = 1 + 16 + 2 + 2;
+
+/// Decisions one batch carries at most.
+pub const MAX_DECISIONS: usize = 4_096;
+/// Keys one decision carries at most (a prompt's keys are bounded by the filter's
+/// `max_blocks`, 512 by default).
+pub const MAX_KEYS_PER_DECISION: usize = 1_024;
+/// The largest encoded batch: what a reader needs to accept, and all it should.
+pub const MAX_BATCH_BYTES: usize = 4 << 20;
+
+/// One routing decision: the endpoint a prompt went to, and the prompt's prefix keys.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RelayedDecision {
+    pub endpoint: SocketAddr,
+    pub keys: Vec<BlockKey>,
+}
+
+/// What a proxy sends (its decisions; `cursor` unused) or the aggregator answers (the other
+/// proxies' decisions after the asked cursor, and the cursor to ask from next).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct DecisionBatch {
+    /// The sending proxy's id (any value distinct per proxy); 0 in an answer.
+    pub proxy: u64,
+    pub cursor: u64,
+    pub decisions: Vec<RelayedDecision>,
+}
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum DecodeError {
+    #[error("not a decision batch (bad magic)")]
+    Magic,
+    #[error("decision batch format {0} is not known (this build reads format {FORMAT})")]
+    Format(u8),
+    #[error("the batch ends early at byte {0}")]
+    Truncated(usize),
+    #[error("{0} decisions in one batch, at most {MAX_DECISIONS}")]
+    TooManyDecisions(u32),
+    #[error("decision {index} has {keys} keys, at most {MAX_KEYS_PER_DECISION}")]
+    TooManyKeys { index: usize, keys: u16 },
+    #[error("decision {0} has address family {1}, expected 4 or 6")]
+    Family(usize, u8),
+    #[error("{0} bytes after the last decision")]
+    Trailing(usize),
+}
+
+impl DecisionBatch {
+    /// Appends the encoded batch to `out`.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(MAGIC);
+        out.push(FORMAT);
+        out.extend_from_slice(&self.proxy.to_le_bytes());
+        out.extend_from_slice(&self.cursor.to_le_bytes());
+        let count = self.decisions.len().min(MAX_DECISIONS);
+        out.extend_from_slice(&(count as u32).to_le_bytes());
+        for d in self.decisions.iter().take(count) {
+            let (family, ip) = match d.endpoint.ip() {
+                IpAddr::V4(a) => (4u8, a.to_ipv6_mapped().octets()),
+                IpAddr::V6(a) => (6u8, a.octets()),
+            };
+            out.push(family);
+            out.extend_from_slice(&ip);
+            out.extend_from_slice(&d.endpoint.port().to_le_bytes());
+            let keys = d.keys.len().min(MAX_KEYS_PER_DECISION);
+            out.extend_from_slice(&(keys as u16).to_le_bytes());
+            for k in d.keys.iter().take(keys) {
+                out.extend_from_slice(&k.0.to_le_bytes());
+            }
+        }
+    }
+
+    /// Decodes a whole batch; any malformed input is an error, never a panic.
+    pub fn decode(b: &[u8]) -> Result<DecisionBatch, DecodeError> {
+        let mut r = Reader { b, at: 0 };
+        if r.take(4)? != MAGIC {
+            return Err(DecodeError::Magic);
+        }
+        let format = r.take(1)?[0];
+        if format != FORMAT {
+            return Err(DecodeError::Format(format));
+        }
+        let proxy = r.u64()?;
+        let cursor = r.u64()?;
+        let count = r.u32()?;
+        if count as usize > MAX_DECISIONS {
+            return Err(DecodeError::TooManyDecisions(count));
+        }
+        // Every decision needs its header: a count the bytes cannot hold fails before any
+        // allocation sized by it.
+        if (count as usize).saturating_mul(DECISION_HEADER_BYTES)
+            > b.len().saturating_sub(HEADER_BYTES)
+        {
+            return Err(DecodeError::Truncated(b.len()));
+        }
+        let mut decisions = Vec::with_capacity(count as usize);
+        for index in 0..count as usize {
+            let family = r.take(1)?[0];
+            let ip: [u8; 16] = r
+                .take(16)?
+                .try_into()
+                .map_err(|_| DecodeError::Truncated(r.at))?;
+            let ip = Ipv6Addr::from(ip);
+            let ip = match family {
+                4 => match ip.to_ipv4_mapped() {
+                    Some(v4) => IpAddr::V4(v4),
+                    None => return Err(DecodeError::Family(index, family)),
+                },
+                6 => IpAddr::V6(ip),
+                other => return Err(DecodeError::Family(index, other)),
+            };
+            let port = r.u16()?;
+            let keys = r.u16()?;
+            if usize::from(keys) > MAX_KEYS_PER_DECISION {
+                return Err(DecodeError::TooManyKeys { index, keys });
+            }
+            let raw = r.take(usize::from(keys) * 8)?;
+            let keys = raw
+                .chunks_exact(8)
+                .map(|c| BlockKey(u64::from_le_bytes(c.try_into().unwrap_or([0; 8]))))
+                .collect();
+            decisions.push(RelayedDecision {
+                endpoint: SocketAddr::new(ip, port),
+                keys,
+            });
+        }
+        if r.at != b.len() {
+            return Err(DecodeError::Trailing(b.len() - r.at));
+        }
+        Ok(DecisionBatch {
+            proxy,
+            cursor,
+            decisions,
+        })
+    }
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+        let end = self
+            .at
+            .checked_add(n)
+            .ok_or(DecodeError::Truncated(self.at))?;
+        let s = self
+            .b
+            .get(self.at..end)
+            .ok_or(DecodeError::Truncated(self.at))?;
+        self.at = end;
+        Ok(s)
+    }
+
+    fn u16(&mut self) -> Result<u16, DecodeError> {
+        let s = self.take(2)?;
+        Ok(u16::from_le_bytes([s[0], s[1]]))
+    }
+
+    fn u32(&mut self) -> Result<u32, DecodeError> {
+        let s = self.take(4)?;
+        Ok(u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
+    }
+
+    fn u64(&mut self) -> Result<u64, DecodeError> {
+        let s = self.take(8)?;
+        let mut w = [0u8; 8];
+        w.copy_from_slice(s);
+        Ok(u64::from_le_bytes(w))
+    }
+}
+
+/// The aggregator's store of relayed decisions: numbered from 1 in arrival order, bounded by
+/// the keys held (the oldest are forgotten first).
+#[derive(Debug)]
+pub struct DecisionRelay {
+    entries: VecDeque<(u64, u64, RelayedDecision)>,
+    /// The number the next decision gets.
+    next: u64,
+    keys: usize,
+    max_keys: usize,
+}
+
+impl DecisionRelay {
+    /// A relay holding at most `max_keys` keys (at least one decision's worth).
+    pub fn new(max_keys: usize) -> Self {
+        DecisionRelay {
+            entries: VecDeque::new(),
+            next: 1,
+            keys: 0,
+            max_keys: max_keys.max(MAX_KEYS_PER_DECISION),
+        }
+    }
+
+    /// Stores `decisions` from `proxy`.
+    pub fn push(&mut self, proxy: u64, decisions: Vec<RelayedDecision>) {
+        for d in decisions {
+            self.keys += d.keys.len();
+            self.entries.push_back((self.next, proxy, d));
+            self.next += 1;
+        }
+        while self.keys > self.max_keys {
+            match self.entries.pop_front() {
+                Some((_, _, d)) => self.keys -= d.keys.len(),
+                None => break,
+            }
+        }
+    }
+
+    /// Up to `limit` decisions numbered after `cursor` that `proxy` did not send, and the
+    /// cursor to ask from next (the last number looked at; `cursor` itself when there is
+    /// nothing new). A cursor ahead of the relay (the aggregator restarted) starts over.
+    pub fn since(&self, cursor: u64, proxy: u64, limit: usize) -> (Vec<RelayedDecision>, u64) {
+        let cursor = if cursor >= self.next { 0 } else { cursor };
+        let first = self.entries.front().map_or(self.next, |e| e.0);
+        let skip = usize::try_from((cursor + 1).saturating_sub(first)).unwrap_or(usize::MAX);
+        let mut out = Vec::new();
+        let mut last = cursor;
+        for (seq, from, d) in self.entries.iter().skip(skip) {
+            if out.len() >= limit {
+                break;
+            }
+            last = *seq;
+            if *from != proxy {
+                out.push(d.clone());
+            }
+        }
+        (out, last)
+    }
+
+    /// Decisions held now.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Keys held now.
+    pub fn keys(&self) -> usize {
+        self.keys
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decision(port: u16, keys: &[u64]) -> RelayedDecision {
+        RelayedDecision {
+            endpoint: SocketAddr::new(IpAddr::from([10, 0, 0, 1]), port),
+            keys: keys.iter().copied().map(BlockKey).collect(),
+        }
+    }
+
+    #[test]
+    fn a_batch_round_trips_and_every_truncation_fails_cleanly() {
+        let batch = DecisionBatch {
+            proxy: 42,
+            cursor: 9,
+            decisions: vec![
+                decision(8000, &[1, 2, 3]),
+                RelayedDecision {
+                    endpoint: "[2001:db8::1]:9000".parse().unwrap(),
+                    keys: vec![],
+                },
+            ],
+        };
+        let mut bytes = Vec::new();
+        batch.encode(&mut bytes);
+        assert_eq!(
+            bytes.len(),
+            HEADER_BYTES + 2 * DECISION_HEADER_BYTES + 3 * 8
+        );
+        assert_eq!(DecisionBatch::decode(&bytes), Ok(batch));
+        for cut in 0..bytes.len() {
+            assert!(
+                DecisionBatch::decode(&bytes[..cut]).is_err(),
+                "cut at {cut}"
+            );
+        }
+        let mut longer = bytes.clone();
+        longer.push(0);
+        assert_eq!(
+            DecisionBatch::decode(&longer),
+            Err(DecodeError::Trailing(1))
+        );
+    }
+
+    #[test]
+    fn bad_fields_are_named() {
+        let mut bytes = Vec::new();
+        DecisionBatch {
+            proxy: 1,
+            cursor: 0,
+            decisions: vec![decision(80, &[5])],
+        }
+        .encode(&mut bytes);
+        let mut bad = bytes.clone();
+        bad[0] = b'X';
+        assert_eq!(DecisionBatch::decode(&bad), Err(DecodeError::Magic));
+        let mut bad = bytes.clone();
+        bad[4] = 2;
+        assert_eq!(DecisionBatch::decode(&bad), Err(DecodeError::Format(2)));
+        let mut bad = bytes.clone();
+        bad[HEADER_BYTES] = 5;
+        assert_eq!(DecisionBatch::decode(&bad), Err(DecodeError::Family(0, 5)));
+        // A count far beyond the bytes fails without allocating for it.
+        let mut bad = bytes.clone();
+        bad[21..25].copy_from_slice(&4000u32.to_le_bytes());
+        assert!(matches!(
+            DecisionBatch::decode(&bad),
+            Err(DecodeError::Truncated(_))
+        ));
+        let mut bad = bytes.clone();
+        bad[21..25].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(
+            DecisionBatch::decode(&bad),
+            Err(DecodeError::TooManyDecisions(u32::MAX))
+        );
+        // An IPv4-family address that is not IPv4-mapped.
+        let mut bad = bytes.clone();
+        bad[HEADER_BYTES + 1] = 0x20;
+        assert_eq!(DecisionBatch::decode(&bad), Err(DecodeError::Family(0, 4)));
+    }
+
+    #[test]
+    fn the_relay_skips_the_askers_own_pages_by_limit_and_forgets_the_oldest() {
+        let mut relay = DecisionRelay::new(MAX_KEYS_PER_DECISION + 2);
+        relay.push(1, vec![decision(1, &[1]), decision(2, &[2])]);
+        relay.push(2, vec![decision(3, &[3])]);
+        relay.push(1, vec![decision(4, &[4])]);
+        // Proxy 2 gets proxy 1's three, in order, a page at a time.
+        let (page, next) = relay.since(0, 2, 2);
+        assert_eq!(page, vec![decision(1, &[1]), decision(2, &[2])]);
+        let (page, next) = relay.since(next, 2, 2);
+        // The page looked at decision 3 (its own) and 4.
+        assert_eq!((page, next), (vec![decision(4, &[4])], 4));
+        assert_eq!(relay.since(next, 2, 2), (vec![], 4));
+        // Proxy 1 gets proxy 2's one.
+        assert_eq!(relay.since(0, 1, 10), (vec![decision(3, &[3])], 4));
+        // A cursor from before a restart (ahead of the relay) starts over.
+        assert_eq!(relay.since(99, 1, 10).1, 4);
+        // Past the key bound the oldest go; a cursor behind them gets what is left.
+        relay.push(3, vec![decision(5, &vec![9; MAX_KEYS_PER_DECISION])]);
+        assert_eq!((relay.len(), relay.keys()), (3, MAX_KEYS_PER_DECISION + 2));
+        let (page, next) = relay.since(0, 2, 10);
+        let ports: Vec<u16> = page.iter().map(|d| d.endpoint.port()).collect();
+        assert_eq!((ports, next), (vec![4, 5], 5));
+    }
+}
