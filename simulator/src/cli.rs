@@ -1,12 +1,14 @@
 //! Command-line options of `kvoy-sim`: one flag per knob, parsed without a framework.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 
 use crate::engine::Profile;
 use crate::server::HttpOptions;
+use crate::tokenizer::Tokenizer;
 
 pub const USAGE: &str = "\
 kvoy-sim: a vLLM-compatible model-server simulator
@@ -31,6 +33,13 @@ usage: kvoy-sim [options]
   --kv-events-replay-endpoint EP  ZMQ ROUTER endpoint answering replay requests
   --kv-events-topic T           topic (default kv@<listen ip:port>@<first model>)
   --kv-events-format F          map (default, vLLM >= mid-2026) or array (older vLLM)
+  --tokenizer PATH              a Hugging Face tokenizer.json: prompts are tokenized as vLLM
+                                does with it (chat messages through the model's chat template)
+                                and answers are words of its vocabulary (default: a stand-in
+                                of about 4 bytes per token)
+  --chat-template PATH          a jinja chat template file, instead of the model's
+                                (chat_template.jinja or tokenizer_config.json beside the
+                                tokenizer); needs --tokenizer
  profile overrides:
   --block-size N --num-gpu-blocks N --max-num-seqs N --max-num-batched-tokens N
   --max-model-len N --prefill-tokens-per-s F --prefill-attention-s-per-token-pair F
@@ -73,6 +82,8 @@ pub fn parse(args: &[String]) -> Result<Option<Options>> {
         ..HttpOptions::default()
     };
     let mut kv = KvEventOptions::default();
+    let mut tokenizer: Option<PathBuf> = None;
+    let mut chat_template: Option<PathBuf> = None;
     let mut it = args.iter();
     while let Some(flag) = it.next() {
         if flag == "-h" || flag == "--help" {
@@ -101,6 +112,8 @@ pub fn parse(args: &[String]) -> Result<Option<Options>> {
             "--kv-events-endpoint" => kv.endpoint = Some(value.clone()),
             "--kv-events-replay-endpoint" => kv.replay_endpoint = Some(value.clone()),
             "--kv-events-topic" => kv.topic = Some(value.clone()),
+            "--tokenizer" => tokenizer = Some(PathBuf::from(value)),
+            "--chat-template" => chat_template = Some(PathBuf::from(value)),
             "--kv-events-format" => {
                 kv.array_form = match value.as_str() {
                     "map" => false,
@@ -151,6 +164,12 @@ pub fn parse(args: &[String]) -> Result<Option<Options>> {
         models.push("kvoy-sim".to_owned());
     }
     http.models = models;
+    http.tokenizer = match (&tokenizer, &chat_template) {
+        (Some(path), template) => Tokenizer::load(path, template.as_deref())
+            .map_err(|e| anyhow::anyhow!("--tokenizer: {e}"))?,
+        (None, Some(_)) => bail!("--chat-template needs --tokenizer"),
+        (None, None) => Tokenizer::StandIn,
+    };
     Ok(Some(Options {
         listen,
         count,
@@ -204,5 +223,32 @@ mod tests {
             assert!(e.contains(named), "{bad}: {e}");
         }
         assert!(parse(&args("--help")).unwrap().is_none());
+    }
+
+    #[test]
+    fn tokenizer_flags() {
+        let o = parse(&args("")).unwrap().unwrap();
+        assert!(o.http.tokenizer.hf().is_none(), "the stand-in by default");
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/tokenizer");
+        let o = parse(&args(&format!("--tokenizer {dir}/tokenizer.json")))
+            .unwrap()
+            .unwrap();
+        let hf = o.http.tokenizer.hf().unwrap();
+        assert!(hf.chat_template().is_some());
+        for (bad, named) in [
+            ("--tokenizer /nonexistent/tok.json", "/nonexistent/tok.json"),
+            (
+                &format!("--tokenizer {dir}/tokenizer.json --chat-template /nonexistent/t.jinja"),
+                "/nonexistent/t.jinja",
+            ),
+            (&format!("--tokenizer {dir}/README.md"), "README.md"),
+            (
+                &format!("--chat-template {dir}/x.jinja"),
+                "--chat-template needs --tokenizer",
+            ),
+        ] {
+            let e = parse(&args(bad)).unwrap_err().to_string();
+            assert!(e.contains(named), "{bad}: {e}");
+        }
     }
 }

@@ -3,9 +3,12 @@
 //! The [`engine`] is pure (time passed in): a paged KV cache with prefix caching, a
 //! continuous-batching scheduler and a calibrated timing model. The [`server`] runs it in real
 //! time (durations divided by `--speedup`) behind an OpenAI-compatible HTTP API with vLLM's
-//! `/metrics`; [`events`] publishes its KV events. The binary is `kvoy-sim` (see [`cli`]).
+//! `/metrics`; [`events`] publishes its KV events. Prompts become token ids through the
+//! [`tokenizer`]: a deterministic stand-in by default, or a real Hugging Face tokenizer and chat
+//! template (`--tokenizer`). The binary is `kvoy-sim` (see [`cli`]).
 
 pub mod cli;
 pub mod engine;
 pub mod events;
 pub mod server;
+pub mod tokenizer;

@@ -34,8 +34,12 @@ async fn run(options: Options) -> Result<()> {
         let sink = kvoy_sim::events::sink(&options, i, addr)?;
         servers.push(start_one(&options, addr, sink).await?);
     }
+    let tokenizer = match options.http.tokenizer.hf() {
+        Some(t) => t.path().display().to_string(),
+        None => "stand-in".to_owned(),
+    };
     println!(
-        "kvoy-sim: {} simulator(s), profile {}, speedup {}, models {:?}",
+        "kvoy-sim: {} simulator(s), profile {}, speedup {}, models {:?}, tokenizer {tokenizer}",
         options.count, options.profile.name, options.http.speedup, options.http.models
     );
     for (addr, _) in &servers {

@@ -1,11 +1,13 @@
 //! The simulated model server's engine: pure, deterministic Rust with no I/O, threads or clock.
 //!
-//! It models what routing sees of a vLLM server: a [`tokenizer`] (about 4 bytes per token), a
-//! paged KV cache with prefix caching, LRU eviction and vLLM's [`KvEvent`]s, a continuous-batching
-//! scheduler with chunked prefill, FIFO queueing and recompute preemption, and a step-time model
-//! calibrated per [`Profile`]. Time is a [`Duration`](std::time::Duration) since an epoch the
-//! caller picks: [`Engine::step`] returns how long the step takes and the caller advances its
-//! clock, so the same engine serves a real-time HTTP server and a discrete-event simulation.
+//! It models what routing sees of a vLLM server: a stand-in [`tokenizer`] (about 4 bytes per
+//! token; a real one lives outside the engine, which sees only token ids and the
+//! [`OutputVocab`] a request generates from), a paged KV cache with prefix caching, LRU
+//! eviction and vLLM's [`KvEvent`]s, a continuous-batching scheduler with chunked prefill, FIFO
+//! queueing and recompute preemption, and a step-time model calibrated per [`Profile`]. Time is
+//! a [`Duration`](std::time::Duration) since an epoch the caller picks: [`Engine::step`] returns
+//! how long the step takes and the caller advances its clock, so the same engine serves a
+//! real-time HTTP server and a discrete-event simulation.
 //!
 //! ```
 //! use std::time::Duration;
@@ -33,12 +35,14 @@
 mod block_pool;
 mod events;
 mod kv_cache;
+mod output;
 mod profile;
 mod scheduler;
 pub mod tokenizer;
 mod types;
 
 pub use events::{KvEvent, MEDIUM_GPU};
+pub use output::{EmptyVocab, OutputVocab, OutputWord};
 pub use profile::{BatchItem, Profile, ProfileError};
 pub use scheduler::Engine;
 pub use types::{

@@ -15,9 +15,11 @@
 //! `max_tokens` tokens it finishes and frees its blocks (they stay cached until evicted).
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::kv_cache::{KvCache, SeqBlocks};
+use super::output::OutputVocab;
 use super::profile::{BatchItem, Profile, ProfileError};
 use super::tokenizer::generated_token;
 use super::types::{
@@ -40,6 +42,8 @@ struct Seq {
     /// Start of the step that first scheduled it (kept through preemptions, as vLLM's
     /// `scheduled_ts`).
     first_scheduled: Option<Duration>,
+    /// What it generates; `None`: the stand-in tokenizer's words.
+    output: Option<Arc<OutputVocab>>,
 }
 
 /// A simulated vLLM engine. Deterministic: the same calls give the same results.
@@ -91,8 +95,31 @@ impl Engine {
         self.max_model_len
     }
 
-    /// Queues a request at simulated time `now` (used only to report TTFT and latency).
+    /// Queues a request at simulated time `now` (used only to report TTFT and latency). It
+    /// generates the stand-in tokenizer's words
+    /// ([`generated_token`](super::tokenizer::generated_token)).
     pub fn submit(&mut self, request: EngineRequest, now: Duration) -> Result<(), SubmitError> {
+        self.submit_inner(request, None, now)
+    }
+
+    /// [`Engine::submit`] for a request that generates words of `output` (a real tokenizer's,
+    /// so that its output blocks hold ids of that vocabulary):
+    /// [`OutputVocab::pick`]`(id, index)` is its `index`-th token.
+    pub fn submit_with_output(
+        &mut self,
+        request: EngineRequest,
+        output: Arc<OutputVocab>,
+        now: Duration,
+    ) -> Result<(), SubmitError> {
+        self.submit_inner(request, Some(output), now)
+    }
+
+    fn submit_inner(
+        &mut self,
+        request: EngineRequest,
+        output: Option<Arc<OutputVocab>>,
+        now: Duration,
+    ) -> Result<(), SubmitError> {
         if request.prompt.is_empty() {
             return Err(SubmitError::EmptyPrompt);
         }
@@ -125,6 +152,7 @@ impl Engine {
                 cached_tokens: 0,
                 arrival: now,
                 first_scheduled: None,
+                output,
             },
         );
         self.waiting.push_back(request.id);
@@ -307,7 +335,10 @@ impl Engine {
             return; // a prefill chunk that did not reach the end
         }
         let index = seq.generated;
-        let token = generated_token(id, index);
+        let token = match &seq.output {
+            Some(vocab) => vocab.pick(id, index).id,
+            None => generated_token(id, index),
+        };
         seq.tokens.push(token);
         seq.generated += 1;
         self.generation_tokens += 1;

@@ -22,7 +22,7 @@ use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 pub const BYTES_PER_TOKEN: usize = 4;
 
 /// Output vocabulary: 4-byte ASCII words, each one token.
-const WORDS: [&str; 16] = [
+pub(crate) const WORDS: [&str; 16] = [
     "the ", "and ", "for ", "you ", "not ", "but ", "can ", "all ", "was ", "one ", "our ", "out ",
     "day ", "get ", "has ", "new ",
 ];

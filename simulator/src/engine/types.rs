@@ -35,7 +35,7 @@ pub enum OutputKind {
     /// into `queue_time` (to the start of the step that first scheduled the request) and
     /// `prefill_time` (from there to the end of this step, preemptions included).
     FirstToken {
-        /// Token id (`tokenizer::generated_token(id, 0)`).
+        /// Token id (`tokenizer::generated_token(id, 0)`, or the request's `OutputVocab::pick`).
         token: u32,
         /// Prompt tokens hit in the prefix cache.
         cached_tokens: u32,
@@ -50,7 +50,8 @@ pub enum OutputKind {
     },
     /// A later generated token.
     Token {
-        /// Token id (`tokenizer::generated_token(id, index)`).
+        /// Token id (`tokenizer::generated_token(id, index)`, or the request's
+        /// `OutputVocab::pick`).
         token: u32,
         /// Position among the generated tokens (the first token is 0).
         index: u32,

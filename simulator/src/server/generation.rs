@@ -20,6 +20,7 @@ use super::api::{ApiError, Usage};
 use super::metrics::FinishedRequest;
 use super::runtime::Progress;
 use super::{error, json, HttpBody, Simulator};
+use crate::engine::OutputVocab;
 
 /// How one API writes its answer. Stream methods return SSE bytes.
 pub trait Writer: Send {
@@ -43,13 +44,15 @@ pub trait Writer: Send {
 pub struct Prepared {
     pub tokens: Vec<u32>,
     pub max_tokens: u32,
+    /// The words it generates (the tokenizer's).
+    pub output: Arc<OutputVocab>,
     pub stream: bool,
     pub writer: Box<dyn Writer>,
 }
 
 /// One step of a generation, as the writers see it.
 enum Step {
-    Token(&'static str),
+    Token(Arc<str>),
     Done(Usage),
     Failed(ApiError),
 }
@@ -115,7 +118,7 @@ impl Generation {
                 recorder.ttft(at.saturating_duration_since(self.arrived));
                 self.first = Some((at, queue, prefill));
                 self.last = Some(at);
-                self.text.push_str(word);
+                self.text.push_str(&word);
                 Step::Token(word)
             }
             Some(Progress::Token { word, at }) => {
@@ -123,7 +126,7 @@ impl Generation {
                     recorder.inter_token(at.saturating_duration_since(prev));
                 }
                 self.last = Some(at);
-                self.text.push_str(word);
+                self.text.push_str(&word);
                 Step::Token(word)
             }
             Some(Progress::Done(usage)) => {
@@ -180,7 +183,7 @@ fn streamed(mut g: Generation, mut w: Box<dyn Writer>) -> Response<HttpBody> {
         }
         loop {
             let (frame, last) = match g.next().await {
-                Step::Token(word) => (w.token(word), false),
+                Step::Token(word) => (w.token(&word), false),
                 Step::Done(usage) => {
                     w.finished(&g.text, &usage);
                     (w.done(&g.text, &usage), true)

@@ -1,12 +1,15 @@
 //! The HTTP side of a simulator: an OpenAI-compatible API over hyper (`/v1/chat/completions`,
 //! `/v1/completions`, and `/v1/responses` with its stored conversations), `/metrics`,
 //! `/health`, vLLM's `/reset_prefix_cache` and its tokenizer endpoints (`/tokenize`,
-//! `/v1/chat/completions/render`), in front of one engine thread.
+//! `/v1/chat/completions/render`), in front of one engine thread. Prompts become token ids in
+//! `prompt` (with the [`Tokenizer`] of [`HttpOptions`]), the same way for every endpoint.
 
 pub mod api;
+mod chat_input;
 mod generation;
 mod ids;
 pub mod metrics;
+mod prompt;
 pub mod response_store;
 pub mod responses;
 pub mod runtime;
@@ -26,8 +29,8 @@ use tokio::net::TcpListener;
 use kvoy_shared::request::Api;
 use kvoy_shared::Rng;
 
-use crate::engine::tokenizer::tokenize_bytes;
 use crate::engine::SubmitError;
+use crate::tokenizer::Tokenizer;
 use api::{ApiError, ClassicWriter};
 use generation::{Generation, Prepared};
 use metrics::Recorder;
@@ -53,6 +56,8 @@ pub struct HttpOptions {
     pub max_stored_responses: usize,
     /// Responses API: at most this many bytes of stored conversation context.
     pub max_stored_response_bytes: usize,
+    /// How prompts become token ids and what answers are made of (`--tokenizer`).
+    pub tokenizer: Tokenizer,
 }
 
 impl Default for HttpOptions {
@@ -68,6 +73,7 @@ impl Default for HttpOptions {
             seed: 1,
             max_stored_responses: 10_000,
             max_stored_response_bytes: 256 << 20,
+            tokenizer: Tokenizer::StandIn,
         }
     }
 }
@@ -283,9 +289,12 @@ async fn handle(sim: Arc<Simulator>, req: Request<Incoming>) -> Response<HttpBod
     }
     // TTFT counts from arrival (as vLLM's does); the engine starts the request's simulated
     // life at arrival plus the injected latency.
-    let progress = sim
-        .engine
-        .submit(prepared.tokens, prepared.max_tokens, arrived + delay);
+    let progress = sim.engine.submit_with_output(
+        prepared.tokens,
+        prepared.max_tokens,
+        prepared.output,
+        arrived + delay,
+    );
     let generation = Generation::new(sim, progress, arrived);
     generation::answer(generation, prepared.writer, prepared.stream).await
 }
@@ -302,7 +311,8 @@ fn prepare(sim: &Simulator, api: Api, body: &[u8]) -> Result<Prepared, ApiError>
         _ => "cmpl-",
     };
     Ok(Prepared {
-        tokens: tokenize_bytes(&c.prompt),
+        tokens: prompt::prompt_tokens(&o.tokenizer, api, body, &c, unix_now())?,
+        output: o.tokenizer.output(),
         max_tokens: c.max_tokens,
         stream: c.stream,
         writer: Box::new(ClassicWriter::new(c, ids::next(prefix), unix_now())),

@@ -11,6 +11,13 @@
 //! `instructions` are appended with its input rather than replacing the earlier ones, so the
 //! history stays a prefix whatever the client resends.
 //!
+//! With a real tokenizer (`--tokenizer`) a turn is chat messages instead (`instructions` as a
+//! system message, the input items as messages, see `server/chat_input.rs`): the
+//! stored context is the conversation's messages (JSON) with the answer appended as an
+//! assistant message, and each turn's prompt is the whole conversation rendered with the chat
+//! template, so with a template that renders message by message (as Llama's do) the previous
+//! turn's prompt and answer are again a token prefix.
+//!
 //! Every answer is `completed`: the simulated model ends its answer at `max_output_tokens`.
 
 use std::sync::Arc;
@@ -21,10 +28,13 @@ use serde_json::{json, Value};
 use kvoy_shared::request::{self, Api};
 
 use super::api::{check_model, request_error, ApiError, Usage};
+use super::chat_input::responses_turn;
 use super::generation::{sse_event, Prepared, Writer};
+use super::prompt::chat_tokens;
 use super::response_store::ResponseStore;
 use super::{ids, unix_now, Simulator};
 use crate::engine::tokenizer::{tokenize_bytes, BYTES_PER_TOKEN};
+use crate::tokenizer::{ChatInput, Tokenizer};
 
 /// kvoy-shared's separators: after a role, and after a message.
 const SEP_ROLE: u8 = 0x1f;
@@ -118,6 +128,48 @@ pub fn turn_prompt(history: &[u8], input: &[u8]) -> Vec<u8> {
     prompt
 }
 
+/// A turn's context, stored with its answer for the turns that continue it.
+enum Context {
+    /// The stand-in's prompt bytes.
+    Bytes(Vec<u8>),
+    /// A real tokenizer's conversation.
+    Messages(Vec<minijinja::Value>),
+}
+
+impl Context {
+    /// What the store keeps once `answer` is known.
+    fn with_answer(self, answer: &str) -> Result<Vec<u8>, serde_json::Error> {
+        match self {
+            Context::Bytes(mut bytes) => {
+                bytes.extend_from_slice(answer.as_bytes());
+                bytes.push(SEP_PART);
+                Ok(bytes)
+            }
+            Context::Messages(mut messages) => {
+                messages.push(minijinja::Value::from_pairs([
+                    ("role", "assistant"),
+                    ("content", answer),
+                ]));
+                serde_json::to_vec(&messages)
+            }
+        }
+    }
+}
+
+/// The messages of a stored conversation (empty for a first turn).
+fn stored_messages(history: &[u8]) -> Result<Vec<minijinja::Value>, ApiError> {
+    if history.is_empty() {
+        return Ok(Vec::new());
+    }
+    serde_json::from_slice(history).map_err(|e| ApiError {
+        status: 500,
+        kind: "InternalServerError",
+        code: "stored_response_unreadable",
+        param: None,
+        message: format!("the stored conversation cannot be read: {e}"),
+    })
+}
+
 /// Decodes a request and resolves the conversation it continues, on `sim`.
 pub(crate) fn prepare(sim: &Simulator, body: &[u8]) -> Result<Prepared, ApiError> {
     let o = &sim.options;
@@ -129,14 +181,29 @@ pub(crate) fn prepare(sim: &Simulator, body: &[u8]) -> Result<Prepared, ApiError
             .ok_or_else(|| previous_not_found(id))?,
         None => Arc::from(&[][..]),
     };
-    let prompt = turn_prompt(&history, &std::mem::take(&mut req.input));
+    let (tokens, context) = match &o.tokenizer {
+        Tokenizer::StandIn => {
+            let prompt = turn_prompt(&history, &std::mem::take(&mut req.input));
+            (tokenize_bytes(&prompt), Context::Bytes(prompt))
+        }
+        Tokenizer::Hf(t) => {
+            let turn = responses_turn(body)?;
+            let mut messages = stored_messages(&history)?;
+            messages.extend(turn.messages);
+            let mut input = ChatInput::new(messages);
+            input.tools = turn.tools;
+            let tokens = chat_tokens(t, &input, false, unix_now(), "input")?;
+            (tokens, Context::Messages(input.messages))
+        }
+    };
     Ok(Prepared {
-        tokens: tokenize_bytes(&prompt),
+        tokens,
+        output: o.tokenizer.output(),
         max_tokens: req.max_tokens,
         stream: req.stream,
         writer: Box::new(ResponsesWriter::new(
             req,
-            prompt,
+            context,
             sim.responses.clone(),
             unix_now(),
         )),
@@ -163,8 +230,8 @@ pub(crate) struct ResponsesWriter {
     id: String,
     message_id: String,
     created_at: u64,
-    /// The prompt and the store to keep it in once answered; `None` when `store` is false.
-    keep: Option<(Vec<u8>, Arc<ResponseStore>)>,
+    /// The context and the store to keep it in once answered; `None` when `store` is false.
+    keep: Option<(Context, Arc<ResponseStore>)>,
     sequence: u64,
     /// Whether the output message was announced (it is, before the first delta).
     announced: bool,
@@ -173,11 +240,11 @@ pub(crate) struct ResponsesWriter {
 impl ResponsesWriter {
     fn new(
         req: ResponsesRequest,
-        prompt: Vec<u8>,
+        context: Context,
         store: Arc<ResponseStore>,
         created_at: u64,
     ) -> Self {
-        let keep = req.store.then_some((prompt, store));
+        let keep = req.store.then_some((context, store));
         ResponsesWriter {
             req,
             id: ids::next("resp_"),
@@ -248,10 +315,11 @@ impl ResponsesWriter {
 
 impl Writer for ResponsesWriter {
     fn finished(&mut self, text: &str, _usage: &Usage) {
-        if let Some((mut context, store)) = self.keep.take() {
-            context.extend_from_slice(text.as_bytes());
-            context.push(SEP_PART);
-            store.insert(self.id.clone(), context);
+        if let Some((context, store)) = self.keep.take() {
+            match context.with_answer(text) {
+                Ok(context) => store.insert(self.id.clone(), context),
+                Err(e) => log::warn!("response {} not stored: {e}", self.id),
+            }
         }
     }
 

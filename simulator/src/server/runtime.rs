@@ -9,9 +9,8 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
 
-use crate::engine::tokenizer::generated_word;
 use crate::engine::{
-    Engine, EngineRequest, EngineStats, KvEvent, OutputKind, Profile, ProfileError,
+    Engine, EngineRequest, EngineStats, KvEvent, OutputKind, OutputVocab, Profile, ProfileError,
 };
 use crate::server::api::Usage;
 
@@ -20,7 +19,8 @@ use crate::server::api::Usage;
 pub enum Progress {
     /// The first token; `cached_tokens` prompt tokens came from the prefix cache.
     First {
-        word: &'static str,
+        /// The token's text (shared with the vocabulary: no allocation per token).
+        word: Arc<str>,
         cached_tokens: u32,
         /// When the engine produced it (what the TTFT metric counts, as in vLLM's engine).
         at: Instant,
@@ -30,7 +30,7 @@ pub enum Progress {
         prefill: Duration,
     },
     Token {
-        word: &'static str,
+        word: Arc<str>,
         at: Instant,
     },
     Done(Usage),
@@ -42,6 +42,8 @@ enum Command {
     Submit {
         prompt: Vec<u32>,
         max_tokens: u32,
+        /// What the request generates.
+        output: Arc<OutputVocab>,
         /// When the request reached the server: its simulated life starts there, so the real
         /// time spent reading, parsing and tokenizing it is not stretched by the speedup.
         arrived: Instant,
@@ -101,12 +103,24 @@ impl EngineHandle {
         self.max_model_len
     }
 
-    /// Submits a request; progress arrives on the returned channel. Dropping the receiver
-    /// aborts the request at the next step.
+    /// Submits a request that generates the stand-in tokenizer's words; progress arrives on
+    /// the returned channel. Dropping the receiver aborts the request at the next step.
     pub fn submit(
         &self,
         prompt: Vec<u32>,
         max_tokens: u32,
+        arrived: Instant,
+    ) -> mpsc::UnboundedReceiver<Progress> {
+        self.submit_with_output(prompt, max_tokens, OutputVocab::stand_in(), arrived)
+    }
+
+    /// [`EngineHandle::submit`] for a request that generates words of `output` (a real
+    /// tokenizer's).
+    pub fn submit_with_output(
+        &self,
+        prompt: Vec<u32>,
+        max_tokens: u32,
+        output: Arc<OutputVocab>,
         arrived: Instant,
     ) -> mpsc::UnboundedReceiver<Progress> {
         let (tx, rx) = mpsc::unbounded_channel();
@@ -114,6 +128,7 @@ impl EngineHandle {
         let _ = self.commands.send(Command::Submit {
             prompt,
             max_tokens,
+            output,
             arrived,
             progress: tx,
         });
@@ -181,7 +196,9 @@ fn run(
     let mut due = Instant::now();
     let mut next_id: u64 = 1;
     let mut oversleep = Oversleep::default();
-    let mut waiters: HashMap<u64, mpsc::UnboundedSender<Progress>> = HashMap::new();
+    // Each running request's progress channel and the vocabulary its words come from.
+    type Waiter = (mpsc::UnboundedSender<Progress>, Arc<OutputVocab>);
+    let mut waiters: HashMap<u64, Waiter> = HashMap::new();
     loop {
         // Idle: block for work. Busy: take whatever arrived during the last step.
         let idle = !engine.has_work();
@@ -199,6 +216,7 @@ fn run(
                 Command::Submit {
                     prompt,
                     max_tokens,
+                    output,
                     arrived,
                     progress,
                 } => {
@@ -206,16 +224,17 @@ fn run(
                     let id = next_id;
                     next_id += 1;
                     let now = sim_now(epoch, speedup);
-                    match engine.submit(
+                    match engine.submit_with_output(
                         EngineRequest {
                             id,
                             prompt,
                             max_tokens,
                         },
+                        output.clone(),
                         now,
                     ) {
                         Ok(()) => {
-                            waiters.insert(id, progress);
+                            waiters.insert(id, (progress, output));
                         }
                         Err(e) => {
                             let _ = progress.send(Progress::Failed(e.to_string()));
@@ -258,6 +277,16 @@ fn run(
         let mut gone = Vec::new();
         for output in step.outputs {
             let id = output.id;
+            let Some((waiter, vocab)) = waiters.get(&id) else {
+                // Nobody to tell (cannot happen: every request has a waiter): stop it.
+                if matches!(
+                    output.kind,
+                    OutputKind::FirstToken { .. } | OutputKind::Token { .. }
+                ) {
+                    gone.push(id);
+                }
+                continue;
+            };
             let (progress, last) = match output.kind {
                 OutputKind::FirstToken {
                     cached_tokens,
@@ -266,7 +295,7 @@ fn run(
                     ..
                 } => (
                     Progress::First {
-                        word: generated_word(id, 0),
+                        word: vocab.pick(id, 0).text.clone(),
                         cached_tokens,
                         at: produced,
                         queue: queue_time.div_f64(speedup),
@@ -276,7 +305,7 @@ fn run(
                 ),
                 OutputKind::Token { index, .. } => (
                     Progress::Token {
-                        word: generated_word(id, index),
+                        word: vocab.pick(id, index).text.clone(),
                         at: produced,
                     },
                     false,
@@ -291,7 +320,7 @@ fn run(
                 ),
                 OutputKind::Preempted => continue,
             };
-            let delivered = waiters.get(&id).is_some_and(|w| w.send(progress).is_ok());
+            let delivered = waiter.send(progress).is_ok();
             if last {
                 waiters.remove(&id);
             } else if !delivered {

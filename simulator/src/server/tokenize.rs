@@ -3,7 +3,9 @@
 //! `POST /tokenize`): the very token ids the engine will run for the same body.
 //!
 //! - `POST /tokenize` with `{"model", "prompt"}` or `{"model", "messages"}`:
-//!   `{"count", "max_model_len", "tokens", "token_strs": null}`.
+//!   `{"count", "max_model_len", "tokens", "token_strs"}`; `token_strs` is null unless the body
+//!   sets `return_token_strs` and a real tokenizer (`--tokenizer`) runs (the stand-in's ids
+//!   are hashes, with no text).
 //! - `POST /v1/chat/completions/render` with a chat completion body: `{"token_ids"}`.
 //!
 //! (`/v1/completions/render` is not answered: its batch shape differs, and a router falls back
@@ -13,13 +15,20 @@ use kvoy_shared::request::Api;
 use serde_json::{json, Value};
 
 use super::api::{parse_completion, ApiError};
-use super::HttpOptions;
-use crate::engine::tokenizer::tokenize_bytes;
+use super::prompt::prompt_tokens;
+use super::{unix_now, HttpOptions};
 
 /// The engine's prompt tokens for a completion body of `api`.
 fn tokens(api: Api, body: &[u8], o: &HttpOptions) -> Result<Vec<u32>, ApiError> {
     let c = parse_completion(api, body, &o.models, o.default_max_tokens, o.max_body_bytes)?;
-    Ok(tokenize_bytes(&c.prompt))
+    prompt_tokens(&o.tokenizer, api, body, &c, unix_now())
+}
+
+/// `return_token_strs` of `/tokenize`.
+#[derive(Debug, Default, serde::Deserialize)]
+struct TokenizeOptions {
+    #[serde(default)]
+    return_token_strs: Option<bool>,
 }
 
 /// `POST /tokenize`: a chat body if it has `messages`, else a completion body.
@@ -32,11 +41,23 @@ pub fn tokenize(body: &[u8], o: &HttpOptions, max_model_len: u64) -> Result<Valu
         Api::Completions
     };
     let t = tokens(api, body, o)?;
+    let want_strs = serde_json::from_value::<TokenizeOptions>(v)
+        .ok()
+        .and_then(|w| w.return_token_strs)
+        .unwrap_or(false);
+    // The stand-in's tokens are hashes of byte chunks: they have no strings.
+    let token_strs = match o.tokenizer.hf() {
+        Some(hf) if want_strs => json!(t
+            .iter()
+            .map(|&id| hf.token_str(id).unwrap_or_default())
+            .collect::<Vec<_>>()),
+        _ => Value::Null,
+    };
     Ok(json!({
         "count": t.len(),
         "max_model_len": max_model_len,
         "tokens": t,
-        "token_strs": Value::Null,
+        "token_strs": token_strs,
     }))
 }
 
@@ -49,6 +70,7 @@ pub fn render_chat(body: &[u8], o: &HttpOptions) -> Result<Value, ApiError> {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use crate::engine::tokenizer::tokenize_bytes;
 
     fn options() -> HttpOptions {
         HttpOptions {
