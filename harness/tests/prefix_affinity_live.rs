@@ -88,30 +88,10 @@ fn spread(plugin: &Plugin, n: usize) -> Result<BTreeMap<String, usize>, Error> {
     Ok(seen)
 }
 
-/// The snapshot polls in flight; the poller's decision exchanges (`POST /v1/decisions`, made
-/// on the ticks it polls) are answered as an aggregator with nothing to relay does.
-fn snapshot_polls(plugin: &Plugin) -> Result<Vec<HttpCall>, Error> {
-    let mut polls = Vec::new();
-    for call in plugin.http_calls() {
-        if call
-            .headers
-            .get(":path")
-            .is_some_and(|p| p.starts_with(kvoy_shared::relay::PATH))
-        {
-            let mut none = Vec::new();
-            kvoy_shared::relay::DecisionBatch::default().encode(&mut none);
-            plugin.respond_http_call(&call, HttpResponse::new(200).body(none))?;
-        } else {
-            polls.push(call);
-        }
-    }
-    Ok(polls)
-}
-
 /// Advances one poll interval and returns the single poll it caused.
 fn next_poll(plugin: &Plugin) -> Result<HttpCall, Error> {
     plugin.advance(Duration::from_millis(100))?;
-    let calls = snapshot_polls(plugin)?;
+    let calls = testing::snapshot_polls(plugin)?;
     assert_eq!(calls.len(), 1, "one poller per proxy: {calls:?}");
     let call = calls.into_iter().next().unwrap();
     assert_eq!(call.upstream, CLUSTER);
