@@ -140,17 +140,18 @@ fn decisions_travel_between_proxies_for_pool_members_only() {
         second.decisions,
         vec![decision(ea, &[1, 2]), decision(eb, &[4])]
     );
-    // A poller's `limit` bounds the answer; the cursor says where it stopped.
+    // A poller's `limit` bounds the answer; the cursor says where it stopped. (Proxy 1's
+    // decisions are numbers 1 and 2, proxy 2's number 3.)
     let mut empty = Vec::new();
     DecisionBatch {
         proxy: 2,
         ..Default::default()
     }
     .encode(&mut empty);
-    let (status, _, page) = request(api, "POST", &format!("{PATH}?since=0&limit=1"), "", &empty);
+    let (status, _, page) = request(api, "POST", &format!("{PATH}?since=1&limit=1"), "", &empty);
     assert_eq!(status, 200);
     let page = DecisionBatch::decode(&page).unwrap();
-    assert_eq!((page.decisions.len(), page.cursor), (1, 1));
+    assert_eq!((page.decisions.len(), page.cursor), (1, 2));
     // Its next exchange from the cursor it was given has nothing new.
     let third = exchange(
         api,

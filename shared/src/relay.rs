@@ -254,11 +254,17 @@ impl DecisionRelay {
 
     /// Up to `limit` decisions numbered after `cursor` that `proxy` did not send, and the
     /// cursor to ask from next (the last number looked at; `cursor` itself when there is
-    /// nothing new). A cursor ahead of the relay (the aggregator restarted) starts over.
+    /// nothing new). A poller with no cursor (0: it just started), one behind what the relay
+    /// still holds, or one ahead of it (the aggregator restarted) gets the newest `limit`
+    /// decisions held: what a restarted proxy needs first is what the pool did last.
     pub fn since(&self, cursor: u64, proxy: u64, limit: usize) -> (Vec<RelayedDecision>, u64) {
-        let cursor = if cursor >= self.next { 0 } else { cursor };
         let first = self.entries.front().map_or(self.next, |e| e.0);
-        let skip = usize::try_from((cursor + 1).saturating_sub(first)).unwrap_or(usize::MAX);
+        let skip = if cursor == 0 || cursor >= self.next || cursor + 1 < first {
+            self.entries.len().saturating_sub(limit)
+        } else {
+            usize::try_from(cursor + 1 - first).unwrap_or(usize::MAX)
+        };
+        let cursor = if cursor >= self.next { 0 } else { cursor };
         let mut out = Vec::new();
         let mut last = cursor;
         for (seq, from, d) in self.entries.iter().skip(skip) {
@@ -376,22 +382,26 @@ mod tests {
         relay.push(1, vec![decision(1, &[1]), decision(2, &[2])]);
         relay.push(2, vec![decision(3, &[3])]);
         relay.push(1, vec![decision(4, &[4])]);
-        // Proxy 2 gets proxy 1's three, in order, a page at a time.
-        let (page, next) = relay.since(0, 2, 2);
-        assert_eq!(page, vec![decision(1, &[1]), decision(2, &[2])]);
-        let (page, next) = relay.since(next, 2, 2);
-        // The page looked at decision 3 (its own) and 4.
+        // A poller without a cursor gets the newest: the last two looked at, its own skipped.
+        assert_eq!(relay.since(0, 2, 2), (vec![decision(4, &[4])], 4));
+        assert_eq!(relay.since(0, 2, 10).0.len(), 3);
+        // From a cursor: in order, `limit` decisions at a time (its own skipped on the way).
+        let (page, next) = relay.since(1, 2, 1);
+        assert_eq!((page, next), (vec![decision(2, &[2])], 2));
+        let (page, next) = relay.since(next, 2, 1);
         assert_eq!((page, next), (vec![decision(4, &[4])], 4));
         assert_eq!(relay.since(next, 2, 2), (vec![], 4));
         // Proxy 1 gets proxy 2's one.
         assert_eq!(relay.since(0, 1, 10), (vec![decision(3, &[3])], 4));
-        // A cursor from before a restart (ahead of the relay) starts over.
+        // A cursor from before a restart (ahead of the relay) gets the newest too.
         assert_eq!(relay.since(99, 1, 10).1, 4);
-        // Past the key bound the oldest go; a cursor behind them gets what is left.
+        // Past the key bound the oldest go; a cursor behind them gets the newest held.
         relay.push(3, vec![decision(5, &vec![9; MAX_KEYS_PER_DECISION])]);
         assert_eq!((relay.len(), relay.keys()), (3, MAX_KEYS_PER_DECISION + 2));
-        let (page, next) = relay.since(0, 2, 10);
+        let (page, next) = relay.since(1, 2, 10);
         let ports: Vec<u16> = page.iter().map(|d| d.endpoint.port()).collect();
         assert_eq!((ports, next), (vec![4, 5], 5));
+        let (page, next) = relay.since(1, 2, 1);
+        assert_eq!((page.len(), next), (1, 5));
     }
 }
