@@ -3,7 +3,8 @@
 //! kvoy-aggregator (`POST /v1/decisions`). A multi-turn workload whose turns go to the proxies
 //! in turn: with the relay, a turn reaches the simulator that served the conversation's last
 //! turn (and holds its prefix) whichever proxy routes it; with each proxy's own index
-//! (aggregator off) in the same run, about a quarter do.
+//! (aggregator off) in the same run, about a quarter do. And a restarted proxy (its shared data
+//! gone) gets the pool's decisions back from the aggregator on its first exchange.
 //!
 //! Needs `envoy` on PATH and the built wasm filters (`make test` provides both).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
@@ -199,6 +200,99 @@ fn turns_alternating_between_proxies_reach_their_conversations_simulator() {
     assert!(sent > 0 && received > 0);
     drop(relayed);
     drop(alone);
+    drop(agg);
+    drop(fleet);
+}
+
+#[test]
+fn a_restarted_proxy_gets_the_pools_decisions_back_from_the_aggregator() {
+    let fleet = SimFleet::start(
+        &["127.0.0.1:0".parse().unwrap(); 4],
+        &["--model", MODEL, "--speedup", "10"],
+    )
+    .unwrap();
+    fleet.wait_healthy(Duration::from_secs(10)).unwrap();
+    let addrs = fleet.addrs().to_vec();
+    let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join("kvoy-e2e")
+        .join(format!("{NAME}-restart-{}", std::process::id()));
+    std::fs::create_dir_all(&run_dir).unwrap();
+    let endpoints: Vec<AggregatedEndpoint> = addrs
+        .iter()
+        .map(|a| AggregatedEndpoint {
+            address: *a,
+            models: vec![MODEL.into()],
+            kv_events: None,
+        })
+        .collect();
+    let agg = LocalAggregator::start(
+        &run_dir.join("aggregator.yaml"),
+        &aggregator_yaml("scrape_interval_ms: 50\n", &endpoints),
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .unwrap();
+    let pool: Vec<PoolEndpoint> = addrs
+        .iter()
+        .map(|a| PoolEndpoint::new(*a, &[MODEL]))
+        .collect();
+    let start = |name: &str| {
+        let mut config = StackConfig::new(pool.clone(), run_dir.join(name));
+        config.aggregator = Some(agg.addr());
+        Stack::start(&config)
+            .unwrap_or_else(|e| panic!("[{NAME}] could not start Envoy {name}: {e:#}"))
+    };
+    wait_for(
+        "the simulators ready in the aggregator",
+        Duration::from_secs(10),
+        || {
+            http::send(agg.addr(), "GET", "/readyz", &[], b"", TIMEOUT)
+                .map(|r| r.text().contains("4 ready"))
+                .unwrap_or(false)
+        },
+    );
+    // One proxy places 30 conversations (three turns each), then restarts: a new Envoy
+    // process, its shared data and indexes gone.
+    let before = start("before");
+    std::thread::sleep(Duration::from_millis(500));
+    let mut last = vec![String::new(); CONVERSATIONS];
+    for t in 0..3 {
+        for (i, previous) in last.iter_mut().enumerate() {
+            let r = http::post_json(
+                before.listen,
+                "/v1/chat/completions",
+                &[],
+                &turn(3000 + i, t),
+                TIMEOUT,
+            )
+            .unwrap();
+            assert_eq!(r.status, 200, "{}", r.text());
+            *previous = r
+                .header(kvoy_e2e::SERVED_BY_HEADER)
+                .unwrap_or("?")
+                .to_owned();
+        }
+    }
+    // Its decisions reach the aggregator on its next poll ticks.
+    std::thread::sleep(THINK);
+    drop(before);
+    let after = start("after");
+    std::thread::sleep(THINK);
+    let mut kept = 0;
+    for (i, previous) in last.iter().enumerate() {
+        let r = http::post_json(
+            after.listen,
+            "/v1/chat/completions",
+            &[],
+            &turn(3000 + i, 3),
+            TIMEOUT,
+        )
+        .unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        kept += usize::from(r.header(kvoy_e2e::SERVED_BY_HEADER) == Some(previous.as_str()));
+    }
+    eprintln!("[{NAME}] after a restart {kept} of {CONVERSATIONS} conversations went back to their simulator");
+    assert!(kept * 10 >= CONVERSATIONS * 9, "{kept} of {CONVERSATIONS}");
+    drop(after);
     drop(agg);
     drop(fleet);
 }
