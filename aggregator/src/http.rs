@@ -219,24 +219,34 @@ struct SnapshotQuery {
     format: Option<u64>,
 }
 
+/// The value of `name` in a query string as a number (the last `name` counts); absent or
+/// unparsable is `None`.
+fn query_u64(query: &str, name: &str) -> Option<u64> {
+    query
+        .split('&')
+        .map(|pair| pair.split_once('=').unwrap_or((pair, "")))
+        .rfind(|(k, _)| *k == name)
+        .and_then(|(_, v)| v.parse().ok())
+}
+
 /// `epoch`, `since` and `format` from a query string; anything unparsable counts as absent
 /// (a full snapshot, always a correct answer; format 1, which every filter reads).
 fn snapshot_query(query: &str) -> SnapshotQuery {
-    let mut q = SnapshotQuery {
-        epoch: None,
-        since: None,
-        format: None,
-    };
-    for pair in query.split('&') {
-        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-        match k {
-            "epoch" => q.epoch = v.parse().ok(),
-            "since" => q.since = v.parse().ok(),
-            "format" => q.format = v.parse().ok(),
-            _ => {}
-        }
+    SnapshotQuery {
+        epoch: query_u64(query, "epoch"),
+        since: query_u64(query, "since"),
+        format: query_u64(query, "format"),
     }
-    q
+}
+
+/// 401 with the bearer challenge.
+fn unauthorized() -> Response<Full<Bytes>> {
+    let mut r = text(StatusCode::UNAUTHORIZED, "a bearer token is required\n");
+    r.headers_mut().insert(
+        hyper::header::WWW_AUTHENTICATE,
+        hyper::header::HeaderValue::from_static("Bearer realm=\"kvoy-aggregator\""),
+    );
+    r
 }
 
 impl Api {
@@ -271,12 +281,7 @@ impl Api {
         }
         let path = req.uri().path();
         if matches!(path, "/v1/snapshot" | "/v1/endpoints") && !self.authorized(req) {
-            let mut r = text(StatusCode::UNAUTHORIZED, "a bearer token is required\n");
-            r.headers_mut().insert(
-                hyper::header::WWW_AUTHENTICATE,
-                hyper::header::HeaderValue::from_static("Bearer realm=\"kvoy-aggregator\""),
-            );
-            return r;
+            return unauthorized();
         }
         let view = self.views.borrow().clone();
         match path {
@@ -324,18 +329,12 @@ impl Api {
             return text(StatusCode::METHOD_NOT_ALLOWED, "only POST\n");
         }
         if !self.authorized(&req) {
-            return text(StatusCode::UNAUTHORIZED, "a bearer token is required\n");
+            return unauthorized();
         }
         let query = req.uri().query().unwrap_or("");
-        let param = |name: &str| -> Option<u64> {
-            query
-                .split('&')
-                .find_map(|p| p.strip_prefix(name)?.strip_prefix('='))
-                .and_then(|v| v.parse().ok())
-        };
-        let cursor = param("since").unwrap_or(0);
+        let cursor = query_u64(query, "since").unwrap_or(0);
         // The poller bounds what it takes per exchange (each costs it shared-data writes).
-        let limit = param("limit").map_or(relay::MAX_DECISIONS, |l| {
+        let limit = query_u64(query, "limit").map_or(relay::MAX_DECISIONS, |l| {
             usize::try_from(l)
                 .unwrap_or(usize::MAX)
                 .min(relay::MAX_DECISIONS)

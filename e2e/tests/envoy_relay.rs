@@ -95,57 +95,85 @@ fn metric(admin: SocketAddr, name: &str) -> u64 {
         .sum()
 }
 
-#[test]
-fn turns_alternating_between_proxies_reach_their_conversations_simulator() {
-    let fleet = SimFleet::start(
-        &["127.0.0.1:0".parse().unwrap(); 4],
-        &["--model", MODEL, "--speedup", "10"],
-    )
-    .unwrap();
-    fleet.wait_healthy(Duration::from_secs(10)).unwrap();
-    let addrs = fleet.addrs().to_vec();
-    let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("kvoy-e2e")
-        .join(format!("{NAME}-{}", std::process::id()));
-    std::fs::create_dir_all(&run_dir).unwrap();
-    let endpoints: Vec<AggregatedEndpoint> = addrs
-        .iter()
-        .map(|a| AggregatedEndpoint {
-            address: *a,
-            models: vec![MODEL.into()],
-            kv_events: None,
-        })
-        .collect();
-    let yaml = aggregator_yaml("scrape_interval_ms: 50\n", &endpoints);
-    let agg = LocalAggregator::start(
-        &run_dir.join("aggregator.yaml"),
-        &yaml,
-        "127.0.0.1:0".parse().unwrap(),
-    )
-    .unwrap();
-    let pool: Vec<PoolEndpoint> = addrs
-        .iter()
-        .map(|a| PoolEndpoint::new(*a, &[MODEL]))
-        .collect();
-    let start = |name: &str, aggregator: Option<SocketAddr>| {
-        let mut config = StackConfig::new(pool.clone(), run_dir.join(name));
-        config.aggregator = aggregator;
+/// Four simulators and one aggregator following them, every wait bounded; the proxies come
+/// from [`Pool::proxy`].
+struct Pool {
+    // Fields drop in order: the proxies' callers drop theirs first, then the aggregator, then
+    // the simulators.
+    agg: LocalAggregator,
+    endpoints: Vec<PoolEndpoint>,
+    run_dir: PathBuf,
+    _fleet: SimFleet,
+}
+
+impl Pool {
+    fn start(run: &str) -> Pool {
+        let fleet = SimFleet::start(
+            &["127.0.0.1:0".parse().unwrap(); 4],
+            &["--model", MODEL, "--speedup", "10"],
+        )
+        .unwrap();
+        fleet.wait_healthy(Duration::from_secs(10)).unwrap();
+        let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+            .join("kvoy-e2e")
+            .join(format!("{NAME}-{run}-{}", std::process::id()));
+        std::fs::create_dir_all(&run_dir).unwrap();
+        let aggregated: Vec<AggregatedEndpoint> = fleet
+            .addrs()
+            .iter()
+            .map(|a| AggregatedEndpoint {
+                address: *a,
+                models: vec![MODEL.into()],
+                kv_events: None,
+            })
+            .collect();
+        let agg = LocalAggregator::start(
+            &run_dir.join("aggregator.yaml"),
+            &aggregator_yaml("scrape_interval_ms: 50\n", &aggregated),
+            "127.0.0.1:0".parse().unwrap(),
+        )
+        .unwrap();
+        wait_for(
+            "the simulators ready in the aggregator",
+            Duration::from_secs(10),
+            || {
+                http::send(agg.addr(), "GET", "/readyz", &[], b"", TIMEOUT)
+                    .map(|r| r.text().contains("4 ready"))
+                    .unwrap_or(false)
+            },
+        );
+        let endpoints = fleet
+            .addrs()
+            .iter()
+            .map(|a| PoolEndpoint::new(*a, &[MODEL]))
+            .collect();
+        Pool {
+            agg,
+            endpoints,
+            run_dir,
+            _fleet: fleet,
+        }
+    }
+
+    /// An Envoy with the combined filter in front of the four simulators, relaying through the
+    /// aggregator or (`relayed` false) with only its own index.
+    fn proxy(&self, name: &str, relayed: bool) -> Stack {
+        let mut config = StackConfig::new(self.endpoints.clone(), self.run_dir.join(name));
+        config.aggregator = relayed.then(|| self.agg.addr());
         Stack::start(&config)
             .unwrap_or_else(|e| panic!("[{NAME}] could not start Envoy {name}: {e:#}"))
-    };
+    }
+}
+
+#[test]
+fn turns_alternating_between_proxies_reach_their_conversations_simulator() {
+    let pool = Pool::start("alternate");
     let relayed: Vec<Stack> = (0..4)
-        .map(|p| start(&format!("relayed-{p}"), Some(agg.addr())))
+        .map(|p| pool.proxy(&format!("relayed-{p}"), true))
         .collect();
-    let alone: Vec<Stack> = (0..2).map(|p| start(&format!("alone-{p}"), None)).collect();
-    wait_for(
-        "the simulators ready in the aggregator",
-        Duration::from_secs(10),
-        || {
-            http::send(agg.addr(), "GET", "/readyz", &[], b"", TIMEOUT)
-                .map(|r| r.text().contains("4 ready"))
-                .unwrap_or(false)
-        },
-    );
+    let alone: Vec<Stack> = (0..2)
+        .map(|p| pool.proxy(&format!("alone-{p}"), false))
+        .collect();
     std::thread::sleep(Duration::from_millis(500));
 
     let listen = |stacks: &[Stack]| stacks.iter().map(|s| s.listen).collect::<Vec<_>>();
@@ -166,7 +194,7 @@ fn turns_alternating_between_proxies_reach_their_conversations_simulator() {
             )
         })
         .sum();
-    let agg_metrics = http::send(agg.addr(), "GET", "/metrics", &[], b"", TIMEOUT)
+    let agg_metrics = http::send(pool.agg.addr(), "GET", "/metrics", &[], b"", TIMEOUT)
         .unwrap()
         .text();
     let bytes = |direction: &str| -> f64 {
@@ -200,59 +228,14 @@ fn turns_alternating_between_proxies_reach_their_conversations_simulator() {
     assert!(sent > 0 && received > 0);
     drop(relayed);
     drop(alone);
-    drop(agg);
-    drop(fleet);
 }
 
 #[test]
 fn a_restarted_proxy_gets_the_pools_decisions_back_from_the_aggregator() {
-    let fleet = SimFleet::start(
-        &["127.0.0.1:0".parse().unwrap(); 4],
-        &["--model", MODEL, "--speedup", "10"],
-    )
-    .unwrap();
-    fleet.wait_healthy(Duration::from_secs(10)).unwrap();
-    let addrs = fleet.addrs().to_vec();
-    let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("kvoy-e2e")
-        .join(format!("{NAME}-restart-{}", std::process::id()));
-    std::fs::create_dir_all(&run_dir).unwrap();
-    let endpoints: Vec<AggregatedEndpoint> = addrs
-        .iter()
-        .map(|a| AggregatedEndpoint {
-            address: *a,
-            models: vec![MODEL.into()],
-            kv_events: None,
-        })
-        .collect();
-    let agg = LocalAggregator::start(
-        &run_dir.join("aggregator.yaml"),
-        &aggregator_yaml("scrape_interval_ms: 50\n", &endpoints),
-        "127.0.0.1:0".parse().unwrap(),
-    )
-    .unwrap();
-    let pool: Vec<PoolEndpoint> = addrs
-        .iter()
-        .map(|a| PoolEndpoint::new(*a, &[MODEL]))
-        .collect();
-    let start = |name: &str| {
-        let mut config = StackConfig::new(pool.clone(), run_dir.join(name));
-        config.aggregator = Some(agg.addr());
-        Stack::start(&config)
-            .unwrap_or_else(|e| panic!("[{NAME}] could not start Envoy {name}: {e:#}"))
-    };
-    wait_for(
-        "the simulators ready in the aggregator",
-        Duration::from_secs(10),
-        || {
-            http::send(agg.addr(), "GET", "/readyz", &[], b"", TIMEOUT)
-                .map(|r| r.text().contains("4 ready"))
-                .unwrap_or(false)
-        },
-    );
+    let pool = Pool::start("restart");
     // One proxy places 30 conversations (three turns each), then restarts: a new Envoy
     // process, its shared data and indexes gone.
-    let before = start("before");
+    let before = pool.proxy("before", true);
     std::thread::sleep(Duration::from_millis(500));
     let mut last = vec![String::new(); CONVERSATIONS];
     for t in 0..3 {
@@ -275,7 +258,7 @@ fn a_restarted_proxy_gets_the_pools_decisions_back_from_the_aggregator() {
     // Its decisions reach the aggregator on its next poll ticks.
     std::thread::sleep(THINK);
     drop(before);
-    let after = start("after");
+    let after = pool.proxy("after", true);
     std::thread::sleep(THINK);
     let mut kept = 0;
     for (i, previous) in last.iter().enumerate() {
@@ -293,6 +276,4 @@ fn a_restarted_proxy_gets_the_pools_decisions_back_from_the_aggregator() {
     eprintln!("[{NAME}] after a restart {kept} of {CONVERSATIONS} conversations went back to their simulator");
     assert!(kept * 10 >= CONVERSATIONS * 9, "{kept} of {CONVERSATIONS}");
     drop(after);
-    drop(agg);
-    drop(fleet);
 }

@@ -59,18 +59,21 @@ pub fn filter_host(name: &str) -> Result<Host> {
     Ok(host)
 }
 
+/// Whether `call` is a filter's decision exchange with kvoy-aggregator (`POST /v1/decisions`).
+pub fn is_decision_exchange(call: &crate::HttpCall) -> bool {
+    call.headers
+        .get(":path")
+        .is_some_and(|p| p.starts_with(kvoy_shared::relay::PATH))
+}
+
 /// The snapshot polls `plugin`'s filter has in flight to kvoy-aggregator; its decision exchanges
 /// (`POST /v1/decisions`, which the lease holder starts on the ticks it polls) are answered on
 /// the way as an aggregator with nothing to relay answers them.
 pub fn snapshot_polls(plugin: &crate::Plugin) -> Result<Vec<crate::HttpCall>> {
-    use kvoy_shared::relay::{DecisionBatch, PATH};
+    use kvoy_shared::relay::DecisionBatch;
     let mut polls = Vec::new();
     for call in plugin.http_calls() {
-        if call
-            .headers
-            .get(":path")
-            .is_some_and(|p| p.starts_with(PATH))
-        {
+        if is_decision_exchange(&call) {
             let mut none = Vec::new();
             DecisionBatch::default().encode(&mut none);
             plugin.respond_http_call(&call, crate::HttpResponse::new(200).body(none))?;

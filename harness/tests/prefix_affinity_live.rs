@@ -268,11 +268,10 @@ fn a_forged_destination_never_leaves_the_live_pool() -> TestResult {
 
 /// The decision exchange a poll tick started, if any (`POST /v1/decisions`).
 fn exchange_call(plugin: &Plugin) -> Option<HttpCall> {
-    plugin.http_calls().into_iter().find(|c| {
-        c.headers
-            .get(":path")
-            .is_some_and(|p| p.starts_with(kvoy_shared::relay::PATH))
-    })
+    plugin
+        .http_calls()
+        .into_iter()
+        .find(testing::is_decision_exchange)
 }
 
 #[test]

@@ -27,11 +27,12 @@
 //! ```
 
 use std::collections::VecDeque;
-use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+use std::net::SocketAddr;
 
 use thiserror::Error;
 
 use crate::prefix::BlockKey;
+use crate::replica::{decode_address, encode_address, ADDRESS_BYTES};
 
 /// The HTTP `Content-Type` of an encoded [`DecisionBatch`].
 pub const CONTENT_TYPE: &str = "application/x-kvoy-decisions";
@@ -42,8 +43,8 @@ const MAGIC: &[u8; 4] = b"KVDR";
 const FORMAT: u8 = 1;
 /// Magic, format, proxy, cursor, count.
 const HEADER_BYTES: usize = 4 + 1 + 8 + 8 + 4;
-/// Family, address, port, key count.
-const DECISION_HEADER_BYTES: usize = 1 + 16 + 2 + 2;
+/// Address, key count.
+const DECISION_HEADER_BYTES: usize = ADDRESS_BYTES + 2;
 
 /// Decisions one batch carries at most.
 pub const MAX_DECISIONS: usize = 4_096;
@@ -98,13 +99,7 @@ impl DecisionBatch {
         let count = self.decisions.len().min(MAX_DECISIONS);
         out.extend_from_slice(&(count as u32).to_le_bytes());
         for d in self.decisions.iter().take(count) {
-            let (family, ip) = match d.endpoint.ip() {
-                IpAddr::V4(a) => (4u8, a.to_ipv6_mapped().octets()),
-                IpAddr::V6(a) => (6u8, a.octets()),
-            };
-            out.push(family);
-            out.extend_from_slice(&ip);
-            out.extend_from_slice(&d.endpoint.port().to_le_bytes());
+            encode_address(d.endpoint, out);
             let keys = d.keys.len().min(MAX_KEYS_PER_DECISION);
             out.extend_from_slice(&(keys as u16).to_le_bytes());
             for k in d.keys.iter().take(keys) {
@@ -138,21 +133,8 @@ impl DecisionBatch {
         }
         let mut decisions = Vec::with_capacity(count as usize);
         for index in 0..count as usize {
-            let family = r.take(1)?[0];
-            let ip: [u8; 16] = r
-                .take(16)?
-                .try_into()
-                .map_err(|_| DecodeError::Truncated(r.at))?;
-            let ip = Ipv6Addr::from(ip);
-            let ip = match family {
-                4 => match ip.to_ipv4_mapped() {
-                    Some(v4) => IpAddr::V4(v4),
-                    None => return Err(DecodeError::Family(index, family)),
-                },
-                6 => IpAddr::V6(ip),
-                other => return Err(DecodeError::Family(index, other)),
-            };
-            let port = r.u16()?;
+            let raw = r.take(ADDRESS_BYTES)?;
+            let endpoint = decode_address(raw).ok_or(DecodeError::Family(index, raw[0]))?;
             let keys = r.u16()?;
             if usize::from(keys) > MAX_KEYS_PER_DECISION {
                 return Err(DecodeError::TooManyKeys { index, keys });
@@ -162,10 +144,7 @@ impl DecisionBatch {
                 .chunks_exact(8)
                 .map(|c| BlockKey(u64::from_le_bytes(c.try_into().unwrap_or([0; 8]))))
                 .collect();
-            decisions.push(RelayedDecision {
-                endpoint: SocketAddr::new(ip, port),
-                keys,
-            });
+            decisions.push(RelayedDecision { endpoint, keys });
         }
         if r.at != b.len() {
             return Err(DecodeError::Trailing(b.len() - r.at));
@@ -300,7 +279,7 @@ mod tests {
 
     fn decision(port: u16, keys: &[u64]) -> RelayedDecision {
         RelayedDecision {
-            endpoint: SocketAddr::new(IpAddr::from([10, 0, 0, 1]), port),
+            endpoint: SocketAddr::from(([10, 0, 0, 1], port)),
             keys: keys.iter().copied().map(BlockKey).collect(),
         }
     }

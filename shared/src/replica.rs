@@ -204,7 +204,11 @@ pub const OUTSTANDING_ENTRY_BYTES: usize = 63;
 /// endpoints' work outstanding for a while).
 const OUTSTANDING_MAX_ENTRIES: usize = 2 * crate::MAX_ENDPOINTS;
 
-fn encode_entry(address: SocketAddr, o: &Outstanding, out: &mut Vec<u8>) {
+/// Bytes of an address on the wire: family (4 or 6), the address (16, IPv4 as IPv4-mapped),
+/// the port (2, little-endian). The outstanding table and the decision relay both use it.
+pub(crate) const ADDRESS_BYTES: usize = 19;
+
+pub(crate) fn encode_address(address: SocketAddr, out: &mut Vec<u8>) {
     let (family, ip) = match address.ip() {
         IpAddr::V4(a) => (4u8, a.to_ipv6_mapped().octets()),
         IpAddr::V6(a) => (6u8, a.octets()),
@@ -212,6 +216,24 @@ fn encode_entry(address: SocketAddr, o: &Outstanding, out: &mut Vec<u8>) {
     out.push(family);
     out.extend_from_slice(&ip);
     out.extend_from_slice(&address.port().to_le_bytes());
+}
+
+/// The address at the start of `c` ([`encode_address`]); `None` when it is short, its family
+/// is neither 4 nor 6, or a family 4 address is not IPv4-mapped.
+pub(crate) fn decode_address(c: &[u8]) -> Option<SocketAddr> {
+    let ip: [u8; 16] = c.get(1..17)?.try_into().ok()?;
+    let ip = Ipv6Addr::from(ip);
+    let ip = match c.first()? {
+        4 => IpAddr::V4(ip.to_ipv4_mapped()?),
+        6 => IpAddr::V6(ip),
+        _ => return None,
+    };
+    let port = u16::from_le_bytes(c.get(17..ADDRESS_BYTES)?.try_into().ok()?);
+    Some(SocketAddr::new(ip, port))
+}
+
+fn encode_entry(address: SocketAddr, o: &Outstanding, out: &mut Vec<u8>) {
+    encode_address(address, out);
     out.extend_from_slice(&o.requests.to_le_bytes());
     out.extend_from_slice(&o.prefilling.to_le_bytes());
     out.extend_from_slice(&o.prefill_tokens.to_le_bytes());
@@ -224,13 +246,7 @@ fn encode_entry(address: SocketAddr, o: &Outstanding, out: &mut Vec<u8>) {
 }
 
 fn decode_entry(c: &[u8]) -> Option<(SocketAddr, Outstanding)> {
-    let ip: [u8; 16] = c.get(1..17)?.try_into().ok()?;
-    let ip = Ipv6Addr::from(ip);
-    let ip = match c.first()? {
-        4 => IpAddr::V4(ip.to_ipv4_mapped()?),
-        6 => IpAddr::V6(ip),
-        _ => return None,
-    };
+    let address = decode_address(c)?;
     let word =
         |i: usize| -> Option<u32> { Some(u32::from_le_bytes(c.get(i..i + 4)?.try_into().ok()?)) };
     let long =
@@ -241,9 +257,8 @@ fn decode_entry(c: &[u8]) -> Option<(SocketAddr, Outstanding)> {
         let r = f32::from_bits(word(i)?);
         Some(if r.is_finite() && r >= 0.0 { r } else { 0.0 })
     };
-    let port = u16::from_le_bytes(c.get(17..19)?.try_into().ok()?);
     Some((
-        SocketAddr::new(ip, port),
+        address,
         Outstanding {
             requests: word(19)?,
             prefilling: word(23)?,

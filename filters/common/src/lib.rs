@@ -7,7 +7,7 @@
 
 mod live;
 
-pub use live::{call_response, CallBody, LiveSnapshot, PollStart};
+pub use live::{call_aggregator, call_response, CallBody, LiveSnapshot, PollStart};
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{MapType, MetricType, Status};

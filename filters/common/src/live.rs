@@ -120,25 +120,12 @@ impl LiveSnapshot {
             return PollStart::Skipped;
         }
         let path = live::poll_path(&self.settings, &self.snapshot, self.want_full);
-        let authority = self
-            .settings
-            .authority
-            .clone()
-            .unwrap_or_else(|| self.settings.cluster.clone());
-        let mut headers = vec![
-            (":method", "GET"),
-            (":path", path.as_str()),
-            (":authority", authority.as_str()),
-        ];
-        if let Some(auth) = &self.authorization {
-            headers.push(("authorization", auth.as_str()));
-        }
-        match hostcalls::dispatch_http_call(
-            &self.settings.cluster,
-            headers,
+        match call_aggregator(
+            &self.settings,
+            self.authorization.as_deref(),
+            "GET",
+            &path,
             None,
-            vec![],
-            Duration::from_millis(self.settings.timeout_ms),
         ) {
             Ok(token) => {
                 self.poll = Some((token, now_ms));
@@ -229,6 +216,37 @@ impl LiveSnapshot {
         self.refresh();
         Some(result)
     }
+}
+
+/// Calls kvoy-aggregator (`settings.cluster`, its `authority`, the bearer token when there is
+/// one, `settings.timeout_ms`); `body` is `(content type, bytes)`. The call's token, or the
+/// host's refusal (e.g. no such cluster).
+pub fn call_aggregator(
+    settings: &AggregatorSettings,
+    authorization: Option<&str>,
+    method: &str,
+    path: &str,
+    body: Option<(&str, &[u8])>,
+) -> Result<u32, proxy_wasm::types::Status> {
+    let authority = settings.authority.as_deref().unwrap_or(&settings.cluster);
+    let mut headers = vec![
+        (":method", method),
+        (":path", path),
+        (":authority", authority),
+    ];
+    if let Some((content_type, _)) = body {
+        headers.push(("content-type", content_type));
+    }
+    if let Some(auth) = authorization {
+        headers.push(("authorization", auth));
+    }
+    hostcalls::dispatch_http_call(
+        &settings.cluster,
+        headers,
+        body.map(|(_, b)| b),
+        vec![],
+        Duration::from_millis(settings.timeout_ms),
+    )
 }
 
 /// The body of an HTTP call's response, as far as it was read.

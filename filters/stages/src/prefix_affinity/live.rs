@@ -102,7 +102,7 @@ pub fn on_relay_response(vm: &mut VmState, num_headers: usize, body_size: usize)
         return;
     };
     let (status, body) =
-        kvoy_filter_common::call_response(num_headers, body_size, relay.max_answer_bytes());
+        kvoy_filter_common::call_response(num_headers, body_size, super::relay::MAX_ANSWER_BYTES);
     match relay.on_response(status, &body, &vm.router) {
         Ok(done) => {
             Metrics::add(vm.metrics.relay_received, done.received as u64);

@@ -6,12 +6,9 @@
 //! Nothing of this is on a request's path; a slow aggregator costs decisions (the exchange is
 //! skipped while one is in flight, and the ring forgets what waits too long), never latency.
 
-use std::time::Duration;
-
 use log::{debug, warn};
-use proxy_wasm::hostcalls;
 
-use kvoy_filter_common::{CallBody, HostStore};
+use kvoy_filter_common::{call_aggregator, CallBody, HostStore};
 use kvoy_shared::relay::{self, DecisionBatch, RelayedDecision};
 use kvoy_shared::replica::{DecisionLog, SharedStore};
 use kvoy_shared::{AggregatorSettings, Router};
@@ -25,7 +22,7 @@ const FORWARD_PER_EXCHANGE: usize = 512;
 /// on the tick of the VM that receives it).
 const RELAYED_PER_EXCHANGE: usize = 512;
 /// The answer's size at most: that many decisions at 64 keys each, with room to spare.
-const MAX_ANSWER_BYTES: usize = 2 << 20;
+pub const MAX_ANSWER_BYTES: usize = 2 << 20;
 
 /// What one exchange did, for the filter's counters.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -119,25 +116,12 @@ impl Relay {
             relay::PATH,
             self.cursor
         );
-        let authority = settings
-            .authority
-            .clone()
-            .unwrap_or_else(|| settings.cluster.clone());
-        let mut headers = vec![
-            (":method", "POST"),
-            (":path", path.as_str()),
-            (":authority", authority.as_str()),
-            ("content-type", relay::CONTENT_TYPE),
-        ];
-        if let Some(auth) = authorization {
-            headers.push(("authorization", auth));
-        }
-        match hostcalls::dispatch_http_call(
-            &settings.cluster,
-            headers,
-            Some(&self.scratch),
-            vec![],
-            Duration::from_millis(settings.timeout_ms),
+        match call_aggregator(
+            settings,
+            authorization,
+            "POST",
+            &path,
+            Some((relay::CONTENT_TYPE, &self.scratch)),
         ) {
             Ok(token) => {
                 self.call = Some((token, now_ms));
@@ -155,11 +139,6 @@ impl Relay {
 
     pub fn owns(&self, token: u32) -> bool {
         self.call.is_some_and(|(t, _)| t == token)
-    }
-
-    /// The limit on an answer's body.
-    pub fn max_answer_bytes(&self) -> usize {
-        MAX_ANSWER_BYTES
     }
 
     /// The aggregator's answer: the other proxies' decisions go into the decision log (only
