@@ -37,6 +37,10 @@ pub struct Endpoint {
     /// Changes whenever the server's cache was dropped (from the aggregator; 0 otherwise):
     /// what the prefix index believes of the endpoint is then void.
     pub cache_generation: u32,
+    /// Tokens the server reports holding in its caches, every tier (from the aggregator,
+    /// which counts its KV events; `None` when nobody counts them or it reports none): the
+    /// prefix index never believes the endpoint holds more than this.
+    pub cached_tokens: Option<u64>,
 }
 
 impl Endpoint {
@@ -49,6 +53,7 @@ impl Endpoint {
             load: EndpointLoad::default(),
             health: Health::Ready,
             cache_generation: 0,
+            cached_tokens: None,
         }
     }
 

@@ -187,6 +187,10 @@ pub fn live_pool(snapshot: &Snapshot, with_loads: bool) -> Pool {
         };
         // The cache's size is geometry, not load: known whatever the freshness.
         let capacity = s.capacity_blocks.saturating_mul(s.block_size);
+        // Offloaded blocks still serve their prefix, so every tier counts. No block at all is
+        // what an endpoint whose events nobody follows reports too: then nothing is known.
+        let cached_blocks: u64 = s.cached_blocks.iter().map(|&b| u64::from(b)).sum();
+        let cached_tokens = cached_blocks.saturating_mul(u64::from(s.block_size));
         let load = EndpointLoad {
             kv_capacity_tokens: (capacity > 0).then_some(capacity),
             ..load
@@ -197,6 +201,7 @@ pub fn live_pool(snapshot: &Snapshot, with_loads: bool) -> Pool {
                 load,
                 health,
                 cache_generation: s.cache_generation,
+                cached_tokens: (cached_tokens > 0).then_some(cached_tokens),
                 ..Endpoint::new(s.address, s.models.clone())
             },
         )
@@ -400,6 +405,16 @@ mod tests {
         pool.serving("m", &mut ids);
         assert_eq!(ids, [EndpointId(0)]);
         assert_eq!(e0.load.kv_capacity_tokens, Some(100 * 16));
+        assert_eq!(e0.cached_tokens, Some(16), "one GPU block of 16 tokens");
+        let mut counted = status(0, 1, true, false);
+        counted.cached_blocks = [2, 3, 1];
+        let mut nothing = status(1, 2, true, false);
+        nothing.cached_blocks = [0; 3];
+        history.update(vec![counted, nothing]);
+        let pool = live_pool(&history.snapshot(), true);
+        let cached = |id| pool.get(EndpointId(id)).unwrap().cached_tokens;
+        assert_eq!(cached(0), Some(6 * 16), "every tier counts");
+        assert_eq!(cached(1), None, "no block reported: nothing known");
         let pool = live_pool(&history.snapshot(), false);
         // Without loads only the cache's size is known (geometry, not load).
         assert_eq!(

@@ -163,6 +163,9 @@ pub struct Router {
 
 /// Weight of the newest request in [`Router`]'s typical request size.
 const TYPICAL_ALPHA: f64 = 0.05;
+/// How many more prefix keys than its reported cache holds (in the model's bytes) the index
+/// keeps for an endpoint: a quarter more, for the lag of the report and the keys' spans.
+pub const CACHED_KEYS_SLACK: f64 = 1.25;
 
 impl Router {
     /// `seed` drives tie-breaks and keys the index's hash maps.
@@ -257,7 +260,35 @@ impl Router {
         }
         self.index.resize(pool.id_bound());
         self.pool = pool;
+        self.trim_to_server_caches();
         &self.refused
+    }
+
+    /// Cuts what the index believes of each endpoint down to what the server reports holding
+    /// (with [`CACHED_KEYS_SLACK`] to spare, as the report lags and key spans only
+    /// approximate tokens): when a server evicts under cache pressure, its least recently used
+    /// prefixes stop attracting requests at the next snapshot, as they left its cache.
+    fn trim_to_server_caches(&mut self) {
+        let block_bytes = self.config.block_size.max(1) as f64;
+        let budgets: Vec<(EndpointId, usize)> = self
+            .pool
+            .iter()
+            .filter_map(|(id, e)| {
+                let tokens = e.cached_tokens? as f64;
+                let bytes_per_token = e
+                    .models
+                    .first()
+                    .map_or(self.config.cost.bytes_per_token, |m| {
+                        self.bytes_per_token(m)
+                    });
+                // A float above usize::MAX saturates in the cast.
+                let keys = (tokens * bytes_per_token * CACHED_KEYS_SLACK / block_bytes).ceil();
+                Some((id, keys as usize))
+            })
+            .collect();
+        for (id, keys) in budgets {
+            self.index.trim(id, keys);
+        }
     }
 
     /// Prefix keys of the last request routed by [`Router::route_body`] (empty otherwise).
@@ -851,6 +882,40 @@ mod tests {
             0,
             "the server dropped its cache"
         );
+    }
+
+    #[test]
+    fn a_server_holding_less_than_the_index_believes_trims_it() {
+        let mut r = router("");
+        let route = |r: &mut Router, user: &str| {
+            let body = chat("a", &user.repeat(2000), "u");
+            r.route_body(
+                Api::ChatCompletions,
+                &body,
+                &[Outstanding::default(); 3],
+                Duration::ZERO,
+            )
+            .unwrap()
+        };
+        let old = route(&mut r, "x");
+        let same: Vec<_> = r.pool().iter().map(|(id, e)| (id, e.clone())).collect();
+        let held = r.index().blocks(old.endpoint);
+        assert!(held > 8, "{held}");
+        // Nobody counts the server's blocks: the index keeps what it learned.
+        r.set_pool(Pool::with_ids(same.clone()));
+        assert_eq!(r.index().blocks(old.endpoint), held);
+        // The server reports room for half of it (tokens at the default 4 bytes per token,
+        // 64-byte blocks): the index keeps that, with its slack.
+        let mut reported = same;
+        let tokens = (held as u64 * 64 / 4) / 2;
+        reported[old.endpoint.index()].1.cached_tokens = Some(tokens);
+        r.set_pool(Pool::with_ids(reported.clone()));
+        let want = (tokens as f64 * 4.0 * CACHED_KEYS_SLACK / 64.0).ceil() as usize;
+        assert_eq!(r.index().blocks(old.endpoint), want);
+        assert!(want < held);
+        // The longest match left is the prompt's head: the tail went first.
+        let keys = r.last_keys().to_vec();
+        assert_eq!(r.index().matched(old.endpoint, &keys), want);
     }
 
     #[test]

@@ -312,6 +312,13 @@ impl PrefixIndex {
         self.clear(endpoint.index());
     }
 
+    /// Forgets `endpoint`'s least recently used keys until it holds at most `max_blocks`: the
+    /// server reported holding less than the index believes (it evicted), and what it evicted
+    /// first is what was used least recently, here as there.
+    pub fn trim(&mut self, endpoint: EndpointId, max_blocks: usize) {
+        self.evict_to(endpoint.index(), max_blocks);
+    }
+
     fn clear(&mut self, e: usize) {
         let Some(lru) = self.endpoints.get(e) else {
             return;
@@ -493,11 +500,16 @@ impl PrefixIndex {
 
     /// Trims `endpoint`'s least recently used holdings until it is within capacity.
     fn evict(&mut self, e: usize) {
+        self.evict_to(e, self.capacity);
+    }
+
+    /// Trims `endpoint`'s least recently used holdings until it holds at most `max` keys.
+    fn evict_to(&mut self, e: usize, max: usize) {
         while let Some(&lru) = self.endpoints.get(e) {
-            if lru.blocks <= self.capacity || lru.tail == NIL {
+            if lru.blocks <= max || lru.tail == NIL {
                 break;
             }
-            self.cut(e, lru.tail, lru.blocks - self.capacity);
+            self.cut(e, lru.tail, lru.blocks - max);
         }
     }
 

@@ -53,6 +53,12 @@ impl Model {
             set.clear();
         }
     }
+
+    fn trim(&mut self, e: usize, max: usize) {
+        if let Some(set) = self.sets.get_mut(e) {
+            set.truncate(max);
+        }
+    }
 }
 
 /// The keys `e` holds, by walking its recency list (most recent first).
@@ -186,6 +192,25 @@ fn bounded_per_endpoint() {
 }
 
 #[test]
+fn trimming_forgets_the_least_recently_used_keys_first() {
+    let mut idx = PrefixIndex::new(1, 100, 3);
+    let e = EndpointId(0);
+    idx.record(e, &keys(&[1, 2, 3, 4]));
+    idx.record(e, &keys(&[10, 11]));
+    idx.trim(e, 4);
+    check(&idx);
+    // The older chain loses its tail; the newer one is whole.
+    assert_eq!(idx.blocks(e), 4);
+    assert_eq!(idx.matched(e, &keys(&[10, 11])), 2);
+    assert_eq!(idx.matched(e, &keys(&[1, 2, 3, 4])), 2);
+    idx.trim(e, 10);
+    assert_eq!(idx.blocks(e), 4, "trimming to more than held keeps all");
+    idx.trim(e, 0);
+    assert_eq!(idx.blocks(e), 0);
+    check(&idx);
+}
+
+#[test]
 fn a_shorter_record_splits_and_ages_only_its_part() {
     let mut idx = PrefixIndex::new(1, 6, 1);
     let e = EndpointId(0);
@@ -293,6 +318,7 @@ enum Op {
     Record(usize, usize),
     Match(usize),
     Clear(usize),
+    Trim(usize, usize),
     Resize(usize),
 }
 
@@ -301,6 +327,7 @@ fn op() -> impl Strategy<Value = Op> {
         6 => (0..5usize, any::<usize>()).prop_map(|(e, c)| Op::Record(e, c)),
         2 => any::<usize>().prop_map(Op::Match),
         1 => (0..5usize).prop_map(Op::Clear),
+        1 => (0..5usize, 0..20usize).prop_map(|(e, n)| Op::Trim(e, n)),
         1 => (0..6usize).prop_map(Op::Resize),
     ]
 }
@@ -336,6 +363,10 @@ proptest! {
                 Op::Clear(e) => {
                     idx.clear_endpoint(EndpointId(e as u16));
                     model.clear(e);
+                }
+                Op::Trim(e, n) => {
+                    idx.trim(EndpointId(e as u16), n);
+                    model.trim(e, n);
                 }
                 Op::Resize(n) => {
                     idx.resize(n);

@@ -1,0 +1,192 @@
+//! End to end: a server that evicts a prefix under cache pressure stops attracting requests
+//! with that prefix. A real Envoy (the combined `kvoy` filter, `--concurrency 2`) polls an
+//! in-process kvoy-aggregator that follows four kvoy-sim simulators' KV events (ZMQ); each
+//! simulator's KV cache holds 128 blocks of 16 tokens, about eight of the test's prompts.
+//!
+//! Conversations are placed, a flood of other prompts fills every cache (the simulators evict
+//! the conversations' blocks, least recently used first), and 200 ms after the flood the
+//! conversations' next turns are routed. The aggregator's counts of each server's blocks
+//! reach the filter in its snapshot, and the filter cuts what it believes of each endpoint
+//! down to them: the next turns go where the load says, a quarter back to their old simulator
+//! by chance. In the same run an Envoy with only its configured pool (no aggregator, so no
+//! counts) sends them all back, to a cache that no longer holds them.
+//!
+//! Needs `envoy` on PATH and the built wasm filters (`make test` provides both).
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use kvoy_e2e::http;
+use kvoy_e2e::{
+    aggregator_yaml, free_port, wait_for, AggregatedEndpoint, LocalAggregator, PoolEndpoint,
+    SimFleet, Stack, StackConfig,
+};
+use serde_json::json;
+
+const NAME: &str = "eviction";
+const MODEL: &str = "kvoy-demo";
+const TIMEOUT: Duration = Duration::from_secs(30);
+const CONVERSATIONS: usize = 16;
+const FLOOD: usize = 96;
+/// What the acceptance allows between the eviction and the routing that no longer counts on it.
+const AFTER_EVICTION: Duration = Duration::from_millis(200);
+
+/// One simulator publishing its KV events, with a small cache.
+fn start_sim() -> (SimFleet, SocketAddr, String) {
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let kv = format!("tcp://127.0.0.1:{}", free_port().unwrap());
+        let args = [
+            "--model",
+            MODEL,
+            "--speedup",
+            "10",
+            "--block-size",
+            "16",
+            "--num-gpu-blocks",
+            "128",
+            "--kv-events-endpoint",
+            kv.as_str(),
+        ];
+        match SimFleet::start(&["127.0.0.1:0".parse().unwrap()], &args) {
+            Ok(fleet) => {
+                fleet.wait_healthy(Duration::from_secs(10)).unwrap();
+                let addr = fleet.addrs()[0];
+                return (fleet, addr, kv);
+            }
+            // A port `free_port` picked can be taken before the simulator binds it.
+            Err(e) if attempt < 4 && format!("{e:#}").contains("Address already in use") => {}
+            Err(e) => panic!("[{NAME}] could not start a simulator: {e:#}"),
+        }
+    }
+}
+
+/// About 1 KB: 16 blocks of the simulators' caches.
+fn conversation(i: usize, turn: usize) -> Vec<u8> {
+    let mut messages = vec![json!({"role": "system", "content":
+        format!("Conversation {i}. {}", "You are a careful assistant with a long brief. ".repeat(18))})];
+    for k in 0..turn {
+        messages.push(json!({"role": "user", "content": format!("Question {k} of {i}?")}));
+        messages.push(json!({"role": "assistant", "content": format!("Answer {k} for {i}.")}));
+    }
+    messages.push(json!({"role": "user", "content": format!("Question {turn} of {i}?")}));
+    serde_json::to_vec(&json!({"model": MODEL, "max_tokens": 2, "messages": messages})).unwrap()
+}
+
+fn flood(i: usize) -> Vec<u8> {
+    let text = format!("Unrelated prompt {i}. {}", "Other work fills the cache. ".repeat(36));
+    serde_json::to_vec(&json!({"model": MODEL, "max_tokens": 2,
+        "messages": [{"role": "user", "content": text}]}))
+    .unwrap()
+}
+
+fn send(proxy: SocketAddr, body: &[u8]) -> String {
+    let r = http::post_json(proxy, "/v1/chat/completions", &[], body, TIMEOUT).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.header(kvoy_e2e::SERVED_BY_HEADER)
+        .unwrap_or("?")
+        .to_owned()
+}
+
+/// Places conversations `base..base + CONVERSATIONS` (two turns, checking that the second
+/// found the first), returning where each was served.
+fn place(proxy: SocketAddr, base: usize) -> Vec<String> {
+    let first: Vec<String> = (0..CONVERSATIONS)
+        .map(|i| send(proxy, &conversation(base + i, 0)))
+        .collect();
+    let second: Vec<String> = (0..CONVERSATIONS)
+        .map(|i| send(proxy, &conversation(base + i, 1)))
+        .collect();
+    let kept = first.iter().zip(&second).filter(|(a, b)| a == b).count();
+    assert!(
+        kept * 100 >= CONVERSATIONS * 90,
+        "[{NAME}] before any eviction only {kept} of {CONVERSATIONS} second turns found the first"
+    );
+    second
+}
+
+/// How many next turns go back to where the conversation was placed.
+fn back(proxy: SocketAddr, base: usize, placed: &[String]) -> usize {
+    placed
+        .iter()
+        .enumerate()
+        .filter(|(i, at)| send(proxy, &conversation(base + i, 2)) == **at)
+        .count()
+}
+
+#[test]
+fn an_evicted_prefix_stops_attracting_its_requests() {
+    let sims: Vec<(SimFleet, SocketAddr, String)> = (0..4).map(|_| start_sim()).collect();
+    let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join("kvoy-e2e")
+        .join(format!("{NAME}-{}", std::process::id()));
+    std::fs::create_dir_all(&run_dir).unwrap();
+    let aggregated: Vec<AggregatedEndpoint> = sims
+        .iter()
+        .map(|(_, addr, kv)| AggregatedEndpoint {
+            address: *addr,
+            models: vec![MODEL.into()],
+            kv_events: Some((kv.clone(), None)),
+        })
+        .collect();
+    let agg = LocalAggregator::start(
+        &run_dir.join("aggregator.yaml"),
+        &aggregator_yaml("scrape_interval_ms: 50\n", &aggregated),
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .unwrap();
+    wait_for(
+        "the simulators ready in the aggregator",
+        Duration::from_secs(10),
+        || {
+            http::send(agg.addr(), "GET", "/readyz", &[], b"", TIMEOUT)
+                .map(|r| r.text().contains("4 ready"))
+                .unwrap_or(false)
+        },
+    );
+    let endpoints: Vec<PoolEndpoint> = sims
+        .iter()
+        .map(|(_, addr, _)| PoolEndpoint::new(*addr, &[MODEL]))
+        .collect();
+    let mut config = StackConfig::new(endpoints.clone(), run_dir.join("counted"));
+    config.aggregator = Some(agg.addr());
+    let counted = Stack::start(&config).unwrap();
+    let alone = Stack::start(&StackConfig::new(endpoints, run_dir.join("alone"))).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+
+    let placed_counted = place(counted.listen, 0);
+    let placed_alone = place(alone.listen, 1000);
+    // Both proxies' floods: every simulator's cache turns over several times.
+    for i in 0..FLOOD {
+        let proxy = if i % 2 == 0 {
+            counted.listen
+        } else {
+            alone.listen
+        };
+        send(proxy, &flood(i));
+    }
+    std::thread::sleep(AFTER_EVICTION);
+    let back_counted = back(counted.listen, 0, &placed_counted);
+    let back_alone = back(alone.listen, 1000, &placed_alone);
+    eprintln!(
+        "[{NAME}] next turns back on their evicted simulator, {} ms after the flood: with the aggregator's counts {back_counted}/{CONVERSATIONS}, alone {back_alone}/{CONVERSATIONS}",
+        AFTER_EVICTION.as_millis()
+    );
+    // By chance a quarter go back; 10 or more of 16 would be 1 in 1,000 if routing ignored the
+    // evicted prefix.
+    assert!(
+        back_counted < 10,
+        "{back_counted} of {CONVERSATIONS} went back to a cache that evicted them"
+    );
+    // The comparison is real: without the counts the stale belief sends them back.
+    assert!(
+        back_alone >= CONVERSATIONS * 3 / 4,
+        "alone, only {back_alone} of {CONVERSATIONS} went back"
+    );
+    drop(counted);
+    drop(alone);
+    drop(agg);
+}
