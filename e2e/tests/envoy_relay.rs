@@ -163,6 +163,17 @@ impl Pool {
         Stack::start(&config)
             .unwrap_or_else(|e| panic!("[{NAME}] could not start Envoy {name}: {e:#}"))
     }
+
+    /// An Envoy following the aggregator's pool with the relay off (`relay_decisions`): the
+    /// per-proxy index of the aggregator mode.
+    fn unrelayed_proxy(&self, name: &str) -> Stack {
+        let mut config = StackConfig::new(self.endpoints.clone(), self.run_dir.join(name));
+        config.aggregator = Some(self.agg.addr());
+        config.extra_config = Some(serde_json::json!({"aggregator": {
+            "cluster": kvoy_e2e::AGGREGATOR_CLUSTER, "relay_decisions": false}}));
+        Stack::start(&config)
+            .unwrap_or_else(|e| panic!("[{NAME}] could not start Envoy {name}: {e:#}"))
+    }
 }
 
 #[test]
@@ -276,4 +287,74 @@ fn a_restarted_proxy_gets_the_pools_decisions_back_from_the_aggregator() {
     eprintln!("[{NAME}] after a restart {kept} of {CONVERSATIONS} conversations went back to their simulator");
     assert!(kept * 10 >= CONVERSATIONS * 9, "{kept} of {CONVERSATIONS}");
     drop(after);
+}
+
+/// CPU seconds (user and system) process `pid` has used: `/proc/PID/stat` fields 14 and 15, in
+/// clock ticks of 1/100 s (Linux's `USER_HZ`).
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // The command name may hold spaces: count fields after its closing parenthesis.
+    let after = &stat[stat.rfind(')').unwrap() + 2..];
+    let fields: Vec<&str> = after.split(' ').collect();
+    let ticks = |i: usize| fields[i - 3].parse::<f64>().unwrap();
+    (ticks(14) + ticks(15)) / 100.0
+}
+
+/// A measurement, not a check (`cargo test -p kvoy-e2e --test envoy_relay -- --ignored
+/// --nocapture`): Envoy's CPU per request, two proxies each, the same alternating workload:
+/// relaying decisions through the aggregator, following the aggregator without the relay (the
+/// per-proxy index), and with a static pool. The runs are interleaved turn by turn so that all
+/// see the same machine; the proxies' poll-tick work (snapshot polls, exchanges) is included.
+#[test]
+#[ignore = "a measurement; run it by name"]
+fn relay_cpu_per_request() {
+    const ROUNDS: usize = 6;
+    const PER_ROUND: usize = 400;
+    let pool = Pool::start("cost");
+    let modes: Vec<(&str, Vec<Stack>)> = vec![
+        (
+            "relayed",
+            (0..2)
+                .map(|p| pool.proxy(&format!("cost-relayed-{p}"), true))
+                .collect(),
+        ),
+        (
+            "aggregator, no relay",
+            (0..2)
+                .map(|p| pool.unrelayed_proxy(&format!("cost-unrelayed-{p}")))
+                .collect(),
+        ),
+        (
+            "static pool",
+            (0..2)
+                .map(|p| pool.proxy(&format!("cost-static-{p}"), false))
+                .collect(),
+        ),
+    ];
+    std::thread::sleep(Duration::from_millis(500));
+    let cpu = |stacks: &[Stack]| -> f64 { stacks.iter().map(|s| cpu_seconds(s.envoy.pid())).sum() };
+    let before: Vec<f64> = modes.iter().map(|(_, s)| cpu(s)).collect();
+    for t in 0..ROUNDS {
+        for (m, (_, stacks)) in modes.iter().enumerate() {
+            for i in 0..PER_ROUND {
+                let proxy = stacks[(i + t) % stacks.len()].listen;
+                let body = turn(10_000 * (m + 1) + i, t);
+                let r =
+                    http::post_json(proxy, "/v1/chat/completions", &[], &body, TIMEOUT).unwrap();
+                assert_eq!(r.status, 200, "{}", r.text());
+            }
+        }
+    }
+    let requests = (ROUNDS * PER_ROUND) as f64;
+    let per_request: Vec<f64> = modes
+        .iter()
+        .zip(&before)
+        .map(|((_, s), b)| (cpu(s) - b) / requests * 1e6)
+        .collect();
+    for ((name, _), us) in modes.iter().zip(&per_request) {
+        eprintln!(
+            "[{NAME}] Envoy CPU per request, {name}: {us:.0} us ({:.3} of the per-proxy index's)",
+            us / per_request[1]
+        );
+    }
 }

@@ -275,6 +275,37 @@ fn exchange_call(plugin: &Plugin) -> Option<HttpCall> {
 }
 
 #[test]
+fn a_proxy_told_not_to_relay_exchanges_no_decisions() -> TestResult {
+    let config = config().replace(
+        r#""authority":"aggregator.local""#,
+        r#""authority":"aggregator.local","relay_decisions":false"#,
+    );
+    assert!(config.contains("relay_decisions"), "{config}");
+    let plugin = testing::filter_host("kvoy_prefix_affinity")?
+        .plugin()
+        .configuration(config)
+        .clusters([CLUSTER])
+        .vms(2)
+        .seed(11)
+        .start()?;
+    let mut history = SnapshotHistory::new(42);
+    history.update((0..4).map(|s| status(s, 19001 + s)).collect());
+    let call = next_poll(&plugin)?;
+    answer(&plugin, &call, &history)?;
+    for i in 0..10 {
+        route(&plugin, i % 2, 100 + i)?;
+    }
+    for _ in 0..3 {
+        plugin.advance(Duration::from_millis(100))?;
+        assert!(exchange_call(&plugin).is_none(), "no decision exchange");
+        // The snapshot polls go on.
+        let call = next_poll(&plugin)?;
+        answer(&plugin, &call, &history)?;
+    }
+    Ok(())
+}
+
+#[test]
 fn decisions_relayed_by_the_aggregator_steer_another_proxy_within_its_pool_only() -> TestResult {
     use kvoy_shared::relay::{DecisionBatch, CONTENT_TYPE};
     // Two proxies (two plugins: separate shared data) following the same aggregator pool.

@@ -292,6 +292,11 @@ pub struct AggregatorSettings {
     /// it (its `--token-file`); 16 to 4096 visible ASCII characters.
     #[serde(default)]
     pub token: Option<BearerToken>,
+    /// Exchange routing decisions with the other proxies through the aggregator
+    /// (`POST /v1/decisions`), so that every proxy's index learns where the others sent each
+    /// prefix. Off: each proxy knows only its own decisions.
+    #[serde(default = "defaults::relay_decisions")]
+    pub relay_decisions: bool,
 }
 
 /// A bearer token from the configuration; `Debug` does not show it.
@@ -383,6 +388,9 @@ mod defaults {
     }
     pub fn poll_interval_ms() -> u64 {
         100
+    }
+    pub fn relay_decisions() -> bool {
+        true
     }
     pub fn poll_timeout_ms() -> u64 {
         250

@@ -92,6 +92,7 @@ impl PrefixVm {
         }
         let relay = live
             .as_ref()
+            .filter(|l| l.snapshot.settings().relay_decisions)
             .map(|_| relay::Relay::new(&namespace, config.decision_log_slots, seed));
         let mut log = DecisionLog::new(&namespace, config.decision_log_slots, seed);
         // Begin with the pool's recent decisions (a configuration change, a late worker), replayed
