@@ -129,7 +129,7 @@ struct Fixture {
     // Fields drop in order: the proxies, the aggregator, then the simulators.
     counted: Stack,
     alone: Stack,
-    _agg: LocalAggregator,
+    agg: LocalAggregator,
     sims: Vec<(SimFleet, SocketAddr, String)>,
 }
 
@@ -176,9 +176,31 @@ impl Fixture {
         Fixture {
             counted,
             alone,
-            _agg: agg,
+            agg,
             sims,
         }
+    }
+}
+
+impl Fixture {
+    /// A sample of the aggregator's `/metrics` (0 when absent).
+    fn aggregator_metric(&self, sample: &str) -> f64 {
+        let text = http::send(self.agg.addr(), "GET", "/metrics", &[], b"", TIMEOUT)
+            .unwrap()
+            .text();
+        let prefix = format!("{sample} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0.0)
+    }
+
+    fn snapshot_bytes(&self) -> f64 {
+        self.aggregator_metric("kvoy_aggregator_snapshot_bytes_total")
+    }
+
+    fn incremental_polls(&self) -> f64 {
+        self.aggregator_metric(r#"kvoy_aggregator_snapshot_requests_total{kind="incremental"}"#)
     }
 }
 
@@ -187,15 +209,24 @@ fn an_evicted_prefix_stops_attracting_its_requests() {
     let f = Fixture::start("pressure");
     let placed_counted = place(f.counted.listen, 0);
     let placed_alone = place(f.alone.listen, 1000);
-    // Both proxies' floods: every simulator's cache turns over several times.
+    // A flood: every simulator's cache turns over several times.
+    let (bytes_before, polls_before) = (f.snapshot_bytes(), f.incremental_polls());
+    let flood_started = std::time::Instant::now();
+    // Through the counted proxy only: its index sees what the servers see (two proxies that
+    // do not relay each see only their own share of what filled the caches).
     for i in 0..FLOOD {
-        let proxy = if i % 2 == 0 {
-            f.counted.listen
-        } else {
-            f.alone.listen
-        };
-        send(proxy, &flood(i));
+        send(f.counted.listen, &flood(i));
     }
+    let flood_s = flood_started.elapsed().as_secs_f64();
+    let (bytes, polls) = (
+        f.snapshot_bytes() - bytes_before,
+        f.incremental_polls() - polls_before,
+    );
+    eprintln!(
+        "[{NAME}] snapshot deltas to the one polling proxy during the flood ({FLOOD} requests, {flood_s:.1} s, every cache count changing): {:.0} bytes/s, {polls} incremental polls of {:.0} bytes each",
+        bytes / flood_s,
+        bytes / polls.max(1.0)
+    );
     std::thread::sleep(AFTER_EVICTION);
     let back_counted = back(f.counted.listen, 0, &placed_counted);
     let back_alone = back(f.alone.listen, 1000, &placed_alone);
