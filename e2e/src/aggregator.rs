@@ -94,6 +94,24 @@ impl LocalAggregator {
         self.addr
     }
 
+    /// Waits (at most `timeout`) until its `/readyz` counts `endpoints` ready; panics past it,
+    /// as [`crate::wait_for`] does.
+    pub fn wait_ready(&self, endpoints: usize, timeout: Duration) {
+        let want = format!("{endpoints} ready");
+        crate::wait_for("the endpoints ready in the aggregator", timeout, || {
+            crate::http::send(
+                self.addr,
+                "GET",
+                "/readyz",
+                &[],
+                b"",
+                Duration::from_secs(5),
+            )
+            .map(|r| r.text().contains(&want))
+            .unwrap_or(false)
+        });
+    }
+
     /// Stops it abruptly (tasks cancelled, sockets closed), as a crash would.
     pub fn kill(&mut self) {
         self._aggregator = None;

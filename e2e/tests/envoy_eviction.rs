@@ -23,8 +23,8 @@ use std::time::Duration;
 
 use kvoy_e2e::http;
 use kvoy_e2e::{
-    aggregator_yaml, free_port, wait_for, AggregatedEndpoint, LocalAggregator, PoolEndpoint,
-    SimFleet, Stack, StackConfig,
+    aggregator_yaml, free_port, AggregatedEndpoint, LocalAggregator, PoolEndpoint, SimFleet, Stack,
+    StackConfig,
 };
 use serde_json::json;
 
@@ -154,15 +154,7 @@ impl Fixture {
             "127.0.0.1:0".parse().unwrap(),
         )
         .unwrap();
-        wait_for(
-            "the simulators ready in the aggregator",
-            Duration::from_secs(10),
-            || {
-                http::send(agg.addr(), "GET", "/readyz", &[], b"", TIMEOUT)
-                    .map(|r| r.text().contains("4 ready"))
-                    .unwrap_or(false)
-            },
-        );
+        agg.wait_ready(4, Duration::from_secs(10));
         let endpoints: Vec<PoolEndpoint> = sims
             .iter()
             .map(|(_, addr, _)| PoolEndpoint::new(*addr, &[MODEL]))

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use kvoy_e2e::http;
 use kvoy_e2e::{
-    aggregator_yaml, wait_for, AggregatedEndpoint, LocalAggregator, PoolEndpoint, SimFleet, Stack,
+    aggregator_yaml, AggregatedEndpoint, LocalAggregator, PoolEndpoint, SimFleet, Stack,
     StackConfig,
 };
 use serde_json::{json, Value};
@@ -133,15 +133,7 @@ impl Pool {
             "127.0.0.1:0".parse().unwrap(),
         )
         .unwrap();
-        wait_for(
-            "the simulators ready in the aggregator",
-            Duration::from_secs(10),
-            || {
-                http::send(agg.addr(), "GET", "/readyz", &[], b"", TIMEOUT)
-                    .map(|r| r.text().contains("4 ready"))
-                    .unwrap_or(false)
-            },
-        );
+        agg.wait_ready(4, Duration::from_secs(10));
         let endpoints = fleet
             .addrs()
             .iter()
