@@ -919,6 +919,77 @@ mod tests {
     }
 
     #[test]
+    fn a_prefix_offloaded_to_the_cpu_tier_still_attracts_its_requests() {
+        use crate::live::live_pool;
+        use crate::snapshot::{EndpointStatus, SnapshotHistory};
+        let mut r = router("");
+        let system = "y".repeat(4000);
+        let outstanding = [Outstanding::default(); 3];
+        let first = r
+            .route_body(
+                Api::ChatCompletions,
+                &chat("a", &system, "u1"),
+                &outstanding,
+                Duration::ZERO,
+            )
+            .unwrap();
+        let held = r.index().blocks(first.endpoint);
+        // The aggregator's view: the holder's blocks moved to its CPU tier but one (enough of
+        // them for what the index holds), the others empty.
+        let status = |slot: u16, cached_blocks: [u32; 3]| EndpointStatus {
+            slot,
+            address: ([10, 0, 0, slot as u8 + 1], 8000).into(),
+            models: vec!["a".into()],
+            ready: true,
+            stale: false,
+            waiting: 0,
+            running: 0,
+            kv_cache_usage: 0.1,
+            block_size: 16,
+            capacity_blocks: 10_000,
+            cached_blocks,
+            cache_generation: 0,
+            prefix_hit_rate: None,
+            prefill_tokens_per_s: None,
+        };
+        let view = |holder: [u32; 3]| {
+            let mut history = SnapshotHistory::new(1);
+            history.update(
+                (0..3)
+                    .map(|s| {
+                        let mine = usize::from(s) == first.endpoint.index();
+                        status(s, if mine { holder } else { [0; 3] })
+                    })
+                    .collect(),
+            );
+            live_pool(&history.snapshot(), true)
+        };
+        let offloaded = (held * 64 / 4 / 16) as u32 + 1;
+        r.set_pool(view([1, offloaded, 0]));
+        assert_eq!(r.index().blocks(first.endpoint), held, "every tier counts");
+        let next = r
+            .route_body(
+                Api::ChatCompletions,
+                &chat("a", &system, "u2"),
+                &outstanding,
+                Duration::ZERO,
+            )
+            .unwrap();
+        assert_eq!(
+            next.endpoint, first.endpoint,
+            "the offloaded prefix wins over cold endpoints"
+        );
+        assert!(next.matched_blocks > 0);
+        // Had it been evicted (one GPU block left, nothing offloaded), the index would keep
+        // only what one block of tokens covers.
+        r.set_pool(view([1, 0, 0]));
+        assert_eq!(
+            r.index().blocks(first.endpoint),
+            (16.0 * 4.0 * CACHED_KEYS_SLACK / 64.0_f64).ceil() as usize
+        );
+    }
+
+    #[test]
     fn a_pool_never_leaves_allowed_destinations() {
         use crate::allow::Refusal;
         use crate::endpoint::Endpoint;
