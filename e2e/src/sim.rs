@@ -97,3 +97,54 @@ impl Drop for SimFleet {
         }
     }
 }
+
+/// One simulator publishing its KV events over ZMQ on free ports of 127.0.0.1, healthy.
+pub struct PublishingSim {
+    /// `None` once a test took it (to stop the simulator).
+    pub fleet: Option<SimFleet>,
+    pub addr: SocketAddr,
+    /// Its `--kv-events-endpoint`.
+    pub kv: String,
+    /// Its `--kv-events-replay-endpoint`, when started with one.
+    pub replay: Option<String>,
+}
+
+impl PublishingSim {
+    /// Starts a simulator configured by `flags` (as [`SimFleet::start`]) that publishes its KV
+    /// events, and answers replays too when `replay` is set. A port [`crate::free_port`] picked
+    /// can be taken by someone else before the simulator binds it (another test's listener on
+    /// port 0): then it tries again with new ports, four times at most.
+    pub fn start(flags: &[&str], replay: bool) -> anyhow::Result<PublishingSim> {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let kv = format!("tcp://127.0.0.1:{}", crate::free_port()?);
+            let replay = if replay {
+                Some(format!("tcp://127.0.0.1:{}", crate::free_port()?))
+            } else {
+                None
+            };
+            let mut args = vec!["--kv-events-endpoint", kv.as_str()];
+            if let Some(r) = &replay {
+                args.extend(["--kv-events-replay-endpoint", r.as_str()]);
+            }
+            args.extend_from_slice(flags);
+            let fleet = match SimFleet::start(&["127.0.0.1:0".parse()?], &args) {
+                Ok(fleet) => fleet,
+                Err(e) if attempt < 4 && format!("{e:#}").contains("Address already in use") => {
+                    eprintln!("kvoy-e2e: simulator ports taken, trying others: {e:#}");
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            fleet.wait_healthy(Duration::from_secs(10))?;
+            let addr = fleet.addrs()[0];
+            return Ok(PublishingSim {
+                fleet: Some(fleet),
+                addr,
+                kv,
+                replay,
+            });
+        }
+    }
+}

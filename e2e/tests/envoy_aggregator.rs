@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 
 use kvoy_e2e::http::{self, Response};
 use kvoy_e2e::{
-    aggregator_yaml, free_port, wait_for, AggregatedEndpoint, LocalAggregator, PoolEndpoint,
-    SimFleet, Stack, StackConfig,
+    aggregator_yaml, wait_for, AggregatedEndpoint, LocalAggregator, PoolEndpoint, PublishingSim,
+    Stack, StackConfig,
 };
 use serde_json::{json, Value};
 
@@ -29,47 +29,11 @@ const MODEL: &str = "kvoy-demo";
 const TIMEOUT: Duration = Duration::from_secs(30);
 const AGGREGATOR_SETTINGS: &str = "scrape_interval_ms: 50\nstale_after_ms: 1000\n";
 
-struct Sim {
-    fleet: Option<SimFleet>,
-    addr: SocketAddr,
-    kv: String,
-    replay: String,
-}
-
-fn start_sim(flags: &[&str]) -> Sim {
-    // A port `free_port` picked can be taken by someone else before the simulator binds it
-    // (another test's listener on port 0): then try again with new ports.
-    let mut attempt = 0;
-    loop {
-        attempt += 1;
-        let kv = format!("tcp://127.0.0.1:{}", free_port().unwrap());
-        let replay = format!("tcp://127.0.0.1:{}", free_port().unwrap());
-        let mut args = vec![
-            "--model",
-            MODEL,
-            "--kv-events-endpoint",
-            kv.as_str(),
-            "--kv-events-replay-endpoint",
-            replay.as_str(),
-        ];
-        args.extend_from_slice(flags);
-        let fleet = match SimFleet::start(&["127.0.0.1:0".parse().unwrap()], &args) {
-            Ok(fleet) => fleet,
-            Err(e) if attempt < 4 && format!("{e:#}").contains("Address already in use") => {
-                eprintln!("[{NAME}] simulator ports taken, trying others: {e:#}");
-                continue;
-            }
-            Err(e) => panic!("[{NAME}] could not start a simulator: {e:#}"),
-        };
-        fleet.wait_healthy(Duration::from_secs(10)).unwrap();
-        let addr = fleet.addrs()[0];
-        return Sim {
-            fleet: Some(fleet),
-            addr,
-            kv,
-            replay,
-        };
-    }
+fn start_sim(flags: &[&str]) -> PublishingSim {
+    let mut args = vec!["--model", MODEL];
+    args.extend_from_slice(flags);
+    PublishingSim::start(&args, true)
+        .unwrap_or_else(|e| panic!("[{NAME}] could not start a simulator: {e:#}"))
 }
 
 fn chat(prompt: &str, max_tokens: u32) -> Vec<u8> {
@@ -186,7 +150,7 @@ fn the_filter_follows_the_aggregators_view_of_the_pool() {
         .map(|s| AggregatedEndpoint {
             address: s.addr,
             models: vec![MODEL.into()],
-            kv_events: Some((s.kv.clone(), Some(s.replay.clone()))),
+            kv_events: Some((s.kv.clone(), s.replay.clone())),
         })
         .collect();
     let yaml = aggregator_yaml(AGGREGATOR_SETTINGS, &endpoints);

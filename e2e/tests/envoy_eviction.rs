@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use kvoy_e2e::http;
 use kvoy_e2e::{
-    aggregator_yaml, free_port, AggregatedEndpoint, LocalAggregator, PoolEndpoint, SimFleet, Stack,
+    aggregator_yaml, AggregatedEndpoint, LocalAggregator, PoolEndpoint, PublishingSim, Stack,
     StackConfig,
 };
 use serde_json::json;
@@ -37,34 +37,19 @@ const FLOOD: usize = 96;
 const AFTER_EVICTION: Duration = Duration::from_millis(200);
 
 /// One simulator publishing its KV events, with a small cache.
-fn start_sim() -> (SimFleet, SocketAddr, String) {
-    let mut attempt = 0;
-    loop {
-        attempt += 1;
-        let kv = format!("tcp://127.0.0.1:{}", free_port().unwrap());
-        let args = [
-            "--model",
-            MODEL,
-            "--speedup",
-            "10",
-            "--block-size",
-            "16",
-            "--num-gpu-blocks",
-            "128",
-            "--kv-events-endpoint",
-            kv.as_str(),
-        ];
-        match SimFleet::start(&["127.0.0.1:0".parse().unwrap()], &args) {
-            Ok(fleet) => {
-                fleet.wait_healthy(Duration::from_secs(10)).unwrap();
-                let addr = fleet.addrs()[0];
-                return (fleet, addr, kv);
-            }
-            // A port `free_port` picked can be taken before the simulator binds it.
-            Err(e) if attempt < 4 && format!("{e:#}").contains("Address already in use") => {}
-            Err(e) => panic!("[{NAME}] could not start a simulator: {e:#}"),
-        }
-    }
+fn start_sim() -> PublishingSim {
+    let args = [
+        "--model",
+        MODEL,
+        "--speedup",
+        "10",
+        "--block-size",
+        "16",
+        "--num-gpu-blocks",
+        "128",
+    ];
+    PublishingSim::start(&args, false)
+        .unwrap_or_else(|e| panic!("[{NAME}] could not start a simulator: {e:#}"))
 }
 
 /// About 1 KB: 16 blocks of the simulators' caches.
@@ -130,22 +115,22 @@ struct Fixture {
     counted: Stack,
     alone: Stack,
     agg: LocalAggregator,
-    sims: Vec<(SimFleet, SocketAddr, String)>,
+    sims: Vec<PublishingSim>,
 }
 
 impl Fixture {
     fn start(run: &str) -> Fixture {
-        let sims: Vec<(SimFleet, SocketAddr, String)> = (0..4).map(|_| start_sim()).collect();
+        let sims: Vec<PublishingSim> = (0..4).map(|_| start_sim()).collect();
         let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
             .join("kvoy-e2e")
             .join(format!("{NAME}-{run}-{}", std::process::id()));
         std::fs::create_dir_all(&run_dir).unwrap();
         let aggregated: Vec<AggregatedEndpoint> = sims
             .iter()
-            .map(|(_, addr, kv)| AggregatedEndpoint {
-                address: *addr,
+            .map(|s| AggregatedEndpoint {
+                address: s.addr,
                 models: vec![MODEL.into()],
-                kv_events: Some((kv.clone(), None)),
+                kv_events: Some((s.kv.clone(), None)),
             })
             .collect();
         let agg = LocalAggregator::start(
@@ -157,7 +142,7 @@ impl Fixture {
         agg.wait_ready(4, Duration::from_secs(10));
         let endpoints: Vec<PoolEndpoint> = sims
             .iter()
-            .map(|(_, addr, _)| PoolEndpoint::new(*addr, &[MODEL]))
+            .map(|s| PoolEndpoint::new(s.addr, &[MODEL]))
             .collect();
         let mut config = StackConfig::new(endpoints.clone(), run_dir.join("counted"));
         config.aggregator = Some(agg.addr());
@@ -246,8 +231,8 @@ fn a_reset_cache_stops_attracting_its_requests() {
     let placed_alone = place(f.alone.listen, 1000);
     // vLLM's /reset_prefix_cache on every server: its AllBlocksCleared event bumps the
     // endpoint's cache generation in the aggregator's snapshot.
-    for (_, addr, _) in &f.sims {
-        let r = http::send(*addr, "POST", "/reset_prefix_cache", &[], b"", TIMEOUT).unwrap();
+    for sim in &f.sims {
+        let r = http::send(sim.addr, "POST", "/reset_prefix_cache", &[], b"", TIMEOUT).unwrap();
         assert_eq!(r.status, 200, "{}", r.text());
     }
     std::thread::sleep(AFTER_EVICTION);
