@@ -94,6 +94,26 @@ impl LocalAggregator {
         self.addr
     }
 
+    /// The value of one sample of its `/metrics` (the name with its labels, as written there),
+    /// 0 when absent.
+    pub fn metric(&self, sample: &str) -> anyhow::Result<f64> {
+        let text = crate::http::send(
+            self.addr,
+            "GET",
+            "/metrics",
+            &[],
+            b"",
+            Duration::from_secs(5),
+        )?
+        .text();
+        let prefix = format!("{sample} ");
+        Ok(text
+            .lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0.0))
+    }
+
     /// Waits (at most `timeout`) until its `/readyz` counts `endpoints` ready; panics past it,
     /// as [`crate::wait_for`] does.
     pub fn wait_ready(&self, endpoints: usize, timeout: Duration) {

@@ -160,24 +160,16 @@ impl Fixture {
 }
 
 impl Fixture {
-    /// A sample of the aggregator's `/metrics` (0 when absent).
-    fn aggregator_metric(&self, sample: &str) -> f64 {
-        let text = http::send(self.agg.addr(), "GET", "/metrics", &[], b"", TIMEOUT)
-            .unwrap()
-            .text();
-        let prefix = format!("{sample} ");
-        text.lines()
-            .find_map(|l| l.strip_prefix(&prefix))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0.0)
-    }
-
     fn snapshot_bytes(&self) -> f64 {
-        self.aggregator_metric("kvoy_aggregator_snapshot_bytes_total")
+        self.agg
+            .metric("kvoy_aggregator_snapshot_bytes_total")
+            .unwrap()
     }
 
     fn incremental_polls(&self) -> f64 {
-        self.aggregator_metric(r#"kvoy_aggregator_snapshot_requests_total{kind="incremental"}"#)
+        self.agg
+            .metric(r#"kvoy_aggregator_snapshot_requests_total{kind="incremental"}"#)
+            .unwrap()
     }
 }
 

@@ -18,7 +18,7 @@ use kvoy_e2e::{
     aggregator_yaml, AggregatedEndpoint, LocalAggregator, PoolEndpoint, SimFleet, Stack,
     StackConfig,
 };
-use serde_json::{json, Value};
+use serde_json::json;
 
 const NAME: &str = "relay";
 const MODEL: &str = "kvoy-demo";
@@ -75,24 +75,9 @@ fn follow(proxies: &[SocketAddr], base: usize) -> (usize, usize) {
     (kept, turns)
 }
 
-fn metric(admin: SocketAddr, name: &str) -> u64 {
-    let r = http::send(
-        admin,
-        "GET",
-        "/stats?format=json&filter=kvoy",
-        &[],
-        b"",
-        TIMEOUT,
-    )
-    .unwrap();
-    let v: Value = serde_json::from_slice(&r.body).unwrap();
-    v["stats"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter(|s| s["name"].as_str().is_some_and(|n| n.ends_with(name)))
-        .filter_map(|s| s["value"].as_u64())
-        .sum()
+/// The sum of Envoy's `name` stats (one per filter instance).
+fn metric(stack: &Stack, name: &str) -> u64 {
+    stack.stats(name).unwrap().values().sum()
 }
 
 /// Four simulators and one aggregator following them, every wait bounded; the proxies come
@@ -186,27 +171,18 @@ fn turns_alternating_between_proxies_reach_their_conversations_simulator() {
     let (four, of_four) = follow(&listen(&relayed), 2000);
     let sent: u64 = relayed
         .iter()
-        .map(|s| metric(s.admin, "kvoy_prefix_affinity_relay_decisions_sent_total"))
+        .map(|s| metric(s, "kvoy_prefix_affinity_relay_decisions_sent_total"))
         .sum();
     let received: u64 = relayed
         .iter()
-        .map(|s| {
-            metric(
-                s.admin,
-                "kvoy_prefix_affinity_relay_decisions_received_total",
-            )
-        })
+        .map(|s| metric(s, "kvoy_prefix_affinity_relay_decisions_received_total"))
         .sum();
-    let agg_metrics = http::send(pool.agg.addr(), "GET", "/metrics", &[], b"", TIMEOUT)
-        .unwrap()
-        .text();
     let bytes = |direction: &str| -> f64 {
-        let prefix = format!("kvoy_aggregator_decision_bytes_total{{direction=\"{direction}\"}} ");
-        agg_metrics
-            .lines()
-            .find_map(|l| l.strip_prefix(&prefix))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0.0)
+        pool.agg
+            .metric(&format!(
+                "kvoy_aggregator_decision_bytes_total{{direction=\"{direction}\"}}"
+            ))
+            .unwrap()
     };
     // The relayed runs' requests (both relayed workloads).
     let requests = (2 * CONVERSATIONS * TURNS) as f64;
