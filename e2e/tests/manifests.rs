@@ -1,4 +1,4 @@
-//! The deployment manifests (`istio/`, `gateway/`) and the OCI packaging script
+//! The deployment manifests (`istio/`, `gateway/`, `deploy/`) and the OCI packaging script
 //! (`scripts/build-oci.sh`):
 //!
 //! - every manifest validates against the upstream CRD schemas with `../shared/tools/validate-manifests`
@@ -26,7 +26,7 @@ use kvoy_e2e::{
 };
 
 /// The manifest directories of the repository.
-const MANIFEST_DIRS: [&str; 2] = ["istio", "gateway"];
+const MANIFEST_DIRS: [&str; 3] = ["istio", "gateway", "deploy"];
 const WASM_TYPE: &str = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm";
 const HCM_TYPE: &str =
     "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager";
@@ -122,6 +122,9 @@ fn manifests_validate_against_the_upstream_crds() {
         "InferencePool",
         "EnvoyExtensionPolicy",
         "NetworkPolicy",
+        "ScaledObject",
+        "HorizontalPodAutoscaler",
+        "ConfigMap",
     ] {
         assert!(
             out.lines()
