@@ -8,9 +8,14 @@
 //!   the same counts, so "in flight" means across the whole proxy.
 //! - [`DecisionLog`]: a ring of `slots` values plus a head counter. A VM appends each decision
 //!   (endpoint + prefix keys) and, before routing, replays the records other VMs appended since
-//!   it last looked into its own prefix index. A request only ever reads the head (8 bytes) and
-//!   the few new records, never a big copy. A VM that falls more than `slots` records behind
-//!   skips the overwritten ones: it loses some affinity, never correctness.
+//!   it last looked into its own prefix index. A request only ever reads the head and the few
+//!   new records, never a big copy. A VM that falls more than `slots` records behind skips the
+//!   overwritten ones: it loses some affinity, never correctness.
+//!
+//! The log's head lives in the [`OutstandingTable`]'s value (see [`state_key`]): a request
+//! reads the outstanding work and the head in one operation, and the compare-and-swap that
+//! counts it outstanding also claims its record's slot. Every shared-data operation takes
+//! Envoy's process-wide lock, so two fewer per request is what this layout is for.
 //!
 //! The store is a trait so the logic is tested natively; the filter implements it over
 //! `get_shared_data` / `set_shared_data`.
@@ -65,7 +70,8 @@ pub fn namespace(prefix: &str, config: &[u8]) -> String {
 /// a changed pool (new endpoint, other order) starts apart, as it must.
 pub fn pool_namespace(prefix: &str, config: &crate::PluginConfig) -> String {
     let mut h = xxhash_rust::xxh3::Xxh3::new();
-    h.update(b"kvoy-pool-v1");
+    // v2: the decision log's head moved into the outstanding value ([`state_key`]).
+    h.update(b"kvoy-pool-v2");
     for (id, endpoint) in config.pool.iter() {
         h.update(&(id.index() as u64).to_le_bytes());
         h.update(endpoint.address.to_string().as_bytes());
@@ -174,10 +180,30 @@ impl InflightTable {
     }
 }
 
+/// The shared-data key of a pool's routing state: the [`OutstandingTable`]'s entries, then the
+/// [`DecisionLog`]'s head (8 bytes, little-endian). The head comes last so that a reader that
+/// walks whole entries never mistakes it for one (it is shorter than an entry).
+pub fn state_key(namespace: &str) -> String {
+    format!("{namespace}.outstanding")
+}
+
+/// Bytes of the log head at the end of the routing state value.
+const HEAD_BYTES: usize = 8;
+
+/// The entries and the log head of a routing state value ([`state_key`]); a value without a
+/// head (nothing was ever logged) has head 0.
+fn split_state(bytes: &[u8]) -> (&[u8], u64) {
+    let whole = bytes.len() - bytes.len() % OUTSTANDING_ENTRY_BYTES;
+    let (entries, rest) = bytes.split_at(whole);
+    let head = <[u8; HEAD_BYTES]>::try_from(rest).map_or(0, u64::from_le_bytes);
+    (entries, head)
+}
+
 /// Per-endpoint [`Outstanding`] work shared by all VMs of a proxy, keyed by the endpoint's
 /// address: one value of [`OUTSTANDING_ENTRY_BYTES`] per endpoint with work outstanding
-/// (address, then the [`Outstanding`] fields in order, little-endian), changed by CAS. It feeds the cost model, so every worker sees the prefill work every other worker
-/// queued. Keyed by address, not by pool id: a pool change or an aggregator restart renumbers
+/// (address, then the [`Outstanding`] fields in order, little-endian), then the decision log's
+/// head ([`state_key`]), changed by CAS. It feeds the cost model, so every worker sees the
+/// prefill work every other worker queued. Keyed by address, not by pool id: a pool change or an aggregator restart renumbers
 /// endpoints, and a request that started before must still release what it charged, at the
 /// endpoint it was sent to, whatever id that endpoint has now (or had on another worker).
 /// Entries with nothing in flight are dropped once their measured rate is
@@ -192,6 +218,8 @@ impl InflightTable {
 pub struct OutstandingTable {
     key: String,
     scratch: Vec<(SocketAddr, Outstanding)>,
+    /// The decision log's head in the value `scratch` was decoded from.
+    head: u64,
     bytes: Vec<u8>,
     /// The version `scratch` was decoded from by the last read, if it has not been used.
     primed: Option<u32>,
@@ -286,8 +314,9 @@ fn decode_outstanding(bytes: &[u8], out: &mut Vec<(SocketAddr, Outstanding)>) {
 impl OutstandingTable {
     pub fn new(namespace: &str) -> Self {
         OutstandingTable {
-            key: format!("{namespace}.outstanding"),
+            key: state_key(namespace),
             scratch: Vec::new(),
+            head: 0,
             bytes: Vec::new(),
             primed: None,
         }
@@ -295,20 +324,40 @@ impl OutstandingTable {
 
     /// Reads the work outstanding at each member of `pool` into `out`, indexed by id (one per
     /// id up to [`Pool::id_bound`]; zeros for members with none). Work at addresses outside
-    /// `pool` is not this pool's and is skipped.
+    /// `pool` is not this pool's and is skipped. The decision log's head read with it is
+    /// [`OutstandingTable::log_head`].
     pub fn read(&mut self, store: &impl SharedStore, pool: &Pool, out: &mut Vec<Outstanding>) {
         out.clear();
         out.resize(pool.id_bound(), Outstanding::default());
         self.primed = None;
-        if let Some((bytes, cas)) = store.get(&self.key) {
-            decode_outstanding(&bytes, &mut self.scratch);
-            for (address, o) in &self.scratch {
-                if let Some(slot) = pool.id_of(*address).and_then(|id| out.get_mut(id.index())) {
-                    *slot = *o;
+        match store.get(&self.key) {
+            Some((bytes, cas)) => {
+                self.decode(&bytes);
+                for (address, o) in &self.scratch {
+                    if let Some(slot) = pool.id_of(*address).and_then(|id| out.get_mut(id.index()))
+                    {
+                        *slot = *o;
+                    }
                 }
+                self.primed = prime(cas);
             }
-            self.primed = prime(cas);
+            None => {
+                self.scratch.clear();
+                self.head = 0;
+            }
         }
+    }
+
+    /// The decision log's head as the last read (or write) of the value saw it: what
+    /// [`DecisionLog::poll_to`] replays up to.
+    pub fn log_head(&self) -> u64 {
+        self.head
+    }
+
+    fn decode(&mut self, bytes: &[u8]) {
+        let (entries, head) = split_state(bytes);
+        decode_outstanding(entries, &mut self.scratch);
+        self.head = head;
     }
 
     /// Applies `delta` at `now` to the entry of `address` (see [`Outstanding::apply`]).
@@ -319,17 +368,42 @@ impl OutstandingTable {
         delta: OutstandingDelta,
         now: Duration,
     ) -> Result<(), StoreError> {
+        self.write(store, address, delta, now, false).map(|_| ())
+    }
+
+    /// [`OutstandingTable::add`], and in the same write claims the decision log's next slot:
+    /// returns its sequence number, for [`DecisionLog::write`].
+    pub fn add_claiming(
+        &mut self,
+        store: &impl SharedStore,
+        address: SocketAddr,
+        delta: OutstandingDelta,
+        now: Duration,
+    ) -> Result<u64, StoreError> {
+        self.write(store, address, delta, now, true)
+    }
+
+    /// Returns the log head written (advanced by one if `claim`).
+    fn write(
+        &mut self,
+        store: &impl SharedStore,
+        address: SocketAddr,
+        delta: OutstandingDelta,
+        now: Duration,
+        claim: bool,
+    ) -> Result<u64, StoreError> {
         let mut last = StoreError::CasMismatch;
         for _ in 0..CAS_RETRIES {
             let cas = match self.primed.take() {
                 Some(cas) => cas,
                 None => match store.get(&self.key) {
                     Some((b, cas)) => {
-                        decode_outstanding(&b, &mut self.scratch);
+                        self.decode(&b);
                         cas
                     }
                     None => {
                         self.scratch.clear();
+                        self.head = 0;
                         0
                     }
                 },
@@ -345,12 +419,21 @@ impl OutstandingTable {
                 }
             }
             self.scratch.retain(|(_, o)| !o.is_spent(now));
+            let head = if claim {
+                self.head.wrapping_add(1)
+            } else {
+                self.head
+            };
             self.bytes.clear();
             for (a, o) in &self.scratch {
                 encode_entry(*a, o, &mut self.bytes);
             }
+            self.bytes.extend_from_slice(&head.to_le_bytes());
             match store.set(&self.key, &self.bytes, cas) {
-                Ok(()) => return Ok(()),
+                Ok(()) => {
+                    self.head = head;
+                    return Ok(head);
+                }
                 Err(e) => last = e,
             }
         }
@@ -417,10 +500,11 @@ fn peek_header(b: &[u8]) -> Option<(u64, u64)> {
     Some((seq, origin))
 }
 
-/// The cross-VM decision log (see the module doc).
+/// The cross-VM decision log (see the module doc). Its head is kept in the routing state value
+/// ([`state_key`]), beside the outstanding work.
 #[derive(Debug, Clone)]
 pub struct DecisionLog {
-    head_key: String,
+    state_key: String,
     slot_prefix: String,
     slots: u64,
     origin: u64,
@@ -429,10 +513,6 @@ pub struct DecisionLog {
     /// Polls spent waiting on a slot whose writer has not finished.
     stalled: u32,
     scratch: Vec<u8>,
-    /// The head and its version as the last poll read them, if not yet used: the next append
-    /// claims the slot after it without reading the head again (as for [`OutstandingTable`]: a
-    /// stale prime costs a failed compare-and-swap, and only an existing head primes).
-    primed: Option<(u64, u32)>,
 }
 
 /// A slot whose writer has not finished after this many polls is given up on.
@@ -442,14 +522,13 @@ impl DecisionLog {
     /// `origin` identifies this VM (any value distinct per VM, e.g. random).
     pub fn new(namespace: &str, slots: u32, origin: u64) -> Self {
         DecisionLog {
-            head_key: format!("{namespace}.log.head"),
+            state_key: state_key(namespace),
             slot_prefix: format!("{namespace}.log."),
             slots: u64::from(slots.max(1)),
             origin,
             seen: 0,
             stalled: 0,
             scratch: Vec::new(),
-            primed: None,
         }
     }
 
@@ -457,21 +536,15 @@ impl DecisionLog {
         format!("{}{}", self.slot_prefix, seq % self.slots)
     }
 
-    fn head(store: &impl SharedStore, key: &str) -> (u64, u32) {
-        match store.get(key) {
-            Some((b, cas)) => (
-                b.get(..8)
-                    .and_then(|b| b.try_into().ok())
-                    .map_or(0, u64::from_le_bytes),
-                cas,
-            ),
-            None => (0, 0),
-        }
+    fn head(&self, store: &impl SharedStore) -> u64 {
+        store
+            .get(&self.state_key)
+            .map_or(0, |(b, _)| split_state(&b).1)
     }
 
     /// Skips everything already logged: a VM that starts late does not replay old history.
     pub fn start_at_head(&mut self, store: &impl SharedStore) {
-        self.seen = Self::head(store, &self.head_key).0;
+        self.seen = self.head(store);
     }
 
     /// Starts at the oldest record the ring still holds, so that the next polls replay what
@@ -479,35 +552,51 @@ impl DecisionLog {
     /// that joins late, begin with the pool's recent history instead of an empty index). At
     /// most `slots` records, read through the usual bounded polls.
     pub fn start_with_history(&mut self, store: &impl SharedStore) {
-        self.seen = Self::head(store, &self.head_key)
-            .0
-            .saturating_sub(self.slots);
+        self.seen = self.head(store).saturating_sub(self.slots);
     }
 
-    /// Appends a decision; returns its sequence number.
+    /// Claims the next `n` slots (at least 1): returns the first one's sequence number, the
+    /// others follow it. The outstanding entries in the same value are kept as they are.
+    pub fn claim(&mut self, store: &impl SharedStore, n: u64) -> Result<u64, StoreError> {
+        let n = n.max(1);
+        let mut last = StoreError::CasMismatch;
+        for _ in 0..CAS_RETRIES {
+            let (bytes, cas) = store.get(&self.state_key).unwrap_or_default();
+            let (entries, head) = split_state(&bytes);
+            self.scratch.clear();
+            self.scratch.extend_from_slice(entries);
+            self.scratch
+                .extend_from_slice(&head.wrapping_add(n).to_le_bytes());
+            match store.set(&self.state_key, &self.scratch, cas) {
+                Ok(()) => return Ok(head.wrapping_add(1)),
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
+    }
+
+    /// Appends a decision; returns its sequence number. (A request claims its slot with
+    /// [`OutstandingTable::add_claiming`] and calls [`DecisionLog::write`] instead.)
     pub fn append(
         &mut self,
         store: &impl SharedStore,
         endpoint: EndpointId,
         keys: &[BlockKey],
     ) -> Result<u64, StoreError> {
-        let mut claimed = None;
-        let mut last = StoreError::CasMismatch;
-        for _ in 0..CAS_RETRIES {
-            let (head, cas) = match self.primed.take() {
-                Some(primed) => primed,
-                None => Self::head(store, &self.head_key),
-            };
-            let next = head.wrapping_add(1);
-            match store.set(&self.head_key, &next.to_le_bytes(), cas) {
-                Ok(()) => {
-                    claimed = Some(next);
-                    break;
-                }
-                Err(e) => last = e,
-            }
-        }
-        let seq = claimed.ok_or(last)?;
+        let seq = self.claim(store, 1)?;
+        self.write(store, seq, endpoint, keys)?;
+        Ok(seq)
+    }
+
+    /// Writes a decision into the slot `seq`, claimed by [`DecisionLog::claim`] or
+    /// [`OutstandingTable::add_claiming`].
+    pub fn write(
+        &mut self,
+        store: &impl SharedStore,
+        seq: u64,
+        endpoint: EndpointId,
+        keys: &[BlockKey],
+    ) -> Result<(), StoreError> {
         // Nothing between what this VM has seen and its own record: the next poll need not
         // read the record back only to skip it.
         if seq == self.seen.wrapping_add(1) {
@@ -520,8 +609,7 @@ impl DecisionLog {
             keys: keys.to_vec(),
         };
         record.encode(&mut self.scratch);
-        store.set(&self.slot_key(seq), &self.scratch, 0)?;
-        Ok(seq)
+        store.set(&self.slot_key(seq), &self.scratch, 0)
     }
 
     /// Calls `apply` for every record other VMs appended since the last poll, in order.
@@ -541,10 +629,21 @@ impl DecisionLog {
         &mut self,
         store: &impl SharedStore,
         max_slots: usize,
+        apply: impl FnMut(EndpointId, &[BlockKey]),
+    ) -> usize {
+        let head = self.head(store);
+        self.poll_to(store, head, max_slots, apply)
+    }
+
+    /// [`DecisionLog::poll_at_most`] up to a `head` already read (with the outstanding work,
+    /// [`OutstandingTable::log_head`]).
+    pub fn poll_to(
+        &mut self,
+        store: &impl SharedStore,
+        head: u64,
+        max_slots: usize,
         mut apply: impl FnMut(EndpointId, &[BlockKey]),
     ) -> usize {
-        let (head, cas) = Self::head(store, &self.head_key);
-        self.primed = prime(cas).map(|cas| (head, cas));
         if head < self.seen {
             // The log restarted (e.g. lost state): follow it from its head.
             self.seen = head;
@@ -757,33 +856,64 @@ mod tests {
     }
 
     #[test]
-    fn a_poll_primes_the_next_append_and_a_stale_prime_claims_a_fresh_slot() {
+    fn a_request_reads_the_log_head_with_its_outstanding_work_and_claims_its_slot_in_one_write() {
         let store = Counting::default();
-        let (mut a, mut b) = (DecisionLog::new("ns", 8, 1), DecisionLog::new("ns", 8, 2));
-        // An empty log does not prime.
-        a.poll(&store, |_, _| {});
-        assert_eq!(a.append(&store, EndpointId(0), &keys(&[1])).unwrap(), 1);
+        let pool = pool_of(&[1, 2]);
+        let mut out = Vec::new();
+        let (mut at_a, mut log_a) = (OutstandingTable::new("ns"), DecisionLog::new("ns", 8, 1));
+        let (mut at_b, mut log_b) = (OutstandingTable::new("ns"), DecisionLog::new("ns", 8, 2));
+        // A request on a worker: read, replay up to the head read, count and claim, write.
+        let mut request = |table: &mut OutstandingTable,
+                           log: &mut DecisionLog,
+                           port: u16,
+                           key: u64,
+                           seen: &mut Vec<u64>| {
+            table.read(&store, &pool, &mut out);
+            log.poll_to(&store, table.log_head(), 32, |_, k| seen.push(k[0].0));
+            let seq = table.add_claiming(&store, at(port), sent(10), T0).unwrap();
+            log.write(&store, seq, EndpointId(0), &keys(&[key]))
+                .unwrap();
+            seq
+        };
+        let (mut seen_a, mut seen_b) = (Vec::new(), Vec::new());
+        // Nothing stored yet: the read does not prime, so the claim reads again.
+        assert_eq!(request(&mut at_a, &mut log_a, 1, 100, &mut seen_a), 1);
         assert_eq!(store.ops(), (2, 2));
-        // Poll then append: the head is read once (and the poll reads no slot of its own).
-        a.poll(&store, |_, _| {});
-        assert_eq!(a.append(&store, EndpointId(0), &keys(&[2])).unwrap(), 2);
+        // Then one get and two sets: no head of its own, no record of its own read back.
+        assert_eq!(request(&mut at_a, &mut log_a, 1, 101, &mut seen_a), 2);
         assert_eq!(store.ops(), (1, 2));
-        // b appends between a's poll and a's append: a's primed claim fails, it claims 4.
-        a.poll(&store, |_, _| {});
-        assert_eq!(b.append(&store, EndpointId(1), &keys(&[3])).unwrap(), 3);
-        assert_eq!(a.append(&store, EndpointId(0), &keys(&[4])).unwrap(), 4);
-        let mut seen = Vec::new();
-        let mut c = DecisionLog::new("ns", 8, 3);
-        c.poll(&store, |e, k| seen.push((e, k.to_vec())));
-        assert_eq!(
-            seen,
-            vec![
-                (EndpointId(0), keys(&[1])),
-                (EndpointId(0), keys(&[2])),
-                (EndpointId(1), keys(&[3])),
-                (EndpointId(0), keys(&[4])),
-            ]
-        );
+        // The other worker reads the two new records besides the value.
+        assert_eq!(request(&mut at_b, &mut log_b, 2, 200, &mut seen_b), 3);
+        assert_eq!(store.ops(), (3, 2));
+        assert_eq!(seen_b, [100, 101]);
+        // b writes between a's read and a's claim: a's primed write fails its compare-and-swap
+        // and claims the slot after b's, on a fresh read; nothing is lost.
+        at_a.read(&store, &pool, &mut out);
+        let b_seq = at_b.add_claiming(&store, at(2), sent(1), T0).unwrap();
+        let a_seq = at_a.add_claiming(&store, at(1), sent(1), T0).unwrap();
+        assert_eq!((b_seq, a_seq), (4, 5));
+        log_b
+            .write(&store, b_seq, EndpointId(1), &keys(&[201]))
+            .unwrap();
+        log_a
+            .write(&store, a_seq, EndpointId(0), &keys(&[102]))
+            .unwrap();
+        // A relay's batch claims its slots in one write and keeps the outstanding work.
+        let mut relay = DecisionLog::new("ns", 8, 3);
+        relay.start_at_head(&store);
+        assert_eq!(relay.claim(&store, 2).unwrap(), 6);
+        relay
+            .write(&store, 6, EndpointId(1), &keys(&[300]))
+            .unwrap();
+        relay
+            .write(&store, 7, EndpointId(1), &keys(&[301]))
+            .unwrap();
+        at_b.read(&store, &pool, &mut out);
+        assert_eq!(at_b.log_head(), 7);
+        assert_eq!((out[0].requests, out[1].requests), (3, 2));
+        let mut all = Vec::new();
+        DecisionLog::new("ns", 8, 4).poll(&store, |_, k| all.push(k[0].0));
+        assert_eq!(all, [100, 101, 200, 201, 102, 300, 301]);
     }
 
     #[test]
@@ -882,13 +1012,14 @@ mod tests {
         assert_eq!(counts(&out)[1], (0, 0, 0));
         assert_eq!(out[1].prompt_tokens, 0);
         // An endpoint with nothing in flight keeps its entry (its measured rate) for a while,
-        // then only live work is stored: one entry left (port 3).
+        // then only live work is stored: one entry left (port 3). The log's head follows the
+        // entries.
         let (bytes, _) = store.get("ns.outstanding").unwrap();
-        assert_eq!(bytes.len(), 2 * OUTSTANDING_ENTRY_BYTES);
+        assert_eq!(bytes.len(), 2 * OUTSTANDING_ENTRY_BYTES + HEAD_BYTES);
         let later = T0 + crate::outstanding::IDLE_KEEP;
         t.add(&store, at(3), sent(0), later).unwrap();
         let (bytes, _) = store.get("ns.outstanding").unwrap();
-        assert_eq!(bytes.len(), OUTSTANDING_ENTRY_BYTES);
+        assert_eq!(bytes.len(), OUTSTANDING_ENTRY_BYTES + HEAD_BYTES);
         // Work at addresses outside the pool is kept for whoever routes there.
         t.add(&store, at(9), sent(1), later).unwrap();
         t.add(
@@ -1060,7 +1191,7 @@ mod tests {
         let mut b = DecisionLog::new("ns", 8, 2);
         a.append(&store, EndpointId(0), &keys(&[1])).unwrap();
         // A writer that claimed seq 2 and has not written it yet.
-        store.set("ns.log.head", &2u64.to_le_bytes(), 0).unwrap();
+        assert_eq!(DecisionLog::new("ns", 8, 3).claim(&store, 1).unwrap(), 2);
         let mut got = Vec::new();
         b.poll(&store, |_, k| got.push(k[0].0));
         assert_eq!((got.clone(), b.seen()), (vec![1], 1));

@@ -165,15 +165,26 @@ impl PrefixVm {
     /// Replays other workers' decisions into this VM's index, reading at most `max_slots`
     /// records of the shared log (see [`DecisionLog::poll_at_most`]).
     pub fn catch_up(&mut self, max_slots: usize) {
+        self.replay(None, max_slots);
+    }
+
+    /// [`PrefixVm::catch_up`] up to a log head already read with the outstanding work.
+    pub fn catch_up_to(&mut self, head: u64, max_slots: usize) {
+        self.replay(Some(head), max_slots);
+    }
+
+    fn replay(&mut self, head: Option<u64>, max_slots: usize) {
         let PrefixVm {
             router,
             log,
             metrics,
             ..
         } = self;
-        let applied = log.poll_at_most(&HostStore, max_slots, |endpoint, keys| {
-            router.apply_remote(endpoint, keys)
-        });
+        let apply = |endpoint, keys: &[_]| router.apply_remote(endpoint, keys);
+        let applied = match head {
+            Some(head) => log.poll_to(&HostStore, head, max_slots, apply),
+            None => log.poll_at_most(&HostStore, max_slots, apply),
+        };
         if applied > 0 {
             Metrics::add(metrics.remote_applied, applied as u64);
         }

@@ -166,15 +166,24 @@ impl Relay {
             received: batch.decisions.len(),
             refused: 0,
         };
-        for d in &batch.decisions {
-            // An address outside this proxy's pool is never routed to, whoever names it.
-            match pool.id_of(d.endpoint) {
-                Some(id) => {
-                    if let Err(e) = self.log.append(&HostStore, id, &d.keys) {
-                        debug!("decision relay: cannot log a relayed decision: {e}");
+        // An address outside this proxy's pool is never routed to, whoever names it.
+        let accepted: Vec<_> = batch
+            .decisions
+            .iter()
+            .filter_map(|d| pool.id_of(d.endpoint).map(|id| (id, &d.keys)))
+            .collect();
+        done.refused = batch.decisions.len() - accepted.len();
+        if !accepted.is_empty() {
+            // The batch's slots are claimed in one write, then filled in order.
+            match self.log.claim(&HostStore, accepted.len() as u64) {
+                Ok(first) => {
+                    for (seq, (id, keys)) in (first..).zip(&accepted) {
+                        if let Err(e) = self.log.write(&HostStore, seq, *id, keys) {
+                            debug!("decision relay: cannot log a relayed decision: {e}");
+                        }
                     }
                 }
-                None => done.refused += 1,
+                Err(e) => debug!("decision relay: cannot claim log slots: {e}"),
             }
         }
         self.cursor = batch.cursor;

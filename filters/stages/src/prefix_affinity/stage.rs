@@ -128,9 +128,12 @@ fn refresh(vm: &mut VmState, now: Duration) {
         let now_ms = u64::try_from(now.as_millis()).unwrap_or(u64::MAX);
         super::live::refresh(vm, now_ms);
     }
-    vm.catch_up(CATCH_UP_SLOTS_PER_REQUEST);
+    // One read gives the outstanding work and the decision log's head (one value): the
+    // replay goes up to that head without reading it again.
     vm.outstanding
         .read(&HostStore, vm.router.pool(), &mut vm.counts);
+    let head = vm.outstanding.log_head();
+    vm.catch_up_to(head, CATCH_UP_SLOTS_PER_REQUEST);
 }
 
 /// The request body as buffered (`size` bytes), copied into the VM once.
@@ -304,11 +307,22 @@ impl PrefixStage {
         }
         self.chosen = Some(decision.endpoint);
         let charge = decision.charge;
-        if vm
-            .outstanding
-            .add(&HostStore, address, OutstandingDelta::sent(charge), now)
-            .is_ok()
-        {
+        // A scored decision is logged for the other workers: the write that counts the
+        // request outstanding also claims its log slot.
+        let logs = decision.kind == DecisionKind::Scored && !vm.router.last_keys().is_empty();
+        let sent = OutstandingDelta::sent(charge);
+        let (counted, slot) = if logs {
+            match vm.outstanding.add_claiming(&HostStore, address, sent, now) {
+                Ok(seq) => (true, Some(seq)),
+                Err(_) => (false, None),
+            }
+        } else {
+            (
+                vm.outstanding.add(&HostStore, address, sent, now).is_ok(),
+                None,
+            )
+        };
+        if counted {
             self.acquired = Some(Acquired {
                 endpoint: address,
                 charge,
@@ -341,9 +355,20 @@ impl PrefixStage {
                     vm.metrics.blocks_matched,
                     u64::from(decision.matched_blocks),
                 );
-                let keys = vm.router.last_keys();
-                if !keys.is_empty() && vm.log.append(&HostStore, decision.endpoint, keys).is_err() {
-                    Metrics::add(vm.metrics.shared_state_errors, 1);
+                if logs {
+                    let keys = vm.router.last_keys();
+                    // Not counted (the table full, or contended past its retries): the
+                    // decision still claims a slot of its own.
+                    let logged = match slot {
+                        Some(seq) => vm.log.write(&HostStore, seq, decision.endpoint, keys),
+                        None => vm
+                            .log
+                            .append(&HostStore, decision.endpoint, keys)
+                            .map(|_| ()),
+                    };
+                    if logged.is_err() {
+                        Metrics::add(vm.metrics.shared_state_errors, 1);
+                    }
                 }
             }
             DecisionKind::Passthrough => Metrics::add(vm.metrics.passthrough, 1),
