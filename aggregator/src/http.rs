@@ -4,9 +4,9 @@
 //! - Until the endpoint source has been read once ([`PoolView::loaded`]), `/v1/snapshot`
 //!   answers 503 with [`STATUS_HEADER`]`: not-loaded` instead of an empty pool, and `/readyz`
 //!   answers 503: a restarted aggregator never tells the filters that the pool is empty.
-//! - With a token configured, `/v1/snapshot` and `/v1/endpoints` require
+//! - With a token configured, `/v1/snapshot`, `/v1/endpoints` and `/v1/pool` require
 //!   `Authorization: Bearer <token>` (compared in constant time; 401 otherwise, counted).
-//!   `/metrics`, `/healthz` and `/readyz` stay open for probes and scrapers.
+//!   `/metrics`, `/healthz`, `/readyz` and the pool view's page stay open.
 //! - Bounds ([`Limits`]): at most `http_max_connections` open connections (more are closed at
 //!   once), request headers within `http_header_read_timeout`, and a failing `accept` backs
 //!   off instead of spinning. Every refusal is counted by reason ([`crate::reject`]).
@@ -30,6 +30,7 @@ use kvoy_shared::snapshot::{SnapshotFormat, CONTENT_TYPE};
 
 use crate::config::{ApiToken, Limits};
 use crate::follow::KvCounters;
+use crate::page::{self, PoolPage};
 use crate::pool::PoolView;
 use crate::prefill::PrefillReport;
 use crate::reject::{Reason, Rejections};
@@ -68,6 +69,8 @@ pub struct Api {
     limits: Limits,
     /// The routing decisions the proxies relay to each other (`POST /v1/decisions`).
     relay: Arc<Mutex<DecisionRelay>>,
+    /// The pool view's history and relayed decisions per endpoint (`GET /`, `/v1/pool`).
+    pub page: Arc<PoolPage>,
 }
 
 /// Keys of relayed decisions the aggregator holds at most (8 bytes each, plus the entry): a
@@ -87,6 +90,7 @@ impl Api {
             token,
             limits,
             relay: Arc::new(Mutex::new(DecisionRelay::new(RELAY_MAX_KEYS))),
+            page: Arc::default(),
         }
     }
 }
@@ -280,7 +284,18 @@ impl Api {
             return text(StatusCode::METHOD_NOT_ALLOWED, "only GET\n");
         }
         let path = req.uri().path();
-        if matches!(path, "/v1/snapshot" | "/v1/endpoints") && !self.authorized(req) {
+        // The page itself is static and open; the pool it shows (`/v1/pool`) is not.
+        if let Some((content_type, body)) = page::asset(path) {
+            let mut r = reply(StatusCode::OK, content_type, body);
+            r.headers_mut().insert(
+                hyper::header::CONTENT_SECURITY_POLICY,
+                hyper::header::HeaderValue::from_static(
+                    "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
+                ),
+            );
+            return r;
+        }
+        if matches!(path, "/v1/snapshot" | "/v1/endpoints" | "/v1/pool") && !self.authorized(req) {
             return unauthorized();
         }
         let view = self.views.borrow().clone();
@@ -290,6 +305,12 @@ impl Api {
                 StatusCode::OK,
                 "application/json",
                 serde_json::to_vec_pretty(&endpoints_json(&view)).unwrap_or_default(),
+            ),
+            "/v1/pool" => reply(
+                StatusCode::OK,
+                "application/json",
+                serde_json::to_vec(&self.page.json(&view, std::time::Instant::now()))
+                    .unwrap_or_default(),
             ),
             "/metrics" => reply(
                 StatusCode::OK,
@@ -317,7 +338,7 @@ impl Api {
             }
             _ => text(
                 StatusCode::NOT_FOUND,
-                "not found; try /v1/snapshot, /v1/endpoints, /metrics, /healthz, /readyz\n",
+                "not found; try /, /v1/pool, /v1/snapshot, /v1/endpoints, /metrics, /healthz, /readyz\n",
             ),
         }
     }
@@ -393,6 +414,7 @@ impl Api {
             .fetch_add(received as u64, Ordering::Relaxed);
         c.decisions_refused
             .fetch_add((received - kept.len()) as u64, Ordering::Relaxed);
+        self.page.count_routed(kept.iter().map(|d| d.endpoint));
         let (decisions, next) = {
             let Ok(mut relay) = self.relay.lock() else {
                 return text(StatusCode::INTERNAL_SERVER_ERROR, "relay unavailable\n");

@@ -14,6 +14,8 @@
 //! - [`reject`]: refused input, counted by reason and logged once per reason.
 //! - [`status`]: statuses and pool gauges (pure); [`pool`]: the actor that owns the endpoints
 //!   and the snapshot history; [`http`]: the API.
+//! - [`page`]: the pool view, a page at `GET /` drawing the live pool from `GET /v1/pool`,
+//!   with a short history ([`timeline`], pure).
 //!
 //! ```no_run
 //! # async fn demo() -> std::io::Result<()> {
@@ -37,6 +39,8 @@ pub mod http;
 pub mod k8s;
 pub mod kv_index;
 #[cfg(feature = "service")]
+pub mod page;
+#[cfg(feature = "service")]
 pub mod pool;
 pub mod prefill;
 pub mod prom;
@@ -46,6 +50,7 @@ pub mod scrape;
 pub mod source;
 #[cfg(feature = "service")]
 pub mod status;
+pub mod timeline;
 
 #[cfg(feature = "service")]
 use {
@@ -115,6 +120,11 @@ impl Aggregator {
         let api = http::Api::new(views, token, config.limits);
         let tasks = vec![
             tokio::spawn(pool.run(views_tx, stop.clone())),
+            tokio::spawn(page::sample(
+                api.views.clone(),
+                api.page.clone(),
+                stop.clone(),
+            )),
             tokio::spawn(http::serve(listener, api, stop)),
         ];
         Ok(Aggregator {

@@ -57,6 +57,8 @@ pub struct EndpointView {
     pub kv_rejections: Option<Arc<Rejections>>,
     /// What the prefill-rate estimator has seen.
     pub prefill: PrefillReport,
+    /// The server's prefix-cache hits and queries (tokens, cumulative), as last scraped.
+    pub prefix_cache: Option<(f64, f64)>,
 }
 
 /// Everything the HTTP API reads, replaced as a whole at every pool tick.
@@ -335,6 +337,10 @@ impl Pool {
                 kv: rt.follower.as_ref().map(|f| (f.summary(), f.counters())),
                 kv_rejections: rt.follower.as_ref().map(Follower::rejections),
                 prefill: scrape.prefill.report(),
+                prefix_cache: scrape
+                    .metrics
+                    .as_ref()
+                    .and_then(|m| m.prefix_cache_hits.zip(m.prefix_cache_queries)),
             });
         }
         self.view.gauges = status::pool_gauges(&self.statuses);

@@ -1,0 +1,229 @@
+//! The pool view: `GET /` serves a page (HTML, script and style embedded in the binary, no
+//! request leaves the aggregator) that polls `GET /v1/pool` every second and draws the live
+//! pool: per endpoint its state, queue, running requests, KV-cache use over time, cached blocks
+//! per tier and the decisions the proxies relayed for it; the pool's saturation, queue depth
+//! and prefix-cache hit rate over time.
+//!
+//! The history is kept here, not in the browser, so that a page opened now draws the last
+//! minutes at once: [`sample`] records the current [`PoolView`] into a [`Timeline`] every
+//! [`TIMELINE_INTERVAL`].
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use tokio::sync::watch;
+
+use crate::pool::PoolView;
+use crate::timeline::{EndpointReading, Reading, Timeline};
+
+/// How often the history takes a sample.
+pub const TIMELINE_INTERVAL: Duration = Duration::from_secs(1);
+/// Samples kept: five minutes.
+pub const TIMELINE_SAMPLES: usize = 300;
+
+/// The page's files: (path, content type, bytes).
+const ASSETS: [(&str, &str, &str); 3] = [
+    (
+        "/",
+        "text/html; charset=utf-8",
+        include_str!("page/index.html"),
+    ),
+    (
+        "/pool.js",
+        "text/javascript; charset=utf-8",
+        include_str!("page/pool.js"),
+    ),
+    (
+        "/pool.css",
+        "text/css; charset=utf-8",
+        include_str!("page/pool.css"),
+    ),
+];
+
+/// The page's file at `path`: (content type, body).
+pub fn asset(path: &str) -> Option<(&'static str, &'static str)> {
+    ASSETS
+        .iter()
+        .find(|(p, _, _)| *p == path)
+        .map(|(_, content_type, body)| (*content_type, *body))
+}
+
+/// What the page shows beyond the pool view: the history and the relayed decisions per
+/// endpoint.
+#[derive(Debug)]
+pub struct PoolPage {
+    started: Instant,
+    timeline: Mutex<Timeline>,
+    /// Routing decisions the proxies relayed (`POST /v1/decisions`), per endpoint, since the
+    /// aggregator started.
+    routed: Mutex<HashMap<SocketAddr, u64>>,
+}
+
+impl Default for PoolPage {
+    fn default() -> Self {
+        PoolPage {
+            started: Instant::now(),
+            timeline: Mutex::new(Timeline::new(TIMELINE_SAMPLES)),
+            routed: Mutex::new(HashMap::new()),
+        }
+    }
+}
+
+impl PoolPage {
+    /// Counts one relayed decision per address.
+    pub fn count_routed(&self, endpoints: impl Iterator<Item = SocketAddr>) {
+        if let Ok(mut routed) = self.routed.lock() {
+            for e in endpoints {
+                *routed.entry(e).or_insert(0) += 1;
+            }
+        }
+    }
+
+    fn millis(&self, now: Instant) -> u64 {
+        u64::try_from(now.saturating_duration_since(self.started).as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Records `view` as the sample of `now`.
+    pub fn record(&self, view: &PoolView, now: Instant) {
+        let reading = Reading {
+            saturation: view.gauges.saturation,
+            queue_depth: view.gauges.waiting,
+            running: view.gauges.running,
+            endpoints: view
+                .endpoints
+                .iter()
+                .map(|e| EndpointReading {
+                    address: e.status.address,
+                    kv_cache_usage: e.status.kv_cache_usage,
+                    // A server scraped without the series has counted nothing yet (vLLM
+                    // and kvoy-sim write them from the first prompt on): zero, so that the
+                    // interval of its first prompts counts.
+                    prefix_cache: e.prefix_cache.or(e.metrics_age_ms.map(|_| (0.0, 0.0))),
+                })
+                .collect(),
+        };
+        let at = self.millis(now);
+        if let Ok(mut t) = self.timeline.lock() {
+            t.record(at, &reading);
+        }
+    }
+
+    /// The JSON of `GET /v1/pool`.
+    pub fn json(&self, view: &PoolView, now: Instant) -> serde_json::Value {
+        let routed = self.routed.lock().map(|r| r.clone()).unwrap_or_default();
+        let endpoints: Vec<_> = view
+            .endpoints
+            .iter()
+            .map(|e| {
+                let s = &e.status;
+                json!({
+                    "address": s.address.to_string(),
+                    "models": s.models,
+                    "ready": s.ready,
+                    "stale": s.stale,
+                    "waiting": s.waiting,
+                    "running": s.running,
+                    "kv_cache_usage": s.kv_cache_usage,
+                    "capacity_blocks": s.capacity_blocks,
+                    "kv_events": e.kv.is_some(),
+                    "cached_blocks": {"gpu": s.cached_blocks[0], "cpu": s.cached_blocks[1], "storage": s.cached_blocks[2]},
+                    "prefix_hit_rate": s.prefix_hit_rate,
+                    "metrics_age_ms": e.metrics_age_ms,
+                    "last_error": e.last_error,
+                    "routed": routed.get(&s.address).copied().unwrap_or(0),
+                })
+            })
+            .collect();
+        let history: Vec<_> = match self.timeline.lock() {
+            Ok(t) => t
+                .samples()
+                .map(|s| {
+                    let kv: serde_json::Map<String, serde_json::Value> = s
+                        .kv_cache_usage
+                        .iter()
+                        .map(|(a, u)| (a.to_string(), json!(u)))
+                        .collect();
+                    json!({
+                        "t_ms": s.at_ms,
+                        "saturation": s.saturation,
+                        "queue_depth": s.queue_depth,
+                        "running": s.running,
+                        "hit_rate": s.hit_rate,
+                        "kv": kv,
+                    })
+                })
+                .collect(),
+            Err(_) => Vec::new(),
+        };
+        let g = &view.gauges;
+        json!({
+            "loaded": view.loaded,
+            "now_ms": self.millis(now),
+            "interval_ms": TIMELINE_INTERVAL.as_millis() as u64,
+            "pool": {
+                "endpoints": g.endpoints,
+                "ready": g.ready,
+                "stale": g.stale,
+                "waiting": g.waiting,
+                "running": g.running,
+                "kv_cache_usage": g.kv_cache_usage,
+                "saturation": g.saturation,
+            },
+            "endpoints": endpoints,
+            "history": history,
+        })
+    }
+}
+
+/// Records the latest view every [`TIMELINE_INTERVAL`] until `shutdown` turns true.
+pub async fn sample(
+    views: watch::Receiver<Arc<PoolView>>,
+    page: Arc<PoolPage>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut tick = tokio::time::interval(TIMELINE_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = shutdown.changed() => return,
+        }
+        let view = views.borrow().clone();
+        page.record(&view, Instant::now());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_assets_are_embedded_and_local() {
+        let (kind, html) = asset("/").unwrap();
+        assert!(kind.starts_with("text/html"));
+        assert!(html.contains("/pool.js") && html.contains("/pool.css"));
+        assert!(asset("/pool.js").is_some() && asset("/pool.css").is_some());
+        assert!(asset("/nope").is_none());
+        // Nothing is fetched from elsewhere at run time: the only URL is SVG's namespace name.
+        for (path, _, body) in ASSETS {
+            let rest = body.replace("\"http://www.w3.org/2000/svg\"", "");
+            assert!(!rest.contains("://"), "{path} names another host");
+        }
+    }
+
+    #[test]
+    fn routed_decisions_are_counted_per_endpoint() {
+        let page = PoolPage::default();
+        let a: SocketAddr = "10.0.0.1:8000".parse().unwrap();
+        let b: SocketAddr = "10.0.0.2:8000".parse().unwrap();
+        page.count_routed([a, b, a].into_iter());
+        let routed = page.routed.lock().unwrap().clone();
+        assert_eq!((routed[&a], routed[&b]), (2, 1));
+        let json = page.json(&PoolView::new(1), Instant::now());
+        assert_eq!(json["loaded"], false);
+        assert_eq!(json["endpoints"].as_array().unwrap().len(), 0);
+    }
+}

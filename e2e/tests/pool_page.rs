@@ -1,0 +1,428 @@
+//! The pool view (`GET /` of kvoy-aggregator) in a real browser: headless Chromium (Debian's
+//! `chromium`) loads the page against a running stack (a real Envoy with the `kvoy` filter
+//! relaying its decisions through the aggregator, three kvoy-sim simulators publishing KV
+//! events) and the test reads the DOM the page's script built:
+//!
+//! - one row per endpoint whose numbers (waiting, running, cached GPU blocks, routed
+//!   decisions) are the aggregator's own (`GET /v1/pool`), the routed ones adding up to the
+//!   requests sent; charts drawn from the server-side history, with points;
+//! - a stopped simulator's row stays, marked stale;
+//! - an aggregator with an empty pool, and one that has not read its endpoint source yet,
+//!   show their explained empty states.
+//!
+//! A screenshot goes to the test's target tmp dir (and to `docs/pool-view.png` with
+//! `KVOY_UPDATE_SCREENSHOT=1`). Skips, saying so, only when there is no Chromium (`chromium`
+//! on PATH, or `KVOY_CHROMIUM`); `.ci/run` installs it. Needs `envoy` on PATH and the built
+//! filter (`make wasm`).
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use kvoy_e2e::http;
+use kvoy_e2e::{
+    aggregator_yaml, free_port, wait_for, workspace_root, AggregatedEndpoint, LocalAggregator,
+    PoolEndpoint, PublishingSim, Stack, StackConfig,
+};
+
+const NAME: &str = "pool-page";
+const MODEL: &str = "kvoy-demo";
+const CONVERSATIONS: usize = 6;
+const TURNS: usize = 4;
+/// Virtual time Chromium gives the page's script before it dumps the DOM: several polls.
+const BUDGET_MS: u32 = 3000;
+
+fn chromium() -> Option<PathBuf> {
+    let bin =
+        std::env::var_os("KVOY_CHROMIUM").map_or_else(|| PathBuf::from("chromium"), PathBuf::from);
+    let ok = Command::new(&bin)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    ok.then_some(bin)
+}
+
+fn headless(bin: &Path, profile: &Path) -> Command {
+    let mut c = Command::new(bin);
+    c.args([
+        "--headless=new",
+        // Root in a container has no user namespace for the sandbox.
+        "--no-sandbox",
+        "--disable-gpu",
+        "--no-first-run",
+        "--hide-scrollbars",
+        "--window-size=1280,900",
+        &format!("--virtual-time-budget={BUDGET_MS}"),
+        &format!("--user-data-dir={}", profile.display()),
+    ])
+    .stdin(Stdio::null());
+    c
+}
+
+/// The page's DOM after [`BUDGET_MS`] of its script running.
+fn dump_dom(bin: &Path, scratch: &Path, url: &str) -> String {
+    let out = headless(bin, &scratch.join("profile"))
+        .arg("--dump-dom")
+        .arg(url)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "chromium failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn screenshot(bin: &Path, scratch: &Path, url: &str, path: &Path) {
+    let out = headless(bin, &scratch.join("profile"))
+        .arg(format!("--screenshot={}", path.display()))
+        .arg(url)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "chromium failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let png = std::fs::read(path).unwrap();
+    assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
+    assert!(
+        png.len() > 10_000,
+        "a {}-byte screenshot is blank",
+        png.len()
+    );
+}
+
+/// The opening tags in `dom` that carry `marker` (e.g. `data-endpoint=`), whole.
+fn tags<'a>(dom: &'a str, marker: &str) -> Vec<&'a str> {
+    dom.match_indices(marker)
+        .map(|(at, _)| {
+            let start = dom[..at].rfind('<').unwrap();
+            let end = at + dom[at..].find('>').unwrap();
+            &dom[start..=end]
+        })
+        .collect()
+}
+
+fn attr<'a>(tag: &'a str, name: &str) -> Option<&'a str> {
+    let key = format!(" {name}=\"");
+    let at = tag.find(&key)? + key.len();
+    Some(&tag[at..at + tag[at..].find('"')?])
+}
+
+/// The endpoint rows: address -> the row's opening tag.
+fn rows(dom: &str) -> BTreeMap<String, &str> {
+    tags(dom, "data-endpoint=")
+        .into_iter()
+        .map(|t| (attr(t, "data-endpoint").unwrap().to_owned(), t))
+        .collect()
+}
+
+/// `data-points` of each chart named `name`.
+fn chart_points(dom: &str, name: &str) -> Vec<u64> {
+    tags(dom, &format!("data-chart=\"{name}\""))
+        .into_iter()
+        .map(|t| attr(t, "data-points").unwrap().parse().unwrap())
+        .collect()
+}
+
+/// The text of the element with `id`.
+fn text_of(dom: &str, id: &str) -> String {
+    let open = dom.find(&format!("id=\"{id}\"")).unwrap();
+    let from = open + dom[open..].find('>').unwrap() + 1;
+    dom[from..from + dom[from..].find('<').unwrap()].to_owned()
+}
+
+fn pool_json(aggregator: &LocalAggregator) -> Value {
+    let r = http::send(
+        aggregator.addr(),
+        "GET",
+        "/v1/pool",
+        &[],
+        b"",
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    assert_eq!(r.status, 200);
+    r.json().unwrap()
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join("kvoy-e2e")
+        .join(format!("{NAME}-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A turn of `conversation`: three groups of conversations, each with a system prompt of its
+/// own, so that the pool's servers each hold some.
+fn turn(conversation: usize, t: usize, max_tokens: u32) -> Vec<u8> {
+    let system = format!(
+        "You are assistant {} of the kvoy pool-view test. Answer in one short line. ",
+        conversation % 3
+    );
+    let mut messages = vec![json!({"role": "system", "content": system.repeat(12)})];
+    for i in 0..=t {
+        messages.push(json!({"role": "user", "content": format!("conversation {conversation}, question {i}")}));
+        if i < t {
+            messages.push(json!({"role": "assistant", "content": format!("answer {i}")}));
+        }
+    }
+    serde_json::to_vec(&json!({"model": MODEL, "max_tokens": max_tokens, "messages": messages}))
+        .unwrap()
+}
+
+#[test]
+fn the_pool_page_draws_the_live_pool_and_marks_a_stale_endpoint() {
+    let Some(bin) = chromium() else {
+        eprintln!(
+            "[{NAME}] SKIPPED: no Chromium (`chromium` on PATH or KVOY_CHROMIUM); \
+             `apt-get install -y chromium` (.ci/run does)"
+        );
+        return;
+    };
+    let dir = scratch("live");
+    let mut sims: Vec<PublishingSim> = (0..3)
+        .map(|_| {
+            PublishingSim::start(
+                &[
+                    "--model",
+                    MODEL,
+                    "--speedup",
+                    "10",
+                    "--num-gpu-blocks",
+                    "2000",
+                ],
+                true,
+            )
+            .unwrap()
+        })
+        .collect();
+    let endpoints: Vec<AggregatedEndpoint> = sims
+        .iter()
+        .map(|s| AggregatedEndpoint {
+            address: s.addr,
+            models: vec![MODEL.into()],
+            kv_events: Some((s.kv.clone(), s.replay.clone())),
+        })
+        .collect();
+    let aggregator = LocalAggregator::start(
+        &dir.join("aggregator.yaml"),
+        &aggregator_yaml("scrape_interval_ms: 50\nstale_after_ms: 500\n", &endpoints),
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .unwrap();
+    aggregator.wait_ready(3, Duration::from_secs(10));
+    let mut config = StackConfig::new(
+        sims.iter()
+            .map(|s| PoolEndpoint::new(s.addr, &[MODEL]))
+            .collect(),
+        dir.join("envoy"),
+    );
+    config.aggregator = Some(aggregator.addr());
+    let stack = Stack::start(&config).unwrap();
+
+    // Conversations whose turns resend a growing prefix: the servers' caches hit.
+    let mut sent = 0u64;
+    for t in 0..TURNS {
+        for c in 0..CONVERSATIONS {
+            let r = http::post_json(
+                stack.listen,
+                "/v1/chat/completions",
+                &[],
+                &turn(c, t, 8),
+                Duration::from_secs(30),
+            )
+            .unwrap();
+            assert_eq!(r.status, 200, "{}", r.text());
+            sent += 1;
+        }
+    }
+    // Every decision relayed (the filter exchanges on its poll ticks), every KV event in.
+    wait_for("the relayed decisions", Duration::from_secs(10), || {
+        pool_json(&aggregator)["endpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["routed"].as_u64().unwrap())
+            .sum::<u64>()
+            == sent
+    });
+    // A few more history samples after the traffic.
+    std::thread::sleep(Duration::from_millis(2500));
+
+    let url = format!("http://{}/", aggregator.addr());
+    let dom = dump_dom(&bin, &dir, &url);
+    let pool = pool_json(&aggregator);
+    let shown = rows(&dom);
+    eprintln!("[{NAME}] rows as the page drew them:");
+    for t in shown.values() {
+        eprintln!("[{NAME}]   {t}");
+    }
+    assert!(dom.contains("data-pool=\"live\""), "{dom}");
+    assert_eq!(shown.len(), 3, "{dom}");
+    let mut routed_total = 0;
+    let mut gpu_total = 0;
+    for e in pool["endpoints"].as_array().unwrap() {
+        let address = e["address"].as_str().unwrap();
+        let row = shown
+            .get(address)
+            .unwrap_or_else(|| panic!("no row for {address}"));
+        let n = |name: &str| attr(row, name).unwrap().parse::<u64>().unwrap();
+        assert_eq!(attr(row, "data-state"), Some("ready"), "{row}");
+        assert_eq!(n("data-waiting"), e["waiting"].as_u64().unwrap());
+        assert_eq!(n("data-running"), e["running"].as_u64().unwrap());
+        assert_eq!(n("data-gpu"), e["cached_blocks"]["gpu"].as_u64().unwrap());
+        assert_eq!(n("data-routed"), e["routed"].as_u64().unwrap());
+        routed_total += n("data-routed");
+        gpu_total += n("data-gpu");
+    }
+    assert_eq!(
+        routed_total, sent,
+        "the rows' routed decisions add up to the requests"
+    );
+    assert!(gpu_total > 0, "no cached blocks shown");
+    assert_eq!(text_of(&dom, "ready"), "3 / 3");
+    let samples = pool["history"].as_array().unwrap().len() as u64;
+    let saturation = chart_points(&dom, "saturation");
+    let queue = chart_points(&dom, "queue-depth");
+    let hit_rate = chart_points(&dom, "hit-rate");
+    let kv = chart_points(&dom, "kv");
+    eprintln!(
+        "[{NAME}] {sent} requests, routed {routed_total}, GPU blocks {gpu_total}; history {samples} samples; \
+         chart points: saturation {saturation:?}, queue {queue:?}, hit rate {hit_rate:?}, kv {kv:?}; \
+         hit rate shown {}",
+        text_of(&dom, "hit-rate")
+    );
+    assert!(saturation[0] >= 3 && queue[0] >= 3, "too few points");
+    assert!(hit_rate[0] >= 1, "no prefix hit rate drawn");
+    assert_eq!(kv.len(), 3);
+    assert!(kv.iter().all(|p| *p >= 3), "{kv:?}");
+    // The screenshot under a bounded load, so that queues and running requests show.
+    let listen = stack.listen;
+    let load: Vec<_> = (0..12)
+        .map(|c| {
+            std::thread::spawn(move || {
+                for t in 0..6 {
+                    let body = turn(100 + c, t, 2000);
+                    let _ = http::post_json(
+                        listen,
+                        "/v1/chat/completions",
+                        &[],
+                        &body,
+                        Duration::from_secs(60),
+                    );
+                }
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(1000));
+    let png = dir.join("pool-view.png");
+    screenshot(&bin, &dir, &url, &png);
+    for l in load {
+        l.join().unwrap();
+    }
+    eprintln!("[{NAME}] screenshot: {}", png.display());
+    if std::env::var_os("KVOY_UPDATE_SCREENSHOT").is_some() {
+        std::fs::copy(&png, workspace_root().join("docs/pool-view.png")).unwrap();
+    }
+
+    // One simulator stops: its row stays, marked.
+    let stopped = sims[0].addr.to_string();
+    drop(sims[0].fleet.take());
+    wait_for(
+        "the stopped simulator to go stale",
+        Duration::from_secs(10),
+        || {
+            pool_json(&aggregator)["endpoints"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|e| e["address"] == stopped.as_str() && e["stale"] == true)
+        },
+    );
+    let dom = dump_dom(&bin, &dir, &url);
+    let shown = rows(&dom);
+    assert_eq!(shown.len(), 3, "a stale endpoint must stay on the page");
+    let row = shown[&stopped];
+    eprintln!("[{NAME}] the stopped simulator's row: {row}");
+    assert!(
+        matches!(attr(row, "data-state"), Some("stale" | "not-ready")),
+        "{row}"
+    );
+    assert!(attr(row, "class").unwrap().contains("stale"), "{row}");
+    let at = dom.find(&format!("data-endpoint=\"{stopped}\"")).unwrap();
+    let row_html = &dom[at..at + dom[at..].find("</tr>").unwrap()];
+    assert!(row_html.contains("stale: metrics"), "{row_html}");
+    for (address, row) in &shown {
+        if *address != stopped {
+            assert_eq!(attr(row, "data-state"), Some("ready"), "{row}");
+        }
+    }
+    assert_eq!(text_of(&dom, "ready").split(" / ").nth(1), Some("3"));
+    assert!(text_of(&dom, "stale-note").contains("1 stale"));
+    screenshot(&bin, &dir, &url, &dir.join("pool-view-stale.png"));
+    drop(stack);
+    drop(sims);
+    let _ = std::fs::remove_dir_all(dir.join("profile"));
+}
+
+#[test]
+fn the_pool_page_explains_an_empty_pool_and_a_pool_not_loaded_yet() {
+    let Some(bin) = chromium() else {
+        eprintln!("[{NAME}] SKIPPED: no Chromium (`chromium` on PATH or KVOY_CHROMIUM)");
+        return;
+    };
+    let dir = scratch("empty");
+    let empty = LocalAggregator::start(
+        &dir.join("empty.yaml"),
+        &aggregator_yaml("", &[]),
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .unwrap();
+    empty.wait_ready(0, Duration::from_secs(10));
+    let dom = dump_dom(&bin, &dir, &format!("http://{}/", empty.addr()));
+    assert!(dom.contains("data-pool=\"empty\""), "{dom}");
+    assert!(dom.contains("The pool is empty"), "{dom}");
+    assert!(rows(&dom).is_empty());
+    assert_eq!(chart_points(&dom, "saturation"), [0], "nothing to draw");
+    assert_eq!(text_of(&dom, "ready"), "0 / 0");
+
+    // An API server that refuses every connection: the first discovery never succeeds.
+    let refused = free_port().unwrap();
+    let not_loaded = LocalAggregator::start(
+        &dir.join("not-loaded.yaml"),
+        &format!(
+            "kubernetes:\n  inference_pool: llama-pool\n  namespace: llm\n  api_server: http://127.0.0.1:{refused}\n  token_file: ''\n  models: [{MODEL}]\n  request_timeout_ms: 300\n"
+        ),
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .unwrap();
+    let dom = dump_dom(&bin, &dir, &format!("http://{}/", not_loaded.addr()));
+    assert!(dom.contains("data-pool=\"not-loaded\""), "{dom}");
+    assert!(
+        dom.contains("has not read its endpoint source yet"),
+        "{dom}"
+    );
+    assert!(rows(&dom).is_empty());
+    screenshot(
+        &bin,
+        &dir,
+        &format!("http://{}/", empty.addr()),
+        &dir.join("pool-view-empty.png"),
+    );
+    eprintln!(
+        "[{NAME}] empty and not-loaded states shown; screenshots in {}",
+        dir.display()
+    );
+    let _ = std::fs::remove_dir_all(dir.join("profile"));
+}
