@@ -552,21 +552,26 @@ pub fn endpoints_json(view: &PoolView) -> serde_json::Value {
             })
         })
         .collect();
-    let g = &view.gauges;
     json!({
         "epoch": view.history.epoch(),
         "version": view.history.version(),
         "loaded": view.loaded,
-        "pool": {
-            "endpoints": g.endpoints,
-            "ready": g.ready,
-            "stale": g.stale,
-            "waiting": g.waiting,
-            "running": g.running,
-            "kv_cache_usage": g.kv_cache_usage,
-            "saturation": g.saturation,
-        },
+        "pool": pool_gauges_json(view),
         "endpoints": endpoints,
+    })
+}
+
+/// The pool's gauges as `GET /v1/endpoints` and the pool view (`GET /v1/pool`) give them.
+pub fn pool_gauges_json(view: &PoolView) -> serde_json::Value {
+    let g = &view.gauges;
+    json!({
+        "endpoints": g.endpoints,
+        "ready": g.ready,
+        "stale": g.stale,
+        "waiting": g.waiting,
+        "running": g.running,
+        "kv_cache_usage": g.kv_cache_usage,
+        "saturation": g.saturation,
     })
 }
 

@@ -158,20 +158,11 @@ impl PoolPage {
                 .collect(),
             Err(_) => Vec::new(),
         };
-        let g = &view.gauges;
         json!({
             "loaded": view.loaded,
             "now_ms": self.millis(now),
             "interval_ms": TIMELINE_INTERVAL.as_millis() as u64,
-            "pool": {
-                "endpoints": g.endpoints,
-                "ready": g.ready,
-                "stale": g.stale,
-                "waiting": g.waiting,
-                "running": g.running,
-                "kv_cache_usage": g.kv_cache_usage,
-                "saturation": g.saturation,
-            },
+            "pool": crate::http::pool_gauges_json(view),
             "endpoints": endpoints,
             "history": history,
         })
