@@ -179,6 +179,10 @@ pub struct StackConfig {
     /// Another module in `wasm_dir` in the combined filter's place, with the same
     /// configuration (the overhead benchmark's floor, `kvoy_floor.wasm`); `None`: `kvoy.wasm`.
     pub filter_module: Option<String>,
+    /// Serve the listener over LDS from a watched file in `run_dir/lds/` instead of in the
+    /// bootstrap, so that [`Stack::reconfigure`] can change it while Envoy runs, as a control
+    /// plane (Istio, Envoy Gateway) does.
+    pub listeners_over_lds: bool,
 }
 
 impl StackConfig {
@@ -199,6 +203,7 @@ impl StackConfig {
             layout: FilterLayout::default(),
             ready_timeout: Duration::from_secs(60),
             filter_module: None,
+            listeners_over_lds: false,
         }
     }
 }
@@ -215,6 +220,8 @@ pub struct Stack {
     pub filter_config: String,
     /// The Envoy process (killed on drop).
     pub envoy: EnvoyProcess,
+    config: StackConfig,
+    lds: Option<Lds>,
 }
 
 /// The filter's report, on the response, of the endpoint that served the request.
@@ -307,62 +314,20 @@ impl Stack {
             .with_context(|| format!("creating {}", config.run_dir.display()))?;
         let listen_port = pick(config.listen_port)?;
         let admin_port = pick(config.admin_port)?;
-        let mut extra = config
-            .extra_config
-            .clone()
-            .unwrap_or_else(|| Value::Object(Default::default()));
-        if let Value::Object(map) = &mut extra {
-            if config.aggregator.is_some() {
-                map.entry("aggregator")
-                    .or_insert_with(|| serde_json::json!({"cluster": AGGREGATOR_CLUSTER}));
-            }
-            // Everything of this kit listens on loopback: the pool may be nowhere else.
-            map.entry("allowed_destinations")
-                .or_insert_with(|| serde_json::json!([{"cidr": LOOPBACK_CIDR}]));
-        }
-        let filter_config =
-            prefix_affinity_config(&config.pool, config.max_body_bytes, Some(&extra));
-        let wasm_dir = config
-            .wasm_dir
-            .canonicalize()
-            .with_context(|| format!("resolving {}", config.wasm_dir.display()))?;
-        let params = BootstrapParams {
-            listen_port,
-            admin_port,
-            wasm_dir,
-            prefix_affinity_config: filter_config.clone(),
-            session_config: config.session_config.clone(),
-            admission_config: config.admission_config.clone().unwrap_or_else(|| {
-                serde_json::json!({"endpoints": config.pool.len().max(1)}).to_string()
-            }),
-            // Without an aggregator the cluster is unused; any port will do.
-            aggregator_port: config.aggregator.map_or(9, |a| a.port()),
-        };
-        let rendered = match &config.filter_module {
-            None => render_bootstrap_file(&config.layout.template(), &params)?,
-            Some(module) => {
-                let path = config.layout.template();
-                let template = std::fs::read_to_string(&path)
-                    .with_context(|| format!("reading {}", path.display()))?;
-                let combined = format!("\"{{{{WASM_DIR}}}}/{KVOY_WASM}\"");
-                if config.layout != FilterLayout::Combined
-                    || template.matches(&combined).count() != 1
-                {
-                    bail!("{module} can only stand in for the one {KVOY_WASM} of the combined bootstrap");
-                }
-                if module.contains(['"', '\\', '/']) {
-                    bail!("{module:?} is not a plain file name");
-                }
-                if !config.wasm_dir.join(module).is_file() {
-                    bail!(
-                        "the module {module} is not in {}: run `make wasm`",
-                        config.wasm_dir.display()
-                    );
-                }
-                let template =
-                    template.replace(&combined, &format!("\"{{{{WASM_DIR}}}}/{module}\""));
-                crate::bootstrap::render_bootstrap(&template, &params)?
-            }
+        let (mut rendered, filter_config) = render(config, listen_port, admin_port)?;
+        let lds = if config.listeners_over_lds {
+            let dir = config.run_dir.join("lds");
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            let lds = Lds {
+                path: dir.join(LDS_FILE),
+                dir,
+                listen_port,
+                admin_port,
+            };
+            rendered = lds.split(&rendered)?;
+            Some(lds)
+        } else {
+            None
         };
         let config_path = config.run_dir.join("envoy.yaml");
         std::fs::write(&config_path, rendered)
@@ -379,8 +344,211 @@ impl Stack {
             config_path,
             filter_config,
             envoy,
+            config: config.clone(),
+            lds,
         })
     }
+
+    /// Gives the running Envoy a new listener through LDS, as a control plane does: the
+    /// bootstrap rendered from `config` (whose ports, layout and wasm are this stack's), its
+    /// listener written to the watched file by an atomic rename. Returns once Envoy has taken
+    /// it (`listener_manager.listener_modified` moved on) and warmed it, so new connections
+    /// from then on meet the new filter configuration. Needs
+    /// [`StackConfig::listeners_over_lds`].
+    pub fn reconfigure(&mut self, config: &StackConfig) -> anyhow::Result<()> {
+        let Some(lds) = &self.lds else {
+            bail!("the stack was started with its listener in the bootstrap, not over LDS");
+        };
+        let (rendered, filter_config) = render(config, lds.listen_port, lds.admin_port)?;
+        let updates = |stack: &Stack| -> anyhow::Result<u64> {
+            let reply = crate::http::send(
+                stack.admin,
+                "GET",
+                "/stats?filter=listener_manager",
+                &[],
+                &[],
+                Duration::from_secs(5),
+            )?;
+            anyhow::ensure!(reply.status == 200, "GET /stats: {}", reply.status);
+            let text = reply.text();
+            let stat = |name: &str| {
+                text.lines().find_map(|l| {
+                    l.strip_prefix(name)?
+                        .strip_prefix(": ")?
+                        .trim()
+                        .parse()
+                        .ok()
+                })
+            };
+            let warming: u64 = stat("listener_manager.total_listeners_warming").unwrap_or(0);
+            let modified: u64 = stat("listener_manager.listener_modified").unwrap_or(0);
+            // A modified listener serves once warm (its filters configured); until then the
+            // old one takes the new connections.
+            Ok(if warming == 0 { modified } else { 0 })
+        };
+        let before = updates(self)?;
+        lds.write(&rendered)?;
+        let deadline = std::time::Instant::now() + config.ready_timeout;
+        while updates(self)? <= before {
+            if std::time::Instant::now() > deadline {
+                bail!(
+                    "Envoy did not take the new listener from {} within {:?}",
+                    lds.path.display(),
+                    config.ready_timeout
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.filter_config = filter_config;
+        self.config = config.clone();
+        Ok(())
+    }
+
+    /// How this stack was started (or last reconfigured).
+    pub fn config(&self) -> &StackConfig {
+        &self.config
+    }
+}
+
+/// The file, in `run_dir/lds/`, that a stack started with
+/// [`StackConfig::listeners_over_lds`] takes its listener from.
+pub const LDS_FILE: &str = "listeners.yaml";
+
+/// A listener served to Envoy from a watched file (`path_config_source`).
+struct Lds {
+    dir: PathBuf,
+    path: PathBuf,
+    listen_port: u16,
+    admin_port: u16,
+}
+
+impl Lds {
+    /// Moves the rendered bootstrap's listeners into the LDS file; returns the bootstrap
+    /// that points Envoy at it.
+    fn split(&self, rendered: &str) -> anyhow::Result<String> {
+        let mut bootstrap: Value =
+            serde_yaml_ng::from_str(rendered).context("parsing the rendered bootstrap")?;
+        self.write(rendered)?;
+        let statics = bootstrap
+            .get_mut("static_resources")
+            .and_then(Value::as_object_mut)
+            .context("the bootstrap has no static_resources")?;
+        statics.remove("listeners");
+        let root = bootstrap
+            .as_object_mut()
+            .context("the bootstrap is not a mapping")?;
+        // LDS needs a node identity, even from a file.
+        root.entry("node")
+            .or_insert_with(|| serde_json::json!({"id": "kvoy-e2e", "cluster": "kvoy-e2e"}));
+        root.insert(
+            "dynamic_resources".into(),
+            serde_json::json!({"lds_config": {
+                "resource_api_version": "V3",
+                "path_config_source": {
+                    "path": self.path,
+                    "watched_directory": {"path": self.dir},
+                },
+            }}),
+        );
+        Ok(serde_json::to_string_pretty(&bootstrap)?)
+    }
+
+    /// Writes the listeners of `rendered` (a whole bootstrap) as an LDS response: to a file
+    /// beside, then renamed over [`LDS_FILE`], the move Envoy's watch reacts to.
+    fn write(&self, rendered: &str) -> anyhow::Result<()> {
+        let bootstrap: Value =
+            serde_yaml_ng::from_str(rendered).context("parsing the rendered bootstrap")?;
+        let listeners = bootstrap
+            .pointer("/static_resources/listeners")
+            .and_then(Value::as_array)
+            .context("the bootstrap has no static_resources.listeners")?;
+        let resources: Vec<Value> = listeners
+            .iter()
+            .map(|l| {
+                let mut l = l.clone();
+                if let Value::Object(map) = &mut l {
+                    map.insert(
+                        "@type".into(),
+                        "type.googleapis.com/envoy.config.listener.v3.Listener".into(),
+                    );
+                }
+                l
+            })
+            .collect();
+        let staged = self.dir.join(".listeners.yaml.new");
+        std::fs::write(
+            &staged,
+            serde_json::to_string_pretty(&serde_json::json!({ "resources": resources }))?,
+        )
+        .with_context(|| format!("writing {}", staged.display()))?;
+        std::fs::rename(&staged, &self.path)
+            .with_context(|| format!("moving {} into place", staged.display()))?;
+        Ok(())
+    }
+}
+
+/// The bootstrap of `config` on these ports, and the filter configuration it carries.
+fn render(
+    config: &StackConfig,
+    listen_port: u16,
+    admin_port: u16,
+) -> anyhow::Result<(String, String)> {
+    let mut extra = config
+        .extra_config
+        .clone()
+        .unwrap_or_else(|| Value::Object(Default::default()));
+    if let Value::Object(map) = &mut extra {
+        if config.aggregator.is_some() {
+            map.entry("aggregator")
+                .or_insert_with(|| serde_json::json!({"cluster": AGGREGATOR_CLUSTER}));
+        }
+        // Everything of this kit listens on loopback: the pool may be nowhere else.
+        map.entry("allowed_destinations")
+            .or_insert_with(|| serde_json::json!([{"cidr": LOOPBACK_CIDR}]));
+    }
+    let filter_config = prefix_affinity_config(&config.pool, config.max_body_bytes, Some(&extra));
+    let wasm_dir = config
+        .wasm_dir
+        .canonicalize()
+        .with_context(|| format!("resolving {}", config.wasm_dir.display()))?;
+    let params = BootstrapParams {
+        listen_port,
+        admin_port,
+        wasm_dir,
+        prefix_affinity_config: filter_config.clone(),
+        session_config: config.session_config.clone(),
+        admission_config: config.admission_config.clone().unwrap_or_else(|| {
+            serde_json::json!({"endpoints": config.pool.len().max(1)}).to_string()
+        }),
+        // Without an aggregator the cluster is unused; any port will do.
+        aggregator_port: config.aggregator.map_or(9, |a| a.port()),
+    };
+    let rendered = match &config.filter_module {
+        None => render_bootstrap_file(&config.layout.template(), &params)?,
+        Some(module) => {
+            let path = config.layout.template();
+            let template = std::fs::read_to_string(&path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            let combined = format!("\"{{{{WASM_DIR}}}}/{KVOY_WASM}\"");
+            if config.layout != FilterLayout::Combined || template.matches(&combined).count() != 1 {
+                bail!(
+                    "{module} can only stand in for the one {KVOY_WASM} of the combined bootstrap"
+                );
+            }
+            if module.contains(['"', '\\', '/']) {
+                bail!("{module:?} is not a plain file name");
+            }
+            if !config.wasm_dir.join(module).is_file() {
+                bail!(
+                    "the module {module} is not in {}: run `make wasm`",
+                    config.wasm_dir.display()
+                );
+            }
+            let template = template.replace(&combined, &format!("\"{{{{WASM_DIR}}}}/{module}\""));
+            crate::bootstrap::render_bootstrap(&template, &params)?
+        }
+    };
+    Ok((rendered, filter_config))
 }
 
 fn pick(port: u16) -> std::io::Result<u16> {

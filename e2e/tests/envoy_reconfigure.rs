@@ -1,0 +1,227 @@
+//! End to end, a configuration change: a real Envoy (the combined `kvoy` filter,
+//! `--concurrency 2`) takes its listener over LDS from a watched file, as it does from Istio or
+//! Envoy Gateway, in front of four kvoy-sim simulators. Midway through a multi-turn workload
+//! the listener is replaced by one whose filter configuration changes a field other than the
+//! pool (`max_body_bytes`): Envoy starts the new configuration's root contexts, whose index
+//! starts empty. The pool's routing state is namespaced by the pool, not by the whole
+//! configuration, so the new contexts replay the decisions the old ones left in shared data.
+//! The next 200 requests must keep at least 90% of the prefix-cache hit rate (the simulators'
+//! `cached_tokens`) that a steady proxy, beside it in the same run, has on its own copy of the
+//! workload.
+//!
+//! Needs `envoy` on PATH and the built wasm filters (`make test` provides both).
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use kvoy_e2e::http;
+use kvoy_e2e::{PoolEndpoint, SimFleet, Stack, StackConfig};
+use serde_json::{json, Value};
+
+const NAME: &str = "reconfigure";
+const MODEL: &str = "kvoy-demo";
+const TIMEOUT: Duration = Duration::from_secs(30);
+const CONVERSATIONS: usize = 40;
+/// Turns before the change, and after it (5 x 40 = the next 200 requests).
+const TURNS_BEFORE: usize = 3;
+const TURNS_AFTER: usize = 5;
+
+/// Turn `t` of conversation `i`: the history of turns `0..t`, then a new question.
+fn turn(i: usize, t: usize) -> Vec<u8> {
+    let mut messages = vec![json!({"role": "system", "content":
+        format!("Conversation {i}. {}", "You are a careful assistant with a long brief. ".repeat(12))})];
+    for k in 0..t {
+        messages
+            .push(json!({"role": "user", "content": format!("Question {k} of conversation {i}?")}));
+        messages.push(json!({"role": "assistant", "content": format!("Answer {k}, at some length, for conversation {i}.")}));
+    }
+    messages.push(json!({"role": "user", "content": format!("Question {t} of conversation {i}?")}));
+    serde_json::to_vec(&json!({"model": MODEL, "max_tokens": 2, "messages": messages})).unwrap()
+}
+
+/// What a stretch of the workload saw.
+#[derive(Debug, Default)]
+struct Tally {
+    requests: usize,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+    /// Turns that reached the simulator that served their conversation's previous turn.
+    kept: usize,
+}
+
+impl Tally {
+    fn hit_rate(&self) -> f64 {
+        self.cached_tokens as f64 / self.prompt_tokens.max(1) as f64
+    }
+}
+
+/// Turns `turns` of conversations `base..base + CONVERSATIONS`, through `proxy`.
+fn run(
+    proxy: SocketAddr,
+    base: usize,
+    turns: std::ops::Range<usize>,
+    last: &mut [String],
+) -> Tally {
+    let mut tally = Tally::default();
+    for t in turns {
+        for (i, previous) in last.iter_mut().enumerate() {
+            let r = http::post_json(
+                proxy,
+                "/v1/chat/completions",
+                &[],
+                &turn(base + i, t),
+                TIMEOUT,
+            )
+            .unwrap();
+            assert_eq!(r.status, 200, "[{NAME}] {}", r.text());
+            let body: Value = serde_json::from_slice(&r.body).unwrap();
+            let usage = &body["usage"];
+            tally.requests += 1;
+            tally.prompt_tokens += usage["prompt_tokens"].as_u64().unwrap();
+            tally.cached_tokens += usage["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap_or(0);
+            let served = r
+                .header(kvoy_e2e::SERVED_BY_HEADER)
+                .unwrap_or("?")
+                .to_owned();
+            tally.kept += usize::from(served == *previous);
+            *previous = served;
+        }
+    }
+    tally
+}
+
+/// Lines of the Envoy log where a root context of the filter took a configuration.
+fn configured(stack: &Stack) -> Vec<String> {
+    stack
+        .envoy
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("kvoy_prefix_affinity: configured"))
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn a_configuration_change_over_lds_keeps_the_hit_rate() {
+    let fleet = SimFleet::start(
+        &["127.0.0.1:0".parse().unwrap(); 4],
+        &["--model", MODEL, "--speedup", "10"],
+    )
+    .unwrap();
+    fleet.wait_healthy(Duration::from_secs(10)).unwrap();
+    let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join("kvoy-e2e")
+        .join(format!("{NAME}-{}", std::process::id()));
+    std::fs::create_dir_all(&run_dir).unwrap();
+    let pool: Vec<PoolEndpoint> = fleet
+        .addrs()
+        .iter()
+        .map(|a| PoolEndpoint::new(*a, &[MODEL]))
+        .collect();
+
+    let steady = Stack::start(&StackConfig::new(pool.clone(), run_dir.join("steady"))).unwrap();
+    let mut config = StackConfig::new(pool, run_dir.join("changed"));
+    config.listeners_over_lds = true;
+    let mut changed = Stack::start(&config).unwrap();
+
+    // The same workload on both, each on conversations of its own (the simulators' caches
+    // are shared, the prompts are not).
+    let mut steady_last = vec![String::new(); CONVERSATIONS];
+    let mut changed_last = vec![String::new(); CONVERSATIONS];
+    let steady_before = run(steady.listen, 0, 0..TURNS_BEFORE, &mut steady_last);
+    let changed_before = run(changed.listen, 1000, 0..TURNS_BEFORE, &mut changed_last);
+    let configured_before = configured(&changed);
+
+    // A field other than the pool: a new filter configuration, the same pool.
+    let mut new_config = config.clone();
+    new_config.max_body_bytes = Some(4 << 20);
+    changed.reconfigure(&new_config).unwrap();
+    assert_ne!(
+        changed.filter_config, steady.filter_config,
+        "[{NAME}] the listener should carry a new filter configuration"
+    );
+    // Envoy writes its log every 100 ms (`--file-flush-interval-msec`).
+    let mut configured_after = configured(&changed);
+    for _ in 0..30 {
+        if configured_after.len() > configured_before.len() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        configured_after = configured(&changed);
+    }
+    let new_contexts = &configured_after[configured_before.len()..];
+    eprintln!(
+        "[{NAME}] root contexts configured: {} at start, {} more after the LDS update",
+        configured_before.len(),
+        new_contexts.len()
+    );
+    assert!(
+        !new_contexts.is_empty(),
+        "[{NAME}] Envoy took the listener but no new root context was configured"
+    );
+    // ... in the namespace the old ones used: the pool's.
+    let namespace = |line: &str| line.rsplit("namespace ").next().unwrap_or("").to_owned();
+    for line in new_contexts {
+        assert_eq!(
+            namespace(line),
+            namespace(&configured_before[0]),
+            "[{NAME}] {line}"
+        );
+    }
+
+    let steady_after = run(
+        steady.listen,
+        0,
+        TURNS_BEFORE..TURNS_BEFORE + TURNS_AFTER,
+        &mut steady_last,
+    );
+    let changed_after = run(
+        changed.listen,
+        1000,
+        TURNS_BEFORE..TURNS_BEFORE + TURNS_AFTER,
+        &mut changed_last,
+    );
+    eprintln!(
+        "[{NAME}] before: steady hit rate {:.3}, changed {:.3} ({} requests each)",
+        steady_before.hit_rate(),
+        changed_before.hit_rate(),
+        steady_before.requests
+    );
+    eprintln!(
+        "[{NAME}] the next {} requests: steady hit rate {:.3} ({} turns on their simulator), \
+         after the change {:.3} ({}); ratio {:.3}",
+        changed_after.requests,
+        steady_after.hit_rate(),
+        steady_after.kept,
+        changed_after.hit_rate(),
+        changed_after.kept,
+        changed_after.hit_rate() / steady_after.hit_rate()
+    );
+    assert_eq!(changed_after.requests, 200);
+    assert!(
+        steady_after.hit_rate() > 0.5,
+        "[{NAME}] the steady proxy's hit rate {:.3} is too low to compare with",
+        steady_after.hit_rate()
+    );
+    assert!(
+        changed_after.hit_rate() >= 0.9 * steady_after.hit_rate(),
+        "[{NAME}] after the change the hit rate is {:.3}, against {:.3} on the steady proxy",
+        changed_after.hit_rate(),
+        steady_after.hit_rate()
+    );
+    // The turns say the same: a new namespace (the pool reordered, say) lost about one in
+    // seven of them to a cold simulator in trials, and its hit rate fell to 0.88x the steady's.
+    assert!(
+        changed_after.kept * 10 >= steady_after.kept * 9,
+        "[{NAME}] after the change {} turns reached their conversation's simulator, against {} \
+         on the steady proxy",
+        changed_after.kept,
+        steady_after.kept
+    );
+    steady.assert_no_wasm_failures(NAME);
+    changed.assert_no_wasm_failures(NAME);
+}
