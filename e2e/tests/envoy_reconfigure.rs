@@ -1,4 +1,6 @@
-//! End to end, a configuration change: a real Envoy (the combined `kvoy` filter,
+//! End to end, routing state that survives change.
+//!
+//! A configuration change: a real Envoy (the combined `kvoy` filter,
 //! `--concurrency 2`) takes its listener over LDS from a watched file, as it does from Istio or
 //! Envoy Gateway, in front of four kvoy-sim simulators. Midway through a multi-turn workload
 //! the listener is replaced by one whose filter configuration changes a field other than the
@@ -9,6 +11,11 @@
 //! `cached_tokens`) that a steady proxy, beside it in the same run, has on its own copy of the
 //! workload.
 //!
+//! A restart: a proxy following kvoy-aggregator with the decision relay on is stopped and a new
+//! Envoy process (its shared data gone) takes its place; it gets the pool's decisions back from
+//! the aggregator on its first exchange, and the next 200 requests must again keep 90% of a
+//! steady proxy's hit rate.
+//!
 //! Needs `envoy` on PATH and the built wasm filters (`make test` provides both).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
@@ -17,7 +24,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use kvoy_e2e::http;
-use kvoy_e2e::{PoolEndpoint, SimFleet, Stack, StackConfig};
+use kvoy_e2e::{
+    aggregator_yaml, AggregatedEndpoint, LocalAggregator, PoolEndpoint, SimFleet, Stack,
+    StackConfig,
+};
 use serde_json::{json, Value};
 
 const NAME: &str = "reconfigure";
@@ -105,8 +115,8 @@ fn configured(stack: &Stack) -> Vec<String> {
         .collect()
 }
 
-#[test]
-fn a_configuration_change_over_lds_keeps_the_hit_rate() {
+/// Four simulators, a run directory and the pool they make.
+fn fleet(run: &str) -> (SimFleet, PathBuf, Vec<PoolEndpoint>) {
     let fleet = SimFleet::start(
         &["127.0.0.1:0".parse().unwrap(); 4],
         &["--model", MODEL, "--speedup", "10"],
@@ -115,13 +125,55 @@ fn a_configuration_change_over_lds_keeps_the_hit_rate() {
     fleet.wait_healthy(Duration::from_secs(10)).unwrap();
     let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
         .join("kvoy-e2e")
-        .join(format!("{NAME}-{}", std::process::id()));
+        .join(format!("{NAME}-{run}-{}", std::process::id()));
     std::fs::create_dir_all(&run_dir).unwrap();
     let pool: Vec<PoolEndpoint> = fleet
         .addrs()
         .iter()
         .map(|a| PoolEndpoint::new(*a, &[MODEL]))
         .collect();
+    (fleet, run_dir, pool)
+}
+
+/// Prints the comparison and asserts what both tests ask of the proxy that went through the
+/// change (`changed`) against the steady one, on the same next 200 requests.
+fn assert_keeps_up(what: &str, steady: &Tally, changed: &Tally) {
+    eprintln!(
+        "[{NAME}] the next {} requests: steady hit rate {:.3} ({} turns on their simulator), \
+         after {what} {:.3} ({}); ratio {:.3}",
+        changed.requests,
+        steady.hit_rate(),
+        steady.kept,
+        changed.hit_rate(),
+        changed.kept,
+        changed.hit_rate() / steady.hit_rate()
+    );
+    assert_eq!(changed.requests, 200);
+    assert!(
+        steady.hit_rate() > 0.5,
+        "[{NAME}] the steady proxy's hit rate {:.3} is too low to compare with",
+        steady.hit_rate()
+    );
+    assert!(
+        changed.hit_rate() >= 0.9 * steady.hit_rate(),
+        "[{NAME}] after {what} the hit rate is {:.3}, against {:.3} on the steady proxy",
+        changed.hit_rate(),
+        steady.hit_rate()
+    );
+    // The turns say the same: a new namespace (the pool reordered, say) lost about one in
+    // seven of them to a cold simulator in trials, and its hit rate fell to 0.88x the steady's.
+    assert!(
+        changed.kept * 10 >= steady.kept * 9,
+        "[{NAME}] after {what} {} turns reached their conversation's simulator, against {} \
+         on the steady proxy",
+        changed.kept,
+        steady.kept
+    );
+}
+
+#[test]
+fn a_configuration_change_over_lds_keeps_the_hit_rate() {
+    let (_fleet, run_dir, pool) = fleet("lds");
 
     let steady = Stack::start(&StackConfig::new(pool.clone(), run_dir.join("steady"))).unwrap();
     let mut config = StackConfig::new(pool, run_dir.join("changed"));
@@ -191,37 +243,56 @@ fn a_configuration_change_over_lds_keeps_the_hit_rate() {
         changed_before.hit_rate(),
         steady_before.requests
     );
-    eprintln!(
-        "[{NAME}] the next {} requests: steady hit rate {:.3} ({} turns on their simulator), \
-         after the change {:.3} ({}); ratio {:.3}",
-        changed_after.requests,
-        steady_after.hit_rate(),
-        steady_after.kept,
-        changed_after.hit_rate(),
-        changed_after.kept,
-        changed_after.hit_rate() / steady_after.hit_rate()
-    );
-    assert_eq!(changed_after.requests, 200);
-    assert!(
-        steady_after.hit_rate() > 0.5,
-        "[{NAME}] the steady proxy's hit rate {:.3} is too low to compare with",
-        steady_after.hit_rate()
-    );
-    assert!(
-        changed_after.hit_rate() >= 0.9 * steady_after.hit_rate(),
-        "[{NAME}] after the change the hit rate is {:.3}, against {:.3} on the steady proxy",
-        changed_after.hit_rate(),
-        steady_after.hit_rate()
-    );
-    // The turns say the same: a new namespace (the pool reordered, say) lost about one in
-    // seven of them to a cold simulator in trials, and its hit rate fell to 0.88x the steady's.
-    assert!(
-        changed_after.kept * 10 >= steady_after.kept * 9,
-        "[{NAME}] after the change {} turns reached their conversation's simulator, against {} \
-         on the steady proxy",
-        changed_after.kept,
-        steady_after.kept
-    );
+    assert_keeps_up("the change", &steady_after, &changed_after);
     steady.assert_no_wasm_failures(NAME);
     changed.assert_no_wasm_failures(NAME);
+}
+
+#[test]
+fn a_restarted_proxy_keeps_the_hit_rate_through_the_aggregator() {
+    let (fleet, run_dir, pool) = fleet("restart");
+    let aggregated: Vec<AggregatedEndpoint> = fleet
+        .addrs()
+        .iter()
+        .map(|a| AggregatedEndpoint {
+            address: *a,
+            models: vec![MODEL.into()],
+            kv_events: None,
+        })
+        .collect();
+    let agg = LocalAggregator::start(
+        &run_dir.join("aggregator.yaml"),
+        &aggregator_yaml("scrape_interval_ms: 50\n", &aggregated),
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .unwrap();
+    agg.wait_ready(4, Duration::from_secs(10));
+    let proxy = |name: &str| {
+        let mut config = StackConfig::new(pool.clone(), run_dir.join(name));
+        config.aggregator = Some(agg.addr());
+        Stack::start(&config).unwrap()
+    };
+    // The relay's round trip: two poll intervals (100 ms each) and a catch-up tick.
+    let relay_round_trip = Duration::from_millis(500);
+
+    let steady = proxy("steady");
+    let before = proxy("before");
+    std::thread::sleep(relay_round_trip);
+    let mut steady_last = vec![String::new(); CONVERSATIONS];
+    let mut restarted_last = vec![String::new(); CONVERSATIONS];
+    run(steady.listen, 0, 0..TURNS_BEFORE, &mut steady_last);
+    run(before.listen, 1000, 0..TURNS_BEFORE, &mut restarted_last);
+    // Its last decisions reach the aggregator on its next ticks; then a new process.
+    std::thread::sleep(relay_round_trip);
+    before.assert_no_wasm_failures(NAME);
+    drop(before);
+    let after = proxy("after");
+    std::thread::sleep(relay_round_trip);
+
+    let turns = TURNS_BEFORE..TURNS_BEFORE + TURNS_AFTER;
+    let steady_after = run(steady.listen, 0, turns.clone(), &mut steady_last);
+    let restarted_after = run(after.listen, 1000, turns, &mut restarted_last);
+    assert_keeps_up("a restart", &steady_after, &restarted_after);
+    steady.assert_no_wasm_failures(NAME);
+    after.assert_no_wasm_failures(NAME);
 }
