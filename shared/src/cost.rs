@@ -319,8 +319,25 @@ pub fn fill(
     );
 }
 
+/// Costs within this many seconds of the lowest are a tie, broken at random.
+pub const TIE_S: f64 = 1e-9;
+
+/// The indices of `terms` whose cost is within [`TIE_S`] of the lowest, in order: the
+/// candidates [`pick`] chooses among at random (one, unless several cost the same).
+pub fn cheapest(terms: &[CostTerms]) -> impl Iterator<Item = usize> + '_ {
+    let best = terms
+        .iter()
+        .map(|t| t.total_s)
+        .fold(f64::INFINITY, f64::min);
+    terms
+        .iter()
+        .enumerate()
+        .filter(move |(_, t)| t.total_s <= best + TIE_S)
+        .map(|(i, _)| i)
+}
+
 /// Costs `candidates` into `out` (same order) and returns the index of the cheapest, ties
-/// (within a nanosecond) at random; `None` when there are no candidates.
+/// (within [`TIE_S`]) at random; `None` when there are no candidates.
 pub fn pick(
     candidates: &[Candidate],
     req: &RequestSize,
@@ -330,18 +347,12 @@ pub fn pick(
     out: &mut Vec<CostTerms>,
 ) -> Option<usize> {
     fill(candidates, req, params, weight, out);
-    let best = out.iter().map(|t| t.total_s).fold(f64::INFINITY, f64::min);
-    const EPS: f64 = 1e-9;
-    let ties = out.iter().filter(|t| t.total_s <= best + EPS).count();
+    let ties = cheapest(out).count();
     if ties == 0 {
         return None;
     }
     let nth = rng.below(ties);
-    out.iter()
-        .enumerate()
-        .filter(|(_, t)| t.total_s <= best + EPS)
-        .nth(nth)
-        .map(|(i, _)| i)
+    cheapest(out).nth(nth)
 }
 
 /// Bytes per token for each model, learned from the servers' own `usage` figures: an

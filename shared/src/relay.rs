@@ -258,6 +258,31 @@ impl DecisionRelay {
         (out, last)
     }
 
+    /// Up to `limit` decisions numbered after `cursor`, every proxy's, oldest first, with at
+    /// most `max_keys` keys between them (at least one decision, whatever its keys), and the
+    /// number of the last one returned (`cursor` when there is nothing new): a reader that
+    /// pages through what the relay holds (the pool view's explain panel rebuilds the proxies'
+    /// prefix index from it). A cursor behind what the relay still holds starts at the oldest
+    /// held; one ahead of it (the aggregator restarted) starts over from the oldest too.
+    pub fn after(&self, cursor: u64, limit: usize, max_keys: usize) -> (Vec<RelayedDecision>, u64) {
+        let first = self.entries.front().map_or(self.next, |e| e.0);
+        let cursor = if cursor >= self.next { 0 } else { cursor };
+        let skip =
+            usize::try_from(cursor.saturating_add(1).saturating_sub(first)).unwrap_or(usize::MAX);
+        let mut last = cursor;
+        let mut keys = 0usize;
+        let mut out = Vec::new();
+        for (seq, _, d) in self.entries.iter().skip(skip) {
+            keys = keys.saturating_add(d.keys.len());
+            if out.len() >= limit || (keys > max_keys && !out.is_empty()) {
+                break;
+            }
+            last = *seq;
+            out.push(d.clone());
+        }
+        (out, last)
+    }
+
     /// Decisions held now.
     pub fn len(&self) -> usize {
         self.entries.len()
@@ -353,6 +378,31 @@ mod tests {
         let mut bad = bytes.clone();
         bad[HEADER_BYTES + 1] = 0x20;
         assert_eq!(DecisionBatch::decode(&bad), Err(DecodeError::Family(0, 4)));
+    }
+
+    #[test]
+    fn a_reader_pages_through_every_proxys_decisions_oldest_first() {
+        let mut relay = DecisionRelay::new(MAX_KEYS_PER_DECISION + 2);
+        let all = usize::MAX;
+        assert_eq!(relay.after(0, 10, all), (vec![], 0));
+        relay.push(1, vec![decision(1, &[1]), decision(2, &[2])]);
+        relay.push(2, vec![decision(3, &[3])]);
+        assert_eq!(
+            relay.after(0, 2, all),
+            (vec![decision(1, &[1]), decision(2, &[2])], 2)
+        );
+        assert_eq!(relay.after(2, 2, all), (vec![decision(3, &[3])], 3));
+        assert_eq!(relay.after(3, 2, all), (vec![], 3), "up to date");
+        // A key budget ends the page early, but never before one decision.
+        assert_eq!(relay.after(0, 10, 1), (vec![decision(1, &[1])], 1));
+        assert_eq!(relay.after(0, 10, 0), (vec![decision(1, &[1])], 1));
+        // Ahead of the relay (it restarted): from the oldest again.
+        assert_eq!(relay.after(99, 1, all).1, 1);
+        // The oldest forgotten: a cursor behind them starts at the oldest held.
+        relay.push(3, vec![decision(4, &vec![9; MAX_KEYS_PER_DECISION])]);
+        let (page, next) = relay.after(0, 10, all);
+        let ports: Vec<u16> = page.iter().map(|d| d.endpoint.port()).collect();
+        assert_eq!((ports, next), (vec![2, 3, 4], 4));
     }
 
     #[test]

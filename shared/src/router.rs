@@ -318,6 +318,28 @@ impl Router {
         &self.candidates
     }
 
+    /// Writes to `out` the candidates (indices into [`Router::last_candidates`]) that the last
+    /// successful decision chose among at random: one when the decision was determined (a
+    /// followed pin, or one best cost or score), several when they tied (e.g. a prompt that
+    /// matches nowhere, on idle endpoints). Meaningless after a [`RouteError`].
+    pub fn last_ties(&self, out: &mut Vec<usize>) {
+        out.clear();
+        // A pin that did not break is followed, except by the weighted scorer's soft pin,
+        // which only adds `weights.session` to its score.
+        if let Some(i) = self.candidates.iter().position(|c| c.pinned) {
+            if self.config.scorer == Scorer::Cost || self.config.session.hard {
+                out.push(i);
+                return;
+            }
+        }
+        match self.config.scorer {
+            // Passthrough and fallback decisions cost nothing: the least loaded.
+            _ if self.costs.is_empty() => out.extend(score::least_loaded_ties(&self.candidates)),
+            Scorer::Cost => out.extend(cost::cheapest(&self.costs)),
+            Scorer::Weighted => out.extend(score::best_scored(&self.scores)),
+        }
+    }
+
     /// Applies a decision taken elsewhere (another worker) to the local index.
     pub fn apply_remote(&mut self, endpoint: EndpointId, keys: &[BlockKey]) {
         self.index.record(endpoint, keys);
@@ -634,6 +656,60 @@ mod tests {
             assert_eq!(d.endpoint, first.endpoint);
             assert!(d.matched_blocks > 10 && d.matched_blocks <= d.request_blocks);
         }
+    }
+
+    #[test]
+    fn last_ties_name_what_the_random_tie_break_chose_among() {
+        let mut r = router("");
+        let outstanding = [Outstanding::default(); 3];
+        let mut ties = Vec::new();
+        // Nothing matches anywhere and every endpoint is idle: a three-way tie.
+        let body = chat("a", &"z".repeat(1000), "u");
+        let cold = r
+            .route_body(Api::ChatCompletions, &body, &outstanding, Duration::ZERO)
+            .unwrap();
+        r.last_ties(&mut ties);
+        assert_eq!(ties, [0, 1, 2]);
+        assert!(ties.contains(
+            &r.last_candidates()
+                .iter()
+                .position(|c| c.id == cold.endpoint)
+                .unwrap()
+        ));
+        // The same prompt again: only its holder.
+        let warm = r
+            .route_body(Api::ChatCompletions, &body, &outstanding, Duration::ZERO)
+            .unwrap();
+        r.last_ties(&mut ties);
+        assert_eq!(ties.len(), 1);
+        assert_eq!(r.last_candidates()[ties[0]].id, warm.endpoint);
+        assert_eq!(warm.endpoint, cold.endpoint);
+        // A followed pin decides alone.
+        let pinned = r
+            .route_pinned(
+                Api::ChatCompletions,
+                &body,
+                &outstanding,
+                Some("10.0.0.3:8000"),
+                Duration::ZERO,
+            )
+            .unwrap();
+        r.last_ties(&mut ties);
+        assert_eq!(
+            (pinned.endpoint, ties.as_slice()),
+            (EndpointId(2), [2].as_slice())
+        );
+        // Under the weighted scorer, from its scores.
+        let mut w = router(r#","scorer":"weighted""#);
+        w.route_body(Api::ChatCompletions, &body, &outstanding, Duration::ZERO)
+            .unwrap();
+        w.last_ties(&mut ties);
+        assert_eq!(ties, [0, 1, 2]);
+        // A passthrough: the least loaded.
+        r.route_passthrough(&[4, 2, 2].map(Outstanding::requests))
+            .unwrap();
+        r.last_ties(&mut ties);
+        assert_eq!(ties, [1, 2]);
     }
 
     #[test]

@@ -159,28 +159,51 @@ pub fn pick(
         });
     }
     // Random choice among the (near-)best, without allocating.
-    const EPS: f64 = 1e-9;
-    let ties = scores.iter().filter(|s| s.total >= best - EPS).count();
+    let ties = best_scored(scores).count();
     let nth = rng.below(ties);
+    best_scored(scores).nth(nth)
+}
+
+/// Scores within this much of the highest are a tie, broken at random.
+pub const TIE_SCORE: f64 = 1e-9;
+
+/// The indices of `scores` within [`TIE_SCORE`] of the highest total, in order: the
+/// candidates [`pick`] chooses among at random.
+pub fn best_scored(scores: &[EndpointScore]) -> impl Iterator<Item = usize> + '_ {
+    let best = scores
+        .iter()
+        .map(|s| s.total)
+        .fold(f64::NEG_INFINITY, f64::max);
     scores
         .iter()
         .enumerate()
-        .filter(|(_, s)| s.total >= best - EPS)
-        .nth(nth)
+        .filter(move |(_, s)| s.total >= best - TIE_SCORE)
+        .map(|(i, _)| i)
+}
+
+/// The indices of `candidates` with the least [`Candidate::guard_load`], in order: those
+/// [`least_loaded`] chooses among at random.
+pub fn least_loaded_ties(candidates: &[Candidate]) -> impl Iterator<Item = usize> + '_ {
+    let min = candidates
+        .iter()
+        .map(Candidate::guard_load)
+        .min()
+        .unwrap_or(0);
+    candidates
+        .iter()
+        .enumerate()
+        .filter(move |(_, c)| c.guard_load() == min)
         .map(|(i, _)| i)
 }
 
 /// The least-loaded candidate (in-flight + known waiting), ties at random.
 pub fn least_loaded(candidates: &[Candidate], rng: &mut Rng) -> Option<usize> {
-    let min = candidates.iter().map(Candidate::guard_load).min()?;
-    let ties = candidates.iter().filter(|c| c.guard_load() == min).count();
+    let ties = least_loaded_ties(candidates).count();
+    if ties == 0 {
+        return None;
+    }
     let nth = rng.below(ties);
-    candidates
-        .iter()
-        .enumerate()
-        .filter(|(_, c)| c.guard_load() == min)
-        .nth(nth)
-        .map(|(i, _)| i)
+    least_loaded_ties(candidates).nth(nth)
 }
 
 #[cfg(test)]
