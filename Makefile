@@ -2,10 +2,13 @@
 #
 #   make deps       install the wasm target and Envoy 1.40 (scripts/install-deps.sh)
 #   make wasm       release-build every wasm filter for wasm32-wasip1
-#   make build      wasm filters + native binaries
+#   make explain    the pool view's explain panel: kvoy-explain for wasm32-unknown-unknown, then
+#                   wasm-bindgen --target web into target/explain/ (kvoy-aggregator embeds it)
+#   make build      wasm filters + explain panel + native binaries
 #   make run        a local demo: 3 kvoy-sim simulators behind Envoy with the filters (Ctrl-C stops
 #                   it); kvoy-stack flags go in RUN_ARGS, e.g. make run RUN_ARGS='--backend echo'
-#   make test       deps, wasm, fmt check, clippy -D warnings, all tests (incl. real Envoy e2e),
+#   make test       deps, wasm, explain, fmt check, clippy -D warnings (native, and the explain
+#                   panel for its wasm target), all tests (incl. real Envoy e2e),
 #                   then every fuzz target for FUZZ_SMOKE_TIME seconds (docs/fuzzing.md)
 #   make fuzz       every fuzz target for FUZZ_TIME seconds, e.g. make fuzz FUZZ_TIME=3600
 #                   FUZZ_TARGETS="snapshot kv_events" (scripts/fuzz.sh; corpus in fuzz/corpus/)
@@ -25,6 +28,11 @@ JOBS ?= 2
 WASM_TARGET := wasm32-wasip1
 # One crate per proxy-wasm filter (kvoy-filter: the combined `kvoy`), plus the harness's SDK test guest.
 WASM_CRATES := kvoy-filter kvoy-prefix-affinity kvoy-session kvoy-admission kvoy-harness-guest kvoy-floor
+# The explain panel (kvoy-explain): built for the browser, bound by wasm-bindgen (the CLI's
+# version is the crate's, pinned in explain/Cargo.toml; make deps installs it), embedded by
+# kvoy-aggregator's build.rs from EXPLAIN_DIR.
+EXPLAIN_TARGET := wasm32-unknown-unknown
+EXPLAIN_DIR := target/explain
 # Crates with native binaries.
 BIN_CRATES := kvoy-e2e kvoy-sim
 # Flags for kvoy-stack (`kvoy-stack --help`), e.g. RUN_ARGS='--backend echo --speedup 1'.
@@ -37,7 +45,7 @@ FUZZ_SMOKE_TIME ?= 10
 FUZZ_TIME ?= 600
 FUZZ_TARGETS ?=
 
-.PHONY: deps wasm build run test fuzz bench bench-sim bench-micro fmt clean-run
+.PHONY: deps wasm explain build run test fuzz bench bench-sim bench-micro fmt clean-run
 
 deps:
 	bash scripts/install-deps.sh
@@ -45,16 +53,24 @@ deps:
 wasm:
 	$(CARGO) build --release --target $(WASM_TARGET) -j $(JOBS) $(addprefix -p ,$(WASM_CRATES))
 
-build: wasm
+explain:
+	$(CARGO) build --release --target $(EXPLAIN_TARGET) -j $(JOBS) -p kvoy-explain
+	@command -v wasm-bindgen >/dev/null || { echo "wasm-bindgen is not installed: make deps installs the pinned CLI"; exit 1; }
+	wasm-bindgen --target web --no-typescript --out-dir $(EXPLAIN_DIR) \
+		target/$(EXPLAIN_TARGET)/release/kvoy_explain.wasm
+	@ls -l $(EXPLAIN_DIR)/kvoy_explain_bg.wasm $(EXPLAIN_DIR)/kvoy_explain.js
+
+build: wasm explain
 	$(CARGO) build --release -j $(JOBS) $(addprefix -p ,$(BIN_CRATES)) --bins
 
 run: deps build
 	$(CARGO) run --release -j $(JOBS) -p kvoy-e2e --bin kvoy-stack -- $(RUN_ARGS)
 
-test: deps wasm
+test: deps wasm explain
 	$(CARGO) fmt --all --check
 	$(CARGO) fmt --manifest-path fuzz/Cargo.toml --all --check
 	$(CARGO) clippy --workspace --all-targets -j $(JOBS) -- -D warnings
+	$(CARGO) clippy -p kvoy-explain --target $(EXPLAIN_TARGET) -j $(JOBS) -- -D warnings
 	$(CARGO) test --workspace -j $(JOBS)
 	bash scripts/fuzz.sh -t $(FUZZ_SMOKE_TIME) -j $(JOBS)
 
