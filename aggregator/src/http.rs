@@ -4,7 +4,7 @@
 //! - Until the endpoint source has been read once ([`PoolView::loaded`]), `/v1/snapshot`
 //!   answers 503 with [`STATUS_HEADER`]`: not-loaded` instead of an empty pool, and `/readyz`
 //!   answers 503: a restarted aggregator never tells the filters that the pool is empty.
-//! - With a token configured, `/v1/snapshot`, `/v1/endpoints` and `/v1/pool` require
+//! - With a token configured, `/v1/snapshot`, `/v1/endpoints`, `/v1/pool` and `/v1/decisions` require
 //!   `Authorization: Bearer <token>` (compared in constant time; 401 otherwise, counted).
 //!   `/metrics`, `/healthz`, `/readyz` and the pool view's page stay open.
 //! - Bounds ([`Limits`]): at most `http_max_connections` open connections (more are closed at
@@ -76,6 +76,8 @@ pub struct Api {
 /// Keys of relayed decisions the aggregator holds at most (8 bytes each, plus the entry): a
 /// few seconds of decisions at the rates a pool's proxies route.
 const RELAY_MAX_KEYS: usize = 1 << 20;
+/// Keys one page of `GET /v1/decisions` carries at most (2 MiB of keys).
+const PAGE_MAX_KEYS: usize = 1 << 18;
 
 impl Api {
     pub fn new(
@@ -290,7 +292,9 @@ impl Api {
             r.headers_mut().insert(
                 hyper::header::CONTENT_SECURITY_POLICY,
                 hyper::header::HeaderValue::from_static(
-                    "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
+                    // 'wasm-unsafe-eval': the explain panel compiles its WebAssembly module
+                    // (served from here too); nothing else is evaluated.
+                    "default-src 'self'; script-src 'self' 'wasm-unsafe-eval'; img-src 'self' data:; frame-ancestors 'none'",
                 ),
             );
             return r;
@@ -346,8 +350,14 @@ impl Api {
     /// `POST /v1/decisions?since=C[&limit=N]`: stores the proxy's decisions (only those naming a pool
     /// member) and answers with the other proxies' decisions after cursor `C`.
     async fn decisions(&self, req: Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
+        if req.method() == Method::GET {
+            return self.decisions_page(&req);
+        }
         if req.method() != Method::POST {
-            return text(StatusCode::METHOD_NOT_ALLOWED, "only POST\n");
+            return text(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "only POST (a proxy's exchange) or GET (a reader's page)\n",
+            );
         }
         if !self.authorized(&req) {
             return unauthorized();
@@ -433,6 +443,35 @@ impl Api {
         .encode(&mut out);
         c.decision_bytes_out
             .fetch_add(out.len() as u64, Ordering::Relaxed);
+        reply(StatusCode::OK, relay::CONTENT_TYPE, out)
+    }
+
+    /// `GET /v1/decisions?after=C[&limit=N]`: the relayed decisions numbered after `C`, every
+    /// proxy's, oldest first, as one [`DecisionBatch`] whose cursor is the last number in it
+    /// (at most [`relay::MAX_DECISIONS`] decisions and [`PAGE_MAX_KEYS`] keys). Read only: the
+    /// pool view's explain panel pages through it to rebuild the proxies' prefix index.
+    fn decisions_page<B>(&self, req: &Request<B>) -> Response<Full<Bytes>> {
+        if !self.authorized(req) {
+            return unauthorized();
+        }
+        let query = req.uri().query().unwrap_or("");
+        let cursor = query_u64(query, "after").unwrap_or(0);
+        let limit = query_u64(query, "limit").map_or(relay::MAX_DECISIONS, |l| {
+            usize::try_from(l)
+                .unwrap_or(usize::MAX)
+                .min(relay::MAX_DECISIONS)
+        });
+        let (decisions, next) = match self.relay.lock() {
+            Ok(relay) => relay.after(cursor, limit, PAGE_MAX_KEYS),
+            Err(_) => return text(StatusCode::INTERNAL_SERVER_ERROR, "relay unavailable\n"),
+        };
+        let mut out = Vec::new();
+        DecisionBatch {
+            proxy: 0,
+            cursor: next,
+            decisions,
+        }
+        .encode(&mut out);
         reply(StatusCode::OK, relay::CONTENT_TYPE, out)
     }
 

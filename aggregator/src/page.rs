@@ -24,29 +24,51 @@ pub const TIMELINE_INTERVAL: Duration = Duration::from_secs(1);
 /// Samples kept: five minutes.
 pub const TIMELINE_SAMPLES: usize = 300;
 
+/// The explain panel's module, when it was built (`make explain`; see `build.rs`).
+mod explain_assets {
+    include!(concat!(env!("OUT_DIR"), "/explain_assets.rs"));
+}
+
+/// Whether the explain panel's WebAssembly module is in this binary.
+pub const EXPLAIN_BUILT: bool = explain_assets::BUILT;
+
+const JS: &str = "text/javascript; charset=utf-8";
+
 /// The page's files: (path, content type, bytes).
-const ASSETS: [(&str, &str, &str); 3] = [
+const ASSETS: [(&str, &str, &[u8]); 4] = [
     (
         "/",
         "text/html; charset=utf-8",
-        include_str!("page/index.html"),
+        include_bytes!("page/index.html"),
     ),
-    (
-        "/pool.js",
-        "text/javascript; charset=utf-8",
-        include_str!("page/pool.js"),
-    ),
+    ("/pool.js", JS, include_bytes!("page/pool.js")),
     (
         "/pool.css",
         "text/css; charset=utf-8",
-        include_str!("page/pool.css"),
+        include_bytes!("page/pool.css"),
+    ),
+    // The explain panel's own script; it loads the two below, or says that they were not
+    // built.
+    ("/explain.js", JS, include_bytes!("page/explain.js")),
+];
+
+/// The explain panel's generated files (`wasm-bindgen --target web`): kvoy-shared's router
+/// compiled to WebAssembly, and its glue.
+const EXPLAIN_ASSETS: [(&str, &str, &[u8]); 2] = [
+    ("/explain/kvoy_explain.js", JS, explain_assets::SCRIPT),
+    (
+        "/explain/kvoy_explain_bg.wasm",
+        "application/wasm",
+        explain_assets::MODULE,
     ),
 ];
 
 /// The page's file at `path`: (content type, body).
-pub fn asset(path: &str) -> Option<(&'static str, &'static str)> {
+pub fn asset(path: &str) -> Option<(&'static str, &'static [u8])> {
+    let built: &[(&str, &str, &[u8])] = if EXPLAIN_BUILT { &EXPLAIN_ASSETS } else { &[] };
     ASSETS
         .iter()
+        .chain(built)
         .find(|(p, _, _)| *p == path)
         .map(|(_, content_type, body)| (*content_type, *body))
 }
@@ -194,14 +216,39 @@ mod tests {
     #[test]
     fn the_assets_are_embedded_and_local() {
         let (kind, html) = asset("/").unwrap();
+        let html = std::str::from_utf8(html).unwrap();
         assert!(kind.starts_with("text/html"));
         assert!(html.contains("/pool.js") && html.contains("/pool.css"));
+        assert!(html.contains("/explain.js"));
         assert!(asset("/pool.js").is_some() && asset("/pool.css").is_some());
+        assert!(asset("/explain.js").is_some());
         assert!(asset("/nope").is_none());
         // Nothing is fetched from elsewhere at run time: the only URL is SVG's namespace name.
-        for (path, _, body) in ASSETS {
-            let rest = body.replace("\"http://www.w3.org/2000/svg\"", "");
+        let scripts = ASSETS.iter().chain(EXPLAIN_ASSETS.iter().take(1));
+        for (path, _, body) in scripts {
+            let rest = std::str::from_utf8(body)
+                .unwrap()
+                .replace("\"http://www.w3.org/2000/svg\"", "");
             assert!(!rest.contains("://"), "{path} names another host");
+        }
+    }
+
+    #[test]
+    fn the_explain_module_is_served_only_when_built() {
+        let module = asset("/explain/kvoy_explain_bg.wasm");
+        let script = asset("/explain/kvoy_explain.js");
+        if EXPLAIN_BUILT {
+            let (kind, wasm) = module.unwrap();
+            assert_eq!(kind, "application/wasm");
+            assert!(wasm.starts_with(b"\0asm"), "not a WebAssembly module");
+            let glue = std::str::from_utf8(script.unwrap().1).unwrap();
+            assert!(
+                glue.contains("kvoy_explain_bg.wasm"),
+                "not wasm-bindgen's glue"
+            );
+        } else {
+            // Not built: nothing pretends to be the module; the page says how to build it.
+            assert!(module.is_none() && script.is_none());
         }
     }
 

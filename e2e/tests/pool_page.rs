@@ -7,13 +7,20 @@
 //!   decisions) are the aggregator's own (`GET /v1/pool`), the routed ones adding up to the
 //!   requests sent; charts drawn from the server-side history, with points;
 //! - a stopped simulator's row stays, marked stale;
+//! - the explain panel, opened with a request in the address (`/#explain=<base64url>`),
+//!   scores it in the page (kvoy-shared compiled to WebAssembly, fed the snapshot and the
+//!   relayed decisions): for the next turn of a conversation the proxy placed, it names one
+//!   endpoint with the blocks that turn shares with the last, and the proxy then sends the
+//!   request there; a prompt nobody sent is a tie between the idle endpoints, and the proxy's
+//!   pick is one of them; a malformed body shows the proxy's own 400 answer;
 //! - an aggregator with an empty pool, and one that has not read its endpoint source yet,
 //!   show their explained empty states.
 //!
-//! A screenshot goes to the test's target tmp dir (and to `docs/pool-view.png` with
-//! `KVOY_UPDATE_SCREENSHOT=1`). Skips, saying so, only when there is no Chromium (`chromium`
+//! Screenshots go to the test's target tmp dir (and to `docs/pool-view.png` and
+//! `docs/explain.png` with `KVOY_UPDATE_SCREENSHOT=1`). Skips, saying so, only when there is no Chromium (`chromium`
 //! on PATH, or `KVOY_CHROMIUM`); `.ci/run` installs it. Needs `envoy` on PATH and the built
-//! filter (`make wasm`).
+//! filter (`make wasm`); the explain panel needs `make explain` before the aggregator is built
+//! (the test fails, saying so, if the module is not in it).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
 use std::collections::BTreeMap;
@@ -28,6 +35,8 @@ use kvoy_e2e::{
     aggregator_yaml, free_port, wait_for, workspace_root, AggregatedEndpoint, LocalAggregator,
     PoolEndpoint, PublishingSim, Stack, StackConfig,
 };
+use kvoy_shared::request::Api;
+use kvoy_shared::{Outstanding, PluginConfig, Router};
 
 const NAME: &str = "pool-page";
 const MODEL: &str = "kvoy-demo";
@@ -49,6 +58,10 @@ fn chromium() -> Option<PathBuf> {
 }
 
 fn headless(bin: &Path, profile: &Path) -> Command {
+    headless_sized(bin, profile, 900)
+}
+
+fn headless_sized(bin: &Path, profile: &Path, height: u32) -> Command {
     let mut c = Command::new(bin);
     c.args([
         "--headless=new",
@@ -57,7 +70,7 @@ fn headless(bin: &Path, profile: &Path) -> Command {
         "--disable-gpu",
         "--no-first-run",
         "--hide-scrollbars",
-        "--window-size=1280,900",
+        &format!("--window-size=1280,{height}"),
         &format!("--virtual-time-budget={BUDGET_MS}"),
         &format!("--user-data-dir={}", profile.display()),
     ])
@@ -81,7 +94,11 @@ fn dump_dom(bin: &Path, scratch: &Path, url: &str) -> String {
 }
 
 fn screenshot(bin: &Path, scratch: &Path, url: &str, path: &Path) {
-    let out = headless(bin, &scratch.join("profile"))
+    screenshot_sized(bin, scratch, url, path, 900);
+}
+
+fn screenshot_sized(bin: &Path, scratch: &Path, url: &str, path: &Path, height: u32) {
+    let out = headless_sized(bin, &scratch.join("profile"), height)
         .arg(format!("--screenshot={}", path.display()))
         .arg(url)
         .output()
@@ -138,6 +155,163 @@ fn text_of(dom: &str, id: &str) -> String {
     let open = dom.find(&format!("id=\"{id}\"")).unwrap();
     let from = open + dom[open..].find('>').unwrap() + 1;
     dom[from..from + dom[from..].find('<').unwrap()].to_owned()
+}
+
+/// The text of `dom` as a browser shows it (the entities a DOM dump writes undone).
+fn unescape(text: &str) -> String {
+    text.replace("&lt;", "<")
+        .replace("&gt;", ">")
+        .replace("&quot;", "\"")
+        .replace("&nbsp;", "\u{a0}")
+        .replace("&amp;", "&")
+}
+
+/// Base64url without padding, as the page's `#explain=` reads it.
+fn base64url(bytes: &[u8]) -> String {
+    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, &b)| n | (u32::from(b) << (16 - 8 * i)));
+        for i in 0..=chunk.len() {
+            out.push(char::from(A[((n >> (18 - 6 * i)) & 63) as usize]));
+        }
+    }
+    out
+}
+
+/// The pool page's address with a chat completion to explain in its fragment.
+fn explain_url(aggregator: &LocalAggregator, body: &[u8]) -> String {
+    format!(
+        "http://{}/#explain={}&api=chat",
+        aggregator.addr(),
+        base64url(body)
+    )
+}
+
+/// The explain panel's opening tag (its `data-*` attributes carry the verdict).
+fn explain_panel(dom: &str) -> &str {
+    tags(dom, "id=\"explain\"")
+        .into_iter()
+        .next()
+        .expect("no explain panel")
+}
+
+/// The prefix blocks `next` shares with `previous`, by kvoy-shared's own keys: what the
+/// endpoint that holds `previous` matches of `next`.
+fn shared_blocks(previous: &[u8], next: &[u8]) -> u32 {
+    let config = PluginConfig::from_json(
+        format!(r#"{{"endpoints":[{{"address":"127.0.0.1:9","models":["{MODEL}"]}}]}}"#).as_bytes(),
+    )
+    .unwrap();
+    let mut router = Router::new(config, 1);
+    let idle = [Outstanding::default()];
+    router
+        .route_body(Api::ChatCompletions, previous, &idle, Duration::ZERO)
+        .unwrap();
+    router
+        .route_body(Api::ChatCompletions, next, &idle, Duration::ZERO)
+        .unwrap()
+        .matched_blocks
+}
+
+/// The explain panel against the live stack: what the page says kvoy picks is what the proxy
+/// then picks for the same request.
+fn check_explain_panel(bin: &Path, dir: &Path, aggregator: &LocalAggregator, stack: &Stack) {
+    let send = |body: &[u8]| {
+        http::post_json(
+            stack.listen,
+            "/v1/chat/completions",
+            &[],
+            body,
+            Duration::from_secs(30),
+        )
+        .unwrap()
+    };
+    // The next turn of conversations the proxy placed: their prefix is in the relayed
+    // decisions, so the pick is determined.
+    for c in 0..3 {
+        let body = turn(c, TURNS, 8);
+        let dom = dump_dom(bin, dir, &explain_url(aggregator, &body));
+        let panel = explain_panel(&dom);
+        eprintln!(
+            "[{NAME}] explain, conversation {c} turn {TURNS}: {panel}; {}",
+            text_of(&dom, "explain-verdict")
+        );
+        assert_eq!(attr(panel, "data-explain"), Some("picked"), "{dom}");
+        let chosen = attr(panel, "data-chosen").unwrap().to_owned();
+        let matched: u32 = attr(panel, "data-matched-blocks").unwrap().parse().unwrap();
+        let want = shared_blocks(&turn(c, TURNS - 1, 8), &body);
+        assert!(want > 10, "{want}");
+        assert_eq!(matched, want, "the blocks this turn shares with the last");
+        let rows = tags(&dom, "data-explain-endpoint=");
+        assert_eq!(rows.len(), 3, "{dom}");
+        for row in &rows {
+            let m: u32 = attr(row, "data-matched").unwrap().parse().unwrap();
+            let is_chosen = attr(row, "data-explain-endpoint") == Some(chosen.as_str());
+            assert_eq!(
+                attr(row, "data-chosen"),
+                Some(if is_chosen { "true" } else { "false" })
+            );
+            assert!(m <= matched, "{row}");
+        }
+        let r = send(&body);
+        assert_eq!(r.status, 200, "{}", r.text());
+        let served = r.header("x-gateway-destination-endpoint-served").unwrap();
+        eprintln!("[{NAME}]   the proxy sent it to {served}");
+        assert_eq!(served, chosen, "the proxy picked what the page said");
+    }
+    let warm = explain_url(aggregator, &turn(3, TURNS, 8));
+    let png = dir.join("explain.png");
+    screenshot_sized(bin, dir, &warm, &png, 1240);
+    eprintln!("[{NAME}] explain screenshot: {}", png.display());
+    if std::env::var_os("KVOY_UPDATE_SCREENSHOT").is_some() {
+        std::fs::copy(&png, workspace_root().join("docs/explain.png")).unwrap();
+    }
+
+    // A prompt nobody sent, on idle endpoints: a tie, said as such; the proxy picks in it.
+    let cold = serde_json::to_vec(&json!({"model": MODEL, "max_tokens": 8, "messages": [
+        {"role": "user", "content": "A prompt no proxy of the pool-view test has seen. ".repeat(6)}]}))
+    .unwrap();
+    let dom = dump_dom(bin, dir, &explain_url(aggregator, &cold));
+    let panel = explain_panel(&dom);
+    eprintln!(
+        "[{NAME}] explain, a cold prompt: {panel}; {}",
+        text_of(&dom, "explain-verdict")
+    );
+    assert_eq!(attr(panel, "data-explain"), Some("tie"), "{dom}");
+    assert_eq!(attr(panel, "data-matched-blocks"), Some("0"));
+    let tied: Vec<&str> = attr(panel, "data-tied").unwrap().split(' ').collect();
+    assert_eq!(
+        tied.len(),
+        3,
+        "three idle endpoints, nothing matched: {tied:?}"
+    );
+    assert!(text_of(&dom, "explain-verdict").starts_with("Tie between"));
+    let r = send(&cold);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let served = r.header("x-gateway-destination-endpoint-served").unwrap();
+    eprintln!("[{NAME}]   the proxy sent it to {served}");
+    assert!(tied.contains(&served), "{served} not in the tie {tied:?}");
+
+    // A malformed body: the proxy's own answer, status and body.
+    let bad = format!(r#"{{"model":"{MODEL}","messages":7}}"#);
+    let dom = dump_dom(bin, dir, &explain_url(aggregator, bad.as_bytes()));
+    let panel = explain_panel(&dom);
+    assert_eq!(attr(panel, "data-explain"), Some("error"), "{dom}");
+    assert_eq!(attr(panel, "data-status"), Some("400"));
+    let shown = unescape(&text_of(&dom, "explain-error"));
+    let r = send(bad.as_bytes());
+    eprintln!(
+        "[{NAME}] explain, a malformed body: {}; the proxy answered {} {}",
+        unescape(&text_of(&dom, "explain-verdict")),
+        r.status,
+        r.text()
+    );
+    assert_eq!(r.status, 400);
+    assert_eq!(shown, r.text(), "the page shows the proxy's error body");
 }
 
 fn pool_json(aggregator: &LocalAggregator) -> Value {
@@ -307,6 +481,13 @@ fn the_pool_page_draws_the_live_pool_and_marks_a_stale_endpoint() {
     assert!(hit_rate[0] >= 1, "no prefix hit rate drawn");
     assert_eq!(kv.len(), 3);
     assert!(kv.iter().all(|p| *p >= 3), "{kv:?}");
+    // A constant of the aggregator's build (its build.rs found the module or not).
+    let built = std::hint::black_box(kvoy_aggregator::page::EXPLAIN_BUILT);
+    assert!(
+        built,
+        "the explain panel is not built into this aggregator: `make explain`, then rebuild"
+    );
+    check_explain_panel(&bin, &dir, &aggregator, &stack);
     // The screenshot under a bounded load, so that queues and running requests show.
     let listen = stack.listen;
     let load: Vec<_> = (0..12)
@@ -396,6 +577,16 @@ fn the_pool_page_explains_an_empty_pool_and_a_pool_not_loaded_yet() {
     assert!(rows(&dom).is_empty());
     assert_eq!(chart_points(&dom, "saturation"), [0], "nothing to draw");
     assert_eq!(text_of(&dom, "ready"), "0 / 0");
+    // Explaining against no endpoint: the proxy's answer for it (no endpoint serves the model).
+    let body = turn(0, 0, 8);
+    let dom = dump_dom(&bin, &dir, &explain_url(&empty, &body));
+    let panel = explain_panel(&dom);
+    eprintln!(
+        "[{NAME}] explain on an empty pool: {panel}; {}",
+        unescape(&text_of(&dom, "explain-verdict"))
+    );
+    assert_eq!(attr(panel, "data-explain"), Some("error"), "{dom}");
+    assert_eq!(attr(panel, "data-status"), Some("404"));
 
     // An API server that refuses every connection: the first discovery never succeeds.
     let refused = free_port().unwrap();
@@ -414,6 +605,12 @@ fn the_pool_page_explains_an_empty_pool_and_a_pool_not_loaded_yet() {
         "{dom}"
     );
     assert!(rows(&dom).is_empty());
+    let dom = dump_dom(&bin, &dir, &explain_url(&not_loaded, &body));
+    assert_eq!(
+        attr(explain_panel(&dom), "data-explain"),
+        Some("not-loaded"),
+        "{dom}"
+    );
     screenshot(
         &bin,
         &dir,
