@@ -1,6 +1,7 @@
 //! `POST /v1/decisions`: the aggregator relays the routing decisions of each proxy to the
 //! others, only for addresses of its pool, with a token when one is configured, refusing
-//! malformed batches with 400; counted in `/metrics`. On 127.0.0.1, every wait bounded.
+//! malformed batches with 400; counted in `/metrics`. `GET /v1/decisions` pages through every
+//! proxy's, oldest first, for the pool view's explain panel. On 127.0.0.1, every wait bounded.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::io::{Read, Write};
@@ -178,7 +179,37 @@ fn decisions_travel_between_proxies_for_pool_members_only() {
     // Malformed batches and other methods are refused, not stored.
     let (status, _, _) = request(api, "POST", PATH, "", b"KVDR\x01garbage");
     assert_eq!(status, 400);
-    assert_eq!(request(api, "GET", PATH, "", b"").0, 405);
+    assert_eq!(request(api, "PUT", PATH, "", b"").0, 405);
+    // A reader pages through every proxy's decisions, oldest first, and stores nothing.
+    let read = |after: u64, limit: u64| {
+        let (status, head, body) = request(
+            api,
+            "GET",
+            &format!("{PATH}?after={after}&limit={limit}"),
+            "",
+            b"",
+        );
+        assert_eq!(status, 200);
+        assert!(head.contains(CONTENT_TYPE), "{head}");
+        DecisionBatch::decode(&body).unwrap()
+    };
+    let all = read(0, 100);
+    assert_eq!(
+        (all.decisions, all.cursor),
+        (
+            vec![
+                decision(ea, &[1, 2]),
+                decision(eb, &[4]),
+                decision(eb, &[9])
+            ],
+            3
+        )
+    );
+    let page = read(0, 2);
+    assert_eq!((page.decisions.len(), page.cursor), (2, 2));
+    let rest = read(page.cursor, 2);
+    assert_eq!((rest.decisions, rest.cursor), (vec![decision(eb, &[9])], 3));
+    assert!(read(3, 2).decisions.is_empty());
     let (_, _, m) = request(api, "GET", "/metrics", "", b"");
     let m = String::from_utf8(m).unwrap();
     for line in [
@@ -225,6 +256,11 @@ fn the_exchange_requires_the_token_when_one_is_configured() {
         with,
     );
     assert_eq!(got.decisions.len(), 1);
+    // Reading them needs the token too.
+    assert_eq!(request(api, "GET", PATH, "", b"").0, 401);
+    let (status, _, page) = request(api, "GET", PATH, with, b"");
+    assert_eq!(status, 200);
+    assert_eq!(DecisionBatch::decode(&page).unwrap().decisions.len(), 1);
     rt.block_on(agg.shutdown());
     let _ = std::fs::remove_dir_all(&dir);
 }
