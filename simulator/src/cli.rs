@@ -31,7 +31,8 @@ usage: kvoy-sim [options]
   --max-stored-response-bytes N  ... and at most N bytes of their context (default 268435456)
   --kv-events-endpoint EP       ZMQ PUB endpoint for KV events, e.g. tcp://127.0.0.1:5557
   --kv-events-replay-endpoint EP  ZMQ ROUTER endpoint answering replay requests
-  --kv-events-topic T           topic (default kv@<listen ip:port>@<first model>)
+  --kv-events-topic T           topic frame of every message (default empty, as vLLM's;
+                                llm-d's convention is kv@<pod ip:port>@<model>)
   --kv-events-format F          map (default, vLLM >= mid-2026) or array (older vLLM)
   --tokenizer PATH              a Hugging Face tokenizer.json: prompts are tokenized as vLLM
                                 does with it (chat messages through the model's chat template)

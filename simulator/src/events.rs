@@ -75,7 +75,6 @@ pub fn sink(options: &Options, index: u16, addr: SocketAddr) -> Result<EventSink
     let Some(endpoint) = &kv.endpoint else {
         return Ok(Box::new(|_events| {}));
     };
-    let model = options.http.models.first().map_or("", String::as_str);
     let config = PublisherConfig {
         endpoint: offset_endpoint(endpoint, index)?,
         replay_endpoint: kv
@@ -83,10 +82,10 @@ pub fn sink(options: &Options, index: u16, addr: SocketAddr) -> Result<EventSink
             .as_deref()
             .map(|e| offset_endpoint(e, index))
             .transpose()?,
-        topic: kv
-            .topic
-            .clone()
-            .unwrap_or_else(|| format!("kv@{addr}@{model}")),
+        // vLLM's default (`KVEventsConfig.topic = ""`): an empty topic frame. Consumers that
+        // match the topic exactly (vLLM's router's static `--kv-event-source`) need it;
+        // llm-d's `kv@<pod>@<model>` convention is a topic the operator sets.
+        topic: kv.topic.clone().unwrap_or_default(),
         // The simulator is the server: it binds whatever address it is given.
         always_bind: true,
         ..PublisherConfig::default()
