@@ -221,6 +221,7 @@ pub fn run(grid: &Grid, progress: &(dyn Fn(Progress<'_>) + Sync)) -> Result<Repo
         policies: grid.policies.iter().map(|p| p.name().to_owned()).collect(),
         workloads: reports,
         hops: Vec::new(),
+        router_runs: Vec::new(),
     })
 }
 

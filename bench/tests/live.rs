@@ -31,6 +31,7 @@ fn kvoy_hits_the_cache_more_than_round_robin_live() {
         run_deadline: Duration::from_secs(60),
         hop_probes: 0,
         run_dir: run_dir.clone(),
+        tokenizer: None,
     };
     let report = live::run(&grid, &mut |p| {
         if p.done == p.total {

@@ -48,6 +48,7 @@ fn smg_and_vllm_router_route_every_request_to_the_simulators() {
         run_deadline: Duration::from_secs(60),
         hop_probes: 5,
         run_dir: run_dir.clone(),
+        tokenizer: None,
     };
     let report = live::run(&grid, &mut |p| {
         if let Some(f) = p.finished {

@@ -17,15 +17,19 @@ Real Envoy, kvoy-sim simulators (HTTP, SSE, ZMQ KV events) and kvoy-aggregator o
 the same seeded plan through Envoy's ROUND_ROBIN, LEAST_REQUEST and RANDOM, through the kvoy
 filters (per-proxy index, then with the aggregator) and through the real peer routers, installed
 with pip when missing: SGLang's model gateway (sglang-router==0.3.2, `smg`; policies
-cache_aware and round_robin) and vLLM's router (vllm-router==0.1.17; cache_aware), at their
-default settings. Every run gets a fresh proxy and empty simulator caches. Times are reported in
+cache_aware and round_robin) and vLLM's router (vllm-router==0.1.17; cache_aware, and on
+request kv_aware, its precise mode over the simulators' KV events), at their default settings. Every run gets a fresh proxy and empty simulator caches. Times are reported in
 the modelled GPU's seconds (real time x --speedup).
 
   --workload LIST       comma-separated among shared-prefix, agents, no-sharing
                         (default: shared-prefix,agents)
   --policies LIST       comma-separated among round-robin, least-request, random, kvoy,
-                        kvoy-aggregator, smg-cache-aware, smg-round-robin, vllm-router
-                        (default: all)
+                        kvoy-aggregator, smg-cache-aware, smg-round-robin, vllm-router,
+                        vllm-router-kv-aware (default: all but vllm-router-kv-aware, which
+                        makes every simulator of the run tokenize with --tokenizer)
+  --tokenizer PATH      the simulators tokenize with this tokenizer.json (kvoy-sim
+                        --tokenizer; default: the stand-in, or testdata/tokenizer/tokenizer.json
+                        when vllm-router-kv-aware runs)
   --replicas N          simulators, 1-64 (default 4)
   --profile NAME        llama-8b-h100 (default) or qwen-32b-h100-tp2
   --speedup F           simulators and arrivals this much faster than the model (default 2)
@@ -106,7 +110,8 @@ fn rate(v: &str) -> Result<Rate, CliError> {
 /// Parses the options after `live`.
 pub fn parse(args: &[String]) -> Result<LiveArgs, CliError> {
     let mut workloads = "shared-prefix,agents".to_owned();
-    let mut policies = LivePolicy::ALL.to_vec();
+    let mut policies = LivePolicy::DEFAULT.to_vec();
+    let mut tokenizer: Option<PathBuf> = None;
     let mut replicas = 4usize;
     let mut profile = Profile::llama_8b_h100();
     let mut speedup = 2.0f64;
@@ -202,6 +207,7 @@ pub fn parse(args: &[String]) -> Result<LiveArgs, CliError> {
             }
             "--seed" => seed = number(value(&mut it, "--seed")?, "--seed", "an integer")?,
             "--out" => out = PathBuf::from(value(&mut it, "--out")?),
+            "--tokenizer" => tokenizer = Some(PathBuf::from(value(&mut it, "--tokenizer")?)),
             "--quiet" => quiet = true,
             "--no-sim-check" => sim_check = false,
             "--sim-check-only" => sim_check_only = true,
@@ -234,6 +240,9 @@ pub fn parse(args: &[String]) -> Result<LiveArgs, CliError> {
         })
         .collect::<Result<Vec<_>, _>>()?;
     let run_dir = std::env::temp_dir().join(format!("kvoy-bench-live-{}", std::process::id()));
+    if tokenizer.is_none() && policies.iter().any(|p| p.needs_kv_events()) {
+        tokenizer = Some(super::default_tokenizer());
+    }
     Ok(LiveArgs {
         grid: LiveGrid {
             workloads,
@@ -247,6 +256,7 @@ pub fn parse(args: &[String]) -> Result<LiveArgs, CliError> {
             run_deadline: Duration::from_secs(deadline.max(1)),
             hop_probes,
             run_dir,
+            tokenizer,
         },
         out,
         quiet,
@@ -321,6 +331,16 @@ mod tests {
         let a = parse(&args("--no-sim-check")).unwrap();
         assert!(!a.sim_check);
         assert!(parse(&args("--sim-check-only")).unwrap().sim_check_only);
+        assert_eq!(parse(&[]).unwrap().grid.tokenizer, None);
+        let a = parse(&args("--policies kvoy,vllm-router-kv-aware")).unwrap();
+        assert_eq!(
+            a.grid.policies,
+            vec![LivePolicy::Kvoy, LivePolicy::VllmRouterKvAware]
+        );
+        assert_eq!(a.grid.tokenizer, Some(crate::live::default_tokenizer()));
+        assert!(crate::live::default_tokenizer().is_file());
+        let a = parse(&args("--tokenizer /t.json")).unwrap();
+        assert_eq!(a.grid.tokenizer, Some(PathBuf::from("/t.json")));
     }
 
     #[test]

@@ -125,6 +125,7 @@ pub fn simulate(grid: &LiveGrid, rates: &[(String, Vec<f64>)]) -> Result<Report,
         policies: Vec::new(),
         workloads: Vec::new(),
         hops: Vec::new(),
+        router_runs: Vec::new(),
     }))
 }
 
@@ -331,6 +332,7 @@ mod tests {
             run_deadline: std::time::Duration::from_secs(1),
             hop_probes: 0,
             run_dir: std::env::temp_dir(),
+            tokenizer: None,
         }
     }
 

@@ -12,7 +12,7 @@ use kvoy_e2e::{
     PoolEndpoint, SimFleet, Stack, StackConfig,
 };
 
-use super::routers::{RouterKind, RouterProcess};
+use super::routers::{KvEventSource, RouterKind, RouterProcess};
 
 /// The model every simulator serves.
 pub const MODEL: &str = "kvoy-bench";
@@ -32,6 +32,10 @@ pub struct Fleet {
     #[allow(dead_code)]
     sims: Vec<SimFleet>,
     addrs: Vec<SocketAddr>,
+    /// Each simulator's KV-event sockets (for vLLM's router's precise mode).
+    kv_sources: Vec<KvEventSource>,
+    /// The simulators' KV block size (the profile's).
+    block_size: u32,
     aggregator: LocalAggregator,
     run_dir: PathBuf,
 }
@@ -43,11 +47,13 @@ pub enum ProxyKind {
     Envoy(&'static str),
     /// Envoy with the kvoy filters, polling the aggregator or not.
     Kvoy { aggregator: bool },
-    /// A real router process: `binary` of `kind`, with its `policy`.
+    /// A real router process: `binary` of `kind`, with its `policy`; fed the simulators' KV
+    /// events when `kv_events` (vLLM's router's `kv_aware`).
     Router {
         kind: RouterKind,
         policy: &'static str,
         binary: PathBuf,
+        kv_events: bool,
     },
 }
 
@@ -81,10 +87,14 @@ impl Drop for Proxy {
 
 impl Fleet {
     /// Starts `replicas` simulators of `profile` at `speedup` and an aggregator following them.
+    /// With `tokenizer` (a `tokenizer.json`), the simulators tokenize as vLLM does with it
+    /// (kvoy-sim `--tokenizer`: chat through the chat template), so that their KV events and
+    /// render answers carry the same token ids; else the stand-in tokenizer.
     pub fn start(
         replicas: usize,
-        profile: &str,
+        profile: &kvoy_sim::engine::Profile,
         speedup: f64,
+        tokenizer: Option<&Path>,
         run_dir: &Path,
     ) -> anyhow::Result<Fleet> {
         std::fs::create_dir_all(run_dir)
@@ -92,25 +102,33 @@ impl Fleet {
         let speedup = speedup.to_string();
         let mut sims = Vec::with_capacity(replicas);
         let mut endpoints = Vec::with_capacity(replicas);
+        let mut kv_sources = Vec::with_capacity(replicas);
+        let tokenizer = tokenizer.map(|p| p.display().to_string());
         for _ in 0..replicas {
             let kv = format!("tcp://127.0.0.1:{}", free_port()?);
             let replay = format!("tcp://127.0.0.1:{}", free_port()?);
-            let fleet = SimFleet::start(
-                &["127.0.0.1:0".parse()?],
-                &[
-                    "--model",
-                    MODEL,
-                    "--profile",
-                    profile,
-                    "--speedup",
-                    &speedup,
-                    "--kv-events-endpoint",
-                    &kv,
-                    "--kv-events-replay-endpoint",
-                    &replay,
-                ],
-            )?;
+            let mut args = vec![
+                "--model",
+                MODEL,
+                "--profile",
+                &profile.name,
+                "--speedup",
+                &speedup,
+                "--kv-events-endpoint",
+                &kv,
+                "--kv-events-replay-endpoint",
+                &replay,
+            ];
+            if let Some(t) = &tokenizer {
+                args.extend(["--tokenizer", t.as_str()]);
+            }
+            let fleet = SimFleet::start(&["127.0.0.1:0".parse()?], &args)?;
             fleet.wait_healthy(Duration::from_secs(10))?;
+            kv_sources.push(KvEventSource {
+                worker: fleet.addrs()[0],
+                endpoint: kv.clone(),
+                replay: Some(replay.clone()),
+            });
             endpoints.push(AggregatedEndpoint {
                 address: fleet.addrs()[0],
                 models: vec![MODEL.into()],
@@ -131,6 +149,8 @@ impl Fleet {
         Ok(Fleet {
             sims,
             addrs,
+            kv_sources,
+            block_size: profile.block_size,
             aggregator,
             run_dir: run_dir.to_path_buf(),
         })
@@ -189,13 +209,22 @@ impl Fleet {
                 kind,
                 policy,
                 binary,
-            } => Ok(Proxy::Router(RouterProcess::start(
-                *kind,
-                binary,
-                policy,
-                &self.addrs,
-                &self.run_dir.join(name),
-            )?)),
+                kv_events,
+            } => {
+                let extra = if *kv_events {
+                    RouterKind::kv_event_args(&self.kv_sources, MODEL, self.block_size)
+                } else {
+                    Vec::new()
+                };
+                Ok(Proxy::Router(RouterProcess::start(
+                    *kind,
+                    binary,
+                    policy,
+                    &self.addrs,
+                    &extra,
+                    &self.run_dir.join(name),
+                )?))
+            }
         }
     }
 }

@@ -6,7 +6,9 @@
 //! kvoy filters, once with the per-proxy index only (`kvoy`) and once polling the aggregator
 //! (`kvoy-aggregator`), and the real peer routers as processes of their own ([`routers`]):
 //! SGLang's model gateway with its `cache_aware` and `round_robin` policies and vLLM's router
-//! with `cache_aware`, at their published defaults. Every run starts a fresh proxy (no routing
+//! with `cache_aware`, at their published defaults, and, when asked for, vLLM's router in its
+//! precise mode (`kv_aware`, fed by the simulators' KV events; the simulators then tokenize
+//! with a real tokenizer, `LiveGrid::tokenizer`). Every run starts a fresh proxy (no routing
 //! state left from an earlier run), measures its hop ([`hop`]), then empties the simulators'
 //! prefix caches once the fleet is idle, and sends the plan.
 //!
@@ -32,7 +34,7 @@ use kvoy_sim::engine::Profile;
 
 pub use driver::{Arrivals, Outcome};
 pub use fleet::{baseline_proxy, Fleet, Proxy, ProxyKind};
-pub use routers::RouterKind;
+pub use routers::{RouterCounters, RouterKind};
 
 use crate::metrics::{Recorder, RunFigures};
 use crate::report::{Report, WorkloadReport};
@@ -56,10 +58,27 @@ pub enum LivePolicy {
     SmgRoundRobin,
     /// vLLM's router, policy `cache_aware`.
     VllmRouter,
+    /// vLLM's router in its precise mode: policy `kv_aware` over the simulators' KV events.
+    VllmRouterKvAware,
 }
 
 impl LivePolicy {
-    pub const ALL: [LivePolicy; 8] = [
+    /// Every policy `--policies` accepts.
+    pub const ALL: [LivePolicy; 9] = [
+        LivePolicy::RoundRobin,
+        LivePolicy::LeastRequest,
+        LivePolicy::Random,
+        LivePolicy::Kvoy,
+        LivePolicy::KvoyAggregator,
+        LivePolicy::SmgCacheAware,
+        LivePolicy::SmgRoundRobin,
+        LivePolicy::VllmRouter,
+        LivePolicy::VllmRouterKvAware,
+    ];
+
+    /// The default run (`make bench`): all but the precise mode, which needs simulators with a
+    /// real tokenizer (its own run, `bench/results/live/precise.md`).
+    pub const DEFAULT: [LivePolicy; 8] = [
         LivePolicy::RoundRobin,
         LivePolicy::LeastRequest,
         LivePolicy::Random,
@@ -81,6 +100,7 @@ impl LivePolicy {
             LivePolicy::SmgCacheAware => "smg-cache-aware",
             LivePolicy::SmgRoundRobin => "smg-round-robin",
             LivePolicy::VllmRouter => "vllm-router",
+            LivePolicy::VllmRouterKvAware => "vllm-router-kv-aware",
         }
     }
 
@@ -94,6 +114,7 @@ impl LivePolicy {
             LivePolicy::SmgCacheAware => Some((RouterKind::Smg, "cache_aware")),
             LivePolicy::SmgRoundRobin => Some((RouterKind::Smg, "round_robin")),
             LivePolicy::VllmRouter => Some((RouterKind::VllmRouter, "cache_aware")),
+            LivePolicy::VllmRouterKvAware => Some((RouterKind::VllmRouter, "kv_aware")),
             _ => None,
         }
     }
@@ -120,6 +141,7 @@ impl LivePolicy {
                     kind,
                     policy,
                     binary: binary.clone(),
+                    kv_events: self.needs_kv_events(),
                 })
                 .ok_or_else(|| format!("{} is not installed", kind.requirement())),
             None => Ok(ProxyKind::Kvoy {
@@ -127,6 +149,23 @@ impl LivePolicy {
             }),
         }
     }
+}
+
+impl LivePolicy {
+    /// Whether the policy routes on the servers' KV events and their real token ids (the
+    /// simulators must then run a real tokenizer).
+    pub fn needs_kv_events(self) -> bool {
+        self == LivePolicy::VllmRouterKvAware
+    }
+}
+
+/// The small trained tokenizer of the repository (`testdata/tokenizer/tokenizer.json`), which
+/// the simulators run when a policy needs real token ids.
+pub fn default_tokenizer() -> PathBuf {
+    PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../testdata/tokenizer/tokenizer.json"
+    ))
 }
 
 /// Whether the policy named `policy` is one of the real peer routers (for the reports).
@@ -151,6 +190,9 @@ pub struct LiveGrid {
     pub hop_probes: usize,
     /// Envoy's configuration and logs, the aggregator's configuration, the routers' logs.
     pub run_dir: PathBuf,
+    /// A `tokenizer.json` the simulators tokenize with (kvoy-sim `--tokenizer`); `None`: the
+    /// stand-in. Every policy of the run sees the same simulators.
+    pub tokenizer: Option<PathBuf>,
 }
 
 /// Progress of the live grid, for a progress line.
@@ -258,8 +300,15 @@ pub fn run(
             runs: Vec::new(),
         });
     }
-    let fleet = Fleet::start(grid.replicas, &grid.profile.name, speedup, &grid.run_dir)
-        .map_err(|e| LiveError::Setup(format!("{e:#}")))?;
+    let fleet = Fleet::start(
+        grid.replicas,
+        &grid.profile,
+        speedup,
+        grid.tokenizer.as_deref(),
+        &grid.run_dir,
+    )
+    .map_err(|e| LiveError::Setup(format!("{e:#}")))?;
+    let mut router_runs = Vec::new();
     let runs = reports.iter().map(|r| r.rates.len()).sum::<usize>() * grid.policies.len();
     let mut hops: BTreeMap<&'static str, hop::HopSamples> = BTreeMap::new();
     let mut finished_runs = 0;
@@ -288,6 +337,12 @@ pub fn run(
                 fleet
                     .reset()
                     .map_err(|e| failed(format!("resetting the simulators: {e:#}")))?;
+                // vLLM's router's counters before the run (the hop's probes went through it).
+                let vllm_router = match (&proxy, policy.router()) {
+                    (Proxy::Router(r), Some((RouterKind::VllmRouter, _))) => Some(r),
+                    _ => None,
+                };
+                let counters_before = vllm_router.and_then(|r| r.counters().ok());
                 let drive = driver::Drive {
                     proxy: proxy.listen(),
                     model: fleet::MODEL.to_owned(),
@@ -311,6 +366,22 @@ pub fn run(
                 let outcomes = driver::run(&plan, &drive, &mut |done, total| {
                     tick(done, total, finished_runs, None);
                 });
+                // vLLM's router's own count of its renders and prefix lookups, before it stops.
+                if let Some(router) = vllm_router {
+                    match router.counters() {
+                        Ok(counters) => router_runs.push(RouterRun {
+                            workload: w.name().to_owned(),
+                            policy: policy.name().to_owned(),
+                            rate,
+                            requests: plan.requests() as u64,
+                            counters: counters.since(&counters_before.clone().unwrap_or_default()),
+                        }),
+                        Err(e) => eprintln!(
+                            "kvoy-bench live: {}: cannot read the router's metrics: {e:#}",
+                            policy.name()
+                        ),
+                    }
+                }
                 drop(proxy);
                 let mut recorder = Recorder::new(grid.replicas);
                 driver::record(&outcomes, fleet.addrs(), &mut recorder);
@@ -354,7 +425,20 @@ pub fn run(
             .iter()
             .filter_map(|p| hops.get(p.name()).map(|h| h.figures(p.name())))
             .collect(),
+        router_runs,
     })
+}
+
+/// What vLLM's router counted in one run (its tokenization on the request path, its lookups).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct RouterRun {
+    pub workload: String,
+    pub policy: String,
+    pub rate: f64,
+    /// Requests planned in the run.
+    pub requests: u64,
+    /// Counted during the run only (the hop's probes before it left out).
+    pub counters: RouterCounters,
 }
 
 /// `plan` with every arrival time and delay multiplied by `factor`.

@@ -9,6 +9,15 @@
 //! `/get_model_info`, `/get_server_info`); kvoy-sim answers them 404 on purpose, so the worker
 //! registers under model `unknown` (one model, one routing tree: the same decisions): given a
 //! `model_path`, `smg` tries to download that model's tokenizer from the Hugging Face hub.
+//!
+//! vLLM's router also runs in its precise mode, `--policy kv_aware`, fed by each simulator's
+//! ZMQ KV events through static `--kv-event-source WORKER_URL=ENDPOINT` (with
+//! `--kv-event-replay-source`, `--kv-event-model` and `--kv-event-block-size`: what it must be
+//! told about the servers, [`KvEventSource`], [`RouterKind::kv_event_args`]). It applies only
+//! batches whose topic frame equals the static source's, which is empty (vLLM's default
+//! topic, which kvoy-sim publishes). It renders every request through a worker's
+//! `POST /v1/chat/completions/render` before routing; [`RouterProcess::counters`] reads how
+//! many renders and prefix lookups it counted.
 
 use std::fs::File;
 use std::net::SocketAddr;
@@ -88,6 +97,136 @@ impl RouterKind {
         args.extend(workers.iter().map(|w| format!("http://{w}")));
         args
     }
+}
+
+/// One simulator's KV-event sockets, for vLLM's router's precise mode.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvEventSource {
+    /// The simulator's HTTP address (the router's worker URL is `http://{worker}`).
+    pub worker: SocketAddr,
+    /// Its ZMQ PUB endpoint, `tcp://127.0.0.1:P`.
+    pub endpoint: String,
+    /// Its ZMQ ROUTER replay endpoint, if any.
+    pub replay: Option<String>,
+}
+
+impl RouterKind {
+    /// The arguments that feed vLLM's router's `kv_aware` policy (`vllm-router --help`,
+    /// 0.1.17): one `--kv-event-source URL=ENDPOINT` per worker, `--kv-event-replay-source`
+    /// where the worker has a replay socket, the model every worker serves
+    /// (`--kv-event-model`, required: "static KV event sources require worker URLs and model
+    /// identity") and the servers' block size (`--kv-event-block-size`, default 16). These
+    /// describe the servers; every policy parameter keeps its default (temperature 0, tier
+    /// credits host 0.8 / external 0.6 / disk 0.3, no session affinity).
+    pub fn kv_event_args(sources: &[KvEventSource], model: &str, block_size: u32) -> Vec<String> {
+        let mut args = Vec::new();
+        for s in sources {
+            args.push("--kv-event-source".to_owned());
+            args.push(format!("http://{}={}", s.worker, s.endpoint));
+        }
+        for s in sources {
+            if let Some(replay) = &s.replay {
+                args.push("--kv-event-replay-source".to_owned());
+                args.push(format!("http://{}={replay}", s.worker));
+            }
+        }
+        args.extend([
+            "--kv-event-model".to_owned(),
+            model.to_owned(),
+            "--kv-event-block-size".to_owned(),
+            block_size.to_string(),
+        ]);
+        args
+    }
+}
+
+/// What vLLM's router counted during a run, from its Prometheus metrics: renders on a worker
+/// before routing (`vllm_router_kv_routing_inputs_total{transport="http",result="render"}`)
+/// and its precise index's prefix lookups by result
+/// (`vllm_router_kv_placement_lookups_total{result=...}`: `hit`, `miss`, or why skipped).
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct RouterCounters {
+    pub render_calls: u64,
+    /// Every sample of `vllm_router_kv_routing_inputs_total`, by its `result` label.
+    pub routing_inputs: std::collections::BTreeMap<String, u64>,
+    /// Every sample of `vllm_router_kv_placement_lookups_total`, by its `result` label.
+    pub lookups: std::collections::BTreeMap<String, u64>,
+}
+
+impl RouterCounters {
+    /// The counters in a Prometheus text exposition (lines it cannot read are skipped).
+    pub fn from_metrics(text: &str) -> RouterCounters {
+        let mut c = RouterCounters::default();
+        for line in text.lines() {
+            let Some((name, labels, value)) = sample(line) else {
+                continue;
+            };
+            let result = label(labels, "result").unwrap_or("").to_owned();
+            match name {
+                "vllm_router_kv_routing_inputs_total" => {
+                    if result == "render" {
+                        c.render_calls += value;
+                    }
+                    *c.routing_inputs.entry(result).or_default() += value;
+                }
+                "vllm_router_kv_placement_lookups_total" => {
+                    *c.lookups.entry(result).or_default() += value;
+                }
+                _ => {}
+            }
+        }
+        c
+    }
+
+    /// What was counted after `earlier` (a reading of the same router).
+    pub fn since(&self, earlier: &RouterCounters) -> RouterCounters {
+        let minus = |now: &std::collections::BTreeMap<String, u64>,
+                     then: &std::collections::BTreeMap<String, u64>| {
+            now.iter()
+                .map(|(k, v)| {
+                    (
+                        k.clone(),
+                        v.saturating_sub(then.get(k).copied().unwrap_or(0)),
+                    )
+                })
+                .collect()
+        };
+        RouterCounters {
+            render_calls: self.render_calls.saturating_sub(earlier.render_calls),
+            routing_inputs: minus(&self.routing_inputs, &earlier.routing_inputs),
+            lookups: minus(&self.lookups, &earlier.lookups),
+        }
+    }
+
+    pub fn lookups(&self, result: &str) -> u64 {
+        self.lookups.get(result).copied().unwrap_or(0)
+    }
+}
+
+/// `name{labels} value` of one exposition line; `None` for comments and anything else.
+fn sample(line: &str) -> Option<(&str, &str, u64)> {
+    let line = line.trim();
+    if line.starts_with('#') {
+        return None;
+    }
+    let (head, value) = line.rsplit_once(' ')?;
+    let value: f64 = value.parse().ok()?;
+    if !(value.is_finite() && value >= 0.0) {
+        return None;
+    }
+    let (name, labels) = match head.split_once('{') {
+        Some((name, rest)) => (name, rest.strip_suffix('}')?),
+        None => (head, ""),
+    };
+    Some((name, labels, value.round() as u64))
+}
+
+/// The value of `key` among `a="x",b="y"` labels.
+fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
+    labels.split(',').find_map(|kv| {
+        let (k, v) = kv.split_once('=')?;
+        (k.trim() == key).then(|| v.trim().trim_matches('"'))
+    })
 }
 
 /// Why a router could not be installed.
@@ -287,24 +426,30 @@ fn tail(s: &str, lines: usize) -> String {
 pub struct RouterProcess {
     child: Child,
     pub listen: SocketAddr,
+    /// Its Prometheus endpoint (`--prometheus-host`, `--prometheus-port`).
+    pub metrics: SocketAddr,
     log: PathBuf,
 }
 
 impl RouterProcess {
-    /// Starts `binary` (a `kind` router) with `policy` over `workers`, its output in
-    /// `dir/router.log`, and waits (bounded) until it reports every worker healthy.
+    /// Starts `binary` (a `kind` router) with `policy` over `workers` (then `extra` arguments),
+    /// its output in `dir/router.log`, and waits (bounded) until it reports every worker
+    /// healthy.
     pub fn start(
         kind: RouterKind,
         binary: &Path,
         policy: &str,
         workers: &[SocketAddr],
+        extra: &[String],
         dir: &Path,
     ) -> anyhow::Result<RouterProcess> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let log = dir.join("router.log");
         let out = File::create(&log).with_context(|| format!("creating {}", log.display()))?;
         let port = free_port()?;
-        let args = kind.args(policy, port, free_port()?, workers);
+        let metrics_port = free_port()?;
+        let mut args = kind.args(policy, port, metrics_port, workers);
+        args.extend(extra.iter().cloned());
         std::fs::write(
             dir.join("command.txt"),
             format!("{} {}\n", binary.display(), args.join(" ")),
@@ -321,6 +466,7 @@ impl RouterProcess {
         let mut router = RouterProcess {
             child,
             listen: SocketAddr::from(([127, 0, 0, 1], port)),
+            metrics: SocketAddr::from(([127, 0, 0, 1], metrics_port)),
             log,
         };
         router.wait_ready(workers.len(), Duration::from_secs(60))?;
@@ -367,6 +513,22 @@ impl RouterProcess {
             self.listen,
             self.log_tail(30)
         )
+    }
+
+    /// Its counters now (vLLM's router; smg exposes none of these names, all zero).
+    pub fn counters(&self) -> anyhow::Result<RouterCounters> {
+        let r = http::send(
+            self.metrics,
+            "GET",
+            "/metrics",
+            &[],
+            b"",
+            Duration::from_secs(5),
+        )?;
+        if r.status != 200 {
+            bail!("GET /metrics on {}: {}", self.metrics, r.status);
+        }
+        Ok(RouterCounters::from_metrics(&r.text()))
     }
 
     /// The last `lines` lines of the router's output.
@@ -431,6 +593,43 @@ mod tests {
             .any(|a| a.contains("threshold") || a.contains("tree")));
         assert_eq!(RouterKind::Smg.requirement(), "sglang-router==0.3.2");
         assert_eq!(RouterKind::VllmRouter.requirement(), "vllm-router==0.1.17");
+    }
+
+    #[test]
+    fn kv_event_sources_become_the_routers_static_sources() {
+        let sources = [
+            KvEventSource {
+                worker: SocketAddr::from(([127, 0, 0, 1], 8001)),
+                endpoint: "tcp://127.0.0.1:5557".into(),
+                replay: Some("tcp://127.0.0.1:5558".into()),
+            },
+            KvEventSource {
+                worker: SocketAddr::from(([127, 0, 0, 1], 8002)),
+                endpoint: "tcp://127.0.0.1:5559".into(),
+                replay: None,
+            },
+        ];
+        assert_eq!(
+            RouterKind::kv_event_args(&sources, "m", 16).join(" "),
+            "--kv-event-source http://127.0.0.1:8001=tcp://127.0.0.1:5557 --kv-event-source \
+             http://127.0.0.1:8002=tcp://127.0.0.1:5559 --kv-event-replay-source \
+             http://127.0.0.1:8001=tcp://127.0.0.1:5558 --kv-event-model m --kv-event-block-size 16"
+        );
+    }
+
+    #[test]
+    fn router_counters_read_from_the_exposition() {
+        let text = "# HELP vllm_router_kv_routing_inputs_total KV-aware token preparation\n\
+            # TYPE vllm_router_kv_routing_inputs_total counter\n\
+            vllm_router_kv_routing_inputs_total{transport=\"http\",result=\"render\"} 8\n\
+            vllm_router_kv_placement_lookups_total{result=\"hit\"} 3\n\
+            vllm_router_kv_placement_lookups_total{result=\"miss\"} 1\n\
+            vllm_router_prefix_routing_decisions_total{policy=\"kv_aware\"} 4\n\
+            garbage line\nvllm_router_kv_placement_lookups_total{result=\"miss\"} NaN\n";
+        let c = RouterCounters::from_metrics(text);
+        assert_eq!(c.render_calls, 8);
+        assert_eq!((c.lookups("hit"), c.lookups("miss")), (3, 1));
+        assert_eq!(RouterCounters::from_metrics(""), RouterCounters::default());
     }
 
     #[test]

@@ -31,6 +31,9 @@ pub struct Report {
     /// Live runs: what each proxy's hop adds to a tiny request (empty in the simulation).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub hops: Vec<HopFigures>,
+    /// Live runs through vLLM's router: its renders and prefix lookups per run.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub router_runs: Vec<crate::live::RouterRun>,
 }
 
 /// The producers a report may name, so that `tool` stays a `&'static str` when read back.
@@ -51,6 +54,8 @@ struct SavedReport {
     workloads: Vec<WorkloadReport>,
     #[serde(default)]
     hops: Vec<HopFigures>,
+    #[serde(default)]
+    router_runs: Vec<crate::live::RouterRun>,
 }
 
 impl From<SavedReport> for Report {
@@ -68,6 +73,7 @@ impl From<SavedReport> for Report {
             policies: r.policies,
             workloads: r.workloads,
             hops: r.hops,
+            router_runs: r.router_runs,
         }
     }
 }

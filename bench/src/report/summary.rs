@@ -89,6 +89,7 @@ pub fn summary(report: &Report) -> String {
     targets(&mut s, report);
     against_routers(&mut s, report);
     hops(&mut s, report);
+    tokenization(&mut s, report);
     let live = report.tool == "kvoy-bench live";
     for w in &report.workloads {
         workload(&mut s, w, &report.policies, live);
@@ -273,6 +274,58 @@ fn hops(s: &mut String, report: &Report) {
             h.proxied_ms.p90,
             h.added_p50_ms,
             h.added_p90_ms
+        );
+    }
+    s.push('\n');
+}
+
+/// vLLM's router's renders (its tokenization on the request path) and precise lookups per run.
+fn tokenization(s: &mut String, report: &Report) {
+    if report.router_runs.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        s,
+        "## Tokenization on the request path\n\n\
+         vLLM's router renders every chat request on a worker (`POST \
+         /v1/chat/completions/render`) before it routes it; counted by the router itself \
+         (`vllm_router_kv_routing_inputs_total{{transport=\"http\",result=\"render\"}}`, the \
+         hop's probes left out), with its precise index's lookups \
+         (`vllm_router_kv_placement_lookups_total` by result; the `kv_aware` policy only). \
+         kvoy, with or without the aggregator, tokenizes nothing and calls no server before \
+         routing: the filter keys the request's text. smg matches text too. \
+         `preparation_unavailable` inputs and `missing_tokens` lookups are requests the router \
+         routed without their tokens (no render answer in time).\n"
+    );
+    let _ = writeln!(
+        s,
+        "| workload | load | policy | requests | renders | renders / request | lookups hit | lookups miss | other lookups |\n|---|---|---|---|---|---|---|---|---|"
+    );
+    for r in &report.router_runs {
+        let load = report
+            .workloads
+            .iter()
+            .find(|w| w.name == r.workload)
+            .map_or(String::from("-"), |w| load(r.rate / w.saturation.rate));
+        let (hit, miss) = (r.counters.lookups("hit"), r.counters.lookups("miss"));
+        let other = r
+            .counters
+            .lookups
+            .values()
+            .sum::<u64>()
+            .saturating_sub(hit + miss);
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {} | {:.2} | {} | {} | {} |",
+            r.workload,
+            load,
+            r.policy,
+            r.requests,
+            r.counters.render_calls,
+            r.counters.render_calls as f64 / r.requests.max(1) as f64,
+            hit,
+            miss,
+            other
         );
     }
     s.push('\n');
