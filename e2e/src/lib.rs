@@ -67,3 +67,21 @@ pub fn wait_for(what: &str, timeout: std::time::Duration, mut check: impl FnMut(
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }
+
+/// Turn `t` of conversation `i` as a chat completion body for `model`: a long system brief
+/// naming the conversation, the history of turns `0..t`, then a new question. The multi-turn
+/// workload of the relay and reconfiguration tests: each turn's prompt extends the last one's.
+pub fn conversation_turn(model: &str, i: usize, t: usize) -> Vec<u8> {
+    use serde_json::json;
+    let mut messages = vec![json!({"role": "system", "content":
+        format!("Conversation {i}. {}", "You are a careful assistant with a long brief. ".repeat(12))})];
+    for k in 0..t {
+        messages
+            .push(json!({"role": "user", "content": format!("Question {k} of conversation {i}?")}));
+        messages.push(json!({"role": "assistant", "content": format!("Answer {k}, at some length, for conversation {i}.")}));
+    }
+    messages.push(json!({"role": "user", "content": format!("Question {t} of conversation {i}?")}));
+    json!({"model": model, "max_tokens": 2, "messages": messages})
+        .to_string()
+        .into_bytes()
+}

@@ -28,7 +28,7 @@ use kvoy_e2e::{
     aggregator_yaml, AggregatedEndpoint, LocalAggregator, PoolEndpoint, SimFleet, Stack,
     StackConfig,
 };
-use serde_json::{json, Value};
+use serde_json::Value;
 
 const NAME: &str = "reconfigure";
 const MODEL: &str = "kvoy-demo";
@@ -38,17 +38,9 @@ const CONVERSATIONS: usize = 40;
 const TURNS_BEFORE: usize = 3;
 const TURNS_AFTER: usize = 5;
 
-/// Turn `t` of conversation `i`: the history of turns `0..t`, then a new question.
+/// Turn `t` of conversation `i` ([`kvoy_e2e::conversation_turn`]).
 fn turn(i: usize, t: usize) -> Vec<u8> {
-    let mut messages = vec![json!({"role": "system", "content":
-        format!("Conversation {i}. {}", "You are a careful assistant with a long brief. ".repeat(12))})];
-    for k in 0..t {
-        messages
-            .push(json!({"role": "user", "content": format!("Question {k} of conversation {i}?")}));
-        messages.push(json!({"role": "assistant", "content": format!("Answer {k}, at some length, for conversation {i}.")}));
-    }
-    messages.push(json!({"role": "user", "content": format!("Question {t} of conversation {i}?")}));
-    serde_json::to_vec(&json!({"model": MODEL, "max_tokens": 2, "messages": messages})).unwrap()
+    kvoy_e2e::conversation_turn(MODEL, i, t)
 }
 
 /// What a stretch of the workload saw.
