@@ -225,6 +225,16 @@ struct SnapshotQuery {
     format: Option<u64>,
 }
 
+/// The `limit` of a decisions request: at most [`relay::MAX_DECISIONS`], which is also the
+/// default.
+fn decisions_limit(query: &str) -> usize {
+    query_u64(query, "limit").map_or(relay::MAX_DECISIONS, |l| {
+        usize::try_from(l)
+            .unwrap_or(usize::MAX)
+            .min(relay::MAX_DECISIONS)
+    })
+}
+
 /// The value of `name` in a query string as a number (the last `name` counts); absent or
 /// unparsable is `None`.
 fn query_u64(query: &str, name: &str) -> Option<u64> {
@@ -365,11 +375,7 @@ impl Api {
         let query = req.uri().query().unwrap_or("");
         let cursor = query_u64(query, "since").unwrap_or(0);
         // The poller bounds what it takes per exchange (each costs it shared-data writes).
-        let limit = query_u64(query, "limit").map_or(relay::MAX_DECISIONS, |l| {
-            usize::try_from(l)
-                .unwrap_or(usize::MAX)
-                .min(relay::MAX_DECISIONS)
-        });
+        let limit = decisions_limit(query);
         let body = match Limited::new(req.into_body(), relay::MAX_BATCH_BYTES)
             .collect()
             .await
@@ -456,11 +462,7 @@ impl Api {
         }
         let query = req.uri().query().unwrap_or("");
         let cursor = query_u64(query, "after").unwrap_or(0);
-        let limit = query_u64(query, "limit").map_or(relay::MAX_DECISIONS, |l| {
-            usize::try_from(l)
-                .unwrap_or(usize::MAX)
-                .min(relay::MAX_DECISIONS)
-        });
+        let limit = decisions_limit(query);
         let (decisions, next) = match self.relay.lock() {
             Ok(relay) => relay.after(cursor, limit, PAGE_MAX_KEYS),
             Err(_) => return text(StatusCode::INTERNAL_SERVER_ERROR, "relay unavailable\n"),

@@ -265,6 +265,15 @@ impl Stack {
     /// combined filter gives Envoy its metrics on its tick ([`METRICS_TICK_WAIT`]).
     pub fn stats(&self, filter: &str) -> anyhow::Result<std::collections::BTreeMap<String, u64>> {
         std::thread::sleep(METRICS_TICK_WAIT);
+        self.admin_stats(filter)
+    }
+
+    /// Envoy's stats whose names contain `filter`, read now (Envoy's own, e.g. the listener
+    /// manager's; the filters' may lag by a tick, see [`Stack::stats`]).
+    pub fn admin_stats(
+        &self,
+        filter: &str,
+    ) -> anyhow::Result<std::collections::BTreeMap<String, u64>> {
         let path = format!("/stats?filter={filter}");
         let reply = crate::http::send(
             self.admin,
@@ -361,30 +370,15 @@ impl Stack {
         };
         let (rendered, filter_config) = render(config, lds.listen_port, lds.admin_port)?;
         let updates = |stack: &Stack| -> anyhow::Result<u64> {
-            let reply = crate::http::send(
-                stack.admin,
-                "GET",
-                "/stats?filter=listener_manager",
-                &[],
-                &[],
-                Duration::from_secs(5),
-            )?;
-            anyhow::ensure!(reply.status == 200, "GET /stats: {}", reply.status);
-            let text = reply.text();
-            let stat = |name: &str| {
-                text.lines().find_map(|l| {
-                    l.strip_prefix(name)?
-                        .strip_prefix(": ")?
-                        .trim()
-                        .parse()
-                        .ok()
-                })
-            };
-            let warming: u64 = stat("listener_manager.total_listeners_warming").unwrap_or(0);
-            let modified: u64 = stat("listener_manager.listener_modified").unwrap_or(0);
+            let stats = stack.admin_stats("listener_manager")?;
+            let stat = |name: &str| stats.get(name).copied().unwrap_or(0);
             // A modified listener serves once warm (its filters configured); until then the
             // old one takes the new connections.
-            Ok(if warming == 0 { modified } else { 0 })
+            Ok(if stat("listener_manager.total_listeners_warming") == 0 {
+                stat("listener_manager.listener_modified")
+            } else {
+                0
+            })
         };
         let before = updates(self)?;
         lds.write(&rendered)?;
