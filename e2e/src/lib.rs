@@ -12,6 +12,7 @@
 //!   it on drop.
 //! - [`http`]: a tiny client and codec for the tests.
 //! - [`load`]: a streaming client that times each completion (TTFT, inter-token gaps).
+//! - [`webdriver`]: a headless Chromium driven through chromedriver, for the browser tests.
 //!
 //! ```no_run
 //! use kvoy_e2e::{EchoConfig, EchoServer, PoolEndpoint, Stack, StackConfig};
@@ -35,6 +36,7 @@ pub mod http;
 pub mod load;
 mod sim;
 mod stack;
+pub mod webdriver;
 
 pub use aggregator::{aggregator_yaml, AggregatedEndpoint, LocalAggregator};
 pub use bootstrap::{

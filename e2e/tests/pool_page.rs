@@ -7,18 +7,21 @@
 //!   decisions) are the aggregator's own (`GET /v1/pool`), the routed ones adding up to the
 //!   requests sent; charts drawn from the server-side history, with points;
 //! - a stopped simulator's row stays, marked stale;
-//! - the explain panel, opened with a request in the address (`/#explain=<base64url>`),
-//!   scores it in the page (kvoy-shared compiled to WebAssembly, fed the snapshot and the
+//! - the explain panel, with a request pasted into it and Explain pressed (through
+//!   chromedriver, W3C WebDriver), scores it in the page (kvoy-shared compiled to WebAssembly, fed the snapshot and the
 //!   relayed decisions): for the next turn of a conversation the proxy placed, it names one
 //!   endpoint with the blocks that turn shares with the last, and the proxy then sends the
 //!   request there; a prompt nobody sent is a tie between the idle endpoints, and the proxy's
-//!   pick is one of them; a malformed body shows the proxy's own 400 answer;
+//!   pick is one of them; a malformed body shows the proxy's own 400 answer; the Link button
+//!   puts the request in the address (`/#explain=<base64url>&api=chat`), which explains it
+//!   the same way on opening;
 //! - an aggregator with an empty pool, and one that has not read its endpoint source yet,
 //!   show their explained empty states.
 //!
 //! Screenshots go to the test's target tmp dir (and to `docs/pool-view.png` and
 //! `docs/explain.png` with `KVOY_UPDATE_SCREENSHOT=1`). Skips, saying so, only when there is no Chromium (`chromium`
-//! on PATH, or `KVOY_CHROMIUM`); `.ci/run` installs it. Needs `envoy` on PATH and the built
+//! on PATH, or `KVOY_CHROMIUM`) or, for the live pool, no chromedriver (`chromedriver`, or
+//! `KVOY_CHROMEDRIVER`); `.ci/run` installs both. Needs `envoy` on PATH and the built
 //! filter (`make wasm`); the explain panel needs `make explain` before the aggregator is built
 //! (the test fails, saying so, if the module is not in it).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
@@ -31,6 +34,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use kvoy_e2e::http;
+use kvoy_e2e::webdriver::{chromedriver, Browser};
 use kvoy_e2e::{
     aggregator_yaml, free_port, wait_for, workspace_root, AggregatedEndpoint, LocalAggregator,
     PoolEndpoint, PublishingSim, Stack, StackConfig,
@@ -217,8 +221,48 @@ fn shared_blocks(previous: &[u8], next: &[u8]) -> u32 {
         .matched_blocks
 }
 
-/// The explain panel against the live stack: what the page says kvoy picks is what the proxy
-/// then picks for the same request.
+/// Pastes `body` into the explain panel of the page `browser` shows, presses Explain and waits
+/// for the verdict; the page's DOM then.
+fn explain_in_page(browser: &Browser, body: &[u8]) -> String {
+    let field = browser.find("#explain-body").unwrap();
+    browser.clear(&field).unwrap();
+    browser
+        .send_keys(&field, std::str::from_utf8(body).unwrap())
+        .unwrap();
+    // The panel's state before the press, so that the wait sees this run's verdict.
+    browser
+        .execute(
+            "document.getElementById('explain').dataset.explain = 'idle';",
+            json!([]),
+        )
+        .unwrap();
+    browser
+        .click(&browser.find("#explain-run").unwrap())
+        .unwrap();
+    let state = browser
+        .wait_for(
+            "the explain panel's verdict",
+            "const s = document.getElementById('explain').dataset.explain; \
+             return s === 'idle' || s === 'running' ? null : s;",
+            Duration::from_secs(20),
+        )
+        .unwrap();
+    eprintln!("[{NAME}] explain, pressed: {state}");
+    browser.dom().unwrap()
+}
+
+/// The address the panel's Link button puts in the page's location for what it holds.
+fn link_in_page(browser: &Browser) -> String {
+    browser
+        .click(&browser.find("#explain-link").unwrap())
+        .unwrap();
+    let url = browser.execute("return location.href;", json!([])).unwrap();
+    url.as_str().unwrap().to_owned()
+}
+
+/// The explain panel against the live stack, as an operator uses it: the request pasted into
+/// the panel and Explain pressed; what the page says kvoy picks is what the proxy then picks
+/// for the same request. The Link button gives the address that explains it on opening.
 fn check_explain_panel(bin: &Path, dir: &Path, aggregator: &LocalAggregator, stack: &Stack) {
     let send = |body: &[u8]| {
         http::post_json(
@@ -230,11 +274,15 @@ fn check_explain_panel(bin: &Path, dir: &Path, aggregator: &LocalAggregator, sta
         )
         .unwrap()
     };
+    let browser = Browser::start(&dir.join("webdriver-profile")).unwrap();
+    browser
+        .navigate(&format!("http://{}/", aggregator.addr()))
+        .unwrap();
     // The next turn of conversations the proxy placed: their prefix is in the relayed
     // decisions, so the pick is determined.
     for c in 0..3 {
         let body = turn(c, TURNS, 8);
-        let dom = dump_dom(bin, dir, &explain_url(aggregator, &body));
+        let dom = explain_in_page(&browser, &body);
         let panel = explain_panel(&dom);
         eprintln!(
             "[{NAME}] explain, conversation {c} turn {TURNS}: {panel}; {}",
@@ -257,6 +305,19 @@ fn check_explain_panel(bin: &Path, dir: &Path, aggregator: &LocalAggregator, sta
             );
             assert!(m <= matched, "{row}");
         }
+        // The Link button's address explains the same request on opening, to the same pick.
+        let link = link_in_page(&browser);
+        assert_eq!(
+            link,
+            explain_url(aggregator, &body),
+            "the Link button's address"
+        );
+        if c == 0 {
+            let opened = dump_dom(bin, dir, &link);
+            let panel = explain_panel(&opened);
+            assert_eq!(attr(panel, "data-explain"), Some("picked"), "{opened}");
+            assert_eq!(attr(panel, "data-chosen"), Some(chosen.as_str()));
+        }
         let r = send(&body);
         assert_eq!(r.status, 200, "{}", r.text());
         let served = r.header("x-gateway-destination-endpoint-served").unwrap();
@@ -275,7 +336,7 @@ fn check_explain_panel(bin: &Path, dir: &Path, aggregator: &LocalAggregator, sta
     let cold = serde_json::to_vec(&json!({"model": MODEL, "max_tokens": 8, "messages": [
         {"role": "user", "content": "A prompt no proxy of the pool-view test has seen. ".repeat(6)}]}))
     .unwrap();
-    let dom = dump_dom(bin, dir, &explain_url(aggregator, &cold));
+    let dom = explain_in_page(&browser, &cold);
     let panel = explain_panel(&dom);
     eprintln!(
         "[{NAME}] explain, a cold prompt: {panel}; {}",
@@ -296,22 +357,25 @@ fn check_explain_panel(bin: &Path, dir: &Path, aggregator: &LocalAggregator, sta
     eprintln!("[{NAME}]   the proxy sent it to {served}");
     assert!(tied.contains(&served), "{served} not in the tie {tied:?}");
 
-    // A malformed body: the proxy's own answer, status and body.
+    // A malformed body: the proxy's own answer, status and body, pasted or opened by link.
     let bad = format!(r#"{{"model":"{MODEL}","messages":7}}"#);
-    let dom = dump_dom(bin, dir, &explain_url(aggregator, bad.as_bytes()));
-    let panel = explain_panel(&dom);
-    assert_eq!(attr(panel, "data-explain"), Some("error"), "{dom}");
-    assert_eq!(attr(panel, "data-status"), Some("400"));
-    let shown = unescape(&text_of(&dom, "explain-error"));
+    let pasted = explain_in_page(&browser, bad.as_bytes());
+    let linked = dump_dom(bin, dir, &link_in_page(&browser));
     let r = send(bad.as_bytes());
-    eprintln!(
-        "[{NAME}] explain, a malformed body: {}; the proxy answered {} {}",
-        unescape(&text_of(&dom, "explain-verdict")),
-        r.status,
-        r.text()
-    );
     assert_eq!(r.status, 400);
-    assert_eq!(shown, r.text(), "the page shows the proxy's error body");
+    for dom in [&pasted, &linked] {
+        let panel = explain_panel(dom);
+        assert_eq!(attr(panel, "data-explain"), Some("error"), "{dom}");
+        assert_eq!(attr(panel, "data-status"), Some("400"));
+        let shown = unescape(&text_of(dom, "explain-error"));
+        eprintln!(
+            "[{NAME}] explain, a malformed body: {}; the proxy answered {} {}",
+            unescape(&text_of(dom, "explain-verdict")),
+            r.status,
+            r.text()
+        );
+        assert_eq!(shown, r.text(), "the page shows the proxy's error body");
+    }
 }
 
 fn pool_json(aggregator: &LocalAggregator) -> Value {
@@ -364,6 +428,14 @@ fn the_pool_page_draws_the_live_pool_and_marks_a_stale_endpoint() {
         );
         return;
     };
+    if chromedriver().is_none() {
+        eprintln!(
+            "[{NAME}] SKIPPED: no chromedriver (`chromedriver` on PATH or KVOY_CHROMEDRIVER), \
+             which presses the explain panel's buttons; `apt-get install -y chromium-driver` \
+             (.ci/run does)"
+        );
+        return;
+    }
     let dir = scratch("live");
     let mut sims: Vec<PublishingSim> = (0..3)
         .map(|_| {
