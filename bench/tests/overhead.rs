@@ -16,13 +16,15 @@ fn every_row_measures_plain_envoy_kvoy_the_floor_ext_proc_and_direct() {
     grid.prompt_tokens = vec![1_000, 8_000];
     grid.concurrency = vec![1, 4];
     grid.requests = 24;
+    grid.host_calls = 8;
     let report = overhead::run(&grid, &|_| {}).unwrap();
     assert_eq!(
         report.grid(),
         vec![(1_000, 1), (1_000, 4), (8_000, 1), (8_000, 4)]
     );
     for (tokens, conc) in report.grid() {
-        for proxy in overhead::PROXIES {
+        let calibration = [overhead::FLOOR_CALLS, overhead::FLOOR_SHARED];
+        for proxy in overhead::PROXIES.into_iter().chain(calibration) {
             let c = report.cell(tokens, conc, proxy).unwrap();
             assert_eq!(
                 (c.requests, c.errors),
@@ -32,6 +34,12 @@ fn every_row_measures_plain_envoy_kvoy_the_floor_ext_proc_and_direct() {
             );
             assert!(c.latency.p50_ms > 0.0 && c.latency.p50_ms <= c.latency.p99_ms);
             assert!(c.body_bytes > tokens as usize * overhead::BYTES_PER_TOKEN);
+            // Every Envoy's CPU time was read (Linux's schedstat); "direct" has no Envoy.
+            match (proxy, c.envoy_cpu_us_per_request) {
+                ("direct", cpu) => assert_eq!(cpu, None),
+                (_, Some(us)) => assert!(us > 0.0 && us.is_finite(), "{proxy}: {us}"),
+                (_, None) => panic!("{proxy} at {tokens} tokens: no CPU time"),
+            }
         }
         assert!(report.added_ms(tokens, conc).is_some());
     }
@@ -42,6 +50,9 @@ fn every_row_measures_plain_envoy_kvoy_the_floor_ext_proc_and_direct() {
     // The floor filter answered every request (above): its ORIGINAL_DST route needs the
     // destination header it sets.
     assert!(md.contains("## The wasm floor"), "{md}");
+    assert!(md.contains("## CPU per request"), "{md}");
+    assert!(md.contains("## What one host call costs"), "{md}");
+    assert!(md.contains("8 more host calls per request"), "{md}");
     // The ext_proc row of the last cell; its added latency may be of either sign on a busy
     // machine (two proxies measured side by side).
     assert!(

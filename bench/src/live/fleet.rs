@@ -68,6 +68,15 @@ pub enum Proxy {
 }
 
 impl Proxy {
+    /// The Envoy process of a baseline or kvoy proxy (a router is not Envoy).
+    pub fn envoy_pid(&self) -> Option<u32> {
+        match self {
+            Proxy::Baseline { envoy, .. } => Some(envoy.pid()),
+            Proxy::Kvoy(stack) => Some(stack.envoy.pid()),
+            Proxy::Router(_) => None,
+        }
+    }
+
     pub fn listen(&self) -> SocketAddr {
         match self {
             Proxy::Baseline { listen, .. } => *listen,

@@ -27,6 +27,9 @@ the same picker behind Envoy's ext_proc filter (gRPC, body BUFFERED).
                         kvoy_floor.wasm: buffer, copy, hash, set the destination)
   --no-ext-proc         skip the external picker (Envoy's ext_proc filter and kvoy's picker
                         as a gRPC server on 127.0.0.1)
+  --host-calls N        also run the floor making N more host calls per request (clock
+                        reads, and shared-data reads) and report what one costs (default:
+                        not run)
   --seed N              (default 1)
   --out DIR             output directory (default bench/results/overhead)
   --quiet               no progress lines
@@ -97,6 +100,10 @@ pub fn parse(args: &[String]) -> Result<OverheadArgs, CliError> {
             "--no-direct" => grid.direct = false,
             "--no-ext-proc" => grid.ext_proc = false,
             "--no-floor" => grid.floor = false,
+            "--host-calls" => {
+                grid.host_calls =
+                    count(value(&mut it, "--host-calls")?, "--host-calls", 1, 10_000)? as u32;
+            }
             "--stages" => {
                 let v = value(&mut it, "--stages")?;
                 grid.stages = Stages::parse(v).ok_or_else(|| CliError::BadValue {
@@ -155,6 +162,8 @@ mod tests {
                 admission: false
             }
         );
+        assert_eq!(a.grid.host_calls, 0);
+        assert_eq!(parse(&args("--host-calls 32")).unwrap().grid.host_calls, 32);
         assert!(parse(&args("--stages session")).is_err());
         assert!(parse(&args("--stages prefix-affinity,cache")).is_err());
     }
@@ -166,6 +175,7 @@ mod tests {
             ("--concurrency 0", "--concurrency"),
             ("--requests", "--requests"),
             ("--backends 100", "--backends"),
+            ("--host-calls 0", "--host-calls"),
             ("--bogus", "--bogus"),
         ] {
             let e = parse(&args(line)).unwrap_err().to_string();

@@ -63,6 +63,10 @@ pub struct OverheadGrid {
     pub ext_proc: bool,
     /// Also measure the wasm floor (`kvoy_floor.wasm` in kvoy's bootstrap).
     pub floor: bool,
+    /// Also measure the floor making this many more host calls per request, clock reads
+    /// (`floor_calls`) and shared-data reads (`floor_shared`), see `bench/floor/`: what one
+    /// crossing into Envoy costs, and one shared-data read. 0: not measured.
+    pub host_calls: u32,
     /// The kvoy filter's stages besides prefix affinity (which routes, so is always on).
     pub stages: Stages,
     pub seed: u64,
@@ -85,6 +89,7 @@ impl OverheadGrid {
             direct: true,
             ext_proc: true,
             floor: true,
+            host_calls: 0,
             stages: Stages::ALL,
             seed: 1,
             load_deadline: Duration::from_secs(60),
@@ -121,6 +126,11 @@ pub struct Cell {
     pub first_error: Option<String>,
     pub latency: Latency,
     pub requests_per_s: f64,
+    /// The Envoy process's CPU time (every thread, user and system) per answered request,
+    /// microseconds, over the measured loads; `None` for `direct`, and in reports from before
+    /// it was measured. For `ext_proc` Envoy's alone: its picker runs in the bench's process.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub envoy_cpu_us_per_request: Option<f64>,
 }
 
 /// Everything the overhead run measured.
@@ -134,7 +144,14 @@ pub struct OverheadReport {
     /// The kvoy filter's stages in this run (all three unless `--stages` said otherwise).
     #[serde(default)]
     pub stages: Stages,
+    /// The calibration's extra host calls per request (`floor_calls` cells); 0: not measured.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub host_calls: u32,
     pub cells: Vec<Cell>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// Which of the kvoy filter's stages run besides prefix affinity.
@@ -190,6 +207,11 @@ pub const FLOOR_WASM: &str = "kvoy_floor.wasm";
 
 /// The proxies, in the order of the first round.
 pub const PROXIES: [&str; 5] = ["envoy", "kvoy", "floor", "ext_proc", "direct"];
+
+/// The calibration's proxies (`--host-calls N`): the floor with N more clock reads per request,
+/// and with N more shared-data reads.
+pub const FLOOR_CALLS: &str = "floor_calls";
+pub const FLOOR_SHARED: &str = "floor_shared";
 
 impl OverheadReport {
     pub fn cell(&self, prompt_tokens: u32, concurrency: usize, proxy: &str) -> Option<&Cell> {
@@ -321,6 +343,33 @@ impl Prompts {
 struct Target {
     name: &'static str,
     addr: SocketAddr,
+    /// The Envoy process serving it, whose CPU time is counted.
+    envoy_pid: Option<u32>,
+}
+
+/// CPU time `pid` has used so far, every thread: the sum of `/proc/PID/task/*/schedstat`'s
+/// first field (nanoseconds on the CPU; `/proc/PID/stat`'s ticks are 10 ms, too coarse for a
+/// row of a few hundred requests). `None` where there is no such file (not Linux, no
+/// schedstats, the process gone).
+fn cpu_ns(pid: u32) -> Option<u64> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+    let mut total = 0u64;
+    let mut any = false;
+    for task in tasks.flatten() {
+        let Ok(text) = std::fs::read_to_string(task.path().join("schedstat")) else {
+            // A thread that ended between the listing and the read.
+            continue;
+        };
+        if let Some(ns) = text
+            .split_whitespace()
+            .next()
+            .and_then(|f| f.parse::<u64>().ok())
+        {
+            total = total.saturating_add(ns);
+            any = true;
+        }
+    }
+    any.then_some(total)
 }
 
 /// Requests each backend received and the picker sent to it, by backend.
@@ -410,6 +459,20 @@ pub fn run(
         config.admission_config = Some("null".to_owned());
     }
     let kvoy = Stack::start(&config).map_err(|e| setup(&format!("kvoy stack: {e:#}")))?;
+    let calibration = |name: &str, field: &str| {
+        if grid.host_calls == 0 {
+            return Ok(None);
+        }
+        let mut config = floor_config.clone();
+        config.run_dir = grid.run_dir.join(name);
+        config.filter_module = Some(FLOOR_WASM.to_owned());
+        config.extra_config = Some(serde_json::json!({"floor": {field: grid.host_calls}}));
+        Stack::start(&config)
+            .map(Some)
+            .map_err(|e| setup(&format!("{name} stack: {e:#}")))
+    };
+    let floor_calls = calibration(FLOOR_CALLS, "clock_reads")?;
+    let floor_shared = calibration(FLOOR_SHARED, "shared_reads")?;
     let floor = if grid.floor {
         let mut config = floor_config;
         config.run_dir = grid.run_dir.join("floor");
@@ -434,28 +497,42 @@ pub fn run(
         Target {
             name: "envoy",
             addr: plain.listen(),
+            envoy_pid: plain.envoy_pid(),
         },
         Target {
             name: "kvoy",
             addr: kvoy.listen,
+            envoy_pid: Some(kvoy.envoy.pid()),
         },
     ];
     if let Some(f) = &floor {
         targets.push(Target {
             name: "floor",
             addr: f.listen,
+            envoy_pid: Some(f.envoy.pid()),
         });
+    }
+    for (name, stack) in [(FLOOR_CALLS, &floor_calls), (FLOOR_SHARED, &floor_shared)] {
+        if let Some(f) = stack {
+            targets.push(Target {
+                name,
+                addr: f.listen,
+                envoy_pid: Some(f.envoy.pid()),
+            });
+        }
     }
     if let Some(p) = &ext_proc {
         targets.push(Target {
             name: "ext_proc",
             addr: p.listen(),
+            envoy_pid: Some(p.envoy_pid()),
         });
     }
     if grid.direct {
         targets.push(Target {
             name: "direct",
             addr: addrs[0],
+            envoy_pid: None,
         });
     }
 
@@ -496,6 +573,9 @@ pub fn run(
                 .iter()
                 .map(|_| client::Measured::default())
                 .collect();
+            // CPU nanoseconds of each target's Envoy over the measured loads.
+            let mut cpu_spent: Vec<Option<u64>> =
+                targets.iter().map(|t| t.envoy_pid.map(|_| 0)).collect();
             // Warm each path (connections, the filters' first-request work) unmeasured.
             for t in &targets {
                 let body = |i: usize| prompts.body(next_index + i);
@@ -534,6 +614,7 @@ pub fn run(
                     let name = t.name;
                     let last = std::sync::Mutex::new(Instant::now());
                     let before = tally(name);
+                    let cpu_before = t.envoy_pid.and_then(cpu_ns);
                     let m = client::run(&load, &|done| {
                         let mut last = last.lock().unwrap_or_else(|p| p.into_inner());
                         if done < share && last.elapsed() < Duration::from_secs(1) {
@@ -550,8 +631,13 @@ pub fn run(
                             cells,
                         });
                     });
+                    let cpu_after = t.envoy_pid.and_then(cpu_ns);
                     check(name, before, &m, tokens, concurrency)?;
                     let acc = &mut measured[ti];
+                    cpu_spent[ti] = match (cpu_spent[ti], cpu_before, cpu_after) {
+                        (Some(sum), Some(b), Some(a)) => Some(sum + a.saturating_sub(b)),
+                        _ => None,
+                    };
                     acc.latencies.extend(m.latencies);
                     acc.errors += m.errors;
                     acc.wall += m.wall;
@@ -560,13 +646,19 @@ pub fn run(
                     }
                 }
             }
-            for (t, m) in targets.iter().zip(measured) {
-                out.push(cell_of(tokens, body_bytes, concurrency, t.name, m));
+            for ((t, m), cpu) in targets.iter().zip(measured).zip(cpu_spent) {
+                let mut c = cell_of(tokens, body_bytes, concurrency, t.name, m);
+                c.envoy_cpu_us_per_request = cpu
+                    .filter(|_| c.requests > 0)
+                    .map(|ns| ns as f64 / 1e3 / c.requests as f64);
+                out.push(c);
             }
         }
     }
     drop(ext_proc);
     drop(floor);
+    drop(floor_calls);
+    drop(floor_shared);
     drop(kvoy);
     drop(plain);
     Ok(OverheadReport {
@@ -576,6 +668,7 @@ pub fn run(
         backends: addrs.len(),
         rounds: grid.rounds.max(1),
         stages: grid.stages,
+        host_calls: grid.host_calls,
         cells: out,
     })
 }
@@ -623,6 +716,7 @@ fn cell_of(
         } else {
             0.0
         },
+        envoy_cpu_us_per_request: None,
     }
 }
 

@@ -119,6 +119,8 @@ pub fn summary(r: &OverheadReport) -> String {
     }
     floor_section(&mut s, r);
     ext_proc_section(&mut s, r);
+    cpu_section(&mut s, r);
+    host_call_section(&mut s, r);
     let errors: Vec<String> = r
         .cells
         .iter()
@@ -261,6 +263,136 @@ fn ext_proc_section(s: &mut String, r: &OverheadReport) {
     }
 }
 
+/// Each Envoy's CPU time per request, and what kvoy and the floor add to plain Envoy's: on a
+/// machine whose cores are shared by the client, the backends and every proxy, the concurrent
+/// rows' throughput is CPU per request, and this is the part of it each proxy's own process
+/// spent.
+fn cpu_section(s: &mut String, r: &OverheadReport) {
+    let cpu = |c: Option<&Cell>| c.and_then(|c| c.envoy_cpu_us_per_request);
+    let rows: Vec<(u32, usize, f64, f64)> = r
+        .grid()
+        .into_iter()
+        .filter_map(|(t, c)| {
+            Some((
+                t,
+                c,
+                cpu(r.cell(t, c, "envoy"))?,
+                cpu(r.cell(t, c, "kvoy"))?,
+            ))
+        })
+        .collect();
+    if rows.is_empty() {
+        return;
+    }
+    let floor = r.cells.iter().any(|c| c.proxy == "floor");
+    let ext_proc = r.cells.iter().any(|c| c.proxy == "ext_proc");
+    let _ = writeln!(
+        s,
+        "\n## CPU per request\n\n\
+         The Envoy process's CPU time (all threads, user and system, from \
+         `/proc/PID/task/*/schedstat`) over the measured loads, divided by the requests \
+         answered, microseconds. On these shared cores the concurrent rows' throughput is CPU \
+         per request; this is each proxy's own share of it.{}\n",
+        if ext_proc {
+            " ext_proc's is Envoy's alone: its picker runs in the benchmark's process."
+        } else {
+            ""
+        }
+    );
+    let mut head = String::from("| prompt tokens | concurrency | Envoy | kvoy | **kvoy added**");
+    let mut rule = String::from("|---:|---:|---:|---:|---:");
+    if floor {
+        head.push_str(" | floor | floor added | kvoy - floor");
+        rule.push_str("|---:|---:|---:");
+    }
+    if ext_proc {
+        head.push_str(" | ext_proc's Envoy");
+        rule.push_str("|---:");
+    }
+    let _ = writeln!(s, "{head} |\n{rule}|");
+    for (t, c, e, k) in rows {
+        let _ = write!(s, "| {t} | {c} | {e:.0} | {k:.0} | **{:+.0}**", k - e);
+        if floor {
+            match cpu(r.cell(t, c, "floor")) {
+                Some(f) => {
+                    let _ = write!(s, " | {f:.0} | {:+.0} | {:+.0}", f - e, k - f);
+                }
+                None => s.push_str(" | - | - | -"),
+            }
+        }
+        if ext_proc {
+            match cpu(r.cell(t, c, "ext_proc")) {
+                Some(x) => {
+                    let _ = write!(s, " | {x:.0}");
+                }
+                None => s.push_str(" | -"),
+            }
+        }
+        s.push_str(" |\n");
+    }
+}
+
+/// What one host call costs on this Envoy: the floor with `r.host_calls` more clock reads, and
+/// more shared-data reads, per request against the plain floor, per call, in CPU and p50.
+fn host_call_section(s: &mut String, r: &OverheadReport) {
+    if r.host_calls == 0 {
+        return;
+    }
+    let n = f64::from(r.host_calls);
+    // Per call: Envoy CPU (us) and p50 (us) of `proxy` over the floor's.
+    let per_call = |floor: &Cell, calls: Option<&Cell>| {
+        let Some(calls) = calls else {
+            return "-".to_owned();
+        };
+        let cpu = match (
+            floor.envoy_cpu_us_per_request,
+            calls.envoy_cpu_us_per_request,
+        ) {
+            (Some(f), Some(k)) => format!("{:.2}", (k - f) / n),
+            _ => "-".into(),
+        };
+        format!(
+            "**{cpu}** / {:.2}",
+            (calls.latency.p50_ms - floor.latency.p50_ms) * 1e3 / n
+        )
+    };
+    let rows: Vec<String> = r
+        .grid()
+        .into_iter()
+        .filter_map(|(t, c)| {
+            let floor = r.cell(t, c, "floor")?;
+            Some(format!(
+                "| {t} | {c} | {} | {} | {} |",
+                ms(floor.latency.p50_ms),
+                per_call(floor, r.cell(t, c, super::FLOOR_CALLS)),
+                per_call(floor, r.cell(t, c, super::FLOOR_SHARED)),
+            ))
+        })
+        .collect();
+    if rows.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        s,
+        "\n## What one host call costs\n\n\
+         The floor against itself making {} more host calls per request, side by side in the \
+         same rounds, per call: clock reads (`proxy_get_current_time_nanoseconds`: no data \
+         copied, no allocation in the VM), the cost of one crossing from the VM into Envoy and \
+         back; and reads of a 64-byte shared-data value (Envoy's process-wide lock, the copy, \
+         and one more VM entry: Envoy allocates its answer in the VM). Envoy's CPU per call, \
+         then the p50 per call, microseconds.\n",
+        r.host_calls
+    );
+    let _ = writeln!(
+        s,
+        "| prompt tokens | concurrency | floor p50, ms | **a clock read**: CPU / p50, us | **a shared-data read**: CPU / p50, us |"
+    );
+    let _ = writeln!(s, "|---:|---:|---:|---:|---:|");
+    for row in rows {
+        let _ = writeln!(s, "{row}");
+    }
+}
+
 /// Added latency (p50 solid, p99 dashed) against the prompt size, one line per concurrency.
 pub fn chart(r: &OverheadReport) -> String {
     const COLORS: [&str; 6] = [
@@ -323,6 +455,7 @@ mod tests {
                 mean_ms: p50,
             },
             requests_per_s: 1000.0 / p50,
+            envoy_cpu_us_per_request: None,
         }
     }
 
@@ -334,6 +467,7 @@ mod tests {
             backends: 4,
             rounds: 2,
             stages: Stages::ALL,
+            host_calls: 0,
             cells,
         }
     }
@@ -410,5 +544,59 @@ mod tests {
             "{md}"
         );
         assert!(md.contains("| 100000 | 1 | +0.50 / +1.00 | +1.00 / +2.00 | 0.89x | 0.80x | **0.50 (missed)** |"), "{md}");
+    }
+
+    #[test]
+    fn the_cpu_rows_give_each_envoys_time_per_request() {
+        let with_cpu = |mut c: Cell, us: f64| {
+            c.envoy_cpu_us_per_request = Some(us);
+            c
+        };
+        let r = report(vec![
+            with_cpu(cell(1_000, 32, "envoy", 1.8), 125.0),
+            with_cpu(cell(1_000, 32, "kvoy", 3.4), 298.4),
+            with_cpu(cell(1_000, 32, "floor", 2.0), 170.0),
+        ]);
+        let md = summary(&r);
+        assert!(md.contains("## CPU per request"), "{md}");
+        assert!(
+            md.contains("| 1000 | 32 | 125 | 298 | **+173** | 170 | +45 | +128 |"),
+            "{md}"
+        );
+        // Reports from before the measurement have no such section.
+        let old = summary(&report(vec![
+            cell(1_000, 32, "envoy", 1.8),
+            cell(1_000, 32, "kvoy", 3.4),
+        ]));
+        assert!(!old.contains("CPU per request"), "{old}");
+    }
+
+    #[test]
+    fn the_host_call_rows_divide_the_floors_difference_by_the_calls() {
+        let with_cpu = |mut c: Cell, us: f64| {
+            c.envoy_cpu_us_per_request = Some(us);
+            c
+        };
+        let mut r = report(vec![
+            with_cpu(cell(1_000, 32, "envoy", 1.8), 125.0),
+            with_cpu(cell(1_000, 32, "kvoy", 3.4), 298.0),
+            with_cpu(cell(1_000, 32, "floor", 2.0), 170.0),
+            with_cpu(cell(1_000, 32, "floor_calls", 2.4), 250.0),
+        ]);
+        assert!(!summary(&r).contains("What one host call costs"));
+        r.host_calls = 32;
+        let md = summary(&r);
+        assert!(md.contains("## What one host call costs"), "{md}");
+        assert!(
+            md.contains("| 1000 | 32 | 2.00 | **2.50** / 12.50 | - |"),
+            "{md}"
+        );
+        r.cells
+            .push(with_cpu(cell(1_000, 32, "floor_shared", 2.8), 234.0));
+        let md = summary(&r);
+        assert!(
+            md.contains("| 1000 | 32 | 2.00 | **2.50** / 12.50 | **2.00** / 25.00 |"),
+            "{md}"
+        );
     }
 }

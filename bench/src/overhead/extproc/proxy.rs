@@ -65,6 +65,11 @@ impl ExtProcProxy {
         self.listen
     }
 
+    /// Envoy's process (the picker runs in this one).
+    pub fn envoy_pid(&self) -> u32 {
+        self.envoy.pid()
+    }
+
     /// Requests the picker routed to each pool member so far.
     pub fn routed(&self) -> Vec<(SocketAddr, u64)> {
         self.picker.routed()
