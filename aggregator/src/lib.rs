@@ -9,6 +9,9 @@
 //! - [`kv_index`]: per endpoint and medium, the blocks cached, keyed by the aggregator's own
 //!   hash of token ids; [`follow`]: the thread that feeds it from the ZMQ stream, with gap
 //!   recovery through the replay socket.
+//! - [`kv_link`]: relayed routing decisions (text keys) linked to the server blocks their
+//!   prefill stored, by causal correlation (pure), so that a `BlockRemoved` names the text keys
+//!   it removes.
 //! - [`prefill`]: each endpoint's prefill rate, estimated online from its metrics (pure);
 //!   [`calibrate`]: the `calibrate` command, which measures it on a live server.
 //! - [`reject`]: refused input, counted by reason and logged once per reason.
@@ -38,6 +41,7 @@ pub mod follow;
 pub mod http;
 pub mod k8s;
 pub mod kv_index;
+pub mod kv_link;
 #[cfg(feature = "service")]
 pub mod page;
 #[cfg(feature = "service")]
