@@ -10,8 +10,10 @@
 //! root anchor), and that ends where the new text ends: the anchor's position plus the new
 //! bytes over the configured bytes per token, give or take one text span, a relative tolerance
 //! and a few tokens. A decision and a chain are linked only when each is the other's only
-//! match; when several fit, all of them are dropped unlinked ("ambiguous"): a wrong link would
-//! later remove the wrong keys, a missing one only costs affinity.
+//! match; when several fit, the decisions are dropped unlinked ("ambiguous"): a wrong link
+//! would later remove the wrong keys, a missing one only costs affinity. Their chains stay
+//! (contested, never linked on their own) so that the next turn's chain, which hangs under one
+//! of them, still links its whole new text through it.
 //!
 //! Decisions and events arrive in either order (the relay is pushed on the proxies' poll
 //! interval), so both wait in per-endpoint pending lists, capped and aged out after
@@ -190,6 +192,9 @@ struct Chain {
     parent: Option<BlockHash>,
     block_tokens: u64,
     at: Instant,
+    /// Fitted several decisions: never linked as one's own, but a later turn's chain still
+    /// links through it (that turn's keys cover this one's text too).
+    contested: bool,
 }
 
 #[derive(Debug)]
@@ -431,6 +436,7 @@ impl Linker {
                 parent,
                 block_tokens: u64::from(block_size),
                 at: now,
+                contested: false,
             },
         );
         ep.chain_order.push_back(id);
@@ -543,7 +549,9 @@ impl Linker {
                         .enumerate()
                         .filter(|(_, (cid, f))| {
                             ep.chains.get(cid).is_some_and(|ch| {
-                                ch.at + s.relay_lag >= d.at && ep.fits(&s, d, &anchor, f)
+                                !ch.contested
+                                    && ch.at + s.relay_lag >= d.at
+                                    && ep.fits(&s, d, &anchor, f)
                             })
                         })
                         .map(|(i, _)| i)
@@ -611,7 +619,9 @@ impl Linker {
                         }
                     }
                     for &ci in candidates {
-                        ep.drop_chain(forks[ci].0);
+                        if let Some(ch) = ep.chains.get_mut(&forks[ci].0) {
+                            ch.contested = true;
+                        }
                     }
                 }
                 changed = true;
@@ -774,7 +784,7 @@ impl Endpoint {
         };
         self.decisions.values().any(|d| {
             let anchor = self.anchor(&d.keys);
-            ch.at + s.relay_lag >= d.at && self.fits(s, d, &anchor, fork)
+            !ch.contested && ch.at + s.relay_lag >= d.at && self.fits(s, d, &anchor, fork)
         })
     }
 

@@ -205,7 +205,24 @@ fn concurrent_first_turns_of_equal_length_stay_unlinked() {
     assert_eq!((c.decisions_linked, c.unlinked_ambiguous), (0, 2));
     assert_eq!(l.linked_keys(ep(1)), vec![]);
     let e = l.endpoint(ep(1));
-    assert_eq!((e.pending_decisions, e.pending_chains), (0, 0));
+    assert_eq!(
+        (e.pending_decisions, e.pending_chains),
+        (0, 2),
+        "chains contested"
+    );
+    // A contested chain never links on its own, even to a decision arriving alone later...
+    l.decisions(&[decision(1, keys(300, 4))], ms(t0, 650));
+    l.tick(ms(t0, 1_200));
+    assert_eq!(l.counters().decisions_linked, 0);
+    // ...but the second turn of 200.. links through its first turn's chain: its keys cover
+    // both turns' text.
+    l.decisions(&[decision(1, keys(200, 6))], ms(t0, 1_300));
+    l.events(ep(1), &batch(vec![stored(14..16, Some(13))]), ms(t0, 1_310));
+    l.tick(ms(t0, 2_000));
+    assert_eq!(l.counters().decisions_linked, 1);
+    assert_eq!(l.linked_keys(ep(1)), keys(200, 6));
+    l.events(ep(1), &batch(vec![removed(&[12])]), ms(t0, 2_100));
+    assert_eq!(l.removals_after(0, 1)[0].keys, keys(202, 4));
 }
 
 #[test]
