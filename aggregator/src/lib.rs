@@ -120,8 +120,14 @@ impl Aggregator {
         let epoch = new_epoch();
         let (shutdown, stop) = watch::channel(false);
         let (views_tx, views) = watch::channel(Arc::new(PoolView::new(epoch)));
-        let pool = Pool::new(settings, source, kvoy_kvevents::ZmqContext::new(), epoch);
-        let api = http::Api::new(views, token, config.limits);
+        let api = http::Api::new(views, token, config.limits, config.links);
+        let pool = Pool::new(
+            settings,
+            source,
+            kvoy_kvevents::ZmqContext::new(),
+            epoch,
+            api.links.clone(),
+        );
         let tasks = vec![
             tokio::spawn(pool.run(views_tx, stop.clone())),
             tokio::spawn(page::sample(
