@@ -618,7 +618,15 @@ impl Linker {
                             c.unlinked_ambiguous += 1;
                         }
                     }
+                    // The chains that could be one of them's own prefill; those hanging under
+                    // another candidate are continuations, left to the next turns.
                     for &ci in candidates {
+                        let nested = candidates.iter().any(|&cj| {
+                            cj != ci && forks[ci].1.path.iter().any(|p| p.0 == forks[cj].0)
+                        });
+                        if nested {
+                            continue;
+                        }
                         if let Some(ch) = ep.chains.get_mut(&forks[ci].0) {
                             ch.contested = true;
                         }

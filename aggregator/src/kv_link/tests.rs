@@ -465,3 +465,53 @@ fn a_later_turn_waits_for_its_earlier_turn_relayed_together() {
     assert_eq!((c.decisions_linked, c.unlinked_ambiguous), (2, 0));
     assert_eq!(l.linked_keys(ep(1)), keys(100, 21));
 }
+
+/// Two conversations whose turns have equal lengths, on one endpoint, all within the relay
+/// lag: every turn is ambiguous (nothing tells them apart), none waits forever.
+#[test]
+fn equal_length_conversations_stay_ambiguous_turn_after_turn() {
+    let mut l = linker();
+    let t0 = Instant::now();
+    // Conversation a: keys 100.., blocks 1..; conversation b: keys 200.., blocks 101...
+    let mut at = 0;
+    for turn in 0..3u64 {
+        let n = 4 + 2 * turn;
+        l.decisions(
+            &[decision(1, keys(100, n)), decision(1, keys(200, n))],
+            ms(t0, at),
+        );
+        let (from, to) = (if turn == 0 { 0 } else { 4 + 2 * (turn - 1) }, n);
+        let parent = |base: u64| (turn > 0).then_some(base + from);
+        l.events(
+            ep(1),
+            &batch(vec![
+                stored(1 + from..1 + to, parent(0)),
+                stored(101 + from..101 + to, parent(100)),
+            ]),
+            ms(t0, at + 10),
+        );
+        at += 700;
+        l.tick(ms(t0, at));
+    }
+    let c = l.counters();
+    assert_eq!((c.decisions_linked, c.unlinked_ambiguous), (0, 6), "{c:?}");
+}
+
+/// An ambiguous turn whose rivals' next-turn chains already arrived (they fit its tail too)
+/// leaves those chains to the next turns' decisions.
+#[test]
+fn an_ambiguous_turn_leaves_the_next_turns_chains_alone() {
+    let mut l = linker();
+    let t0 = Instant::now();
+    l.decisions(&[decision(1, keys(100, 4)), decision(1, keys(200, 4))], t0);
+    l.events(ep(1), &batch(vec![stored(1..5, None), stored(101..105, None)]), ms(t0, 10));
+    // The next turns (one key more each), routed and stored before the first turns settled.
+    l.events(ep(1), &batch(vec![stored(5..6, Some(4)), stored(105..106, Some(104))]), ms(t0, 20));
+    l.decisions(&[decision(1, keys(100, 5)), decision(1, keys(200, 5))], ms(t0, 100));
+    l.tick(ms(t0, 600));
+    // Both turns ambiguous (one length for both conversations), none left waiting for a chain
+    // the first turns' ambiguity took.
+    let c = l.counters();
+    assert_eq!((c.unlinked_ambiguous, c.decisions_linked), (4, 0), "{c:?}");
+    assert_eq!(l.endpoint(ep(1)).pending_decisions, 0);
+}
