@@ -413,6 +413,7 @@ impl Api {
         json!({
             "decisions_linked": c.decisions_linked,
             "decisions_known": c.decisions_known,
+            "decisions_repeated": c.decisions_repeated,
             "unlinked": {
                 "no_chain": c.unlinked_no_chain,
                 "ambiguous": c.unlinked_ambiguous,
@@ -759,9 +760,13 @@ fn link_metrics(f: &mut Family<'_>, c: &LinkCounters) {
     f.head(
         "kvoy_aggregator_decision_links_total",
         "counter",
-        "Relayed decisions linked to the server blocks their prefill stored, or known already (every key linked).",
+        "Relayed decisions linked to the server blocks their prefill stored, known already (every key linked), or repeating one pending.",
     );
-    for (what, n) in [("linked", c.decisions_linked), ("known", c.decisions_known)] {
+    for (what, n) in [
+        ("linked", c.decisions_linked),
+        ("known", c.decisions_known),
+        ("repeated", c.decisions_repeated),
+    ] {
         f.sample(
             "kvoy_aggregator_decision_links_total",
             &[("what", what)],

@@ -145,6 +145,8 @@ pub struct LinkCounters {
     pub unlinked_capacity: u64,
     /// Decisions whose every key was linked already (nothing new to store).
     pub decisions_known: u64,
+    /// Decisions equal to one pending already (merged into it).
+    pub decisions_repeated: u64,
     pub keys_linked: u64,
     /// `BlockRemoved` or `AllBlocksCleared` events that removed linked keys.
     pub exact_removals: u64,
@@ -281,6 +283,16 @@ impl Linker {
             let ep = self.endpoints.entry(d.endpoint).or_default();
             if d.keys.last().is_some_and(|k| ep.keys.contains_key(k)) {
                 self.counters.decisions_known += 1;
+                continue;
+            }
+            // The same prompt pending already (a repeat, or a decision relayed twice): keys
+            // chain, so an equal last key is an equal prompt, and one link serves both.
+            if ep
+                .decisions
+                .values()
+                .any(|p| p.keys.last() == d.keys.last())
+            {
+                self.counters.decisions_repeated += 1;
                 continue;
             }
             ep.decisions.insert(

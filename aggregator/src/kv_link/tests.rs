@@ -376,6 +376,15 @@ fn known_prompts_and_other_media_and_bad_stores_are_ignored() {
         ms(t0, 700),
     );
     assert_eq!(l.counters().decisions_known, 1);
+    // A decision relayed twice while pending is one decision, not two rivals.
+    l.decisions(
+        &[decision(1, keys(300, 1)), decision(1, keys(300, 1))],
+        ms(t0, 700),
+    );
+    assert_eq!(l.counters().decisions_repeated, 1);
+    l.events(ep(1), &batch(vec![stored(30..31, None)]), ms(t0, 710));
+    l.tick(ms(t0, 1_300));
+    assert_eq!(l.counters().decisions_linked, 2);
     assert_eq!(l.endpoint(ep(1)).pending_decisions, 0);
     let cpu = KvEvent::BlockStored {
         block_hashes: vec![h(50)],
@@ -402,9 +411,12 @@ fn known_prompts_and_other_media_and_bad_stores_are_ignored() {
         medium: Medium::Cpu,
         group_idx: None,
     };
-    l.events(ep(1), &batch(vec![cpu, short, cpu_removed]), ms(t0, 800));
+    l.events(ep(1), &batch(vec![cpu, short, cpu_removed]), ms(t0, 1_400));
     assert_eq!(l.endpoint(ep(1)).pending_chains, 0);
-    assert_eq!(l.linked_keys(ep(1)), keys(100, 2));
+    assert_eq!(
+        l.linked_keys(ep(1)),
+        vec![BlockKey(100), BlockKey(101), BlockKey(300)]
+    );
 }
 
 /// A table against a naive reference: single first turns of 1..40 keys on their own
@@ -504,10 +516,21 @@ fn an_ambiguous_turn_leaves_the_next_turns_chains_alone() {
     let mut l = linker();
     let t0 = Instant::now();
     l.decisions(&[decision(1, keys(100, 4)), decision(1, keys(200, 4))], t0);
-    l.events(ep(1), &batch(vec![stored(1..5, None), stored(101..105, None)]), ms(t0, 10));
+    l.events(
+        ep(1),
+        &batch(vec![stored(1..5, None), stored(101..105, None)]),
+        ms(t0, 10),
+    );
     // The next turns (one key more each), routed and stored before the first turns settled.
-    l.events(ep(1), &batch(vec![stored(5..6, Some(4)), stored(105..106, Some(104))]), ms(t0, 20));
-    l.decisions(&[decision(1, keys(100, 5)), decision(1, keys(200, 5))], ms(t0, 100));
+    l.events(
+        ep(1),
+        &batch(vec![stored(5..6, Some(4)), stored(105..106, Some(104))]),
+        ms(t0, 20),
+    );
+    l.decisions(
+        &[decision(1, keys(100, 5)), decision(1, keys(200, 5))],
+        ms(t0, 100),
+    );
     l.tick(ms(t0, 600));
     // Both turns ambiguous (one length for both conversations), none left waiting for a chain
     // the first turns' ambiguity took.
