@@ -253,6 +253,27 @@ fn query_u64(query: &str, name: &str) -> Option<u64> {
         .and_then(|(_, v)| v.parse().ok())
 }
 
+/// A poll's admission report, `proxy=<16 hex digits>&held=N` (the filters'
+/// `kvoy_shared::live::PollReport`); `None` unless both parse. The held count is bounded by
+/// what one proxy could hold (a garbage figure must not swamp the sum).
+fn admission_report(query: &str) -> Option<(u64, u64)> {
+    let proxy = query
+        .split('&')
+        .filter_map(|pair| pair.split_once('='))
+        .rfind(|(k, _)| *k == "proxy")
+        .and_then(|(_, v)| {
+            (v.len() == 16)
+                .then(|| u64::from_str_radix(v, 16).ok())
+                .flatten()
+        })?;
+    let held = query_u64(query, "held")?;
+    (held <= MAX_REPORTED_HELD).then_some((proxy, held))
+}
+
+/// Requests one proxy's report may say it holds, at most (far above any admission queue's
+/// bound: `max_queue` is a u32 per worker).
+const MAX_REPORTED_HELD: u64 = 1 << 40;
+
 /// `epoch`, `since` and `format` from a query string; anything unparsable counts as absent
 /// (a full snapshot, always a correct answer; format 1, which every filter reads).
 fn snapshot_query(query: &str) -> SnapshotQuery {
@@ -326,7 +347,13 @@ impl Api {
         }
         let view = self.views.borrow().clone();
         match path {
-            "/v1/snapshot" => self.snapshot(&view, req.uri().query().unwrap_or("")),
+            "/v1/snapshot" => {
+                let query = req.uri().query().unwrap_or("");
+                if let Some((proxy, held)) = admission_report(query) {
+                    self.page.report_admission(proxy, held, std::time::Instant::now());
+                }
+                self.snapshot(&view, query)
+            }
             "/v1/endpoints" => reply(
                 StatusCode::OK,
                 "application/json",
@@ -1209,6 +1236,23 @@ mod tests {
         assert_eq!(snapshot_query("format=v2&x"), q(None, None, None));
         assert_eq!(snapshot_query(""), q(None, None, None));
         assert_eq!(label("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+    }
+
+    #[test]
+    fn a_polls_admission_report_needs_both_fields() {
+        assert_eq!(
+            admission_report("format=2&proxy=00000000000000ab&held=7"),
+            Some((0xab, 7))
+        );
+        assert_eq!(admission_report("format=2&held=7"), None);
+        assert_eq!(admission_report("proxy=ab&held=7"), None, "16 digits");
+        assert_eq!(admission_report("proxy=zz000000000000ab&held=7"), None);
+        assert_eq!(admission_report("proxy=00000000000000ab"), None);
+        assert_eq!(
+            admission_report("proxy=00000000000000ab&held=99999999999999999"),
+            None,
+            "beyond any queue"
+        );
     }
 
     #[test]

@@ -82,7 +82,16 @@ pub struct PoolPage {
     /// Routing decisions the proxies relayed (`POST /v1/decisions`), per endpoint, since the
     /// aggregator started.
     routed: Mutex<HashMap<SocketAddr, u64>>,
+    /// The requests each proxy's admission stage holds, as its last snapshot poll said
+    /// (`&proxy=ID&held=N`), and when.
+    admission: Mutex<HashMap<u64, (u64, Instant)>>,
 }
+
+/// A proxy's admission report counts this long after its last poll (polls come every poll
+/// interval, 100 ms by default; a proxy that stopped is gone from the sum after this).
+pub const ADMISSION_REPORT_TTL: Duration = Duration::from_secs(5);
+/// Proxies whose reports are kept at most (the rest are not counted).
+pub const MAX_REPORTING_PROXIES: usize = 4096;
 
 impl Default for PoolPage {
     fn default() -> Self {
@@ -90,6 +99,7 @@ impl Default for PoolPage {
             started: Instant::now(),
             timeline: Mutex::new(Timeline::new(TIMELINE_SAMPLES)),
             routed: Mutex::new(HashMap::new()),
+            admission: Mutex::new(HashMap::new()),
         }
     }
 }
@@ -102,6 +112,32 @@ impl PoolPage {
                 *routed.entry(e).or_insert(0) += 1;
             }
         }
+    }
+
+    /// Records proxy `proxy`'s report that its admission stage holds `held` requests.
+    pub fn report_admission(&self, proxy: u64, held: u64, now: Instant) {
+        if let Ok(mut reports) = self.admission.lock() {
+            if reports.len() >= MAX_REPORTING_PROXIES && !reports.contains_key(&proxy) {
+                reports
+                    .retain(|_, (_, at)| now.saturating_duration_since(*at) < ADMISSION_REPORT_TTL);
+                if reports.len() >= MAX_REPORTING_PROXIES {
+                    return;
+                }
+            }
+            reports.insert(proxy, (held, now));
+        }
+    }
+
+    /// The admission queue of the pool: the requests the reporting proxies hold, and how many
+    /// proxies reported within [`ADMISSION_REPORT_TTL`] of `now`.
+    pub fn admission(&self, now: Instant) -> (u64, usize) {
+        let Ok(reports) = self.admission.lock() else {
+            return (0, 0);
+        };
+        reports
+            .values()
+            .filter(|(_, at)| now.saturating_duration_since(*at) < ADMISSION_REPORT_TTL)
+            .fold((0, 0), |(held, n), (h, _)| (held + h, n + 1))
     }
 
     fn millis(&self, now: Instant) -> u64 {
@@ -180,11 +216,15 @@ impl PoolPage {
                 .collect(),
             Err(_) => Vec::new(),
         };
+        let (held, proxies) = self.admission(now);
         json!({
             "loaded": view.loaded,
             "now_ms": self.millis(now),
             "interval_ms": TIMELINE_INTERVAL.as_millis() as u64,
             "pool": crate::http::pool_gauges_json(view),
+            // The proxies' own admission queues (null: no proxy with an admission stage
+            // reported in its polls).
+            "admission": (proxies > 0).then(|| json!({"held": held, "proxies": proxies})),
             "endpoints": endpoints,
             "history": history,
         })
@@ -250,6 +290,25 @@ mod tests {
             // Not built: nothing pretends to be the module; the page says how to build it.
             assert!(module.is_none() && script.is_none());
         }
+    }
+
+    #[test]
+    fn the_admission_queue_adds_the_proxies_that_reported_lately() {
+        let page = PoolPage::default();
+        let t0 = Instant::now();
+        assert_eq!(page.admission(t0), (0, 0));
+        assert_eq!(page.json(&PoolView::new(1), t0)["admission"], json!(null));
+        page.report_admission(1, 5, t0);
+        page.report_admission(2, 3, t0);
+        page.report_admission(1, 4, t0 + Duration::from_secs(1));
+        assert_eq!(page.admission(t0 + Duration::from_secs(1)), (7, 2));
+        assert_eq!(
+            page.json(&PoolView::new(1), t0 + Duration::from_secs(1))["admission"],
+            json!({"held": 7, "proxies": 2})
+        );
+        // Proxy 2 stopped reporting: it is not counted after the TTL.
+        let later = t0 + ADMISSION_REPORT_TTL + Duration::from_millis(500);
+        assert_eq!(page.admission(later), (4, 1));
     }
 
     #[test]

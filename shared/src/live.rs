@@ -242,10 +242,33 @@ impl PollError {
     }
 }
 
+/// What a proxy tells the aggregator in its poll: its id (one for all its workers) and the
+/// requests its admission stage holds. The aggregator shows the pool's admission queue from
+/// these; it routes nothing by them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PollReport {
+    pub proxy: u64,
+    pub held: u64,
+}
+
 /// The path of the next poll: incremental from `have` unless a full snapshot is wanted, and
 /// naming the newest snapshot format this build reads (an aggregator that knows no `format`
-/// ignores it and answers format 1, which this build reads too).
-pub fn poll_path(settings: &AggregatorSettings, have: &Snapshot, want_full: bool) -> String {
+/// ignores it and answers format 1, which this build reads too), then the proxy's `report`
+/// (`&proxy=<16 hex digits>&held=N`; an aggregator that knows neither ignores them).
+pub fn poll_path(
+    settings: &AggregatorSettings,
+    have: &Snapshot,
+    want_full: bool,
+    report: Option<PollReport>,
+) -> String {
+    let mut path = snapshot_path(settings, have, want_full);
+    if let Some(r) = report {
+        path.push_str(&format!("&proxy={:016x}&held={}", r.proxy, r.held));
+    }
+    path
+}
+
+fn snapshot_path(settings: &AggregatorSettings, have: &Snapshot, want_full: bool) -> String {
     let sep = if settings.path.contains('?') {
         '&'
     } else {
@@ -432,19 +455,31 @@ mod tests {
         let mut history = SnapshotHistory::new(9);
         history.update(vec![status(0, 1, true, false)]);
         let mut mine = Snapshot::default();
-        assert_eq!(poll_path(&s, &mine, false), "/v1/snapshot?format=2");
+        assert_eq!(poll_path(&s, &mine, false, None), "/v1/snapshot?format=2");
+        assert_eq!(
+            poll_path(
+                &s,
+                &mine,
+                false,
+                Some(PollReport {
+                    proxy: 0xab,
+                    held: 7
+                })
+            ),
+            "/v1/snapshot?format=2&proxy=00000000000000ab&held=7"
+        );
         let mut body = Vec::new();
         history.delta_since(None, None).encode(&mut body);
         assert_eq!(apply_poll(&mut mine, Some(200), &body), Ok(true));
         assert_eq!(
-            poll_path(&s, &mine, false),
+            poll_path(&s, &mine, false, None),
             format!("/v1/snapshot?epoch=9&since={}&format=2", mine.version)
         );
-        assert_eq!(poll_path(&s, &mine, true), "/v1/snapshot?format=2");
+        assert_eq!(poll_path(&s, &mine, true, None), "/v1/snapshot?format=2");
         let mut tagged = s.clone();
         tagged.path = "/v1/snapshot?pool=a".into();
         assert_eq!(
-            poll_path(&tagged, &Snapshot::default(), false),
+            poll_path(&tagged, &Snapshot::default(), false, None),
             "/v1/snapshot?pool=a&format=2"
         );
 

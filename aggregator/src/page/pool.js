@@ -157,6 +157,14 @@ function render(data) {
   renderEmpty(data);
   document.getElementById("saturation").textContent = data.endpoints.length ? fixed(p.saturation, 2) : "–";
   document.getElementById("queue-depth").textContent = String(p.waiting);
+  // The proxies' own admission queues, as their snapshot polls report them.
+  const held = document.getElementById("admission-held");
+  const a = data.admission;
+  held.textContent = a ? String(a.held) : "–";
+  held.dataset.held = a ? String(a.held) : "";
+  document.getElementById("admission-note").textContent = a
+    ? `in ${a.proxies} ${a.proxies === 1 ? "proxy" : "proxies"}`
+    : "no proxy reports an admission queue";
   document.getElementById("running").textContent = String(p.running);
   document.getElementById("ready").textContent = `${p.ready} / ${p.endpoints}`;
   document.getElementById("stale-note").textContent = p.stale ? `${p.stale} stale` : "";

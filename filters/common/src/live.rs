@@ -11,6 +11,8 @@ use kvoy_shared::live::{self, BoardMeta, PollError, PoolChoice, SnapshotBoard};
 use kvoy_shared::snapshot::Snapshot;
 use kvoy_shared::{AggregatorSettings, LogOnce};
 
+use kvoy_shared::replica::SharedStore;
+
 use crate::HostStore;
 
 /// What a poll attempt did.
@@ -38,6 +40,9 @@ pub struct LiveSnapshot {
     logged: LogOnce,
     /// `Bearer <token>`, when the configuration has a token.
     authorization: Option<String>,
+    /// Where the proxy's id for its polls' reports is kept (one for all its workers).
+    proxy_key: String,
+    owner: u64,
 }
 
 impl LiveSnapshot {
@@ -48,6 +53,8 @@ impl LiveSnapshot {
             .as_ref()
             .map(|t| format!("Bearer {}", t.as_str()));
         LiveSnapshot {
+            proxy_key: format!("{namespace}.proxy"),
+            owner,
             authorization,
             settings,
             board: SnapshotBoard::new(namespace, owner),
@@ -104,6 +111,12 @@ impl LiveSnapshot {
 
     /// Polls the aggregator if this VM holds (or takes) the lease and no poll is in flight.
     pub fn poll(&mut self, now_ms: u64) -> PollStart {
+        self.poll_reporting(now_ms, || None)
+    }
+
+    /// [`LiveSnapshot::poll`], telling the aggregator the requests the proxy's admission stage
+    /// holds (`held`, asked only when a poll starts).
+    pub fn poll_reporting(&mut self, now_ms: u64, held: impl FnOnce() -> Option<u64>) -> PollStart {
         if let Some((_, started)) = self.poll {
             // A lost callback must not stop polling forever.
             if now_ms.saturating_sub(started) <= self.settings.timeout_ms.saturating_mul(2) {
@@ -119,7 +132,11 @@ impl LiveSnapshot {
         if !self.board.try_lease(&HostStore, now_ms, ttl) {
             return PollStart::Skipped;
         }
-        let path = live::poll_path(&self.settings, &self.snapshot, self.want_full);
+        let report = held().map(|held| live::PollReport {
+            proxy: self.proxy(),
+            held,
+        });
+        let path = live::poll_path(&self.settings, &self.snapshot, self.want_full, report);
         match call_aggregator(
             &self.settings,
             self.authorization.as_deref(),
@@ -142,6 +159,22 @@ impl LiveSnapshot {
                 PollStart::Failed
             }
         }
+    }
+
+    /// The proxy's id: whichever worker wrote it (the first to poll with a report writes its
+    /// own); they all read the same one, so the aggregator counts the proxy once whichever
+    /// worker holds the lease. Read per poll, off the request path.
+    fn proxy(&self) -> u64 {
+        let read = || {
+            HostStore
+                .get(&self.proxy_key)
+                .and_then(|(b, _)| b.get(..8).and_then(|b| b.try_into().ok()))
+                .map(u64::from_le_bytes)
+        };
+        read().unwrap_or_else(|| {
+            let _ = HostStore.set(&self.proxy_key, &self.owner.to_le_bytes(), 0);
+            read().unwrap_or(self.owner)
+        })
     }
 
     /// Whether `token` is this VM's poll in flight (an HTTP call answer is for it).

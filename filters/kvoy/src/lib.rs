@@ -209,7 +209,16 @@ impl RootContext for KvoyRoot {
                 if let Some(prefix) = guard.as_mut() {
                     // A VM that has had no request (Envoy's main-thread VM) keeps no index: it
                     // follows the live pool, and replays the log once it serves.
-                    prefix.on_tick_with(self.serves.get());
+                    // Its poll reports the admission queue, read from the held board only
+                    // when the poll starts.
+                    let admission = &self.vm.admission;
+                    prefix.on_tick_with(self.serves.get(), || {
+                        admission
+                            .try_borrow_mut()
+                            .ok()?
+                            .as_mut()
+                            .map(AdmissionVm::held_in_proxy)
+                    });
                 }
             }
         }

@@ -14,7 +14,8 @@ pub const MAX_WORKERS: usize = 256;
 const ENTRY_BYTES: usize = 24;
 const CAS_RETRIES: usize = 32;
 
-/// One worker's entry: the highest priority it holds, how many requests, when published.
+/// One worker's entry: the highest priority it holds, how many requests it holds (all
+/// priorities; refreshed with the entry, so up to half its age behind), when published.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Entry {
     worker: u64,
@@ -85,6 +86,20 @@ impl HeldBoard {
             .max()
     }
 
+    /// The requests every worker of the proxy holds, this one's included, as last published
+    /// (fresh entries only): the proxy's admission queue depth, for the aggregator.
+    pub fn held_in_proxy(&mut self, store: &impl SharedStore, now_ms: u64) -> u64 {
+        let Some((bytes, _)) = store.get(&self.key) else {
+            return 0;
+        };
+        decode(&bytes, &mut self.scratch);
+        self.scratch
+            .iter()
+            .filter(|e| self.fresh(e, now_ms))
+            .map(|e| u64::from(e.requests))
+            .sum()
+    }
+
     /// Whether another worker holds a request that outranks `priority`.
     pub fn outranked(&mut self, store: &impl SharedStore, priority: i32, now_ms: u64) -> bool {
         self.top_of_others(store, now_ms)
@@ -96,8 +111,9 @@ impl HeldBoard {
         e.at_ms.abs_diff(now_ms) < self.max_age_ms
     }
 
-    /// Publishes this worker's highest held priority and count (`None`: holds nothing) when
-    /// it changed, or when the entry is half its age limit old; cheap otherwise.
+    /// Publishes this worker's highest held priority and the requests it holds (`None`: holds
+    /// nothing) when the priority changed, or when the entry is half its age limit old (the
+    /// count goes with it); cheap otherwise.
     pub fn publish(
         &mut self,
         store: &impl SharedStore,
@@ -181,6 +197,24 @@ mod tests {
         a.publish(&store, None, 20).unwrap();
         assert_eq!(b.top_of_others(&store, 20), None);
         assert_eq!(store.get("ns.held").unwrap().0.len(), ENTRY_BYTES);
+    }
+
+    #[test]
+    fn the_proxys_queue_depth_adds_every_fresh_entry() {
+        let store = MemoryStore::default();
+        let mut a = HeldBoard::new("ns", 1, 100);
+        let mut b = HeldBoard::new("ns", 2, 100);
+        assert_eq!(a.held_in_proxy(&store, 0), 0, "no board yet");
+        a.publish(&store, Some((10, 3)), 0).unwrap();
+        b.publish(&store, Some((0, 7)), 10).unwrap();
+        assert_eq!(a.held_in_proxy(&store, 20), 10);
+        assert_eq!(b.held_in_proxy(&store, 20), 10, "its own counted too");
+        // A's entry ages out unrefreshed; B's count is refreshed at half its age.
+        assert_eq!(b.held_in_proxy(&store, 105), 7);
+        b.publish(&store, Some((0, 2)), 61).unwrap();
+        assert_eq!(b.held_in_proxy(&store, 105), 2);
+        b.publish(&store, None, 110).unwrap();
+        assert_eq!(b.held_in_proxy(&store, 110), 0);
     }
 
     #[test]

@@ -226,11 +226,10 @@ impl AdmissionVm {
     /// Publishes this worker's highest held band for the others (when it changed, and as a
     /// refresh while it holds requests).
     pub fn publish_held(&mut self, now: u64) {
-        let top = self
-            .queue
-            .bands()
-            .next()
-            .map(|b| (b.priority, u32::try_from(b.requests).unwrap_or(u32::MAX)));
+        // The highest band, and every request this worker holds (the proxy's queue depth is
+        // the board's sum).
+        let held = u32::try_from(self.queue.len()).unwrap_or(u32::MAX);
+        let top = self.queue.bands().next().map(|b| (b.priority, held));
         // Counted among the holders before the entry appears, uncounted once it is gone (see
         // HOLDERS); a count that cannot be changed leaves the others reading the board.
         if top.is_some() && !self.holder {
@@ -323,12 +322,20 @@ impl AdmissionVm {
     /// [`AdmissionVm::release_held_with`]) and refreshes the band published to other workers.
     pub fn on_tick(&mut self, on_release: &mut dyn FnMut(u32) -> bool) {
         if let Some(live) = self.live.as_mut() {
-            if live.poll(now_ms()) == PollStart::Failed {
+            let board = &mut self.held;
+            let report = || Some(board.held_in_proxy(&HostStore, now_ms()));
+            if live.poll_reporting(now_ms(), report) == PollStart::Failed {
                 kvoy_filter_common::add(self.metrics.snapshot_poll_failures, 1);
             }
         }
         self.release_held_with(on_release);
         self.publish_held(now_ms());
+    }
+
+    /// The requests every worker of this proxy holds (the held board's sum; one shared-data
+    /// read), for the aggregator's view of the admission queue.
+    pub fn held_in_proxy(&mut self) -> u64 {
+        self.held.held_in_proxy(&HostStore, now_ms())
     }
 
     /// Whether the HTTP call `token` is this stage's aggregator poll.

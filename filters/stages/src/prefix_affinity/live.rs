@@ -72,14 +72,15 @@ pub fn refresh(vm: &mut VmState, now_ms: u64) {
     Metrics::add(vm.metrics.pool_updates, 1);
 }
 
-/// On a tick: refresh, then poll if this VM holds the lease.
-pub fn on_tick(vm: &mut VmState) {
+/// On a tick: refresh, then poll if this VM holds the lease (reporting `held`, see
+/// [`super::PrefixVm::on_tick_with`]).
+pub fn on_tick(vm: &mut VmState, held: impl FnOnce() -> Option<u64>) {
     let now = now_ms();
     refresh(vm, now);
     let Some(live) = vm.live.as_mut() else {
         return;
     };
-    match live.snapshot.poll(now) {
+    match live.snapshot.poll_reporting(now, held) {
         PollStart::Failed => Metrics::add(vm.metrics.snapshot_poll_failures, 1),
         // The lease holder relays decisions on the ticks it polls.
         PollStart::Started => {

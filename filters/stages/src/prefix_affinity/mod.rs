@@ -125,14 +125,16 @@ impl PrefixVm {
 
     /// The tick: the live pool, then every decision the other workers logged since the last.
     pub fn on_tick(&mut self) {
-        self.on_tick_with(true);
+        self.on_tick_with(true, || None);
     }
 
     /// [`PrefixVm::on_tick`], replaying the other workers' decisions only if `catch_up` (a VM
-    /// that routes no requests, such as Envoy's main-thread VM, need not keep an index).
-    pub fn on_tick_with(&mut self, catch_up: bool) {
+    /// that routes no requests, such as Envoy's main-thread VM, need not keep an index); a
+    /// poll of the aggregator it starts reports `held` (the requests the proxy's admission
+    /// stage holds, asked only then).
+    pub fn on_tick_with(&mut self, catch_up: bool, held: impl FnOnce() -> Option<u64>) {
         if self.live.is_some() {
-            live::on_tick(self);
+            live::on_tick(self, held);
         }
         if catch_up {
             self.catch_up(usize::MAX);
