@@ -22,9 +22,11 @@ use std::time::Duration;
 use serde::Deserialize;
 use thiserror::Error;
 
+use kvoy_shared::prefix::KeySchedule;
 use kvoy_shared::snapshot::{MAX_MODELS, MAX_MODEL_NAME_BYTES};
 
 use crate::k8s::KubernetesConfig;
+use crate::kv_link::LinkSettings;
 use kvoy_shared::MAX_ENDPOINTS;
 
 #[derive(Debug, Deserialize)]
@@ -65,6 +67,133 @@ struct RawConfig {
     api_token_file: Option<String>,
     #[serde(default)]
     limits: RawLimits,
+    #[serde(default)]
+    links: RawLinks,
+}
+
+/// The `links:` section: how relayed decisions are linked to the servers' blocks
+/// ([`crate::kv_link`]). The key schedule and bytes per token must be the filters'.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawLinks {
+    block_size: u64,
+    max_blocks: u64,
+    dense_blocks: u64,
+    blocks_per_doubling: u64,
+    bytes_per_token: f64,
+    window_ms: u64,
+    relay_lag_ms: u64,
+    tolerance: f64,
+    slack_tokens: u64,
+}
+
+impl Default for RawLinks {
+    fn default() -> Self {
+        let d = LinkSettings::default();
+        RawLinks {
+            block_size: d.schedule.block_size as u64,
+            max_blocks: d.schedule.max_keys as u64,
+            dense_blocks: d.schedule.dense as u64,
+            blocks_per_doubling: d.schedule.group as u64,
+            bytes_per_token: d.bytes_per_token,
+            window_ms: d.window.as_millis() as u64,
+            relay_lag_ms: d.relay_lag.as_millis() as u64,
+            tolerance: d.tolerance,
+            slack_tokens: d.slack_tokens,
+        }
+    }
+}
+
+fn links(raw: &RawLinks) -> Result<LinkSettings, ConfigError> {
+    let within = |field: &'static str, value: u64, lo: u64, hi: u64, expected: &'static str| {
+        if (lo..=hi).contains(&value) {
+            Ok(value as usize)
+        } else {
+            Err(ConfigError::OutOfRange {
+                field,
+                expected,
+                value,
+            })
+        }
+    };
+    let block_size = within(
+        "links.block_size",
+        raw.block_size,
+        1,
+        65_536,
+        "within 1..=65536",
+    )?;
+    let max_keys = within(
+        "links.max_blocks",
+        raw.max_blocks,
+        1,
+        65_536,
+        "within 1..=65536",
+    )?;
+    let dense = within(
+        "links.dense_blocks",
+        raw.dense_blocks,
+        0,
+        65_536,
+        "within 0..=65536",
+    )?;
+    let group = within(
+        "links.blocks_per_doubling",
+        raw.blocks_per_doubling,
+        1,
+        65_536,
+        "within 1..=65536",
+    )?;
+    let window_ms = within(
+        "links.window_ms",
+        raw.window_ms,
+        100,
+        600_000,
+        "within 100..=600000",
+    )?;
+    let relay_lag_ms = within(
+        "links.relay_lag_ms",
+        raw.relay_lag_ms,
+        0,
+        60_000,
+        "within 0..=60000",
+    )?;
+    let slack_tokens = within(
+        "links.slack_tokens",
+        raw.slack_tokens,
+        0,
+        65_536,
+        "within 0..=65536",
+    )?;
+    // Floats are reported by their integer part: the messages name the field and range.
+    if !(raw.bytes_per_token.is_finite() && (0.1..=100.0).contains(&raw.bytes_per_token)) {
+        return Err(ConfigError::OutOfRange {
+            field: "links.bytes_per_token",
+            expected: "within 0.1..=100",
+            value: raw.bytes_per_token.max(0.0) as u64,
+        });
+    }
+    if !(raw.tolerance.is_finite() && (0.0..=1.0).contains(&raw.tolerance)) {
+        return Err(ConfigError::OutOfRange {
+            field: "links.tolerance",
+            expected: "within 0..=1",
+            value: raw.tolerance.max(0.0) as u64,
+        });
+    }
+    Ok(LinkSettings {
+        schedule: KeySchedule {
+            block_size,
+            max_keys,
+            dense,
+            group,
+        },
+        bytes_per_token: raw.bytes_per_token,
+        window: Duration::from_millis(window_ms as u64),
+        relay_lag: Duration::from_millis(relay_lag_ms as u64),
+        tolerance: raw.tolerance,
+        slack_tokens: slack_tokens as u64,
+        ..LinkSettings::default()
+    })
 }
 
 /// The `limits:` section: bounds on what peers can make the aggregator hold.
@@ -242,6 +371,8 @@ pub struct AggregatorConfig {
     /// over `api_token_file`. Neither: the API is open.
     pub api_token: Option<ApiToken>,
     pub limits: Limits,
+    /// How relayed decisions are linked to the servers' blocks (`links:`).
+    pub links: LinkSettings,
 }
 
 #[derive(Debug, Error, PartialEq)]
@@ -453,6 +584,7 @@ impl TryFrom<RawConfig> for AggregatorConfig {
             return Err(ConfigError::TooManyEndpoints(raw.endpoints.len()));
         }
         let limits = limits(&raw.limits)?;
+        let links = links(&raw.links)?;
         let api_token_file = match raw.api_token_file.as_deref().map(str::trim) {
             None | Some("") => None,
             Some(path) => Some(std::path::PathBuf::from(path)),
@@ -478,6 +610,7 @@ impl TryFrom<RawConfig> for AggregatorConfig {
             kubernetes,
             api_token_file,
             api_token: None,
+            links,
             limits,
         })
     }
@@ -609,6 +742,35 @@ kubernetes:
             .kubernetes
             .unwrap();
         assert_eq!(k, crate::k8s::KubernetesConfig::for_pool("p", &["m"]));
+    }
+
+    #[test]
+    fn links_section() {
+        let cfg = AggregatorConfig::from_yaml("{}").unwrap();
+        assert_eq!(cfg.links, LinkSettings::default());
+        let cfg = AggregatorConfig::from_yaml(
+            "links: {block_size: 32, bytes_per_token: 3.5, window_ms: 2000, relay_lag_ms: 0}",
+        )
+        .unwrap();
+        assert_eq!(cfg.links.schedule.block_size, 32);
+        assert_eq!(cfg.links.bytes_per_token, 3.5);
+        assert_eq!(cfg.links.window, Duration::from_secs(2));
+        assert_eq!(cfg.links.relay_lag, Duration::ZERO);
+        for (yaml, field) in [
+            ("links: {block_size: 0}", "links.block_size"),
+            ("links: {bytes_per_token: 0}", "links.bytes_per_token"),
+            ("links: {bytes_per_token: .nan}", "links.bytes_per_token"),
+            ("links: {tolerance: 2}", "links.tolerance"),
+            ("links: {window_ms: 1}", "links.window_ms"),
+            (
+                "links: {blocks_per_doubling: 0}",
+                "links.blocks_per_doubling",
+            ),
+            ("links: {colour: red}", "colour"),
+        ] {
+            let e = AggregatorConfig::from_yaml(yaml).unwrap_err().to_string();
+            assert!(e.contains(field), "{yaml}: {e}");
+        }
     }
 
     #[test]

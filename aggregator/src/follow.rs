@@ -3,11 +3,12 @@
 //! restarts, recovers missed batches through the replay socket, and publishes a small
 //! [`KvSummary`] for the pool.
 
+use std::net::SocketAddr;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use log::{debug, info, warn};
 use tokio::sync::watch;
@@ -19,6 +20,7 @@ use kvoy_kvevents::{
 
 use crate::config::{KvEventsSource, Limits};
 use crate::kv_index::{ApplyStats, EndpointCache, Tier};
+use crate::kv_link::Linker;
 use crate::reject::{Reason, Rejections};
 
 /// How long one receive waits before the stop flag is checked again.
@@ -97,12 +99,14 @@ pub struct Follower {
 }
 
 impl Follower {
-    /// Starts following `source` within `limits`; `name` labels the logs.
+    /// Starts following `source` within `limits`; `name` labels the logs. Every batch also
+    /// goes to `links`, as `address`'s events.
     pub fn spawn(
         ctx: &ZmqContext,
         source: &KvEventsSource,
         name: &str,
         limits: Limits,
+        links: Option<(Arc<Mutex<Linker>>, SocketAddr)>,
     ) -> std::io::Result<Self> {
         let stop = Arc::new(AtomicBool::new(false));
         let counters = Arc::new(KvCounters::default());
@@ -121,6 +125,7 @@ impl Follower {
             rejections: rejections.clone(),
             summary: tx,
             receiving: false,
+            links,
         };
         let flag = stop.clone();
         let restarts = Arc::new(AtomicU64::new(0));
@@ -187,6 +192,8 @@ struct FollowState {
     rejections: Arc<Rejections>,
     summary: watch::Sender<KvSummary>,
     receiving: bool,
+    /// The pool's decision linker and this endpoint's address in it.
+    links: Option<(Arc<Mutex<Linker>>, SocketAddr)>,
 }
 
 impl FollowState {
@@ -242,6 +249,7 @@ impl FollowState {
                     .server_restarts
                     .fetch_add(1, Ordering::Relaxed);
                 self.cache.clear();
+                self.clear_links();
                 tracker = fresh_tracker(&replay);
                 self.publish();
             }
@@ -294,6 +302,7 @@ impl FollowState {
                         .publisher_restarts
                         .fetch_add(1, Ordering::Relaxed);
                     self.cache.clear();
+                    self.clear_links();
                     self.recover(replay.as_mut(), missing);
                 }
             }
@@ -306,6 +315,12 @@ impl FollowState {
         match decode_batch(payload) {
             Ok(batch) => {
                 let stats = self.cache.apply_batch(&batch);
+                if let Some((links, address)) = &self.links {
+                    // A poisoned lock only costs links; the cache above is what routing reads.
+                    if let Ok(mut l) = links.lock() {
+                        l.events(*address, &batch, Instant::now());
+                    }
+                }
                 self.counters.add_stats(&stats);
                 self.counters.batches.fetch_add(1, Ordering::Relaxed);
                 self.receiving = true;
@@ -317,6 +332,15 @@ impl FollowState {
                     Reason::UndecodableBatch,
                     format_args!("a {}-byte payload: {e}", payload.len()),
                 );
+            }
+        }
+    }
+
+    /// The engine hashes may mean something else now: every link of the endpoint goes.
+    fn clear_links(&self) {
+        if let Some((links, address)) = &self.links {
+            if let Ok(mut l) = links.lock() {
+                l.clear(*address);
             }
         }
     }

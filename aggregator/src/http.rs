@@ -30,6 +30,7 @@ use kvoy_shared::snapshot::{SnapshotFormat, CONTENT_TYPE};
 
 use crate::config::{ApiToken, Limits};
 use crate::follow::KvCounters;
+use crate::kv_link::{LinkCounters, LinkSettings, Linker};
 use crate::page::{self, PoolPage};
 use crate::pool::PoolView;
 use crate::prefill::PrefillReport;
@@ -71,11 +72,16 @@ pub struct Api {
     relay: Arc<Mutex<DecisionRelay>>,
     /// The pool view's history and relayed decisions per endpoint (`GET /`, `/v1/pool`).
     pub page: Arc<PoolPage>,
+    /// Relayed decisions linked to the servers' blocks (fed here and by the KV followers).
+    pub links: Arc<Mutex<Linker>>,
 }
 
 /// Keys of relayed decisions the aggregator holds at most (8 bytes each, plus the entry): a
 /// few seconds of decisions at the rates a pool's proxies route.
 const RELAY_MAX_KEYS: usize = 1 << 20;
+/// Removal records `/v1/pool` lists (newest), and one page of `/v1/removals` at most.
+const LINK_REMOVALS_SHOWN: usize = 16;
+const REMOVALS_PAGE: usize = 64;
 /// Keys one page of `GET /v1/decisions` carries at most (2 MiB of keys).
 const PAGE_MAX_KEYS: usize = 1 << 18;
 
@@ -84,8 +90,10 @@ impl Api {
         views: watch::Receiver<Arc<PoolView>>,
         token: Option<ApiToken>,
         limits: Limits,
+        links: LinkSettings,
     ) -> Self {
         Api {
+            links: Arc::new(Mutex::new(Linker::new(links))),
             views,
             counters: Arc::default(),
             rejections: Arc::new(Rejections::new("kvoy-aggregator API")),
@@ -330,7 +338,11 @@ impl Api {
             );
             return r;
         }
-        if matches!(path, "/v1/snapshot" | "/v1/endpoints" | "/v1/pool") && !self.authorized(req) {
+        if matches!(
+            path,
+            "/v1/snapshot" | "/v1/endpoints" | "/v1/pool" | "/v1/removals"
+        ) && !self.authorized(req)
+        {
             return unauthorized();
         }
         let view = self.views.borrow().clone();
@@ -347,16 +359,22 @@ impl Api {
                 "application/json",
                 serde_json::to_vec_pretty(&endpoints_json(&view)).unwrap_or_default(),
             ),
-            "/v1/pool" => reply(
-                StatusCode::OK,
-                "application/json",
-                serde_json::to_vec(&self.page.json(&view, std::time::Instant::now()))
-                    .unwrap_or_default(),
-            ),
+            "/v1/pool" => {
+                let mut json = self.page.json(&view, std::time::Instant::now());
+                if let Some(o) = json.as_object_mut() {
+                    o.insert("links".into(), self.links_json(&view));
+                }
+                reply(
+                    StatusCode::OK,
+                    "application/json",
+                    serde_json::to_vec(&json).unwrap_or_default(),
+                )
+            }
+            "/v1/removals" => self.removals(req.uri().query().unwrap_or("")),
             "/metrics" => reply(
                 StatusCode::OK,
                 "text/plain; version=0.0.4; charset=utf-8",
-                render_metrics(&view, &self.counters, &self.rejections),
+                render_metrics(&view, &self.counters, &self.rejections, &self.link_counters()),
             ),
             "/healthz" => text(StatusCode::OK, "ok\n"),
             // Ready once the endpoints are known, even if none of them is ready: the filters
@@ -379,9 +397,95 @@ impl Api {
             }
             _ => text(
                 StatusCode::NOT_FOUND,
-                "not found; try /, /v1/pool, /v1/snapshot, /v1/endpoints, /metrics, /healthz, /readyz\n",
+                "not found; try /, /v1/pool, /v1/snapshot, /v1/endpoints, /v1/removals, /metrics, /healthz, /readyz\n",
             ),
         }
+    }
+
+    fn link_counters(&self) -> LinkCounters {
+        self.links.lock().map(|l| l.counters()).unwrap_or_default()
+    }
+
+    /// The decision links for `/v1/pool`: counters, per endpoint what is linked and pending,
+    /// and the last removals (without their keys: `GET /v1/removals` has them).
+    fn links_json(&self, view: &PoolView) -> serde_json::Value {
+        use serde_json::json;
+        let Ok(l) = self.links.lock() else {
+            return serde_json::Value::Null;
+        };
+        let c = l.counters();
+        let endpoints: serde_json::Map<String, serde_json::Value> = view
+            .endpoints
+            .iter()
+            .map(|e| {
+                let s = l.endpoint(e.status.address);
+                (
+                    e.status.address.to_string(),
+                    json!({
+                        "linked_keys": s.linked_keys,
+                        "linked_blocks": s.linked_blocks,
+                        "pending_decisions": s.pending_decisions,
+                        "pending_chains": s.pending_chains,
+                    }),
+                )
+            })
+            .collect();
+        let removals: Vec<_> = l
+            .recent_removals(LINK_REMOVALS_SHOWN)
+            .iter()
+            .map(|r| {
+                json!({"seq": r.seq, "endpoint": r.endpoint.to_string(), "keys": r.count, "cleared": r.cleared})
+            })
+            .collect();
+        json!({
+            "decisions_linked": c.decisions_linked,
+            "decisions_known": c.decisions_known,
+            "decisions_repeated": c.decisions_repeated,
+            "unlinked": {
+                "no_chain": c.unlinked_no_chain,
+                "ambiguous": c.unlinked_ambiguous,
+                "capacity": c.unlinked_capacity,
+            },
+            "keys_linked": c.keys_linked,
+            "exact_removals": c.exact_removals,
+            "keys_removed": c.keys_removed,
+            "unclaimed_chains": c.chains_expired,
+            "endpoints": endpoints,
+            "removals": removals,
+        })
+    }
+
+    /// `GET /v1/removals?after=S[&limit=N]`: the linked keys the servers removed, records
+    /// numbered after `S`, oldest first (JSON; keys as 16-digit hex).
+    fn removals(&self, query: &str) -> Response<Full<Bytes>> {
+        let after = query_u64(query, "after").unwrap_or(0);
+        let limit = query_u64(query, "limit").map_or(REMOVALS_PAGE, |l| {
+            usize::try_from(l).unwrap_or(usize::MAX).min(REMOVALS_PAGE)
+        });
+        let Ok(l) = self.links.lock() else {
+            return text(StatusCode::INTERNAL_SERVER_ERROR, "links unavailable\n");
+        };
+        let page = l.removals_after(after, limit);
+        drop(l);
+        let next = page.last().map_or(after, |r| r.seq);
+        let removals: Vec<_> = page
+            .iter()
+            .map(|r| {
+                serde_json::json!({
+                    "seq": r.seq,
+                    "endpoint": r.endpoint.to_string(),
+                    "count": r.count,
+                    "cleared": r.cleared,
+                    "keys": r.keys.iter().map(|k| format!("{:016x}", k.0)).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        reply(
+            StatusCode::OK,
+            "application/json",
+            serde_json::to_vec(&serde_json::json!({"next": next, "removals": removals}))
+                .unwrap_or_default(),
+        )
     }
 
     /// `POST /v1/decisions?since=C[&limit=N]`: stores the proxy's decisions (only those naming a pool
@@ -458,6 +562,9 @@ impl Api {
         c.decisions_refused
             .fetch_add((received - kept.len()) as u64, Ordering::Relaxed);
         self.page.count_routed(kept.iter().map(|d| d.endpoint));
+        if let Ok(mut l) = self.links.lock() {
+            l.decisions(&kept, std::time::Instant::now());
+        }
         let (decisions, next) = {
             let Ok(mut relay) = self.relay.lock() else {
                 return text(StatusCode::INTERNAL_SERVER_ERROR, "relay unavailable\n");
@@ -675,10 +782,78 @@ impl Family<'_> {
     }
 }
 
+/// The decision links' counters ([`crate::kv_link`]).
+fn link_metrics(f: &mut Family<'_>, c: &LinkCounters) {
+    f.head(
+        "kvoy_aggregator_decision_links_total",
+        "counter",
+        "Relayed decisions linked to the server blocks their prefill stored, known already (every key linked), or repeating one pending.",
+    );
+    for (what, n) in [
+        ("linked", c.decisions_linked),
+        ("known", c.decisions_known),
+        ("repeated", c.decisions_repeated),
+    ] {
+        f.sample(
+            "kvoy_aggregator_decision_links_total",
+            &[("what", what)],
+            n as f64,
+        );
+    }
+    f.head(
+        "kvoy_aggregator_decisions_unlinked_total",
+        "counter",
+        "Relayed decisions left unlinked, by reason.",
+    );
+    for (reason, n) in [
+        ("no_chain", c.unlinked_no_chain),
+        ("ambiguous", c.unlinked_ambiguous),
+        ("capacity", c.unlinked_capacity),
+    ] {
+        f.sample(
+            "kvoy_aggregator_decisions_unlinked_total",
+            &[("reason", reason)],
+            n as f64,
+        );
+    }
+    let totals: [(&str, &str, u64); 4] = [
+        (
+            "kvoy_aggregator_linked_keys_total",
+            "Text block keys linked to server blocks.",
+            c.keys_linked,
+        ),
+        (
+            "kvoy_aggregator_exact_removals_total",
+            "Server block removals that removed linked text keys (GET /v1/removals).",
+            c.exact_removals,
+        ),
+        (
+            "kvoy_aggregator_removed_keys_total",
+            "Linked text keys removed by the servers' block removals.",
+            c.keys_removed,
+        ),
+        (
+            "kvoy_aggregator_unclaimed_chains_total",
+            "Stored block chains no relayed decision claimed within the window.",
+            c.chains_expired,
+        ),
+    ];
+    for (name, help, n) in totals {
+        f.head(name, "counter", help);
+        f.sample(name, &[], n as f64);
+    }
+}
+
 /// The Prometheus text of `GET /metrics`.
-pub fn render_metrics(view: &PoolView, api: &ApiCounters, rejected: &Rejections) -> String {
+pub fn render_metrics(
+    view: &PoolView,
+    api: &ApiCounters,
+    rejected: &Rejections,
+    links: &LinkCounters,
+) -> String {
     let mut out = String::with_capacity(4096);
     let mut f = Family { out: &mut out };
+    link_metrics(&mut f, links);
     f.head(
         "kvoy_aggregator_loaded",
         "gauge",

@@ -9,6 +9,9 @@
 //! - [`kv_index`]: per endpoint and medium, the blocks cached, keyed by the aggregator's own
 //!   hash of token ids; [`follow`]: the thread that feeds it from the ZMQ stream, with gap
 //!   recovery through the replay socket.
+//! - [`kv_link`]: relayed routing decisions (text keys) linked to the server blocks their
+//!   prefill stored, by causal correlation (pure), so that a `BlockRemoved` names the text keys
+//!   it removes.
 //! - [`prefill`]: each endpoint's prefill rate, estimated online from its metrics (pure);
 //!   [`calibrate`]: the `calibrate` command, which measures it on a live server.
 //! - [`reject`]: refused input, counted by reason and logged once per reason.
@@ -38,6 +41,7 @@ pub mod follow;
 pub mod http;
 pub mod k8s;
 pub mod kv_index;
+pub mod kv_link;
 #[cfg(feature = "service")]
 pub mod page;
 #[cfg(feature = "service")]
@@ -116,8 +120,14 @@ impl Aggregator {
         let epoch = new_epoch();
         let (shutdown, stop) = watch::channel(false);
         let (views_tx, views) = watch::channel(Arc::new(PoolView::new(epoch)));
-        let pool = Pool::new(settings, source, kvoy_kvevents::ZmqContext::new(), epoch);
-        let api = http::Api::new(views, token, config.limits);
+        let api = http::Api::new(views, token, config.limits, config.links);
+        let pool = Pool::new(
+            settings,
+            source,
+            kvoy_kvevents::ZmqContext::new(),
+            epoch,
+            api.links.clone(),
+        );
         let tasks = vec![
             tokio::spawn(pool.run(views_tx, stop.clone())),
             tokio::spawn(page::sample(

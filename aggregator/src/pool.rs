@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use log::{error, info, warn};
@@ -20,6 +20,7 @@ use kvoy_shared::MAX_ENDPOINTS;
 
 use crate::config::{EndpointSpec, Limits};
 use crate::follow::{Follower, KvCounters, KvSummary};
+use crate::kv_link::Linker;
 use crate::prefill::PrefillReport;
 use crate::reject::Rejections;
 use crate::scrape::Scraper;
@@ -173,6 +174,8 @@ pub struct Pool {
     runtimes: Vec<EndpointRuntime>,
     view: PoolView,
     statuses: Vec<EndpointStatus>,
+    /// Relayed decisions linked to the servers' blocks (shared with the API and followers).
+    links: Arc<Mutex<Linker>>,
 }
 
 impl Pool {
@@ -181,8 +184,10 @@ impl Pool {
         source: Box<dyn EndpointSource>,
         zmq: ZmqContext,
         epoch: u64,
+        links: Arc<Mutex<Linker>>,
     ) -> Self {
         Pool {
+            links,
             settings,
             source,
             zmq,
@@ -264,6 +269,9 @@ impl Pool {
         for (address, _) in old {
             info!("kvoy-aggregator: endpoint {address} removed");
             self.slots.retire(address);
+            if let Ok(mut l) = self.links.lock() {
+                l.forget(address);
+            }
         }
         next.sort_by_key(|r| r.slot);
         info!(
@@ -284,6 +292,7 @@ impl Pool {
                 source,
                 &spec.address.to_string(),
                 self.settings.limits,
+                Some((self.links.clone(), spec.address)),
             )?),
             None => None,
         };
@@ -306,6 +315,10 @@ impl Pool {
     }
 
     fn refresh(&mut self, now: Instant) {
+        // Ages out and settles links also while no decision or event arrives.
+        if let Ok(mut l) = self.links.lock() {
+            l.tick(now);
+        }
         self.statuses.clear();
         self.view.endpoints.clear();
         for rt in &self.runtimes {

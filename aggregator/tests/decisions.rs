@@ -1,7 +1,8 @@
 //! `POST /v1/decisions`: the aggregator relays the routing decisions of each proxy to the
 //! others, only for addresses of its pool, with a token when one is configured, refusing
 //! malformed batches with 400; counted in `/metrics`. `GET /v1/decisions` pages through every
-//! proxy's, oldest first, for the pool view's explain panel. On 127.0.0.1, every wait bounded.
+//! proxy's, oldest first, for the pool view's explain panel. The decisions also wait to be
+//! linked to KV events (`/v1/pool`'s `links`, `/v1/removals`). On 127.0.0.1, every wait bounded.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::io::{Read, Write};
@@ -261,6 +262,56 @@ fn the_exchange_requires_the_token_when_one_is_configured() {
     let (status, _, page) = request(api, "GET", PATH, with, b"");
     assert_eq!(status, 200);
     assert_eq!(DecisionBatch::decode(&page).unwrap().decisions.len(), 1);
+    // So do the removals the decisions' links saw.
+    assert_eq!(request(api, "GET", "/v1/removals", "", b"").0, 401);
+    assert_eq!(request(api, "GET", "/v1/removals", with, b"").0, 200);
     rt.block_on(agg.shutdown());
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The decisions wait in the linker for their endpoint's KV events (none here: no follower):
+/// `/v1/pool` shows them pending, `/v1/removals` has nothing yet, `/metrics` counts nothing.
+#[test]
+fn relayed_decisions_wait_for_kv_events_to_link() {
+    let a = free_port();
+    let yaml = format!(
+        "links: {{window_ms: 60000}}\nendpoints: [{{address: '127.0.0.1:{a}', models: [m]}}]\n"
+    );
+    let (_rt, agg) = start(&yaml);
+    let api = agg.local_addr();
+    let ea: SocketAddr = format!("127.0.0.1:{a}").parse().unwrap();
+    exchange(
+        api,
+        0,
+        &DecisionBatch {
+            proxy: 1,
+            cursor: 0,
+            decisions: vec![decision(ea, &[1, 2]), decision(ea, &[7])],
+        },
+        "",
+    );
+    let (status, _, body) = request(api, "GET", "/v1/pool", "", b"");
+    assert_eq!(status, 200);
+    let pool: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let links = &pool["links"];
+    assert_eq!(links["decisions_linked"], 0, "{links}");
+    assert_eq!(
+        links["endpoints"][ea.to_string()]["pending_decisions"],
+        2,
+        "{links}"
+    );
+    let (status, head, body) = request(api, "GET", "/v1/removals?after=0", "", b"");
+    assert_eq!(status, 200);
+    assert!(head.contains("application/json"), "{head}");
+    let removals: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(removals, serde_json::json!({"next": 0, "removals": []}));
+    let (_, _, metrics) = request(api, "GET", "/metrics", "", b"");
+    let metrics = String::from_utf8(metrics).unwrap();
+    for line in [
+        "kvoy_aggregator_decision_links_total{what=\"linked\"} 0",
+        "kvoy_aggregator_decisions_unlinked_total{reason=\"ambiguous\"} 0",
+        "kvoy_aggregator_exact_removals_total 0",
+    ] {
+        assert!(metrics.contains(line), "{line} missing");
+    }
 }

@@ -1,0 +1,897 @@
+//! Links relayed routing decisions (text block keys) to the server blocks their prefill stored,
+//! by causal correlation, with no tokenizer: see `DESIGN.md`, "Relating the filters' text
+//! blocks to the servers' token blocks".
+//!
+//! A decision sent prompt keys `K` to endpoint `E`. Its *anchor* is the last key of `K` already
+//! linked on `E` (a server block and the key's estimated token position), or the root for a
+//! prompt that shares nothing linked. Its prefill is a `BlockStored` chain on `E` that hangs
+//! (directly, or through other unlinked chains such as chunked prefill or decode blocks) under
+//! a linked block on the anchor's branch within a few blocks of it (or is a root chain, for a
+//! root anchor), and that ends where the new text ends: the anchor's position plus the new
+//! bytes over the configured bytes per token, give or take one text span, a relative tolerance
+//! and a few tokens. A decision and a chain are linked only when each is the other's only
+//! match; when several fit, the decisions are dropped unlinked ("ambiguous"): a wrong link
+//! would later remove the wrong keys, a missing one only costs affinity. Their chains stay
+//! (contested, never linked on their own) so that the next turn's chain, which hangs under one
+//! of them, still links its whole new text through it.
+//!
+//! Decisions and events arrive in either order (the relay is pushed on the proxies' poll
+//! interval), so both wait in per-endpoint pending lists, capped and aged out after
+//! [`LinkSettings::window`]. A chain is linked only once it is [`LinkSettings::relay_lag`] old
+//! (a competing decision relayed late has arrived by then), and a chain stored more than that
+//! before a decision arrived cannot be its prefill.
+//!
+//! A `BlockRemoved` (GPU) of a linked block removes the text keys linked to it and to every
+//! block below it (the suffix: those prefixes are no longer cached whole), recorded as a
+//! [`Removal`]; `AllBlocksCleared` removes every key of the endpoint. Time is passed in.
+//!
+//! ```
+//! use std::time::{Duration, Instant};
+//! use kvoy_aggregator::kv_link::{LinkSettings, Linker};
+//! use kvoy_kvevents::{BlockHash, EventBatch, KvEvent, Medium};
+//! use kvoy_shared::prefix::BlockKey;
+//! use kvoy_shared::relay::RelayedDecision;
+//!
+//! let e = "10.0.0.1:8000".parse().unwrap();
+//! let mut linker = Linker::new(LinkSettings::default());
+//! let t0 = Instant::now();
+//! // Two 64-byte text blocks: 32 tokens at 4 bytes per token, two 16-token server blocks.
+//! let keys = vec![BlockKey(1), BlockKey(2)];
+//! linker.decisions(&[RelayedDecision { endpoint: e, keys }], t0);
+//! let stored = KvEvent::BlockStored {
+//!     block_hashes: vec![BlockHash::from_u64(10), BlockHash::from_u64(11)],
+//!     parent_block_hash: None,
+//!     token_ids: vec![0; 32],
+//!     block_size: 16,
+//!     lora_id: None,
+//!     medium: Medium::Gpu,
+//!     lora_name: None,
+//!     group_idx: None,
+//! };
+//! let batch = |events| EventBatch { ts: 0.0, events, data_parallel_rank: None };
+//! linker.events(e, &batch(vec![stored]), t0);
+//! linker.tick(t0 + Duration::from_secs(1));
+//! assert_eq!(linker.counters().decisions_linked, 1);
+//! let removed = KvEvent::BlockRemoved {
+//!     block_hashes: vec![BlockHash::from_u64(11)],
+//!     medium: Medium::Gpu,
+//!     group_idx: None,
+//! };
+//! linker.events(e, &batch(vec![removed]), t0 + Duration::from_secs(2));
+//! let r = linker.removals_after(0, 10);
+//! assert_eq!(r[0].keys, vec![BlockKey(2)]);
+//! ```
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use kvoy_kvevents::{BlockHash, EventBatch, KvEvent, Medium};
+use kvoy_shared::prefix::{BlockKey, KeySchedule};
+use kvoy_shared::relay::RelayedDecision;
+
+#[cfg(test)]
+mod tests;
+
+/// Pending chains a walk goes through at most to find where a chain forks off the linked tree.
+const MAX_WALK: usize = 16;
+
+/// How the linker matches, and what it holds at most.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LinkSettings {
+    /// The filters' key schedule (`block_size`, `dense_blocks`, `blocks_per_doubling`,
+    /// `max_blocks` of their configuration): where each text key ends, in prompt bytes.
+    pub schedule: KeySchedule,
+    /// Prompt bytes per token (the filters' `cost.bytes_per_token`).
+    pub bytes_per_token: f64,
+    /// How long unlinked decisions and chains wait for each other.
+    pub window: Duration,
+    /// How late a decision reaches the aggregator after the proxy routed it, at most (the
+    /// proxies' poll interval and then some).
+    pub relay_lag: Duration,
+    /// The chain's end may miss the predicted end by this fraction of the new tokens...
+    pub tolerance: f64,
+    /// ...plus this many tokens (the chat template's markers, rounding).
+    pub slack_tokens: u64,
+    /// Linked blocks between a chain's fork and the anchor at most (either way).
+    pub fork_blocks: usize,
+    /// Pending decisions per endpoint at most (the oldest go first).
+    pub max_pending_decisions: usize,
+    /// Pending chains per endpoint at most (the oldest go first).
+    pub max_pending_chains: usize,
+    /// Linked server blocks per endpoint at most (then decisions stay unlinked).
+    pub max_linked_blocks: usize,
+    /// Removal records kept at most, for all endpoints.
+    pub max_removals: usize,
+    /// Keys one removal record names at most (the count is always exact).
+    pub max_removal_keys: usize,
+}
+
+impl Default for LinkSettings {
+    /// The filters' defaults (64-byte blocks, 128 dense keys then doublings every 64, 512 keys,
+    /// 4 bytes per token).
+    fn default() -> Self {
+        LinkSettings {
+            schedule: KeySchedule {
+                block_size: 64,
+                max_keys: 512,
+                dense: 128,
+                group: 64,
+            },
+            bytes_per_token: 4.0,
+            window: Duration::from_secs(10),
+            relay_lag: Duration::from_millis(500),
+            tolerance: 0.1,
+            slack_tokens: 4,
+            fork_blocks: 2,
+            max_pending_decisions: 256,
+            max_pending_chains: 1024,
+            max_linked_blocks: 1 << 16,
+            max_removals: 256,
+            max_removal_keys: 4096,
+        }
+    }
+}
+
+/// What the linker did, cumulative.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LinkCounters {
+    pub decisions_linked: u64,
+    /// Unlinked: no fitting chain arrived within the window.
+    pub unlinked_no_chain: u64,
+    /// Unlinked: more than one chain or decision fitted.
+    pub unlinked_ambiguous: u64,
+    /// Unlinked: dropped from a full pending list, or the linked blocks at their cap.
+    pub unlinked_capacity: u64,
+    /// Decisions whose every key was linked already (nothing new to store).
+    pub decisions_known: u64,
+    /// Decisions equal to one pending already (merged into it).
+    pub decisions_repeated: u64,
+    pub keys_linked: u64,
+    /// `BlockRemoved` or `AllBlocksCleared` events that removed linked keys.
+    pub exact_removals: u64,
+    pub keys_removed: u64,
+    /// Chains no decision claimed within the window.
+    pub chains_expired: u64,
+}
+
+/// Linked keys an endpoint lost: their prefix is no longer cached there.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Removal {
+    /// Numbered from 1, across endpoints.
+    pub seq: u64,
+    pub endpoint: SocketAddr,
+    /// The keys (at most [`LinkSettings::max_removal_keys`]).
+    pub keys: Vec<BlockKey>,
+    /// Keys removed, including any left out of `keys`.
+    pub count: usize,
+    /// Every key of the endpoint went (`AllBlocksCleared`, a publisher restart).
+    pub cleared: bool,
+}
+
+/// One endpoint's state, for the pool view.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EndpointLinks {
+    pub linked_keys: usize,
+    pub linked_blocks: usize,
+    pub pending_decisions: usize,
+    pub pending_chains: usize,
+}
+
+/// A server block in the linked tree.
+#[derive(Debug)]
+struct Node {
+    parent: Option<BlockHash>,
+    children: Vec<BlockHash>,
+    keys: Vec<BlockKey>,
+    /// Token position of the block's end, from the root.
+    end: u64,
+}
+
+#[derive(Debug)]
+struct Chain {
+    blocks: Vec<BlockHash>,
+    parent: Option<BlockHash>,
+    block_tokens: u64,
+    at: Instant,
+    /// Fitted several decisions: never linked as one's own, but a later turn's chain still
+    /// links through it (that turn's keys cover this one's text too).
+    contested: bool,
+}
+
+#[derive(Debug)]
+struct Decision {
+    keys: Vec<BlockKey>,
+    at: Instant,
+}
+
+/// Where a pending chain hangs off the linked tree, and what lies between.
+#[derive(Debug, Clone)]
+struct Fork {
+    /// The linked block it hangs under (`None`: a root chain).
+    node: Option<BlockHash>,
+    /// Token position of the chain's end.
+    end: u64,
+    /// The pending chains on the way, from the chain itself up: (id, blocks used).
+    path: Vec<(u64, usize)>,
+}
+
+/// What a decision predicts.
+#[derive(Debug, Clone, Copy)]
+struct Anchor {
+    /// The block its last linked key is linked to (`None`: root).
+    node: Option<BlockHash>,
+    /// Index of that key in the decision (`None`: root).
+    key: Option<usize>,
+    /// Token position of that key's end (0 at the root).
+    pos: f64,
+}
+
+#[derive(Debug, Default)]
+struct Endpoint {
+    tree: HashMap<BlockHash, Node>,
+    /// Linked keys: the block each is linked to, and the key's estimated token end.
+    keys: HashMap<BlockKey, (BlockHash, f64)>,
+    chains: HashMap<u64, Chain>,
+    chain_order: VecDeque<u64>,
+    /// Blocks of pending chains: (chain id, index in the chain).
+    pending_blocks: HashMap<BlockHash, (u64, usize)>,
+    decisions: HashMap<u64, Decision>,
+    decision_order: VecDeque<u64>,
+}
+
+/// The causal join of relayed decisions and KV events, for every endpoint (see the module doc).
+#[derive(Debug)]
+pub struct Linker {
+    settings: LinkSettings,
+    endpoints: HashMap<SocketAddr, Endpoint>,
+    counters: LinkCounters,
+    removals: VecDeque<Removal>,
+    next_seq: u64,
+    next_id: u64,
+}
+
+impl Linker {
+    pub fn new(settings: LinkSettings) -> Self {
+        Linker {
+            settings,
+            endpoints: HashMap::new(),
+            counters: LinkCounters::default(),
+            removals: VecDeque::new(),
+            next_seq: 1,
+            next_id: 1,
+        }
+    }
+
+    pub fn settings(&self) -> &LinkSettings {
+        &self.settings
+    }
+
+    pub fn counters(&self) -> LinkCounters {
+        self.counters
+    }
+
+    /// Relayed decisions, as they reach the aggregator (pool members only).
+    pub fn decisions(&mut self, decisions: &[RelayedDecision], now: Instant) {
+        let mut touched = HashSet::new();
+        for d in decisions {
+            if d.keys.is_empty() {
+                continue;
+            }
+            let id = self.next_id;
+            self.next_id += 1;
+            let ep = self.endpoints.entry(d.endpoint).or_default();
+            if d.keys.last().is_some_and(|k| ep.keys.contains_key(k)) {
+                self.counters.decisions_known += 1;
+                continue;
+            }
+            // The same prompt pending already (a repeat, or a decision relayed twice): keys
+            // chain, so an equal last key is an equal prompt, and one link serves both.
+            if ep
+                .decisions
+                .values()
+                .any(|p| p.keys.last() == d.keys.last())
+            {
+                self.counters.decisions_repeated += 1;
+                continue;
+            }
+            ep.decisions.insert(
+                id,
+                Decision {
+                    keys: d.keys.clone(),
+                    at: now,
+                },
+            );
+            ep.decision_order.push_back(id);
+            while ep.decision_order.len() > self.settings.max_pending_decisions {
+                if let Some(old) = ep.decision_order.pop_front() {
+                    if ep.decisions.remove(&old).is_some() {
+                        self.counters.unlinked_capacity += 1;
+                    }
+                }
+            }
+            touched.insert(d.endpoint);
+        }
+        for e in touched {
+            self.process(e, now);
+        }
+    }
+
+    /// One batch of `endpoint`'s KV events.
+    pub fn events(&mut self, endpoint: SocketAddr, batch: &EventBatch, now: Instant) {
+        for event in &batch.events {
+            match event {
+                KvEvent::BlockStored {
+                    block_hashes,
+                    parent_block_hash,
+                    token_ids,
+                    block_size,
+                    medium,
+                    ..
+                } if *medium == Medium::Gpu => {
+                    let whole = u64::from(*block_size) * block_hashes.len() as u64;
+                    if block_hashes.is_empty()
+                        || *block_size == 0
+                        || token_ids.len() as u64 != whole
+                    {
+                        continue;
+                    }
+                    self.stored(endpoint, block_hashes, *parent_block_hash, *block_size, now);
+                }
+                KvEvent::BlockRemoved {
+                    block_hashes,
+                    medium,
+                    ..
+                } if *medium == Medium::Gpu => self.removed(endpoint, block_hashes),
+                KvEvent::AllBlocksCleared => self.clear(endpoint),
+                _ => {}
+            }
+        }
+        self.process(endpoint, now);
+    }
+
+    /// Forgets `endpoint`'s blocks (its publisher restarted): every linked key is removed.
+    pub fn clear(&mut self, endpoint: SocketAddr) {
+        let Some(ep) = self.endpoints.get_mut(&endpoint) else {
+            return;
+        };
+        let keys: Vec<BlockKey> = ep
+            .tree
+            .values()
+            .flat_map(|n| n.keys.iter().copied())
+            .collect();
+        ep.tree.clear();
+        ep.keys.clear();
+        ep.chains.clear();
+        ep.chain_order.clear();
+        ep.pending_blocks.clear();
+        self.record_removal(endpoint, keys, true);
+    }
+
+    /// Forgets `endpoint` altogether (it left the pool).
+    pub fn forget(&mut self, endpoint: SocketAddr) {
+        self.endpoints.remove(&endpoint);
+    }
+
+    /// Ages out what waited too long and links what settled, on every endpoint.
+    pub fn tick(&mut self, now: Instant) {
+        let all: Vec<SocketAddr> = self.endpoints.keys().copied().collect();
+        for e in all {
+            self.process(e, now);
+        }
+    }
+
+    /// Removal records numbered after `seq`, oldest first, at most `limit`.
+    pub fn removals_after(&self, seq: u64, limit: usize) -> Vec<Removal> {
+        self.removals
+            .iter()
+            .filter(|r| r.seq > seq)
+            .take(limit)
+            .cloned()
+            .collect()
+    }
+
+    /// The newest `n` removal records, oldest first.
+    pub fn recent_removals(&self, n: usize) -> Vec<Removal> {
+        let skip = self.removals.len().saturating_sub(n);
+        self.removals.iter().skip(skip).cloned().collect()
+    }
+
+    /// `endpoint`'s state now.
+    pub fn endpoint(&self, endpoint: SocketAddr) -> EndpointLinks {
+        self.endpoints
+            .get(&endpoint)
+            .map_or_else(EndpointLinks::default, |ep| EndpointLinks {
+                linked_keys: ep.keys.len(),
+                linked_blocks: ep.tree.len(),
+                pending_decisions: ep.decisions.len(),
+                pending_chains: ep.chains.len(),
+            })
+    }
+
+    /// The keys linked on `endpoint` now (for tests and debugging).
+    pub fn linked_keys(&self, endpoint: SocketAddr) -> Vec<BlockKey> {
+        let mut keys: Vec<BlockKey> = self
+            .endpoints
+            .get(&endpoint)
+            .map(|ep| ep.keys.keys().copied().collect())
+            .unwrap_or_default();
+        keys.sort();
+        keys
+    }
+
+    fn stored(
+        &mut self,
+        endpoint: SocketAddr,
+        blocks: &[BlockHash],
+        parent: Option<BlockHash>,
+        block_size: u32,
+        now: Instant,
+    ) {
+        let ep = self.endpoints.entry(endpoint).or_default();
+        // A block stored again (vLLM may hold two copies of one hash) changes nothing.
+        if blocks
+            .iter()
+            .any(|b| ep.tree.contains_key(b) || ep.pending_blocks.contains_key(b))
+        {
+            return;
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        for (i, b) in blocks.iter().enumerate() {
+            ep.pending_blocks.insert(*b, (id, i));
+        }
+        ep.chains.insert(
+            id,
+            Chain {
+                blocks: blocks.to_vec(),
+                parent,
+                block_tokens: u64::from(block_size),
+                at: now,
+                contested: false,
+            },
+        );
+        ep.chain_order.push_back(id);
+        while ep.chain_order.len() > self.settings.max_pending_chains {
+            if let Some(old) = ep.chain_order.pop_front() {
+                ep.drop_chain(old);
+            }
+        }
+    }
+
+    fn removed(&mut self, endpoint: SocketAddr, blocks: &[BlockHash]) {
+        let Some(ep) = self.endpoints.get_mut(&endpoint) else {
+            return;
+        };
+        let mut keys = Vec::new();
+        for b in blocks {
+            if ep.tree.contains_key(b) {
+                ep.remove_subtree(*b, &mut keys);
+            } else if let Some(&(id, _)) = ep.pending_blocks.get(b) {
+                // Its prefix is gone: it can no longer be anyone's cached continuation.
+                ep.drop_chain(id);
+            }
+        }
+        if !keys.is_empty() {
+            self.record_removal(endpoint, keys, false);
+        }
+    }
+
+    fn record_removal(&mut self, endpoint: SocketAddr, mut keys: Vec<BlockKey>, cleared: bool) {
+        if keys.is_empty() {
+            return;
+        }
+        let count = keys.len();
+        self.counters.exact_removals += 1;
+        self.counters.keys_removed += count as u64;
+        keys.truncate(self.settings.max_removal_keys);
+        self.removals.push_back(Removal {
+            seq: self.next_seq,
+            endpoint,
+            keys,
+            count,
+            cleared,
+        });
+        self.next_seq += 1;
+        while self.removals.len() > self.settings.max_removals {
+            self.removals.pop_front();
+        }
+    }
+
+    /// Ages out, then links every decision that has exactly one settled chain which has
+    /// exactly that decision; drops ambiguous groups.
+    fn process(&mut self, endpoint: SocketAddr, now: Instant) {
+        let s = self.settings;
+        let Some(ep) = self.endpoints.get_mut(&endpoint) else {
+            return;
+        };
+        let c = &mut self.counters;
+        while let Some(&id) = ep.decision_order.front() {
+            match ep.decisions.get(&id) {
+                Some(d) if now.saturating_duration_since(d.at) <= s.window => break,
+                Some(_) => {
+                    ep.decisions.remove(&id);
+                    c.unlinked_no_chain += 1;
+                }
+                None => {}
+            }
+            ep.decision_order.pop_front();
+        }
+        while let Some(&id) = ep.chain_order.front() {
+            match ep.chains.get(&id) {
+                Some(ch) if now.saturating_duration_since(ch.at) <= s.window => break,
+                Some(_) => {
+                    ep.drop_chain(id);
+                    c.chains_expired += 1;
+                }
+                None => {}
+            }
+            ep.chain_order.pop_front();
+        }
+        if ep.decisions.is_empty() || ep.chains.is_empty() {
+            return;
+        }
+        // Each link can make another decision's anchor (its previous turn) known, and each
+        // drop changes who fits what: recompute after either.
+        loop {
+            let forks: Vec<(u64, Fork)> = ep
+                .chain_order
+                .iter()
+                .filter_map(|&id| ep.fork(id).map(|f| (id, f)))
+                .collect();
+            // A later turn waits for its earlier turn's decision: until that one is linked its
+            // anchor would be the root, and a root prediction fits the earlier turn's chain.
+            let lasts: HashSet<BlockKey> = ep
+                .decisions
+                .values()
+                .filter_map(|d| d.keys.last().copied())
+                .collect();
+            let table: Vec<(u64, Vec<usize>)> = ep
+                .decision_order
+                .iter()
+                .filter_map(|&did| {
+                    let d = ep.decisions.get(&did)?;
+                    let (_, earlier) = d.keys.split_last()?;
+                    if earlier.iter().any(|k| lasts.contains(k)) {
+                        return None;
+                    }
+                    let anchor = ep.anchor(&d.keys);
+                    let fitting = forks
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, (cid, f))| {
+                            ep.chains.get(cid).is_some_and(|ch| {
+                                !ch.contested
+                                    && ch.at + s.relay_lag >= d.at
+                                    && ep.fits(&s, d, &anchor, f)
+                            })
+                        })
+                        .map(|(i, _)| i)
+                        .collect();
+                    Some((did, fitting))
+                })
+                .collect();
+            let mut changed = false;
+            for (did, candidates) in &table {
+                if candidates.is_empty() {
+                    continue;
+                }
+                let settled = candidates.iter().all(|&ci| {
+                    ep.chains
+                        .get(&forks[ci].0)
+                        .is_some_and(|ch| now.saturating_duration_since(ch.at) >= s.relay_lag)
+                });
+                if !settled {
+                    continue;
+                }
+                // Several chains that all descend from the best fitting one are the prompt and
+                // its own continuation (decode blocks, or a next turn's chain relayed late):
+                // the best one is the prefill, the rest are taken in without keys.
+                let best = ep.best(&s, *did, candidates, &forks);
+                let nested = best.is_some_and(|b| {
+                    candidates
+                        .iter()
+                        .all(|&ci| ci == b || forks[ci].1.path.iter().any(|p| p.0 == forks[b].0))
+                });
+                let chosen: Vec<usize> = match best {
+                    Some(b) if nested => vec![b],
+                    _ => candidates.clone(),
+                };
+                // Every decision that fits one of the chosen chains.
+                let rivals: Vec<u64> = table
+                    .iter()
+                    .filter(|(_, cs)| cs.iter().any(|ci| chosen.contains(ci)))
+                    .map(|(other, _)| *other)
+                    .collect();
+                if chosen.len() == 1 && rivals == [*did] {
+                    let fork = &forks[chosen[0]].1;
+                    let Some(d) = ep.decisions.remove(did) else {
+                        continue;
+                    };
+                    if ep.tree.len() + fork_blocks(ep, fork) > s.max_linked_blocks {
+                        c.unlinked_capacity += 1;
+                    } else {
+                        let anchor = ep.anchor(&d.keys);
+                        c.keys_linked += ep.link(&s, &d, &anchor, fork) as u64;
+                        c.decisions_linked += 1;
+                        // The continuation chains no other decision (a later turn waiting
+                        // for this one included) fits now.
+                        for &ci in candidates.iter().filter(|&&ci| ci != chosen[0]) {
+                            let cid = forks[ci].0;
+                            if let Some(f) = ep.fork(cid).filter(|f| !ep.claimed(&s, cid, f)) {
+                                ep.attach(&f);
+                            }
+                        }
+                    }
+                } else {
+                    // Several fit: none of them can be told apart, now or later.
+                    for r in &rivals {
+                        if ep.decisions.remove(r).is_some() {
+                            c.unlinked_ambiguous += 1;
+                        }
+                    }
+                    // The chains that could be one of them's own prefill; those hanging under
+                    // another candidate are continuations, left to the next turns.
+                    for &ci in candidates {
+                        let nested = candidates.iter().any(|&cj| {
+                            cj != ci && forks[ci].1.path.iter().any(|p| p.0 == forks[cj].0)
+                        });
+                        if nested {
+                            continue;
+                        }
+                        if let Some(ch) = ep.chains.get_mut(&forks[ci].0) {
+                            ch.contested = true;
+                        }
+                    }
+                }
+                changed = true;
+                break;
+            }
+            ep.decision_order.retain(|id| ep.decisions.contains_key(id));
+            ep.chain_order.retain(|id| ep.chains.contains_key(id));
+            if !changed || ep.decisions.is_empty() || ep.chains.is_empty() {
+                break;
+            }
+        }
+    }
+}
+
+/// New blocks a link through `fork` adds to the tree.
+fn fork_blocks(ep: &Endpoint, fork: &Fork) -> usize {
+    fork.path
+        .iter()
+        .map(|(id, used)| ep.chains.get(id).map_or(0, |_| *used))
+        .sum()
+}
+
+/// Where key `i` of a prompt ends, in bytes (dense keys, then spans doubling every `group`).
+fn key_end(schedule: &KeySchedule, i: usize) -> f64 {
+    let dense = schedule.dense.min(i + 1);
+    let mut bytes = (dense * schedule.block_size) as f64;
+    let mut j = dense;
+    while j <= i {
+        // The keys from `j` up to the end of its group share one span.
+        let group = schedule.group.max(1);
+        let group_end = (j - schedule.dense) / group * group + group + schedule.dense;
+        let n = group_end.min(i + 1) - j;
+        bytes += (n * schedule.span(j)) as f64;
+        j += n;
+    }
+    bytes
+}
+
+/// The token positions a decision's prefill ends between: at its last whole key, and up to the
+/// next key's span beyond (the prompt's partial tail).
+fn predicted(s: &LinkSettings, d: &Decision, anchor: &Anchor) -> (f64, f64) {
+    let last = d.keys.len().saturating_sub(1);
+    let from = anchor.key.map_or(0.0, |k| key_end(&s.schedule, k));
+    let bpt = s.bytes_per_token.max(0.01);
+    let lo = anchor.pos + (key_end(&s.schedule, last) - from) / bpt;
+    (lo, lo + s.schedule.span(last + 1) as f64 / bpt)
+}
+
+impl Endpoint {
+    fn drop_chain(&mut self, id: u64) {
+        if let Some(ch) = self.chains.remove(&id) {
+            for b in &ch.blocks {
+                self.pending_blocks.remove(b);
+            }
+        }
+    }
+
+    fn remove_subtree(&mut self, root: BlockHash, keys: &mut Vec<BlockKey>) {
+        if let Some(parent) = self.tree.get(&root).and_then(|n| n.parent) {
+            if let Some(p) = self.tree.get_mut(&parent) {
+                p.children.retain(|c| *c != root);
+            }
+        }
+        let mut stack = vec![root];
+        while let Some(b) = stack.pop() {
+            if let Some(n) = self.tree.remove(&b) {
+                for k in &n.keys {
+                    self.keys.remove(k);
+                }
+                keys.extend_from_slice(&n.keys);
+                stack.extend(n.children);
+            }
+        }
+    }
+
+    /// The decision's last key linked here (scanning from the end: keys chain, so the longest
+    /// linked prefix ends at the last linked key).
+    fn anchor(&self, keys: &[BlockKey]) -> Anchor {
+        keys.iter()
+            .enumerate()
+            .rev()
+            .find_map(|(i, k)| {
+                self.keys.get(k).map(|&(node, pos)| Anchor {
+                    node: Some(node),
+                    key: Some(i),
+                    pos,
+                })
+            })
+            .unwrap_or(Anchor {
+                node: None,
+                key: None,
+                pos: 0.0,
+            })
+    }
+
+    /// Where pending chain `id` hangs off the tree, through other pending chains.
+    fn fork(&self, id: u64) -> Option<Fork> {
+        let ch = self.chains.get(&id)?;
+        let mut tokens = ch.block_tokens * ch.blocks.len() as u64;
+        let mut path = vec![(id, ch.blocks.len())];
+        let mut parent = ch.parent;
+        for _ in 0..MAX_WALK {
+            let Some(p) = parent else {
+                return Some(Fork {
+                    node: None,
+                    end: tokens,
+                    path,
+                });
+            };
+            if let Some(n) = self.tree.get(&p) {
+                return Some(Fork {
+                    node: Some(p),
+                    end: n.end + tokens,
+                    path,
+                });
+            }
+            let &(up, index) = self.pending_blocks.get(&p)?;
+            let up_chain = self.chains.get(&up)?;
+            tokens += up_chain.block_tokens * (index as u64 + 1);
+            path.push((up, index + 1));
+            parent = up_chain.parent;
+        }
+        None
+    }
+
+    /// Whether `a` is `b` or one of its ancestors, within `steps` blocks.
+    fn above(&self, a: BlockHash, b: BlockHash, steps: usize) -> bool {
+        let mut at = Some(b);
+        for _ in 0..=steps {
+            match at {
+                Some(x) if x == a => return true,
+                Some(x) => at = self.tree.get(&x).and_then(|n| n.parent),
+                None => return false,
+            }
+        }
+        false
+    }
+
+    fn fits(&self, s: &LinkSettings, d: &Decision, anchor: &Anchor, fork: &Fork) -> bool {
+        match (anchor.node, fork.node) {
+            (None, None) => {}
+            (Some(a), Some(f)) => {
+                if !(self.above(f, a, s.fork_blocks) || self.above(a, f, s.fork_blocks)) {
+                    return false;
+                }
+            }
+            _ => return false,
+        }
+        let (lo, hi) = predicted(s, d, anchor);
+        let new_tokens = lo - anchor.pos;
+        let give = s.tolerance * new_tokens + s.slack_tokens as f64;
+        let end = fork.end as f64;
+        end + give >= lo && end <= hi + give
+    }
+
+    /// Whether any pending decision fits chain `cid` (at `fork`).
+    fn claimed(&self, s: &LinkSettings, cid: u64, fork: &Fork) -> bool {
+        let Some(ch) = self.chains.get(&cid) else {
+            return false;
+        };
+        self.decisions.values().any(|d| {
+            let anchor = self.anchor(&d.keys);
+            !ch.contested && ch.at + s.relay_lag >= d.at && self.fits(s, d, &anchor, fork)
+        })
+    }
+
+    /// The candidate closest to the decision's predicted end (before its unkeyed tail).
+    fn best(
+        &self,
+        s: &LinkSettings,
+        did: u64,
+        candidates: &[usize],
+        forks: &[(u64, Fork)],
+    ) -> Option<usize> {
+        let d = self.decisions.get(&did)?;
+        let anchor = self.anchor(&d.keys);
+        let (lo, _) = predicted(s, d, &anchor);
+        candidates.iter().copied().min_by(|&a, &b| {
+            let da = (forks[a].1.end as f64 - lo).abs();
+            let db = (forks[b].1.end as f64 - lo).abs();
+            da.total_cmp(&db)
+        })
+    }
+
+    /// Moves the fork's pending blocks into the tree (without keys); returns them with their
+    /// token ends, root side first.
+    fn attach(&mut self, fork: &Fork) -> Vec<(BlockHash, u64)> {
+        let mut parent = fork.node;
+        let mut at = fork
+            .node
+            .and_then(|n| self.tree.get(&n))
+            .map_or(0, |n| n.end);
+        let mut new_blocks = Vec::new();
+        for &(id, used) in fork.path.iter().rev() {
+            let Some(ch) = self.chains.remove(&id) else {
+                continue;
+            };
+            for b in &ch.blocks {
+                self.pending_blocks.remove(b);
+            }
+            for b in ch.blocks.iter().take(used) {
+                at += ch.block_tokens;
+                self.tree.insert(
+                    *b,
+                    Node {
+                        parent,
+                        children: Vec::new(),
+                        keys: Vec::new(),
+                        end: at,
+                    },
+                );
+                if let Some(p) = parent.and_then(|p| self.tree.get_mut(&p)) {
+                    p.children.push(*b);
+                }
+                parent = Some(*b);
+                new_blocks.push((*b, at));
+            }
+        }
+        new_blocks
+    }
+
+    /// Links the decision's new keys to the fork's blocks; returns the keys linked.
+    fn link(&mut self, s: &LinkSettings, d: &Decision, anchor: &Anchor, fork: &Fork) -> usize {
+        let new_blocks = self.attach(fork);
+        let Some(&(last_block, _)) = new_blocks.last() else {
+            return 0;
+        };
+        let bpt = s.bytes_per_token.max(0.01);
+        let first = anchor.key.map_or(0, |k| k + 1);
+        let from = anchor.key.map_or(0.0, |k| key_end(&s.schedule, k));
+        let mut end_bytes = from;
+        let mut linked = 0;
+        let mut block = 0;
+        for (i, key) in d.keys.iter().enumerate().skip(first) {
+            end_bytes += s.schedule.span(i) as f64;
+            let pos = anchor.pos + (end_bytes - from) / bpt;
+            // The block holding the key's last token; past the chain's end, its last block.
+            while block < new_blocks.len() && (new_blocks[block].1 as f64) < pos.ceil() {
+                block += 1;
+            }
+            let target = new_blocks.get(block).map_or(last_block, |b| b.0);
+            if self.keys.contains_key(key) {
+                continue;
+            }
+            if let Some(n) = self.tree.get_mut(&target) {
+                n.keys.push(*key);
+                self.keys.insert(*key, (target, pos));
+                linked += 1;
+            }
+        }
+        linked
+    }
+}

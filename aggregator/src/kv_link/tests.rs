@@ -1,0 +1,540 @@
+use super::*;
+
+const BS: u32 = 16;
+
+fn ep(port: u16) -> SocketAddr {
+    SocketAddr::from(([10, 0, 0, 1], port))
+}
+
+fn h(n: u64) -> BlockHash {
+    BlockHash::from_u64(n)
+}
+
+/// `n` keys numbered from `first` (keys chain: a prompt's first `n` keys).
+fn keys(first: u64, n: u64) -> Vec<BlockKey> {
+    (first..first + n).map(BlockKey).collect()
+}
+
+fn decision(port: u16, keys: Vec<BlockKey>) -> RelayedDecision {
+    RelayedDecision {
+        endpoint: ep(port),
+        keys,
+    }
+}
+
+fn stored(blocks: std::ops::Range<u64>, parent: Option<u64>) -> KvEvent {
+    let n = blocks.end - blocks.start;
+    KvEvent::BlockStored {
+        block_hashes: blocks.map(h).collect(),
+        parent_block_hash: parent.map(h),
+        token_ids: vec![1; (n * u64::from(BS)) as usize],
+        block_size: BS,
+        lora_id: None,
+        medium: Medium::Gpu,
+        lora_name: None,
+        group_idx: None,
+    }
+}
+
+fn removed(blocks: &[u64]) -> KvEvent {
+    KvEvent::BlockRemoved {
+        block_hashes: blocks.iter().copied().map(h).collect(),
+        medium: Medium::Gpu,
+        group_idx: None,
+    }
+}
+
+fn batch(events: Vec<KvEvent>) -> EventBatch {
+    EventBatch {
+        ts: 0.0,
+        events,
+        data_parallel_rank: None,
+    }
+}
+
+fn ms(t0: Instant, n: u64) -> Instant {
+    t0 + Duration::from_millis(n)
+}
+
+/// With the defaults one 64-byte text key is one 16-token server block.
+fn linker() -> Linker {
+    Linker::new(LinkSettings::default())
+}
+
+#[test]
+fn key_ends_follow_the_schedule() {
+    let s = KeySchedule {
+        block_size: 4,
+        max_keys: 100,
+        dense: 2,
+        group: 2,
+    };
+    let naive = |i: usize| (0..=i).map(|j| s.span(j) as f64).sum::<f64>();
+    for i in 0..40 {
+        assert_eq!(key_end(&s, i), naive(i), "key {i}");
+    }
+    let d = KeySchedule::dense(64, 512);
+    assert_eq!(key_end(&d, 9), 640.0);
+}
+
+#[test]
+fn a_first_turn_links_to_a_root_chain_once_it_settled() {
+    let mut l = linker();
+    let t0 = Instant::now();
+    l.decisions(&[decision(1, keys(100, 3))], t0);
+    l.events(ep(1), &batch(vec![stored(1..4, None)]), ms(t0, 10));
+    assert_eq!(l.counters().decisions_linked, 0, "not settled yet");
+    l.tick(ms(t0, 600));
+    assert_eq!(l.counters().decisions_linked, 1);
+    assert_eq!(l.counters().keys_linked, 3);
+    assert_eq!(l.linked_keys(ep(1)), keys(100, 3));
+    assert_eq!(l.linked_keys(ep(2)), vec![], "only where it went");
+    let e = l.endpoint(ep(1));
+    assert_eq!(
+        (e.linked_blocks, e.pending_chains, e.pending_decisions),
+        (3, 0, 0)
+    );
+}
+
+#[test]
+fn events_before_the_decision_link_too() {
+    let mut l = linker();
+    let t0 = Instant::now();
+    l.events(ep(1), &batch(vec![stored(1..3, None)]), t0);
+    l.decisions(&[decision(1, keys(100, 2))], ms(t0, 300));
+    l.tick(ms(t0, 600));
+    assert_eq!(l.counters().decisions_linked, 1);
+    // A chain stored longer than the relay lag before the decision is not its prefill.
+    l.events(ep(1), &batch(vec![stored(10..12, None)]), ms(t0, 1_000));
+    l.decisions(&[decision(1, keys(200, 2))], ms(t0, 2_000));
+    l.tick(ms(t0, 3_000));
+    assert_eq!(l.counters().decisions_linked, 1);
+}
+
+#[test]
+fn a_second_turn_links_under_the_first_turns_last_block() {
+    let mut l = linker();
+    let t0 = Instant::now();
+    l.decisions(&[decision(1, keys(100, 3))], t0);
+    l.events(ep(1), &batch(vec![stored(1..4, None)]), ms(t0, 10));
+    l.tick(ms(t0, 600));
+    // Turn two: the same three keys, then two new ones; its chain hangs under block 3.
+    l.events(ep(1), &batch(vec![stored(4..6, Some(3))]), ms(t0, 700));
+    l.decisions(&[decision(1, keys(100, 5))], ms(t0, 800));
+    l.tick(ms(t0, 1_300));
+    assert_eq!(l.counters().decisions_linked, 2);
+    assert_eq!(l.counters().keys_linked, 5);
+    // The new keys sit on the new blocks: removing block 4 takes keys 3 and 4 only.
+    l.events(ep(1), &batch(vec![removed(&[4])]), ms(t0, 2_000));
+    let r = l.removals_after(0, 10);
+    assert_eq!(r.len(), 1);
+    assert_eq!((r[0].endpoint, r[0].keys.clone()), (ep(1), keys(103, 2)));
+    assert_eq!(l.linked_keys(ep(1)), keys(100, 3));
+}
+
+#[test]
+fn a_second_turn_links_through_its_first_turns_decode_block() {
+    let mut l = linker();
+    let t0 = Instant::now();
+    l.decisions(&[decision(1, keys(100, 3))], t0);
+    // Prefill, then a block filled by decoding (stored before turn two was routed, but within
+    // the relay lag of its arrival).
+    l.events(ep(1), &batch(vec![stored(1..4, None)]), ms(t0, 10));
+    l.events(ep(1), &batch(vec![stored(4..5, Some(3))]), ms(t0, 20));
+    l.tick(ms(t0, 600));
+    assert_eq!(l.counters().decisions_linked, 1);
+    // Turn two's new text is three blocks: the decode block's one does not fit it, the new
+    // chain (under the decode block: its tokens were cached) does.
+    l.decisions(&[decision(1, keys(100, 6))], ms(t0, 650));
+    l.events(ep(1), &batch(vec![stored(5..7, Some(4))]), ms(t0, 700));
+    l.tick(ms(t0, 1_300));
+    assert_eq!(l.counters().decisions_linked, 2);
+    assert_eq!(l.linked_keys(ep(1)), keys(100, 6));
+    assert_eq!(l.endpoint(ep(1)).linked_blocks, 6);
+}
+
+#[test]
+fn chunked_prefill_links_through_the_first_chunk() {
+    let mut l = linker();
+    let t0 = Instant::now();
+    l.decisions(&[decision(1, keys(100, 6))], t0);
+    l.events(ep(1), &batch(vec![stored(1..4, None)]), ms(t0, 10));
+    l.events(ep(1), &batch(vec![stored(4..7, Some(3))]), ms(t0, 20));
+    l.tick(ms(t0, 600));
+    assert_eq!(l.counters().decisions_linked, 1);
+    assert_eq!(l.linked_keys(ep(1)), keys(100, 6));
+    // Removing block 2 takes keys 1..6: the suffix, across both chunks.
+    l.events(ep(1), &batch(vec![removed(&[2])]), ms(t0, 700));
+    assert_eq!(l.removals_after(0, 1)[0].keys.len(), 5);
+    assert_eq!(l.linked_keys(ep(1)), keys(100, 1));
+}
+
+#[test]
+fn concurrent_first_turns_of_different_lengths_link_by_length() {
+    let mut l = linker();
+    let t0 = Instant::now();
+    l.decisions(&[decision(1, keys(100, 2)), decision(1, keys(200, 8))], t0);
+    l.events(
+        ep(1),
+        &batch(vec![stored(10..18, None), stored(1..3, None)]),
+        ms(t0, 10),
+    );
+    l.tick(ms(t0, 600));
+    assert_eq!(l.counters().decisions_linked, 2);
+    l.events(ep(1), &batch(vec![removed(&[11])]), ms(t0, 700));
+    let r = l.removals_after(0, 10);
+    assert_eq!(
+        r[0].keys,
+        keys(201, 7),
+        "the long prompt's keys after its first"
+    );
+}
+
+#[test]
+fn concurrent_first_turns_of_equal_length_stay_unlinked() {
+    let mut l = linker();
+    let t0 = Instant::now();
+    l.decisions(&[decision(1, keys(100, 4)), decision(1, keys(200, 4))], t0);
+    l.events(
+        ep(1),
+        &batch(vec![stored(1..5, None), stored(10..14, None)]),
+        ms(t0, 10),
+    );
+    l.tick(ms(t0, 600));
+    let c = l.counters();
+    assert_eq!((c.decisions_linked, c.unlinked_ambiguous), (0, 2));
+    assert_eq!(l.linked_keys(ep(1)), vec![]);
+    let e = l.endpoint(ep(1));
+    assert_eq!(
+        (e.pending_decisions, e.pending_chains),
+        (0, 2),
+        "chains contested"
+    );
+    // A contested chain never links on its own, even to a decision arriving alone later...
+    l.decisions(&[decision(1, keys(300, 4))], ms(t0, 650));
+    l.tick(ms(t0, 1_200));
+    assert_eq!(l.counters().decisions_linked, 0);
+    // ...but the second turn of 200.. links through its first turn's chain: its keys cover
+    // both turns' text.
+    l.decisions(&[decision(1, keys(200, 6))], ms(t0, 1_300));
+    l.events(ep(1), &batch(vec![stored(14..16, Some(13))]), ms(t0, 1_310));
+    l.tick(ms(t0, 2_000));
+    assert_eq!(l.counters().decisions_linked, 1);
+    assert_eq!(l.linked_keys(ep(1)), keys(200, 6));
+    l.events(ep(1), &batch(vec![removed(&[12])]), ms(t0, 2_100));
+    assert_eq!(l.removals_after(0, 1)[0].keys, keys(202, 4));
+}
+
+#[test]
+fn a_second_chain_arriving_before_settling_makes_it_ambiguous() {
+    let mut l = linker();
+    let t0 = Instant::now();
+    l.decisions(&[decision(1, keys(100, 4))], t0);
+    l.events(ep(1), &batch(vec![stored(1..5, None)]), ms(t0, 10));
+    // Another proxy's equal-length first turn: its chain arrives before the first settled.
+    l.events(ep(1), &batch(vec![stored(10..14, None)]), ms(t0, 400));
+    l.tick(ms(t0, 1_000));
+    assert_eq!(l.counters().decisions_linked, 0);
+    assert_eq!(l.counters().unlinked_ambiguous, 1);
+}
+
+#[test]
+fn a_chain_under_another_branch_does_not_link() {
+    let mut l = linker();
+    let t0 = Instant::now();
+    l.decisions(&[decision(1, keys(100, 2)), decision(1, keys(200, 6))], t0);
+    l.events(ep(1), &batch(vec![stored(1..3, None)]), ms(t0, 10));
+    l.events(ep(1), &batch(vec![stored(10..14, None)]), ms(t0, 10));
+    l.tick(ms(t0, 600));
+    // 100.. is two keys (fits 1..3); 200.. is six, and 10..14 four blocks: no fit.
+    assert_eq!(l.counters().decisions_linked, 1);
+    // A continuation of 100.. whose chain hangs under a block no link knows: unlinked.
+    l.decisions(&[decision(1, keys(100, 4))], ms(t0, 700));
+    l.events(ep(1), &batch(vec![stored(20..22, Some(99))]), ms(t0, 710));
+    l.tick(ms(t0, 1_300));
+    assert_eq!(l.counters().decisions_linked, 1);
+}
+
+#[test]
+fn a_removal_of_a_middle_block_removes_exactly_the_suffix() {
+    let mut l = linker();
+    let t0 = Instant::now();
+    l.decisions(&[decision(1, keys(100, 4))], t0);
+    l.events(ep(1), &batch(vec![stored(1..5, None)]), ms(t0, 10));
+    l.tick(ms(t0, 600));
+    // Turn two under block 4; and on another endpoint, the same keys linked separately.
+    l.decisions(
+        &[decision(1, keys(100, 6)), decision(2, keys(100, 4))],
+        ms(t0, 700),
+    );
+    l.events(ep(1), &batch(vec![stored(5..7, Some(4))]), ms(t0, 710));
+    l.events(ep(2), &batch(vec![stored(1..5, None)]), ms(t0, 710));
+    l.tick(ms(t0, 1_300));
+    assert_eq!(l.counters().decisions_linked, 3);
+    l.events(ep(1), &batch(vec![removed(&[3])]), ms(t0, 1_400));
+    let r = l.removals_after(0, 10);
+    assert_eq!(r.len(), 1);
+    let mut got = r[0].keys.clone();
+    got.sort();
+    assert_eq!((r[0].endpoint, got, r[0].count), (ep(1), keys(102, 4), 4));
+    assert_eq!(l.linked_keys(ep(1)), keys(100, 2));
+    assert_eq!(
+        l.linked_keys(ep(2)),
+        keys(100, 4),
+        "the other endpoint keeps its own"
+    );
+    // Removing a block no link holds, or one removed already, records nothing.
+    l.events(ep(1), &batch(vec![removed(&[3, 77])]), ms(t0, 1_500));
+    assert_eq!(l.removals_after(r[0].seq, 10), vec![]);
+    assert_eq!(l.counters().exact_removals, 1);
+    assert_eq!(l.counters().keys_removed, 4);
+}
+
+#[test]
+fn clearing_removes_every_key_of_the_endpoint() {
+    let mut l = linker();
+    let t0 = Instant::now();
+    l.decisions(&[decision(1, keys(100, 3))], t0);
+    l.events(ep(1), &batch(vec![stored(1..4, None)]), ms(t0, 10));
+    l.tick(ms(t0, 600));
+    l.events(ep(1), &batch(vec![KvEvent::AllBlocksCleared]), ms(t0, 700));
+    let r = l.removals_after(0, 10);
+    assert_eq!(r.len(), 1);
+    assert!(r[0].cleared);
+    let mut got = r[0].keys.clone();
+    got.sort();
+    assert_eq!(got, keys(100, 3));
+    assert_eq!(l.endpoint(ep(1)), EndpointLinks::default());
+    // Cleared with nothing linked: no record.
+    l.clear(ep(1));
+    assert_eq!(l.removals_after(r[0].seq, 10), vec![]);
+}
+
+#[test]
+fn unmatched_decisions_and_chains_age_out() {
+    let mut l = linker();
+    let t0 = Instant::now();
+    l.decisions(&[decision(1, keys(100, 3))], t0);
+    l.events(ep(1), &batch(vec![stored(1..9, None)]), ms(t0, 10));
+    l.tick(ms(t0, 9_000));
+    assert_eq!(l.endpoint(ep(1)).pending_decisions, 1);
+    l.tick(ms(t0, 10_500));
+    let c = l.counters();
+    assert_eq!((c.unlinked_no_chain, c.chains_expired), (1, 1));
+    assert_eq!(l.endpoint(ep(1)), EndpointLinks::default());
+    // A chain that fits, after the decision expired, links nothing.
+    l.events(ep(1), &batch(vec![stored(20..23, None)]), ms(t0, 10_600));
+    l.tick(ms(t0, 11_500));
+    assert_eq!(l.counters().decisions_linked, 0);
+}
+
+#[test]
+fn pending_lists_and_links_are_capped() {
+    let mut l = Linker::new(LinkSettings {
+        max_pending_decisions: 2,
+        max_pending_chains: 2,
+        max_linked_blocks: 3,
+        ..LinkSettings::default()
+    });
+    let t0 = Instant::now();
+    l.decisions(
+        &[
+            decision(1, keys(100, 5)),
+            decision(1, keys(200, 6)),
+            decision(1, keys(300, 2)),
+        ],
+        t0,
+    );
+    assert_eq!(l.counters().unlinked_capacity, 1, "the oldest dropped");
+    assert_eq!(l.endpoint(ep(1)).pending_decisions, 2);
+    l.events(
+        ep(1),
+        &batch(vec![
+            stored(10..15, None),
+            stored(20..26, None),
+            stored(1..3, None),
+        ]),
+        ms(t0, 10),
+    );
+    assert_eq!(l.endpoint(ep(1)).pending_chains, 2);
+    l.tick(ms(t0, 600));
+    // 300.. links (two blocks); 200.. would take six more, past the cap of three.
+    let c = l.counters();
+    assert_eq!((c.decisions_linked, c.unlinked_capacity), (1, 2));
+    assert_eq!(l.endpoint(ep(1)).linked_blocks, 2);
+}
+
+#[test]
+fn known_prompts_and_other_media_and_bad_stores_are_ignored() {
+    let mut l = linker();
+    let t0 = Instant::now();
+    l.decisions(&[decision(1, keys(100, 2))], t0);
+    l.events(ep(1), &batch(vec![stored(1..3, None)]), ms(t0, 10));
+    l.tick(ms(t0, 600));
+    l.decisions(
+        &[decision(1, keys(100, 2)), decision(1, vec![])],
+        ms(t0, 700),
+    );
+    assert_eq!(l.counters().decisions_known, 1);
+    // A decision relayed twice while pending is one decision, not two rivals.
+    l.decisions(
+        &[decision(1, keys(300, 1)), decision(1, keys(300, 1))],
+        ms(t0, 700),
+    );
+    assert_eq!(l.counters().decisions_repeated, 1);
+    l.events(ep(1), &batch(vec![stored(30..31, None)]), ms(t0, 710));
+    l.tick(ms(t0, 1_300));
+    assert_eq!(l.counters().decisions_linked, 2);
+    assert_eq!(l.endpoint(ep(1)).pending_decisions, 0);
+    let cpu = KvEvent::BlockStored {
+        block_hashes: vec![h(50)],
+        parent_block_hash: None,
+        token_ids: vec![],
+        block_size: BS,
+        lora_id: None,
+        medium: Medium::Cpu,
+        lora_name: None,
+        group_idx: None,
+    };
+    let short = KvEvent::BlockStored {
+        block_hashes: vec![h(51), h(52)],
+        parent_block_hash: None,
+        token_ids: vec![1; 20],
+        block_size: BS,
+        lora_id: None,
+        medium: Medium::Gpu,
+        lora_name: None,
+        group_idx: None,
+    };
+    let cpu_removed = KvEvent::BlockRemoved {
+        block_hashes: vec![h(1)],
+        medium: Medium::Cpu,
+        group_idx: None,
+    };
+    l.events(ep(1), &batch(vec![cpu, short, cpu_removed]), ms(t0, 1_400));
+    assert_eq!(l.endpoint(ep(1)).pending_chains, 0);
+    assert_eq!(
+        l.linked_keys(ep(1)),
+        vec![BlockKey(100), BlockKey(101), BlockKey(300)]
+    );
+}
+
+/// A table against a naive reference: single first turns of 1..40 keys on their own
+/// endpoints, each with its chain of the right length, always link, and every key lands on the
+/// block of the same index.
+#[test]
+fn single_first_turns_link_key_i_to_block_i() {
+    let mut l = linker();
+    let t0 = Instant::now();
+    for n in 1..40u64 {
+        let port = n as u16;
+        l.decisions(&[decision(port, keys(n * 1000, n))], t0);
+        let base = n * 1000;
+        l.events(
+            ep(port),
+            &batch(vec![stored(base..base + n, None)]),
+            ms(t0, 5),
+        );
+    }
+    l.tick(ms(t0, 600));
+    assert_eq!(l.counters().decisions_linked, 39);
+    for n in 1..40u64 {
+        let base = n * 1000;
+        let middle = n / 2;
+        l.events(
+            ep(n as u16),
+            &batch(vec![removed(&[base + middle])]),
+            ms(t0, 700),
+        );
+        let last = l
+            .removals_after(0, 100)
+            .pop()
+            .unwrap_or_else(|| panic!("n {n}"));
+        // Naive: key i is in block i, so removing block m takes keys m..n.
+        let mut got = last.keys.clone();
+        got.sort();
+        assert_eq!(got, keys(base + middle, n - middle), "n {n}");
+    }
+}
+
+#[test]
+fn a_later_turn_waits_for_its_earlier_turn_relayed_together() {
+    let mut l = linker();
+    let t0 = Instant::now();
+    // Both turns' decisions and chains pending at once (a relay batch carrying both): the
+    // second turn, still root-anchored, must not claim the first turn's chain.
+    l.decisions(
+        &[decision(1, keys(100, 20)), decision(1, keys(100, 21))],
+        t0,
+    );
+    l.events(
+        ep(1),
+        &batch(vec![stored(1..21, None), stored(21..22, Some(20))]),
+        ms(t0, 10),
+    );
+    l.tick(ms(t0, 600));
+    let c = l.counters();
+    assert_eq!((c.decisions_linked, c.unlinked_ambiguous), (2, 0));
+    assert_eq!(l.linked_keys(ep(1)), keys(100, 21));
+}
+
+/// Two conversations whose turns have equal lengths, on one endpoint, all within the relay
+/// lag: every turn is ambiguous (nothing tells them apart), none waits forever.
+#[test]
+fn equal_length_conversations_stay_ambiguous_turn_after_turn() {
+    let mut l = linker();
+    let t0 = Instant::now();
+    // Conversation a: keys 100.., blocks 1..; conversation b: keys 200.., blocks 101...
+    let mut at = 0;
+    for turn in 0..3u64 {
+        let n = 4 + 2 * turn;
+        l.decisions(
+            &[decision(1, keys(100, n)), decision(1, keys(200, n))],
+            ms(t0, at),
+        );
+        let (from, to) = (if turn == 0 { 0 } else { 4 + 2 * (turn - 1) }, n);
+        let parent = |base: u64| (turn > 0).then_some(base + from);
+        l.events(
+            ep(1),
+            &batch(vec![
+                stored(1 + from..1 + to, parent(0)),
+                stored(101 + from..101 + to, parent(100)),
+            ]),
+            ms(t0, at + 10),
+        );
+        at += 700;
+        l.tick(ms(t0, at));
+    }
+    let c = l.counters();
+    assert_eq!((c.decisions_linked, c.unlinked_ambiguous), (0, 6), "{c:?}");
+}
+
+/// An ambiguous turn whose rivals' next-turn chains already arrived (they fit its tail too)
+/// leaves those chains to the next turns' decisions.
+#[test]
+fn an_ambiguous_turn_leaves_the_next_turns_chains_alone() {
+    let mut l = linker();
+    let t0 = Instant::now();
+    l.decisions(&[decision(1, keys(100, 4)), decision(1, keys(200, 4))], t0);
+    l.events(
+        ep(1),
+        &batch(vec![stored(1..5, None), stored(101..105, None)]),
+        ms(t0, 10),
+    );
+    // The next turns (one key more each), routed and stored before the first turns settled.
+    l.events(
+        ep(1),
+        &batch(vec![stored(5..6, Some(4)), stored(105..106, Some(104))]),
+        ms(t0, 20),
+    );
+    l.decisions(
+        &[decision(1, keys(100, 5)), decision(1, keys(200, 5))],
+        ms(t0, 100),
+    );
+    l.tick(ms(t0, 600));
+    // Both turns ambiguous (one length for both conversations), none left waiting for a chain
+    // the first turns' ambiguity took.
+    let c = l.counters();
+    assert_eq!((c.unlinked_ambiguous, c.decisions_linked), (4, 0), "{c:?}");
+    assert_eq!(l.endpoint(ep(1)).pending_decisions, 0);
+}
