@@ -76,6 +76,7 @@ struct RawConfig {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 struct RawLinks {
+    enabled: bool,
     block_size: u64,
     max_blocks: u64,
     dense_blocks: u64,
@@ -91,6 +92,7 @@ impl Default for RawLinks {
     fn default() -> Self {
         let d = LinkSettings::default();
         RawLinks {
+            enabled: d.enabled,
             block_size: d.schedule.block_size as u64,
             max_blocks: d.schedule.max_keys as u64,
             dense_blocks: d.schedule.dense as u64,
@@ -181,6 +183,7 @@ fn links(raw: &RawLinks) -> Result<LinkSettings, ConfigError> {
         });
     }
     Ok(LinkSettings {
+        enabled: raw.enabled,
         schedule: KeySchedule {
             block_size,
             max_keys,
@@ -748,10 +751,12 @@ kubernetes:
     fn links_section() {
         let cfg = AggregatorConfig::from_yaml("{}").unwrap();
         assert_eq!(cfg.links, LinkSettings::default());
+        assert!(!cfg.links.enabled, "off unless asked for");
         let cfg = AggregatorConfig::from_yaml(
-            "links: {block_size: 32, bytes_per_token: 3.5, window_ms: 2000, relay_lag_ms: 0}",
+            "links: {enabled: true, block_size: 32, bytes_per_token: 3.5, window_ms: 2000, relay_lag_ms: 0}",
         )
         .unwrap();
+        assert!(cfg.links.enabled);
         assert_eq!(cfg.links.schedule.block_size, 32);
         assert_eq!(cfg.links.bytes_per_token, 3.5);
         assert_eq!(cfg.links.window, Duration::from_secs(2));

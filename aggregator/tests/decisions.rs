@@ -275,7 +275,7 @@ fn the_exchange_requires_the_token_when_one_is_configured() {
 fn relayed_decisions_wait_for_kv_events_to_link() {
     let a = free_port();
     let yaml = format!(
-        "links: {{window_ms: 60000}}\nendpoints: [{{address: '127.0.0.1:{a}', models: [m]}}]\n"
+        "links: {{enabled: true, window_ms: 60000}}\nendpoints: [{{address: '127.0.0.1:{a}', models: [m]}}]\n"
     );
     let (_rt, agg) = start(&yaml);
     let api = agg.local_addr();

@@ -227,7 +227,7 @@ fn relayed_decisions_link_to_server_blocks_and_removals_name_their_keys() {
     let agg = LocalAggregator::start(
         &run_dir.join("aggregator.yaml"),
         &aggregator_yaml(
-            "scrape_interval_ms: 50\nlinks: {tolerance: 0, slack_tokens: 0}\n",
+            "scrape_interval_ms: 50\nlinks: {enabled: true, tolerance: 0, slack_tokens: 0}\n",
             &aggregated,
         ),
         "127.0.0.1:0".parse().unwrap(),

@@ -33,7 +33,7 @@
 //! use kvoy_shared::relay::RelayedDecision;
 //!
 //! let e = "10.0.0.1:8000".parse().unwrap();
-//! let mut linker = Linker::new(LinkSettings::default());
+//! let mut linker = Linker::new(LinkSettings { enabled: true, ..LinkSettings::default() });
 //! let t0 = Instant::now();
 //! // Two 64-byte text blocks: 32 tokens at 4 bytes per token, two 16-token server blocks.
 //! let keys = vec![BlockKey(1), BlockKey(2)];
@@ -79,6 +79,11 @@ const MAX_WALK: usize = 16;
 /// How the linker matches, and what it holds at most.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LinkSettings {
+    /// Off by default: the matching costs up to pending decisions x pending chains per event
+    /// batch (e2e/tests/chaos.rs's 10,000 requests held the linker's lock long enough to stall
+    /// the pool task), and the proxies do not apply the removals yet. Off, the linker keeps
+    /// and does nothing.
+    pub enabled: bool,
     /// The filters' key schedule (`block_size`, `dense_blocks`, `blocks_per_doubling`,
     /// `max_blocks` of their configuration): where each text key ends, in prompt bytes.
     pub schedule: KeySchedule,
@@ -112,6 +117,7 @@ impl Default for LinkSettings {
     /// 4 bytes per token).
     fn default() -> Self {
         LinkSettings {
+            enabled: false,
             schedule: KeySchedule {
                 block_size: 64,
                 max_keys: 512,
@@ -273,6 +279,9 @@ impl Linker {
 
     /// Relayed decisions, as they reach the aggregator (pool members only).
     pub fn decisions(&mut self, decisions: &[RelayedDecision], now: Instant) {
+        if !self.settings.enabled {
+            return;
+        }
         let mut touched = HashSet::new();
         for d in decisions {
             if d.keys.is_empty() {
@@ -319,6 +328,9 @@ impl Linker {
 
     /// One batch of `endpoint`'s KV events.
     pub fn events(&mut self, endpoint: SocketAddr, batch: &EventBatch, now: Instant) {
+        if !self.settings.enabled {
+            return;
+        }
         for event in &batch.events {
             match event {
                 KvEvent::BlockStored {

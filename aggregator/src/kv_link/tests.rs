@@ -58,7 +58,10 @@ fn ms(t0: Instant, n: u64) -> Instant {
 
 /// With the defaults one 64-byte text key is one 16-token server block.
 fn linker() -> Linker {
-    Linker::new(LinkSettings::default())
+    Linker::new(LinkSettings {
+        enabled: true,
+        ..LinkSettings::default()
+    })
 }
 
 #[test]
@@ -331,6 +334,7 @@ fn unmatched_decisions_and_chains_age_out() {
 #[test]
 fn pending_lists_and_links_are_capped() {
     let mut l = Linker::new(LinkSettings {
+        enabled: true,
         max_pending_decisions: 2,
         max_pending_chains: 2,
         max_linked_blocks: 3,
