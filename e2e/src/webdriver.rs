@@ -51,8 +51,17 @@ pub struct Element(String);
 
 /// The chromedriver binary: `KVOY_CHROMEDRIVER`, else `chromedriver` on PATH.
 pub fn chromedriver() -> Option<PathBuf> {
-    let bin = std::env::var_os("KVOY_CHROMEDRIVER")
-        .map_or_else(|| PathBuf::from("chromedriver"), PathBuf::from);
+    installed("KVOY_CHROMEDRIVER", "chromedriver")
+}
+
+/// The Chromium binary: `KVOY_CHROMIUM`, else `chromium` on PATH.
+pub fn chromium() -> Option<PathBuf> {
+    installed("KVOY_CHROMIUM", "chromium")
+}
+
+/// The program `env` names, else `name` on PATH, if it answers `--version`.
+fn installed(env: &str, name: &str) -> Option<PathBuf> {
+    let bin = std::env::var_os(env).map_or_else(|| PathBuf::from(name), PathBuf::from);
     let ok = Command::new(&bin)
         .arg("--version")
         .stdout(Stdio::null())

@@ -34,7 +34,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use kvoy_e2e::http;
-use kvoy_e2e::webdriver::{chromedriver, Browser};
+use kvoy_e2e::webdriver::{chromedriver, chromium, Browser};
 use kvoy_e2e::{
     aggregator_yaml, free_port, wait_for, workspace_root, AggregatedEndpoint, LocalAggregator,
     PoolEndpoint, PublishingSim, Stack, StackConfig,
@@ -48,18 +48,6 @@ const CONVERSATIONS: usize = 6;
 const TURNS: usize = 4;
 /// Virtual time Chromium gives the page's script before it dumps the DOM: several polls.
 const BUDGET_MS: u32 = 3000;
-
-fn chromium() -> Option<PathBuf> {
-    let bin =
-        std::env::var_os("KVOY_CHROMIUM").map_or_else(|| PathBuf::from("chromium"), PathBuf::from);
-    let ok = Command::new(&bin)
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    ok.then_some(bin)
-}
 
 fn headless(bin: &Path, profile: &Path) -> Command {
     headless_sized(bin, profile, 900)
