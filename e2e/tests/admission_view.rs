@@ -87,8 +87,13 @@ fn the_aggregator_shows_what_the_proxies_admission_holds() {
     let mut config = StackConfig::new(vec![PoolEndpoint::new(sim, &[MODEL])], dir.join("envoy"));
     config.aggregator = Some(aggregator.addr());
     config.concurrency = 2;
+    // Both stages poll the aggregator, as the deployed configurations do: the proxy must be
+    // counted once.
     config.admission_config = Some(
-        json!({"endpoints": 1, "tick_ms": 10, "flow": {
+        json!({"endpoints": 1, "tick_ms": 10,
+            "aggregator": {"cluster": kvoy_e2e::AGGREGATOR_CLUSTER},
+            "allowed_destinations": [{"cidr": kvoy_e2e::LOOPBACK_CIDR}],
+            "flow": {
             "saturation": {"max_inflight_per_endpoint": 1},
             "queue_ttl_ms": 20000}})
         .to_string(),

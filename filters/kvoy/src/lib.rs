@@ -210,13 +210,15 @@ impl RootContext for KvoyRoot {
                     // A VM that has had no request (Envoy's main-thread VM) keeps no index: it
                     // follows the live pool, and replays the log once it serves.
                     // Its poll reports the admission queue, read from the held board only
-                    // when the poll starts.
+                    // when the poll starts, unless the admission stage polls (and reports)
+                    // itself: one report per proxy, or the aggregator would count it twice.
                     let admission = &self.vm.admission;
                     prefix.on_tick_with(self.serves.get(), || {
                         admission
                             .try_borrow_mut()
                             .ok()?
                             .as_mut()
+                            .filter(|a| !a.polls_aggregator())
                             .map(AdmissionVm::held_in_proxy)
                     });
                 }

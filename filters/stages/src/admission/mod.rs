@@ -332,6 +332,12 @@ impl AdmissionVm {
         self.publish_held(now_ms());
     }
 
+    /// Whether this stage polls the aggregator itself (its configuration has an `aggregator`
+    /// section); its polls then report the admission queue.
+    pub fn polls_aggregator(&self) -> bool {
+        self.live.is_some()
+    }
+
     /// The requests every worker of this proxy holds (the held board's sum; one shared-data
     /// read), for the aggregator's view of the admission queue.
     pub fn held_in_proxy(&mut self) -> u64 {
