@@ -94,6 +94,14 @@ impl LocalAggregator {
         self.addr
     }
 
+    /// The JSON answer to `GET path` (`/v1/pool`, `/v1/endpoints`, ...); an error unless the
+    /// answer is 200 with a JSON body.
+    pub fn get_json(&self, path: &str) -> anyhow::Result<serde_json::Value> {
+        let r = crate::http::send(self.addr, "GET", path, &[], b"", Duration::from_secs(5))?;
+        anyhow::ensure!(r.status == 200, "GET {path}: {} {}", r.status, r.text());
+        Ok(r.json()?)
+    }
+
     /// The value of one sample of its `/metrics` (the name with its labels, as written there),
     /// 0 when absent.
     pub fn metric(&self, sample: &str) -> anyhow::Result<f64> {

@@ -27,17 +27,7 @@ const MODEL: &str = "m";
 const BURST: usize = 6;
 
 fn pool(aggregator: &LocalAggregator) -> Value {
-    let r = http::send(
-        aggregator.addr(),
-        "GET",
-        "/v1/pool",
-        &[],
-        b"",
-        Duration::from_secs(5),
-    )
-    .unwrap();
-    assert_eq!(r.status, 200);
-    r.json().unwrap()
+    aggregator.get_json("/v1/pool").unwrap()
 }
 
 /// Polls `/v1/pool` until `done` holds for its `admission`, for at most `timeout`; the last.

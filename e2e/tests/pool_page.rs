@@ -367,17 +367,7 @@ fn check_explain_panel(bin: &Path, dir: &Path, aggregator: &LocalAggregator, sta
 }
 
 fn pool_json(aggregator: &LocalAggregator) -> Value {
-    let r = http::send(
-        aggregator.addr(),
-        "GET",
-        "/v1/pool",
-        &[],
-        b"",
-        Duration::from_secs(5),
-    )
-    .unwrap();
-    assert_eq!(r.status, 200);
-    r.json().unwrap()
+    aggregator.get_json("/v1/pool").unwrap()
 }
 
 fn scratch(name: &str) -> PathBuf {
