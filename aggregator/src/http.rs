@@ -25,7 +25,7 @@ use serde_json::json;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 
-use kvoy_shared::relay::{self, DecisionBatch, DecisionRelay};
+use kvoy_shared::relay::{self, DecisionBatch, DecisionRelay, RelayedRemoval, Removals};
 use kvoy_shared::snapshot::{SnapshotFormat, CONTENT_TYPE};
 
 use crate::config::{ApiToken, Limits};
@@ -54,6 +54,8 @@ pub struct ApiCounters {
     pub decisions_received: AtomicU64,
     pub decisions_refused: AtomicU64,
     pub decisions_sent: AtomicU64,
+    /// Removal records sent to proxies (pieces of at most a wire record's keys).
+    pub removals_sent: AtomicU64,
     pub decision_bytes_in: AtomicU64,
     pub decision_bytes_out: AtomicU64,
     /// Connections open now.
@@ -82,6 +84,9 @@ const RELAY_MAX_KEYS: usize = 1 << 20;
 /// Removal records `/v1/pool` lists (newest), and one page of `/v1/removals` at most.
 const LINK_REMOVALS_SHOWN: usize = 16;
 const REMOVALS_PAGE: usize = 64;
+/// Removal records one proxy exchange carries at most (each is written to the proxy's shared
+/// decision log on its tick; the rest wait for the next exchange).
+const REMOVALS_PER_EXCHANGE: usize = 64;
 /// Keys one page of `GET /v1/decisions` carries at most (2 MiB of keys).
 const PAGE_MAX_KEYS: usize = 1 << 18;
 
@@ -507,6 +512,8 @@ impl Api {
         let cursor = query_u64(query, "since").unwrap_or(0);
         // The poller bounds what it takes per exchange (each costs it shared-data writes).
         let limit = decisions_limit(query);
+        // A proxy that asks for removals gets them (format 2); one that does not, format 1.
+        let removals_since = query_u64(query, "removals_since");
         let body = match Limited::new(req.into_body(), relay::MAX_BATCH_BYTES)
             .collect()
             .await
@@ -574,11 +581,33 @@ impl Api {
         };
         c.decisions_sent
             .fetch_add(decisions.len() as u64, Ordering::Relaxed);
+        let removals = removals_since.map(|since| {
+            let (records, cursor) = match self.links.lock() {
+                Ok(l) => l.removals_for_proxy(since, REMOVALS_PER_EXCHANGE),
+                Err(_) => (Vec::new(), since),
+            };
+            // A record's keys travel in pieces of at most a wire record's worth.
+            let removals: Vec<RelayedRemoval> = records
+                .iter()
+                .flat_map(|r| {
+                    r.keys
+                        .chunks(relay::MAX_KEYS_PER_DECISION)
+                        .map(|keys| RelayedRemoval {
+                            endpoint: r.endpoint,
+                            keys: keys.to_vec(),
+                        })
+                })
+                .collect();
+            c.removals_sent
+                .fetch_add(removals.len() as u64, Ordering::Relaxed);
+            Removals { cursor, removals }
+        });
         let mut out = Vec::new();
         DecisionBatch {
             proxy: 0,
             cursor: next,
             decisions,
+            removals,
         }
         .encode(&mut out);
         c.decision_bytes_out
@@ -606,6 +635,7 @@ impl Api {
             proxy: 0,
             cursor: next,
             decisions,
+            removals: None,
         }
         .encode(&mut out);
         reply(StatusCode::OK, relay::CONTENT_TYPE, out)
@@ -980,6 +1010,16 @@ pub fn render_metrics(
             c.load(Ordering::Relaxed) as f64,
         );
     }
+    f.head(
+        "kvoy_aggregator_removals_sent_total",
+        "counter",
+        "Confirmed removals (keys whose server blocks were evicted) sent to proxies in their decision exchange.",
+    );
+    f.sample(
+        "kvoy_aggregator_removals_sent_total",
+        &[],
+        api.removals_sent.load(Ordering::Relaxed) as f64,
+    );
     f.head(
         "kvoy_aggregator_decision_bytes_total",
         "counter",

@@ -123,6 +123,7 @@ fn decisions_travel_between_proxies_for_pool_members_only() {
                 decision(outsider, &[3]),
                 decision(eb, &[4]),
             ],
+            removals: None,
         },
         "",
     );
@@ -135,6 +136,7 @@ fn decisions_travel_between_proxies_for_pool_members_only() {
             proxy: 2,
             cursor: 0,
             decisions: vec![decision(eb, &[9])],
+            removals: None,
         },
         "",
     );
@@ -241,6 +243,7 @@ fn the_exchange_requires_the_token_when_one_is_configured() {
         proxy: 1,
         cursor: 0,
         decisions: vec![decision(format!("127.0.0.1:{port}").parse().unwrap(), &[1])],
+        removals: None,
     }
     .encode(&mut body);
     assert_eq!(request(api, "POST", PATH, "", &body).0, 401);
@@ -287,6 +290,7 @@ fn relayed_decisions_wait_for_kv_events_to_link() {
             proxy: 1,
             cursor: 0,
             decisions: vec![decision(ea, &[1, 2]), decision(ea, &[7])],
+            removals: None,
         },
         "",
     );

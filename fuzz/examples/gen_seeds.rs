@@ -240,7 +240,7 @@ fn k8s() {
 /// Decision batches as proxies and the aggregator exchange them.
 fn decisions() {
     use kvoy_shared::prefix::BlockKey;
-    use kvoy_shared::relay::{DecisionBatch, RelayedDecision};
+    use kvoy_shared::relay::{DecisionBatch, RelayedDecision, Removals};
     let encode = |batch: DecisionBatch| {
         let mut out = Vec::new();
         batch.encode(&mut out);
@@ -267,6 +267,26 @@ fn decisions() {
                     keys: vec![],
                 },
             ],
+            removals: None,
+        }),
+    );
+    write(
+        "decisions",
+        "with-removals",
+        encode(DecisionBatch {
+            proxy: 0,
+            cursor: 3,
+            decisions: vec![RelayedDecision {
+                endpoint: v4,
+                keys: vec![BlockKey(1)],
+            }],
+            removals: Some(Removals {
+                cursor: 9,
+                removals: vec![RelayedDecision {
+                    endpoint: v6,
+                    keys: (4..=6).map(BlockKey).collect(),
+                }],
+            }),
         }),
     );
 }

@@ -11,6 +11,10 @@
 //! The aggregator keeps the decisions in a [`DecisionRelay`]: a ring bounded by the keys it
 //! holds, which forgets the oldest first. A proxy that falls behind the ring gets what is left.
 //!
+//! A proxy that also asks `removals_since=R` gets, in format 2, the confirmed removals numbered
+//! after `R` ([`Removals`]): keys whose server blocks an endpoint evicted, as the aggregator's
+//! KV-event linker saw them. A proxy that does not ask gets format 1, as before.
+//!
 //! ```
 //! use kvoy_shared::prefix::BlockKey;
 //! use kvoy_shared::relay::{DecisionBatch, DecisionRelay, RelayedDecision};
@@ -22,7 +26,7 @@
 //! assert_eq!((for_two, next), (vec![d.clone()], 1));
 //! assert!(relay.since(0, 1, 100).0.is_empty());
 //! let mut bytes = Vec::new();
-//! DecisionBatch { proxy: 2, cursor: next, decisions: vec![d] }.encode(&mut bytes);
+//! DecisionBatch { proxy: 2, cursor: next, decisions: vec![d], removals: None }.encode(&mut bytes);
 //! assert_eq!(DecisionBatch::decode(&bytes).unwrap().cursor, 1);
 //! ```
 
@@ -40,9 +44,10 @@ pub const CONTENT_TYPE: &str = "application/x-kvoy-decisions";
 pub const PATH: &str = "/v1/decisions";
 
 const MAGIC: &[u8; 4] = b"KVDR";
-const FORMAT: u8 = 1;
-/// Magic, format, proxy, cursor, count.
-const HEADER_BYTES: usize = 4 + 1 + 8 + 8 + 4;
+/// Decisions only.
+const FORMAT_DECISIONS: u8 = 1;
+/// Decisions, then removals.
+const FORMAT_REMOVALS: u8 = 2;
 /// Address, key count.
 const DECISION_HEADER_BYTES: usize = ADDRESS_BYTES + 2;
 
@@ -61,6 +66,17 @@ pub struct RelayedDecision {
     pub keys: Vec<BlockKey>,
 }
 
+/// Keys an endpoint no longer holds: the server evicted the blocks they were linked to, so the
+/// prefixes through them are not cached there whole. The same shape as a decision.
+pub type RelayedRemoval = RelayedDecision;
+
+/// Removals after the asked removal cursor, and the cursor to ask from next (format 2).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Removals {
+    pub cursor: u64,
+    pub removals: Vec<RelayedRemoval>,
+}
+
 /// What a proxy sends (its decisions; `cursor` unused) or the aggregator answers (the other
 /// proxies' decisions after the asked cursor, and the cursor to ask from next).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -69,13 +85,15 @@ pub struct DecisionBatch {
     pub proxy: u64,
     pub cursor: u64,
     pub decisions: Vec<RelayedDecision>,
+    /// Encoded in format 2 when present; format 1 has none.
+    pub removals: Option<Removals>,
 }
 
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum DecodeError {
     #[error("not a decision batch (bad magic)")]
     Magic,
-    #[error("decision batch format {0} is not known (this build reads format {FORMAT})")]
+    #[error("decision batch format {0} is not known (this build reads formats 1 and 2)")]
     Format(u8),
     #[error("the batch ends early at byte {0}")]
     Truncated(usize),
@@ -93,18 +111,16 @@ impl DecisionBatch {
     /// Appends the encoded batch to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(MAGIC);
-        out.push(FORMAT);
+        out.push(match self.removals {
+            None => FORMAT_DECISIONS,
+            Some(_) => FORMAT_REMOVALS,
+        });
         out.extend_from_slice(&self.proxy.to_le_bytes());
         out.extend_from_slice(&self.cursor.to_le_bytes());
-        let count = self.decisions.len().min(MAX_DECISIONS);
-        out.extend_from_slice(&(count as u32).to_le_bytes());
-        for d in self.decisions.iter().take(count) {
-            encode_address(d.endpoint, out);
-            let keys = d.keys.len().min(MAX_KEYS_PER_DECISION);
-            out.extend_from_slice(&(keys as u16).to_le_bytes());
-            for k in d.keys.iter().take(keys) {
-                out.extend_from_slice(&k.0.to_le_bytes());
-            }
+        encode_records(&self.decisions, out);
+        if let Some(r) = &self.removals {
+            out.extend_from_slice(&r.cursor.to_le_bytes());
+            encode_records(&r.removals, out);
         }
     }
 
@@ -115,37 +131,21 @@ impl DecisionBatch {
             return Err(DecodeError::Magic);
         }
         let format = r.take(1)?[0];
-        if format != FORMAT {
+        if format != FORMAT_DECISIONS && format != FORMAT_REMOVALS {
             return Err(DecodeError::Format(format));
         }
         let proxy = r.u64()?;
         let cursor = r.u64()?;
-        let count = r.u32()?;
-        if count as usize > MAX_DECISIONS {
-            return Err(DecodeError::TooManyDecisions(count));
-        }
-        // Every decision needs its header: a count the bytes cannot hold fails before any
-        // allocation sized by it.
-        if (count as usize).saturating_mul(DECISION_HEADER_BYTES)
-            > b.len().saturating_sub(HEADER_BYTES)
-        {
-            return Err(DecodeError::Truncated(b.len()));
-        }
-        let mut decisions = Vec::with_capacity(count as usize);
-        for index in 0..count as usize {
-            let raw = r.take(ADDRESS_BYTES)?;
-            let endpoint = decode_address(raw).ok_or(DecodeError::Family(index, raw[0]))?;
-            let keys = r.u16()?;
-            if usize::from(keys) > MAX_KEYS_PER_DECISION {
-                return Err(DecodeError::TooManyKeys { index, keys });
-            }
-            let raw = r.take(usize::from(keys) * 8)?;
-            let keys = raw
-                .chunks_exact(8)
-                .map(|c| BlockKey(u64::from_le_bytes(c.try_into().unwrap_or([0; 8]))))
-                .collect();
-            decisions.push(RelayedDecision { endpoint, keys });
-        }
+        let decisions = r.records()?;
+        let removals = if format == FORMAT_REMOVALS {
+            let cursor = r.u64()?;
+            Some(Removals {
+                cursor,
+                removals: r.records()?,
+            })
+        } else {
+            None
+        };
         if r.at != b.len() {
             return Err(DecodeError::Trailing(b.len() - r.at));
         }
@@ -153,7 +153,23 @@ impl DecisionBatch {
             proxy,
             cursor,
             decisions,
+            removals,
         })
+    }
+}
+
+/// A count, then each record's address, key count and keys (at most [`MAX_DECISIONS`] records
+/// of [`MAX_KEYS_PER_DECISION`] keys; more are left out).
+fn encode_records(records: &[RelayedDecision], out: &mut Vec<u8>) {
+    let count = records.len().min(MAX_DECISIONS);
+    out.extend_from_slice(&(count as u32).to_le_bytes());
+    for d in records.iter().take(count) {
+        encode_address(d.endpoint, out);
+        let keys = d.keys.len().min(MAX_KEYS_PER_DECISION);
+        out.extend_from_slice(&(keys as u16).to_le_bytes());
+        for k in d.keys.iter().take(keys) {
+            out.extend_from_slice(&k.0.to_le_bytes());
+        }
     }
 }
 
@@ -191,6 +207,37 @@ impl<'a> Reader<'a> {
         let mut w = [0u8; 8];
         w.copy_from_slice(s);
         Ok(u64::from_le_bytes(w))
+    }
+
+    /// What [`encode_records`] wrote.
+    fn records(&mut self) -> Result<Vec<RelayedDecision>, DecodeError> {
+        let count = self.u32()?;
+        if count as usize > MAX_DECISIONS {
+            return Err(DecodeError::TooManyDecisions(count));
+        }
+        // Every record needs its header: a count the bytes cannot hold fails before any
+        // allocation sized by it.
+        if (count as usize).saturating_mul(DECISION_HEADER_BYTES)
+            > self.b.len().saturating_sub(self.at)
+        {
+            return Err(DecodeError::Truncated(self.b.len()));
+        }
+        let mut records = Vec::with_capacity(count as usize);
+        for index in 0..count as usize {
+            let raw = self.take(ADDRESS_BYTES)?;
+            let endpoint = decode_address(raw).ok_or(DecodeError::Family(index, raw[0]))?;
+            let keys = self.u16()?;
+            if usize::from(keys) > MAX_KEYS_PER_DECISION {
+                return Err(DecodeError::TooManyKeys { index, keys });
+            }
+            let raw = self.take(usize::from(keys) * 8)?;
+            let keys = raw
+                .chunks_exact(8)
+                .map(|c| BlockKey(u64::from_le_bytes(c.try_into().unwrap_or([0; 8]))))
+                .collect();
+            records.push(RelayedDecision { endpoint, keys });
+        }
+        Ok(records)
     }
 }
 
@@ -302,6 +349,9 @@ impl DecisionRelay {
 mod tests {
     use super::*;
 
+    /// Magic, format, proxy, cursor, count.
+    const HEADER_BYTES: usize = 4 + 1 + 8 + 8 + 4;
+
     fn decision(port: u16, keys: &[u64]) -> RelayedDecision {
         RelayedDecision {
             endpoint: SocketAddr::from(([10, 0, 0, 1], port)),
@@ -321,6 +371,7 @@ mod tests {
                     keys: vec![],
                 },
             ],
+            removals: None,
         };
         let mut bytes = Vec::new();
         batch.encode(&mut bytes);
@@ -344,20 +395,66 @@ mod tests {
     }
 
     #[test]
+    fn removals_round_trip_in_format_2_and_every_truncation_fails_cleanly() {
+        let batch = DecisionBatch {
+            proxy: 0,
+            cursor: 4,
+            decisions: vec![decision(8000, &[1])],
+            removals: Some(Removals {
+                cursor: 17,
+                removals: vec![decision(8001, &[2, 3]), decision(8000, &[9])],
+            }),
+        };
+        let mut bytes = Vec::new();
+        batch.encode(&mut bytes);
+        assert_eq!(bytes[4], 2);
+        assert_eq!(
+            bytes.len(),
+            HEADER_BYTES + 8 + 4 + 3 * DECISION_HEADER_BYTES + 4 * 8
+        );
+        assert_eq!(DecisionBatch::decode(&bytes), Ok(batch.clone()));
+        for cut in 0..bytes.len() {
+            assert!(
+                DecisionBatch::decode(&bytes[..cut]).is_err(),
+                "cut at {cut}"
+            );
+        }
+        // No removals asked for: format 1, and nothing after the decisions.
+        let mut plain = Vec::new();
+        DecisionBatch {
+            removals: None,
+            ..batch
+        }
+        .encode(&mut plain);
+        assert_eq!(
+            (plain[4], plain.len()),
+            (1, HEADER_BYTES + DECISION_HEADER_BYTES + 8)
+        );
+    }
+
+    #[test]
     fn bad_fields_are_named() {
         let mut bytes = Vec::new();
         DecisionBatch {
             proxy: 1,
             cursor: 0,
             decisions: vec![decision(80, &[5])],
+            removals: None,
         }
         .encode(&mut bytes);
         let mut bad = bytes.clone();
         bad[0] = b'X';
         assert_eq!(DecisionBatch::decode(&bad), Err(DecodeError::Magic));
         let mut bad = bytes.clone();
+        bad[4] = 3;
+        assert_eq!(DecisionBatch::decode(&bad), Err(DecodeError::Format(3)));
+        // Format 2 without its removal section.
+        let mut bad = bytes.clone();
         bad[4] = 2;
-        assert_eq!(DecisionBatch::decode(&bad), Err(DecodeError::Format(2)));
+        assert!(matches!(
+            DecisionBatch::decode(&bad),
+            Err(DecodeError::Truncated(_))
+        ));
         let mut bad = bytes.clone();
         bad[HEADER_BYTES] = 5;
         assert_eq!(DecisionBatch::decode(&bad), Err(DecodeError::Family(0, 5)));

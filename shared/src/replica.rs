@@ -449,16 +449,35 @@ pub struct LogRecord {
     pub origin: u64,
     pub endpoint: EndpointId,
     pub keys: Vec<BlockKey>,
+    /// A confirmed removal (the endpoint evicted these keys' blocks) rather than a decision.
+    pub removal: bool,
 }
 
 const RECORD_HEADER: usize = 8 + 8 + 2 + 4;
+/// Set in a record's endpoint field for a removal: endpoint ids stay below
+/// [`crate::config::MAX_ENDPOINTS`], far under this bit.
+const REMOVAL_BIT: u16 = 0x8000;
+
+/// What a record of the log says, as [`DecisionLog::poll_to_with`] hands it out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logged<'a> {
+    /// A prompt was routed to the endpoint.
+    Routed(EndpointId, &'a [BlockKey]),
+    /// The endpoint evicted these keys' blocks.
+    Removed(EndpointId, &'a [BlockKey]),
+}
 
 impl LogRecord {
     pub fn encode(&self, out: &mut Vec<u8>) {
         out.clear();
         out.extend_from_slice(&self.seq.to_le_bytes());
         out.extend_from_slice(&self.origin.to_le_bytes());
-        out.extend_from_slice(&self.endpoint.0.to_le_bytes());
+        let endpoint = if self.removal {
+            self.endpoint.0 | REMOVAL_BIT
+        } else {
+            self.endpoint.0
+        };
+        out.extend_from_slice(&endpoint.to_le_bytes());
         out.extend_from_slice(&(self.keys.len() as u32).to_le_bytes());
         for k in &self.keys {
             out.extend_from_slice(&k.0.to_le_bytes());
@@ -470,7 +489,8 @@ impl LogRecord {
         let header = b.get(..RECORD_HEADER)?;
         let seq = u64::from_le_bytes(header[0..8].try_into().ok()?);
         let origin = u64::from_le_bytes(header[8..16].try_into().ok()?);
-        let endpoint = EndpointId(u16::from_le_bytes(header[16..18].try_into().ok()?));
+        let raw = u16::from_le_bytes(header[16..18].try_into().ok()?);
+        let endpoint = EndpointId(raw & !REMOVAL_BIT);
         let n = u32::from_le_bytes(header[18..22].try_into().ok()?) as usize;
         let body = &b[RECORD_HEADER..];
         if body.len() != n.checked_mul(8)? {
@@ -489,6 +509,7 @@ impl LogRecord {
             origin,
             endpoint,
             keys,
+            removal: raw & REMOVAL_BIT != 0,
         })
     }
 }
@@ -597,6 +618,29 @@ impl DecisionLog {
         endpoint: EndpointId,
         keys: &[BlockKey],
     ) -> Result<(), StoreError> {
+        self.write_record(store, seq, endpoint, keys, false)
+    }
+
+    /// Writes a confirmed removal into the slot `seq` (claimed by [`DecisionLog::claim`]):
+    /// every other VM's [`DecisionLog::poll_to_with`] hands it out as [`Logged::Removed`].
+    pub fn write_removal(
+        &mut self,
+        store: &impl SharedStore,
+        seq: u64,
+        endpoint: EndpointId,
+        keys: &[BlockKey],
+    ) -> Result<(), StoreError> {
+        self.write_record(store, seq, endpoint, keys, true)
+    }
+
+    fn write_record(
+        &mut self,
+        store: &impl SharedStore,
+        seq: u64,
+        endpoint: EndpointId,
+        keys: &[BlockKey],
+        removal: bool,
+    ) -> Result<(), StoreError> {
         // Nothing between what this VM has seen and its own record: the next poll need not
         // read the record back only to skip it.
         if seq == self.seen.wrapping_add(1) {
@@ -607,6 +651,7 @@ impl DecisionLog {
             origin: self.origin,
             endpoint,
             keys: keys.to_vec(),
+            removal,
         };
         record.encode(&mut self.scratch);
         store.set(&self.slot_key(seq), &self.scratch, 0)
@@ -637,12 +682,45 @@ impl DecisionLog {
 
     /// [`DecisionLog::poll_at_most`] up to a `head` already read (with the outstanding work,
     /// [`OutstandingTable::log_head`]).
+    /// Decisions only: removals are skipped (see [`DecisionLog::poll_to_with`]).
     pub fn poll_to(
         &mut self,
         store: &impl SharedStore,
         head: u64,
         max_slots: usize,
         mut apply: impl FnMut(EndpointId, &[BlockKey]),
+    ) -> usize {
+        let mut routed = 0;
+        self.poll_to_with(store, head, max_slots, |logged| {
+            if let Logged::Routed(endpoint, keys) = logged {
+                apply(endpoint, keys);
+                routed += 1;
+            }
+            true
+        });
+        routed
+    }
+
+    /// [`DecisionLog::poll_at_most`] handing out removals too.
+    pub fn poll_at_most_with(
+        &mut self,
+        store: &impl SharedStore,
+        max_slots: usize,
+        apply: impl FnMut(Logged<'_>) -> bool,
+    ) -> usize {
+        let head = self.head(store);
+        self.poll_to_with(store, head, max_slots, apply)
+    }
+
+    /// [`DecisionLog::poll_to`] handing out removals too, in log order with the decisions.
+    /// `apply` returns whether it took the record: `false` stops the poll before it (the
+    /// next poll hands it out again), so that a caller can leave costly records for later.
+    pub fn poll_to_with(
+        &mut self,
+        store: &impl SharedStore,
+        head: u64,
+        max_slots: usize,
+        mut apply: impl FnMut(Logged<'_>) -> bool,
     ) -> usize {
         if head < self.seen {
             // The log restarted (e.g. lost state): follow it from its head.
@@ -664,7 +742,14 @@ impl DecisionLog {
                 Some(((seq, origin), bytes)) if seq == want => {
                     if origin != self.origin {
                         if let Some(rec) = LogRecord::decode(&bytes) {
-                            apply(rec.endpoint, &rec.keys);
+                            let taken = apply(if rec.removal {
+                                Logged::Removed(rec.endpoint, &rec.keys)
+                            } else {
+                                Logged::Routed(rec.endpoint, &rec.keys)
+                            });
+                            if !taken {
+                                return applied;
+                            }
                             applied += 1;
                         }
                     }
@@ -1205,6 +1290,49 @@ mod tests {
     }
 
     #[test]
+    fn removals_travel_in_order_with_decisions_and_plain_polls_skip_them() {
+        let store = MemoryStore::default();
+        let mut relay = DecisionLog::new("ns", 8, 9);
+        relay.append(&store, EndpointId(2), &keys(&[1, 2])).unwrap();
+        let seq = relay.claim(&store, 1).unwrap();
+        relay
+            .write_removal(&store, seq, EndpointId(2), &keys(&[2]))
+            .unwrap();
+        relay.append(&store, EndpointId(1), &keys(&[7])).unwrap();
+        let mut all = Vec::new();
+        // A reader that leaves removals for later stops before the first one, and gets it again.
+        let mut reader = DecisionLog::new("ns", 8, 1);
+        let mut first = Vec::new();
+        let handed = reader.poll_at_most_with(&store, 8, |l| match l {
+            Logged::Routed(e, _) => {
+                first.push(e.0);
+                true
+            }
+            Logged::Removed(..) => false,
+        });
+        assert_eq!((handed, first, reader.seen()), (1, vec![2], 1));
+        let handed = DecisionLog::new("ns", 8, 1).poll_at_most_with(&store, 8, |l| {
+            all.push(match l {
+                Logged::Routed(e, k) => (true, e.0, k.to_vec()),
+                Logged::Removed(e, k) => (false, e.0, k.to_vec()),
+            });
+            true
+        });
+        assert_eq!(handed, 3);
+        assert_eq!(
+            all,
+            vec![
+                (true, 2, keys(&[1, 2])),
+                (false, 2, keys(&[2])),
+                (true, 1, keys(&[7]))
+            ]
+        );
+        let mut routed = Vec::new();
+        let n = DecisionLog::new("ns", 8, 1).poll(&store, |e, _| routed.push(e.0));
+        assert_eq!((n, routed), (2, vec![2, 1]));
+    }
+
+    #[test]
     fn garbage_records_are_ignored() {
         assert_eq!(LogRecord::decode(b""), None);
         assert_eq!(LogRecord::decode(&[0u8; 21]), None);
@@ -1214,6 +1342,7 @@ mod tests {
             origin: 2,
             endpoint: EndpointId(3),
             keys: keys(&[4, 5]),
+            removal: false,
         }
         .encode(&mut rec);
         assert_eq!(LogRecord::decode(&rec).unwrap().keys, keys(&[4, 5]));

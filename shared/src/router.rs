@@ -345,6 +345,13 @@ impl Router {
         self.index.record(endpoint, keys);
     }
 
+    /// Applies a confirmed removal (the aggregator saw `endpoint` evict the blocks these keys
+    /// were linked to): the prefixes through them stop attracting requests there. Returns the
+    /// keys the index forgot.
+    pub fn apply_removal(&mut self, endpoint: EndpointId, keys: &[BlockKey]) -> usize {
+        self.index.remove(endpoint, keys)
+    }
+
     fn fill_candidates(
         &mut self,
         outstanding: &[Outstanding],

@@ -403,6 +403,21 @@ impl Linker {
             .collect()
     }
 
+    /// What a proxy polling with removal cursor `cursor` gets: up to `limit` records after it,
+    /// oldest first, and the cursor to ask from next. A proxy that just started (0) begins at
+    /// the newest record (what it knows was learned after those removals); one ahead of the
+    /// numbering (this aggregator restarted since) gets every record from the oldest held.
+    pub fn removals_for_proxy(&self, cursor: u64, limit: usize) -> (Vec<Removal>, u64) {
+        let last = self.next_seq - 1;
+        if cursor == 0 {
+            return (Vec::new(), last);
+        }
+        let after = if cursor > last { 0 } else { cursor };
+        let page = self.removals_after(after, limit);
+        let next = page.last().map_or(after, |r| r.seq);
+        (page, next)
+    }
+
     /// The newest `n` removal records, oldest first.
     pub fn recent_removals(&self, n: usize) -> Vec<Removal> {
         let skip = self.removals.len().saturating_sub(n);

@@ -48,6 +48,7 @@ fn page(decisions: Vec<RelayedDecision>, cursor: u64) -> Vec<u8> {
         proxy: 0,
         cursor,
         decisions,
+        removals: None,
     }
     .encode(&mut out);
     out

@@ -37,6 +37,8 @@ mod slab;
 #[cfg(test)]
 mod tests;
 
+use std::collections::HashMap;
+
 use crate::endpoint::EndpointId;
 use crate::prefix::BlockKey;
 use edges::Edges;
@@ -317,6 +319,82 @@ impl PrefixIndex {
     /// first is what was used least recently, here as there.
     pub fn trim(&mut self, endpoint: EndpointId, max_blocks: usize) {
         self.evict_to(endpoint.index(), max_blocks);
+    }
+
+    /// Forgets that `endpoint` holds `removed` and every key after one of them in a chain: the
+    /// server evicted those blocks (a confirmed removal from the aggregator), so the prefixes
+    /// through them are no longer cached there whole. Other endpoints keep theirs, and what
+    /// `endpoint` still holds keeps its recency. Returns the keys forgotten.
+    ///
+    /// The work is a walk of the endpoint's holdings (a key can sit anywhere in a node, and a
+    /// node does not list its children), so it belongs on the tick, not a request's path.
+    pub fn remove(&mut self, endpoint: EndpointId, removed: &[BlockKey]) -> usize {
+        let e = endpoint.index();
+        if e >= self.endpoints.len() || removed.is_empty() {
+            return 0;
+        }
+        let mut removed: Vec<u64> = removed.iter().map(|k| k.0).collect();
+        removed.sort_unstable();
+        // Each holding: its node, what it holds, and how much of it stays (up to the first
+        // removed key).
+        let mut holdings: Vec<(u32, u32, u32, u32)> = Vec::new(); // (entry, node, held, keep)
+        let mut t = self.endpoints[e].head;
+        while t != NIL {
+            let n = self.entries[t].node;
+            let node = &self.nodes[n];
+            let held = node.holder(e).map_or(0, |h| h.held);
+            let keep = std::iter::once(&node.first)
+                .chain(node.rest.iter())
+                .take(held as usize)
+                .position(|k| removed.binary_search(k).is_ok())
+                .map_or(held, |p| p as u32);
+            holdings.push((t, n, held, keep));
+            t = self.entries[t].next;
+        }
+        if holdings.iter().all(|&(_, _, held, keep)| keep == held) {
+            return 0;
+        }
+        // A holding below a cut goes whole: its prefix now stops above it. Nodes this endpoint
+        // holds are prefix-closed, so looking up each parent's cut is enough, and parents
+        // come first when the holdings are ordered by depth.
+        let mut keep_of: HashMap<u32, (u32, u32)> = holdings
+            .iter()
+            .map(|&(_, n, held, keep)| (n, (held, keep)))
+            .collect();
+        let depth = |mut n: u32| {
+            let mut d = 0usize;
+            while self.nodes[n].parent != NIL {
+                n = self.nodes[n].parent;
+                d += 1;
+            }
+            d
+        };
+        let mut order: Vec<(usize, u32, u32)> = holdings
+            .iter()
+            .map(|&(entry, n, _, _)| (depth(n), entry, n))
+            .collect();
+        order.sort_unstable_by_key(|&(d, _, _)| d);
+        for &(_, _, n) in &order {
+            let parent = self.nodes[n].parent;
+            let parent_cut = keep_of
+                .get(&parent)
+                .is_some_and(|&(_, keep)| (keep as usize) < self.nodes[parent].len());
+            if parent_cut {
+                if let Some(k) = keep_of.get_mut(&n) {
+                    k.1 = 0;
+                }
+            }
+        }
+        // Cut leaves first, so that a node freed has no children left.
+        let before = self.endpoints[e].blocks;
+        for &(_, entry, n) in order.iter().rev() {
+            if let Some(&(held, keep)) = keep_of.get(&n) {
+                if keep < held {
+                    self.cut(e, entry, (held - keep) as usize);
+                }
+            }
+        }
+        before - self.endpoints[e].blocks
     }
 
     fn clear(&mut self, e: usize) {

@@ -59,6 +59,13 @@ impl Model {
             set.truncate(max);
         }
     }
+
+    /// Drops every key whose chain (`chain_of`) goes through a removed key.
+    fn remove(&mut self, e: usize, removed: &[u64], chain_of: impl Fn(u64) -> Vec<u64>) {
+        if let Some(set) = self.sets.get_mut(e) {
+            set.retain(|&k| !chain_of(k).iter().any(|c| removed.contains(c)));
+        }
+    }
 }
 
 /// The keys `e` holds, by walking its recency list (most recent first).
@@ -320,6 +327,7 @@ enum Op {
     Clear(usize),
     Trim(usize, usize),
     Resize(usize),
+    Remove(usize, Vec<usize>),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -329,6 +337,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..5usize).prop_map(Op::Clear),
         1 => (0..5usize, 0..20usize).prop_map(|(e, n)| Op::Trim(e, n)),
         1 => (0..6usize).prop_map(Op::Resize),
+        2 => (0..5usize, prop::collection::vec(any::<usize>(), 1..3))
+            .prop_map(|(e, ks)| Op::Remove(e, ks)),
     ]
 }
 
@@ -372,6 +382,22 @@ proptest! {
                     idx.resize(n);
                     model.resize(n);
                 }
+                Op::Remove(e, picks) => {
+                    let removed: Vec<u64> = picks
+                        .iter()
+                        .filter_map(|c| chains[c % chains.len()].last().map(|k| k.0))
+                        .collect();
+                    let before = model.sets.get(e).map_or(0, Vec::len);
+                    let forgot = idx.remove(EndpointId(e as u16), &keys(&removed));
+                    model.remove(e, &removed, |k| {
+                        chains
+                            .iter()
+                            .find(|c| c.last().map(|l| l.0) == Some(k))
+                            .map_or_else(Vec::new, |c| c.iter().map(|b| b.0).collect())
+                    });
+                    let after = model.sets.get(e).map_or(0, Vec::len);
+                    prop_assert_eq!(forgot, before - after);
+                }
             }
             check(&idx);
             for (e, set) in model.sets.iter().enumerate() {
@@ -411,4 +437,29 @@ proptest! {
             }
         }
     }
+}
+
+#[test]
+fn removing_a_key_forgets_its_suffix_on_that_endpoint_only() {
+    let mut idx = PrefixIndex::new(2, 100, 3);
+    let a = keys(&[1, 2, 3, 4]);
+    let b = keys(&[1, 2, 7]);
+    idx.record(EndpointId(0), &a);
+    idx.record(EndpointId(0), &b);
+    idx.record(EndpointId(1), &a);
+    // Key 3 evicted on endpoint 0: 3 and 4 go, the branch through 7 stays.
+    assert_eq!(idx.remove(EndpointId(0), &keys(&[3])), 2);
+    check(&idx);
+    assert_eq!(idx.matched(EndpointId(0), &a), 2);
+    assert_eq!(idx.matched(EndpointId(0), &b), 3);
+    assert_eq!(idx.matched(EndpointId(1), &a), 4);
+    // Key 1: everything of endpoint 0 goes.
+    assert_eq!(idx.remove(EndpointId(0), &keys(&[1])), 3);
+    check(&idx);
+    assert_eq!(idx.blocks(EndpointId(0)), 0);
+    assert_eq!(idx.matched(EndpointId(1), &b), 2);
+    // Unknown keys, or an endpoint out of range: nothing.
+    assert_eq!(idx.remove(EndpointId(1), &keys(&[99])), 0);
+    assert_eq!(idx.remove(EndpointId(9), &keys(&[1])), 0);
+    assert_eq!(idx.matched(EndpointId(1), &a), 4);
 }

@@ -108,6 +108,7 @@ pub fn on_relay_response(vm: &mut VmState, num_headers: usize, body_size: usize)
         Ok(done) => {
             Metrics::add(vm.metrics.relay_received, done.received as u64);
             Metrics::add(vm.metrics.relay_refused, done.refused as u64);
+            Metrics::add(vm.metrics.relay_removals, done.removals as u64);
         }
         Err(e) => {
             debug!("decision relay: {e}");

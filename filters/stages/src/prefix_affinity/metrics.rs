@@ -33,6 +33,10 @@ pub struct Metrics {
     pub relay_received: Option<u32>,
     pub relay_refused: Option<u32>,
     pub relay_failures: Option<u32>,
+    /// Confirmed removals received from the aggregator (records), and the keys the index
+    /// forgot applying them (every worker counts its own).
+    pub relay_removals: Option<u32>,
+    pub removed_keys: Option<u32>,
     pub pool_updates: Option<u32>,
     /// Endpoints in the pool routed to, and whether it is the aggregator's (1) or static (0).
     pub pool_endpoints: Option<u32>,
@@ -73,6 +77,8 @@ impl Metrics {
             relay_received: counter("kvoy_prefix_affinity_relay_decisions_received_total"),
             relay_refused: counter("kvoy_prefix_affinity_relay_decisions_refused_total"),
             relay_failures: counter("kvoy_prefix_affinity_relay_failures_total"),
+            relay_removals: counter("kvoy_prefix_affinity_relay_removals_received_total"),
+            removed_keys: counter("kvoy_prefix_affinity_removed_keys_total"),
             pool_updates: counter("kvoy_prefix_affinity_pool_updates_total"),
             pool_endpoints: gauge("kvoy_prefix_affinity_pool_endpoints"),
             pool_live: gauge("kvoy_prefix_affinity_pool_live"),

@@ -19,7 +19,7 @@ use std::time::Duration;
 use log::{info, warn};
 
 use kvoy_filter_common::HostStore;
-use kvoy_shared::replica::{self, DecisionLog, OutstandingTable};
+use kvoy_shared::replica::{self, DecisionLog, Logged, OutstandingTable};
 use kvoy_shared::{LogOnce, Outstanding, PluginConfig, Router};
 
 pub use metrics::Metrics;
@@ -164,31 +164,50 @@ impl PrefixVm {
         live::on_poll_response(self, token, status, &body);
     }
 
-    /// Replays other workers' decisions into this VM's index, reading at most `max_slots`
-    /// records of the shared log (see [`DecisionLog::poll_at_most`]).
+    /// Replays other workers' decisions and the aggregator's confirmed removals into this VM's
+    /// index, reading at most `max_slots` records of the shared log (see
+    /// [`DecisionLog::poll_at_most`]).
     pub fn catch_up(&mut self, max_slots: usize) {
         self.replay(None, max_slots);
     }
 
-    /// [`PrefixVm::catch_up`] up to a log head already read with the outstanding work.
+    /// [`PrefixVm::catch_up`] up to a log head already read with the outstanding work, on a
+    /// request's path: it stops at a removal (a walk of the endpoint's holdings), which the
+    /// next tick applies.
     pub fn catch_up_to(&mut self, head: u64, max_slots: usize) {
         self.replay(Some(head), max_slots);
     }
 
     fn replay(&mut self, head: Option<u64>, max_slots: usize) {
+        let on_request = head.is_some();
         let PrefixVm {
             router,
             log,
             metrics,
             ..
         } = self;
-        let apply = |endpoint, keys: &[_]| router.apply_remote(endpoint, keys);
-        let applied = match head {
-            Some(head) => log.poll_to(&HostStore, head, max_slots, apply),
-            None => log.poll_at_most(&HostStore, max_slots, apply),
+        let (mut applied, mut removed) = (0u64, 0u64);
+        let apply = |logged: Logged<'_>| match logged {
+            Logged::Routed(endpoint, keys) => {
+                router.apply_remote(endpoint, keys);
+                applied += 1;
+                true
+            }
+            Logged::Removed(..) if on_request => false,
+            Logged::Removed(endpoint, keys) => {
+                removed += router.apply_removal(endpoint, keys) as u64;
+                true
+            }
+        };
+        match head {
+            Some(head) => log.poll_to_with(&HostStore, head, max_slots, apply),
+            None => log.poll_at_most_with(&HostStore, max_slots, apply),
         };
         if applied > 0 {
-            Metrics::add(metrics.remote_applied, applied as u64);
+            Metrics::add(metrics.remote_applied, applied);
+        }
+        if removed > 0 {
+            Metrics::add(metrics.removed_keys, removed);
         }
     }
 }

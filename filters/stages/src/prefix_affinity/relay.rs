@@ -5,11 +5,16 @@
 //! proxy's decision log, from which every worker replays them as it replays its neighbours'.
 //! Nothing of this is on a request's path; a slow aggregator costs decisions (the exchange is
 //! skipped while one is in flight, and the ring forgets what waits too long), never latency.
+//!
+//! The same exchange brings the confirmed removals (`removals_since`, format 2): keys whose
+//! server blocks an endpoint evicted, as the aggregator's KV-event linker saw it. They go into
+//! the decision log after the answer's decisions, and every worker's replay forgets them for
+//! that endpoint ([`kvoy_shared::Router::apply_removal`]).
 
 use log::{debug, warn};
 
 use kvoy_filter_common::{call_aggregator, CallBody, HostStore};
-use kvoy_shared::relay::{self, DecisionBatch, RelayedDecision};
+use kvoy_shared::relay::{self, DecisionBatch, RelayedDecision, Removals};
 use kvoy_shared::replica::{DecisionLog, SharedStore};
 use kvoy_shared::{AggregatorSettings, Router};
 
@@ -30,6 +35,8 @@ pub struct Exchanged {
     pub received: usize,
     /// Received for an address outside this proxy's pool: dropped.
     pub refused: usize,
+    /// Removal records received for pool members (logged for every worker to apply).
+    pub removals: usize,
 }
 
 /// One VM's side of the relay.
@@ -40,6 +47,8 @@ pub struct Relay {
     proxy_key: String,
     /// The aggregator's cursor: the last relayed decision this VM has seen.
     cursor: u64,
+    /// The aggregator's removal cursor (0 until the first answer: start at its newest).
+    removal_cursor: u64,
     call: Option<(u32, u64)>,
     /// Set after the aggregator answered 404 (an aggregator older than the relay).
     unsupported: bool,
@@ -60,6 +69,7 @@ impl Relay {
             log,
             proxy_key,
             cursor: 0,
+            removal_cursor: 0,
             call: None,
             unsupported: false,
             scratch: Vec::new(),
@@ -109,12 +119,14 @@ impl Relay {
             proxy: self.proxy(),
             cursor: 0,
             decisions,
+            removals: None,
         }
         .encode(&mut self.scratch);
         let path = format!(
-            "{}?since={}&limit={RELAYED_PER_EXCHANGE}",
+            "{}?since={}&limit={RELAYED_PER_EXCHANGE}&removals_since={}",
             relay::PATH,
-            self.cursor
+            self.cursor,
+            self.removal_cursor
         );
         match call_aggregator(
             settings,
@@ -162,31 +174,49 @@ impl Relay {
         };
         let batch = DecisionBatch::decode(body).map_err(|e| e.to_string())?;
         let pool = router.pool();
-        let mut done = Exchanged {
-            received: batch.decisions.len(),
-            refused: 0,
-        };
         // An address outside this proxy's pool is never routed to, whoever names it.
         let accepted: Vec<_> = batch
             .decisions
             .iter()
             .filter_map(|d| pool.id_of(d.endpoint).map(|id| (id, &d.keys)))
             .collect();
-        done.refused = batch.decisions.len() - accepted.len();
-        if !accepted.is_empty() {
-            // The batch's slots are claimed in one write, then filled in order.
-            match self.log.claim(&HostStore, accepted.len() as u64) {
+        let removals = batch.removals.as_ref().map_or(&[][..], |r| &r.removals[..]);
+        let removed: Vec<_> = removals
+            .iter()
+            .filter_map(|r| pool.id_of(r.endpoint).map(|id| (id, &r.keys)))
+            .collect();
+        let done = Exchanged {
+            received: batch.decisions.len(),
+            refused: batch.decisions.len() - accepted.len(),
+            removals: removed.len(),
+        };
+        let records = accepted.len() + removed.len();
+        if records > 0 {
+            // The batch's slots are claimed in one write, then filled in order: the decisions,
+            // then the removals.
+            match self.log.claim(&HostStore, records as u64) {
                 Ok(first) => {
-                    for (seq, (id, keys)) in (first..).zip(&accepted) {
+                    let mut seq = first;
+                    for (id, keys) in &accepted {
                         if let Err(e) = self.log.write(&HostStore, seq, *id, keys) {
                             debug!("decision relay: cannot log a relayed decision: {e}");
                         }
+                        seq += 1;
+                    }
+                    for (id, keys) in &removed {
+                        if let Err(e) = self.log.write_removal(&HostStore, seq, *id, keys) {
+                            debug!("decision relay: cannot log a removal: {e}");
+                        }
+                        seq += 1;
                     }
                 }
                 Err(e) => debug!("decision relay: cannot claim log slots: {e}"),
             }
         }
         self.cursor = batch.cursor;
+        if let Some(Removals { cursor, .. }) = batch.removals {
+            self.removal_cursor = cursor;
+        }
         Ok(done)
     }
 }
