@@ -179,6 +179,23 @@ fn decisions_travel_between_proxies_for_pool_members_only() {
         "",
     );
     assert_eq!(back.decisions, vec![decision(eb, &[9])]);
+    assert_eq!(back.removals, None, "format 1 unless removals are asked for");
+    // A proxy that asks for removals gets format 2: none yet, and where to ask from.
+    let (status, _, answer) = request(
+        api,
+        "POST",
+        &format!("{PATH}?since={}&removals_since=0", back.cursor),
+        "",
+        &empty,
+    );
+    assert_eq!(status, 200);
+    assert_eq!(
+        DecisionBatch::decode(&answer).unwrap().removals,
+        Some(kvoy_shared::relay::Removals {
+            cursor: 1,
+            removals: vec![]
+        })
+    );
     // Malformed batches and other methods are refused, not stored.
     let (status, _, _) = request(api, "POST", PATH, "", b"KVDR\x01garbage");
     assert_eq!(status, 400);

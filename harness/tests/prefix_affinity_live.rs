@@ -372,3 +372,88 @@ fn decisions_relayed_by_the_aggregator_steer_another_proxy_within_its_pool_only(
     );
     Ok(())
 }
+
+#[test]
+fn a_confirmed_removal_from_the_aggregator_ends_that_prefixs_affinity_on_every_worker(
+) -> TestResult {
+    use kvoy_shared::relay::{DecisionBatch, Removals};
+    const MATCHED: &str = "kvoy_prefix_affinity_prefix_blocks_matched_total";
+    let (a, b) = (plugin()?, plugin()?);
+    let mut history = SnapshotHistory::new(42);
+    history.update((0..4).map(|s| status(s, 19001 + s)).collect());
+    for p in [&a, &b] {
+        let call = next_poll(p)?;
+        answer(p, &call, &history)?;
+    }
+    let chosen: Vec<String> = (0..6)
+        .map(|i| route(&a, i % 2, 100 + i))
+        .collect::<Result<_, _>>()?;
+    a.advance(Duration::from_millis(100))?;
+    let sent = exchange_call(&a).expect("proxy A exchanges decisions on its poll tick");
+    // Its first exchange asks for removals from 0: the aggregator's newest.
+    assert!(
+        sent.headers
+            .get(":path")
+            .is_some_and(|p| p.contains("removals_since=0")),
+        "{:?}",
+        sent.headers.get(":path")
+    );
+    let decisions = DecisionBatch::decode(&sent.body).unwrap().decisions;
+    assert_eq!(decisions.len(), 6);
+    // The aggregator relays them to B with one removal: conversation 0's server evicted the
+    // block its first key is linked to (so its whole prompt is gone there).
+    let gone = decisions[0].clone();
+    let removal = kvoy_shared::relay::RelayedRemoval {
+        endpoint: gone.endpoint,
+        keys: gone.keys[..1].to_vec(),
+    };
+    let mut body = Vec::new();
+    DecisionBatch {
+        proxy: 0,
+        cursor: 6,
+        decisions,
+        removals: Some(Removals {
+            cursor: 3,
+            removals: vec![removal],
+        }),
+    }
+    .encode(&mut body);
+    b.advance(Duration::from_millis(100))?;
+    let call = exchange_call(&b).expect("proxy B exchanges too");
+    b.respond_http_call(&call, HttpResponse::new(200).body(body))?;
+    assert_eq!(
+        b.counter("kvoy_prefix_affinity_relay_removals_received_total"),
+        Some(1)
+    );
+    // The next tick replays the decisions, then the removal, on both of B's VMs.
+    b.advance(Duration::from_millis(100))?;
+    assert_eq!(
+        b.counter("kvoy_prefix_affinity_removed_keys_total"),
+        Some(2 * gone.keys.len() as u64),
+        "every worker forgets the whole prompt"
+    );
+    // The other conversations still go where A sent them, matching their whole prompt...
+    for (i, want) in chosen.iter().enumerate().skip(1) {
+        let before = b.counter(MATCHED).unwrap_or(0);
+        assert_eq!(&route(&b, i % 2, 100 + i)?, want, "conversation {i}");
+        assert!(b.counter(MATCHED).unwrap_or(0) > before, "conversation {i} matched");
+    }
+    // ...and conversation 0 matches nothing anywhere (both workers forgot it, above).
+    let before = b.counter(MATCHED).unwrap_or(0);
+    route(&b, 1, 100)?;
+    assert_eq!(b.counter(MATCHED).unwrap_or(0), before);
+    // B's next exchange asks for removals after the cursor it was given.
+    for call in b.http_calls() {
+        answer(&b, &call, &history)?;
+    }
+    b.advance(Duration::from_millis(100))?;
+    let next = exchange_call(&b).expect("another exchange");
+    assert!(
+        next.headers
+            .get(":path")
+            .is_some_and(|p| p.contains("removals_since=3")),
+        "{:?}",
+        next.headers.get(":path")
+    );
+    Ok(())
+}

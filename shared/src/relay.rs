@@ -12,7 +12,8 @@
 //! holds, which forgets the oldest first. A proxy that falls behind the ring gets what is left.
 //!
 //! A proxy that also asks `removals_since=R` gets, in format 2, the confirmed removals numbered
-//! after `R` ([`Removals`]): keys whose server blocks an endpoint evicted, as the aggregator's
+//! `R` or later ([`Removals`]; `R` = 0 on its first exchange, answered with no records and the
+//! number to ask from): keys whose server blocks an endpoint evicted, as the aggregator's
 //! KV-event linker saw them. A proxy that does not ask gets format 1, as before.
 //!
 //! ```
@@ -70,7 +71,7 @@ pub struct RelayedDecision {
 /// prefixes through them are not cached there whole. The same shape as a decision.
 pub type RelayedRemoval = RelayedDecision;
 
-/// Removals after the asked removal cursor, and the cursor to ask from next (format 2).
+/// Removals from the asked removal cursor on, and the cursor to ask with next (format 2).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Removals {
     pub cursor: u64,

@@ -403,18 +403,18 @@ impl Linker {
             .collect()
     }
 
-    /// What a proxy polling with removal cursor `cursor` gets: up to `limit` records after it,
-    /// oldest first, and the cursor to ask from next. A proxy that just started (0) begins at
-    /// the newest record (what it knows was learned after those removals); one ahead of the
-    /// numbering (this aggregator restarted since) gets every record from the oldest held.
-    pub fn removals_for_proxy(&self, cursor: u64, limit: usize) -> (Vec<Removal>, u64) {
-        let last = self.next_seq - 1;
-        if cursor == 0 {
-            return (Vec::new(), last);
+    /// What a proxy polling with removal cursor `from` gets: up to `limit` records numbered
+    /// `from` or later, oldest first, and the cursor to ask with next (the number after the
+    /// last one returned). A proxy that just started (0) gets none and the number the next
+    /// record will have: what it learns from now on postdates the removals before. One ahead of
+    /// the numbering (this aggregator restarted since) gets every record from the oldest held.
+    pub fn removals_for_proxy(&self, from: u64, limit: usize) -> (Vec<Removal>, u64) {
+        if from == 0 {
+            return (Vec::new(), self.next_seq);
         }
-        let after = if cursor > last { 0 } else { cursor };
-        let page = self.removals_after(after, limit);
-        let next = page.last().map_or(after, |r| r.seq);
+        let from = if from > self.next_seq { 1 } else { from };
+        let page = self.removals_after(from - 1, limit);
+        let next = page.last().map_or(from, |r| r.seq + 1);
         (page, next)
     }
 

@@ -294,6 +294,33 @@ fn a_removal_of_a_middle_block_removes_exactly_the_suffix() {
 }
 
 #[test]
+fn a_proxy_gets_the_removals_after_its_cursor_and_starts_at_the_newest() {
+    let mut l = linker();
+    let t0 = Instant::now();
+    for (i, port) in [1u16, 2, 3].into_iter().enumerate() {
+        l.decisions(&[decision(port, keys(100, 2))], ms(t0, i as u64));
+        l.events(ep(port), &batch(vec![stored(1..3, None)]), ms(t0, 10));
+    }
+    l.tick(ms(t0, 600));
+    assert_eq!(l.counters().decisions_linked, 3);
+    // Nothing removed yet: a fresh proxy (0) is told to ask from record 1.
+    assert_eq!(l.removals_for_proxy(0, 10), (vec![], 1));
+    l.events(ep(1), &batch(vec![removed(&[2])]), ms(t0, 700));
+    l.events(ep(2), &batch(vec![removed(&[1])]), ms(t0, 700));
+    // That proxy gets both, oldest first, a page at a time.
+    let (page, next) = l.removals_for_proxy(1, 1);
+    assert_eq!((page.len(), page[0].endpoint, next), (1, ep(1), 2));
+    let (page, next) = l.removals_for_proxy(next, 10);
+    assert_eq!((page.len(), page[0].endpoint, next), (1, ep(2), 3));
+    assert_eq!(l.removals_for_proxy(3, 10), (vec![], 3));
+    // A proxy that starts now begins after them.
+    assert_eq!(l.removals_for_proxy(0, 10), (vec![], 3));
+    // A cursor beyond the numbering (this aggregator restarted): every record held.
+    let (page, next) = l.removals_for_proxy(99, 1);
+    assert_eq!((page.len(), page[0].endpoint, next), (1, ep(1), 2));
+}
+
+#[test]
 fn clearing_removes_every_key_of_the_endpoint() {
     let mut l = linker();
     let t0 = Instant::now();
