@@ -179,7 +179,10 @@ fn decisions_travel_between_proxies_for_pool_members_only() {
         "",
     );
     assert_eq!(back.decisions, vec![decision(eb, &[9])]);
-    assert_eq!(back.removals, None, "format 1 unless removals are asked for");
+    assert_eq!(
+        back.removals, None,
+        "format 1 unless removals are asked for"
+    );
     // A proxy that asks for removals gets format 2: none yet, and where to ask from.
     let (status, _, answer) = request(
         api,

@@ -374,8 +374,8 @@ fn decisions_relayed_by_the_aggregator_steer_another_proxy_within_its_pool_only(
 }
 
 #[test]
-fn a_confirmed_removal_from_the_aggregator_ends_that_prefixs_affinity_on_every_worker(
-) -> TestResult {
+fn a_confirmed_removal_from_the_aggregator_ends_that_prefixs_affinity_on_every_worker() -> TestResult
+{
     use kvoy_shared::relay::{DecisionBatch, Removals};
     const MATCHED: &str = "kvoy_prefix_affinity_prefix_blocks_matched_total";
     let (a, b) = (plugin()?, plugin()?);
@@ -436,7 +436,10 @@ fn a_confirmed_removal_from_the_aggregator_ends_that_prefixs_affinity_on_every_w
     for (i, want) in chosen.iter().enumerate().skip(1) {
         let before = b.counter(MATCHED).unwrap_or(0);
         assert_eq!(&route(&b, i % 2, 100 + i)?, want, "conversation {i}");
-        assert!(b.counter(MATCHED).unwrap_or(0) > before, "conversation {i} matched");
+        assert!(
+            b.counter(MATCHED).unwrap_or(0) > before,
+            "conversation {i} matched"
+        );
     }
     // ...and conversation 0 matches nothing anywhere (both workers forgot it, above).
     let before = b.counter(MATCHED).unwrap_or(0);

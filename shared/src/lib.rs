@@ -51,7 +51,9 @@ pub use once::LogOnce;
 pub use outstanding::{Charge, Outstanding, OutstandingDelta};
 pub use request::RequestError;
 pub use rng::Rng;
-pub use router::{BreakReason, Decision, DecisionKind, RouteError, Router, SessionOutcome};
+pub use router::{
+    BreakReason, Decision, DecisionKind, LogReplay, RouteError, Router, SessionOutcome,
+};
 pub use score::{least_loaded, pick, Candidate, EndpointScore};
 
 /// A JSON error body in OpenAI's shape:

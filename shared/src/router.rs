@@ -347,7 +347,8 @@ impl Router {
 
     /// Applies a confirmed removal (the aggregator saw `endpoint` evict the blocks these keys
     /// were linked to): the prefixes through them stop attracting requests there. Returns the
-    /// keys the index forgot.
+    /// keys the index forgot. It walks the endpoint's holdings: see [`LogReplay`] to apply
+    /// many at once.
     pub fn apply_removal(&mut self, endpoint: EndpointId, keys: &[BlockKey]) -> usize {
         self.index.remove(endpoint, keys)
     }
@@ -616,6 +617,54 @@ impl Router {
 /// A token estimate as the whole count the outstanding table keeps.
 fn tokens(estimate: f64) -> u32 {
     estimate.round().clamp(0.0, f64::from(u32::MAX)) as u32
+}
+
+/// Applies the decision log's records ([`crate::replica::Logged`]) to a router in log order,
+/// gathering each endpoint's removals so that one walk of its holdings forgets them all; a
+/// decision for an endpoint with removals waiting applies after them, as logged. Call
+/// [`LogReplay::finish`] after the last record.
+#[derive(Debug, Default)]
+pub struct LogReplay {
+    waiting: Vec<(EndpointId, Vec<BlockKey>)>,
+    /// Decisions applied.
+    pub routed: u64,
+    /// Keys the removals made the index forget.
+    pub removed_keys: u64,
+}
+
+impl LogReplay {
+    pub fn apply(&mut self, router: &mut Router, logged: crate::replica::Logged<'_>) {
+        use crate::replica::Logged;
+        match logged {
+            Logged::Routed(endpoint, keys) => {
+                self.flush(router, Some(endpoint));
+                router.apply_remote(endpoint, keys);
+                self.routed += 1;
+            }
+            Logged::Removed(endpoint, keys) => {
+                match self.waiting.iter_mut().find(|(e, _)| *e == endpoint) {
+                    Some((_, all)) => all.extend_from_slice(keys),
+                    None => self.waiting.push((endpoint, keys.to_vec())),
+                }
+            }
+        }
+    }
+
+    /// Applies the removals still waiting.
+    pub fn finish(&mut self, router: &mut Router) {
+        self.flush(router, None);
+    }
+
+    fn flush(&mut self, router: &mut Router, only: Option<EndpointId>) {
+        let removed = &mut self.removed_keys;
+        self.waiting.retain(|(e, keys)| {
+            if only.is_some_and(|o| o != *e) {
+                return true;
+            }
+            *removed += router.apply_removal(*e, keys) as u64;
+            false
+        });
+    }
 }
 
 #[cfg(test)]
@@ -939,6 +988,28 @@ mod tests {
             .unwrap();
         assert_eq!(d.session, SessionOutcome::Broken(BreakReason::Unhealthy));
         assert_ne!(d.endpoint, EndpointId(0));
+    }
+
+    #[test]
+    fn a_replay_applies_removals_in_log_order_one_walk_per_endpoint() {
+        use crate::replica::Logged;
+        let mut r = router("");
+        let k = |v: &[u64]| v.iter().copied().map(BlockKey).collect::<Vec<_>>();
+        let (a, b) = (EndpointId(0), EndpointId(1));
+        let mut replay = LogReplay::default();
+        replay.apply(&mut r, Logged::Routed(a, &k(&[1, 2, 3])));
+        replay.apply(&mut r, Logged::Routed(b, &k(&[1, 2, 3])));
+        replay.apply(&mut r, Logged::Removed(a, &k(&[2])));
+        replay.apply(&mut r, Logged::Removed(b, &k(&[3])));
+        // Removals wait for the end of the replay...
+        assert_eq!(r.index().matched(a, &k(&[1, 2, 3])), 3);
+        // ...unless a decision for that endpoint comes after them: then they go first.
+        replay.apply(&mut r, Logged::Routed(b, &k(&[1, 2, 3, 4])));
+        assert_eq!(r.index().matched(b, &k(&[1, 2, 3, 4])), 4);
+        replay.finish(&mut r);
+        assert_eq!(r.index().matched(a, &k(&[1, 2, 3])), 1);
+        assert_eq!(r.index().matched(b, &k(&[1, 2, 3, 4])), 4);
+        assert_eq!((replay.routed, replay.removed_keys), (3, 3));
     }
 
     #[test]

@@ -108,6 +108,9 @@ pub struct LinkSettings {
     pub max_linked_blocks: usize,
     /// Removal records kept at most, for all endpoints.
     pub max_removals: usize,
+    /// Links or drops one [`Linker::tick`] makes on one endpoint at most (each recomputes the
+    /// matching, about the pending chains times their walk); the rest wait for the next tick.
+    pub max_matches_per_tick: usize,
     /// Keys one removal record names at most (the count is always exact).
     pub max_removal_keys: usize,
 }
@@ -135,6 +138,7 @@ impl Default for LinkSettings {
             max_linked_blocks: 1 << 16,
             max_removals: 256,
             max_removal_keys: 4096,
+            max_matches_per_tick: 32,
         }
     }
 }
@@ -244,6 +248,10 @@ struct Endpoint {
     pending_blocks: HashMap<BlockHash, (u64, usize)>,
     decisions: HashMap<u64, Decision>,
     decision_order: VecDeque<u64>,
+    /// Something arrived since the last match (see [`Linker::tick`]).
+    dirty: bool,
+    /// When the next pending chain settles (then a match may link it).
+    settle_at: Option<Instant>,
 }
 
 /// The causal join of relayed decisions and KV events, for every endpoint (see the module doc).
@@ -282,7 +290,6 @@ impl Linker {
         if !self.settings.enabled {
             return;
         }
-        let mut touched = HashSet::new();
         for d in decisions {
             if d.keys.is_empty() {
                 continue;
@@ -319,10 +326,7 @@ impl Linker {
                     }
                 }
             }
-            touched.insert(d.endpoint);
-        }
-        for e in touched {
-            self.process(e, now);
+            ep.dirty = true;
         }
     }
 
@@ -359,7 +363,9 @@ impl Linker {
                 _ => {}
             }
         }
-        self.process(endpoint, now);
+        if let Some(ep) = self.endpoints.get_mut(&endpoint) {
+            ep.dirty = true;
+        }
     }
 
     /// Forgets `endpoint`'s blocks (its publisher restarted): every linked key is removed.
@@ -385,11 +391,33 @@ impl Linker {
         self.endpoints.remove(&endpoint);
     }
 
-    /// Ages out what waited too long and links what settled, on every endpoint.
+    /// Ages out what waited too long and links what settled, on every endpoint. Decisions and
+    /// events only queue (their callers hold the lock on the aggregator's hot paths); the
+    /// matching happens here, on the endpoints where something arrived or a chain settled
+    /// since, at most [`LinkSettings::max_matches_per_tick`] links or drops each: the rest
+    /// waits for the next tick.
     pub fn tick(&mut self, now: Instant) {
-        let all: Vec<SocketAddr> = self.endpoints.keys().copied().collect();
-        for e in all {
+        let (settings, lag) = (self.settings, self.settings.relay_lag);
+        for ep in self.endpoints.values_mut() {
+            ep.age(&settings, now, &mut self.counters);
+        }
+        let due: Vec<SocketAddr> = self
+            .endpoints
+            .iter()
+            .filter(|(_, ep)| ep.dirty || ep.settle_at.is_some_and(|t| now >= t))
+            .map(|(e, _)| *e)
+            .collect();
+        for e in due {
             self.process(e, now);
+            if let Some(ep) = self.endpoints.get_mut(&e) {
+                // The next chain to settle wakes the endpoint again.
+                ep.settle_at = ep
+                    .chains
+                    .values()
+                    .map(|c| c.at + lag)
+                    .filter(|&t| t > now)
+                    .min();
+            }
         }
     }
 
@@ -533,39 +561,24 @@ impl Linker {
             return;
         };
         let c = &mut self.counters;
-        while let Some(&id) = ep.decision_order.front() {
-            match ep.decisions.get(&id) {
-                Some(d) if now.saturating_duration_since(d.at) <= s.window => break,
-                Some(_) => {
-                    ep.decisions.remove(&id);
-                    c.unlinked_no_chain += 1;
-                }
-                None => {}
-            }
-            ep.decision_order.pop_front();
-        }
-        while let Some(&id) = ep.chain_order.front() {
-            match ep.chains.get(&id) {
-                Some(ch) if now.saturating_duration_since(ch.at) <= s.window => break,
-                Some(_) => {
-                    ep.drop_chain(id);
-                    c.chains_expired += 1;
-                }
-                None => {}
-            }
-            ep.chain_order.pop_front();
-        }
+        ep.age(&s, now, c);
+        ep.dirty = false;
         if ep.decisions.is_empty() || ep.chains.is_empty() {
             return;
         }
         // Each link can make another decision's anchor (its previous turn) known, and each
-        // drop changes who fits what: recompute after either.
-        loop {
+        // drop changes who fits what: recompute after either, a bounded number of times.
+        for pass in 0.. {
+            if pass == s.max_matches_per_tick {
+                ep.dirty = true;
+                break;
+            }
             let forks: Vec<(u64, Fork)> = ep
                 .chain_order
                 .iter()
                 .filter_map(|&id| ep.fork(id).map(|f| (id, f)))
                 .collect();
+            let buckets = ForkBuckets::new(ep, &s, &forks);
             // A later turn waits for its earlier turn's decision: until that one is linked its
             // anchor would be the root, and a root prediction fits the earlier turn's chain.
             let lasts: HashSet<BlockKey> = ep
@@ -583,20 +596,34 @@ impl Linker {
                         return None;
                     }
                     let anchor = ep.anchor(&d.keys);
-                    let fitting = forks
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, (cid, f))| {
+                    let mut fitting: Vec<usize> = buckets
+                        .near(ep, &s, d, &anchor)
+                        .into_iter()
+                        .filter(|&i| {
+                            let (cid, f) = &forks[i];
                             ep.chains.get(cid).is_some_and(|ch| {
                                 !ch.contested
                                     && ch.at + s.relay_lag >= d.at
                                     && ep.fits(&s, d, &anchor, f)
                             })
                         })
-                        .map(|(i, _)| i)
                         .collect();
+                    fitting.sort_unstable();
+                    fitting.dedup();
                     Some((did, fitting))
                 })
+                .collect();
+            // Which decisions fit each chain, for the rivals of a pick.
+            let mut fitted_by: HashMap<usize, Vec<u64>> = HashMap::new();
+            for (did, cs) in &table {
+                for &ci in cs {
+                    fitted_by.entry(ci).or_default().push(*did);
+                }
+            }
+            let order: HashMap<u64, usize> = table
+                .iter()
+                .enumerate()
+                .map(|(i, (d, _))| (*d, i))
                 .collect();
             let mut changed = false;
             for (did, candidates) in &table {
@@ -624,12 +651,13 @@ impl Linker {
                     Some(b) if nested => vec![b],
                     _ => candidates.clone(),
                 };
-                // Every decision that fits one of the chosen chains.
-                let rivals: Vec<u64> = table
+                // Every decision that fits one of the chosen chains, in decision order.
+                let mut rivals: Vec<u64> = chosen
                     .iter()
-                    .filter(|(_, cs)| cs.iter().any(|ci| chosen.contains(ci)))
-                    .map(|(other, _)| *other)
+                    .flat_map(|ci| fitted_by.get(ci).into_iter().flatten().copied())
                     .collect();
+                rivals.sort_unstable_by_key(|d| order.get(d).copied().unwrap_or(usize::MAX));
+                rivals.dedup();
                 if chosen.len() == 1 && rivals == [*did] {
                     let fork = &forks[chosen[0]].1;
                     let Some(d) = ep.decisions.remove(did) else {
@@ -717,7 +745,93 @@ fn predicted(s: &LinkSettings, d: &Decision, anchor: &Anchor) -> (f64, f64) {
     (lo, lo + s.schedule.span(last + 1) as f64 / bpt)
 }
 
+/// The pending chains' forks grouped for lookup, each group sorted by the fork's end: by the
+/// node they hang under, and under each of that node's ancestors up to `fork_blocks` above, so
+/// that a decision finds the forks near its anchor (the proximity [`Endpoint::fits`] asks) in
+/// a few probes and binary searches instead of trying every chain.
+struct ForkBuckets {
+    /// Forks hanging under exactly this node (`None`: root chains).
+    at: HashMap<Option<BlockHash>, Vec<(u64, usize)>>,
+    /// Forks hanging under a descendant of this node, at most `fork_blocks` below.
+    below: HashMap<BlockHash, Vec<(u64, usize)>>,
+}
+
+impl ForkBuckets {
+    fn new(ep: &Endpoint, s: &LinkSettings, forks: &[(u64, Fork)]) -> Self {
+        let mut at: HashMap<Option<BlockHash>, Vec<(u64, usize)>> = HashMap::new();
+        let mut below: HashMap<BlockHash, Vec<(u64, usize)>> = HashMap::new();
+        for (i, (_, f)) in forks.iter().enumerate() {
+            at.entry(f.node).or_default().push((f.end, i));
+            let mut n = f.node;
+            for _ in 0..s.fork_blocks {
+                n = n.and_then(|x| ep.tree.get(&x)).and_then(|x| x.parent);
+                let Some(p) = n else { break };
+                below.entry(p).or_default().push((f.end, i));
+            }
+        }
+        for group in at.values_mut().chain(below.values_mut()) {
+            group.sort_unstable();
+        }
+        ForkBuckets { at, below }
+    }
+
+    /// The forks that may fit `d` at `anchor`: near the anchor, ending in its predicted window
+    /// (a superset of what [`Endpoint::fits`] accepts; it decides).
+    fn near(&self, ep: &Endpoint, s: &LinkSettings, d: &Decision, anchor: &Anchor) -> Vec<usize> {
+        let (lo, hi) = predicted(s, d, anchor);
+        let give = s.tolerance * (lo - anchor.pos) + s.slack_tokens as f64;
+        let (min, max) = (lo - give, hi + give);
+        let mut groups: Vec<&Vec<(u64, usize)>> = Vec::new();
+        match anchor.node {
+            None => groups.extend(self.at.get(&None)),
+            Some(a) => {
+                groups.extend(self.at.get(&Some(a)));
+                groups.extend(self.below.get(&a));
+                let mut n = Some(a);
+                for _ in 0..s.fork_blocks {
+                    n = n.and_then(|x| ep.tree.get(&x)).and_then(|x| x.parent);
+                    let Some(p) = n else { break };
+                    groups.extend(self.at.get(&Some(p)));
+                }
+            }
+        }
+        let mut out = Vec::new();
+        for g in groups {
+            let from = g.partition_point(|&(end, _)| (end as f64) < min);
+            let to = g.partition_point(|&(end, _)| (end as f64) <= max);
+            out.extend(g[from..to.max(from)].iter().map(|&(_, i)| i));
+        }
+        out
+    }
+}
+
 impl Endpoint {
+    /// Drops the decisions and chains that waited longer than the window.
+    fn age(&mut self, s: &LinkSettings, now: Instant, c: &mut LinkCounters) {
+        while let Some(&id) = self.decision_order.front() {
+            match self.decisions.get(&id) {
+                Some(d) if now.saturating_duration_since(d.at) <= s.window => break,
+                Some(_) => {
+                    self.decisions.remove(&id);
+                    c.unlinked_no_chain += 1;
+                }
+                None => {}
+            }
+            self.decision_order.pop_front();
+        }
+        while let Some(&id) = self.chain_order.front() {
+            match self.chains.get(&id) {
+                Some(ch) if now.saturating_duration_since(ch.at) <= s.window => break,
+                Some(_) => {
+                    self.drop_chain(id);
+                    c.chains_expired += 1;
+                }
+                None => {}
+            }
+            self.chain_order.pop_front();
+        }
+    }
+
     fn drop_chain(&mut self, id: u64) {
         if let Some(ch) = self.chains.remove(&id) {
             for b in &ch.blocks {

@@ -569,3 +569,64 @@ fn an_ambiguous_turn_leaves_the_next_turns_chains_alone() {
     assert_eq!((c.unlinked_ambiguous, c.decisions_linked), (4, 0), "{c:?}");
     assert_eq!(l.endpoint(ep(1)).pending_decisions, 0);
 }
+
+#[test]
+fn full_pending_lists_cost_little_per_tick() {
+    // The case that stalled the aggregator's pool task: both lists full of entries that never
+    // fit each other (4-block prompts, 10-block chains), every tick.
+    let mut l = linker();
+    let t0 = Instant::now();
+    let decisions: Vec<_> = (0..256u64)
+        .map(|i| decision(1, keys(10_000 + i * 10, 4)))
+        .collect();
+    l.decisions(&decisions, t0);
+    for i in 0..1024u64 {
+        l.events(ep(1), &batch(vec![stored(i * 100..i * 100 + 10, None)]), t0);
+    }
+    let started = std::time::Instant::now();
+    for t in 1..=100 {
+        l.tick(ms(t0, 500 + t));
+    }
+    let spent = started.elapsed();
+    let s = l.endpoint(ep(1));
+    assert_eq!((s.pending_decisions, s.pending_chains), (256, 1024));
+    assert_eq!(l.counters().decisions_linked, 0);
+    // Each tick matches 256 decisions against 1,024 chains by a lookup of their predicted
+    // end (the matching before tried every pair, on every batch).
+    assert!(spent < Duration::from_secs(2), "100 ticks took {spent:?}");
+}
+
+#[test]
+fn a_burst_of_first_turns_links_over_a_few_ticks() {
+    let mut l = Linker::new(LinkSettings {
+        enabled: true,
+        max_matches_per_tick: 4,
+        ..LinkSettings::default()
+    });
+    let t0 = Instant::now();
+    // 12 first turns whose lengths (2 to 115 blocks) are farther apart than a prediction's
+    // window (a block, and 10% of the length), and their chains.
+    let lens = [2u64, 4, 6, 9, 13, 18, 25, 34, 46, 62, 84, 115];
+    let decisions: Vec<_> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| decision(1, keys(1_000 * (i as u64 + 1), n)))
+        .collect();
+    l.decisions(&decisions, t0);
+    for (i, &n) in lens.iter().enumerate() {
+        let first = 100_000 * (i as u64 + 1);
+        l.events(
+            ep(1),
+            &batch(vec![stored(first..first + n, None)]),
+            ms(t0, 10),
+        );
+    }
+    // One tick links at most its budget; the rest follow on the next ticks.
+    l.tick(ms(t0, 600));
+    assert_eq!(l.counters().decisions_linked, 4);
+    l.tick(ms(t0, 625));
+    assert_eq!(l.counters().decisions_linked, 8);
+    l.tick(ms(t0, 650));
+    let c = l.counters();
+    assert_eq!((c.decisions_linked, c.unlinked_ambiguous), (12, 0));
+}

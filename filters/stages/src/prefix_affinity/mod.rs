@@ -20,7 +20,8 @@ use log::{info, warn};
 
 use kvoy_filter_common::HostStore;
 use kvoy_shared::replica::{self, DecisionLog, Logged, OutstandingTable};
-use kvoy_shared::{LogOnce, Outstanding, PluginConfig, Router};
+
+use kvoy_shared::{LogOnce, LogReplay, Outstanding, PluginConfig, Router};
 
 pub use metrics::Metrics;
 pub use stage::{
@@ -186,16 +187,12 @@ impl PrefixVm {
             metrics,
             ..
         } = self;
-        let (mut applied, mut removed) = (0u64, 0u64);
+        let mut replay = LogReplay::default();
         let apply = |logged: Logged<'_>| match logged {
-            Logged::Routed(endpoint, keys) => {
-                router.apply_remote(endpoint, keys);
-                applied += 1;
-                true
-            }
+            // A removal walks the endpoint's holdings: on a request's path, leave it to the tick.
             Logged::Removed(..) if on_request => false,
-            Logged::Removed(endpoint, keys) => {
-                removed += router.apply_removal(endpoint, keys) as u64;
+            logged => {
+                replay.apply(router, logged);
                 true
             }
         };
@@ -203,6 +200,8 @@ impl PrefixVm {
             Some(head) => log.poll_to_with(&HostStore, head, max_slots, apply),
             None => log.poll_at_most_with(&HostStore, max_slots, apply),
         };
+        replay.finish(router);
+        let (applied, removed) = (replay.routed, replay.removed_keys);
         if applied > 0 {
             Metrics::add(metrics.remote_applied, applied);
         }
