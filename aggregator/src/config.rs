@@ -751,7 +751,9 @@ kubernetes:
     fn links_section() {
         let cfg = AggregatorConfig::from_yaml("{}").unwrap();
         assert_eq!(cfg.links, LinkSettings::default());
-        assert!(!cfg.links.enabled, "off unless asked for");
+        assert!(cfg.links.enabled, "on unless switched off");
+        let off = AggregatorConfig::from_yaml("links: {enabled: false}").unwrap();
+        assert!(!off.links.enabled);
         let cfg = AggregatorConfig::from_yaml(
             "links: {enabled: true, block_size: 32, bytes_per_token: 3.5, window_ms: 2000, relay_lag_ms: 0}",
         )

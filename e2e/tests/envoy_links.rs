@@ -207,13 +207,13 @@ fn run(
     (linked, decisions)
 }
 
-// Not in the default run: the linker is experimental and off by default (README, "Relayed
-// decisions confirmed by KV events"), and its matching is timing-bound (a chain links only
-// within `relay_lag_ms` of its decision). On a loaded CI machine (fresh-clone `.ci/run`,
+// Not in the default run: its link counts are timing-bound (a chain links only within
+// `relay_lag_ms` of its decision). `envoy_removals.rs`, in the default run, checks the
+// linker's effect at the proxy on one conversation. On a loaded CI machine (fresh-clone `.ci/run`,
 // 2026-12-03) it linked 16 of 40 where an idle one links 40 of 40 in most runs. Run it with
 // `cargo test -p kvoy-e2e --test envoy_links -- --ignored`.
 #[test]
-#[ignore = "timing-bound on a loaded machine; the linker is off by default (run with --ignored)"]
+#[ignore = "timing-bound on a loaded machine (run with --ignored)"]
 fn relayed_decisions_link_to_server_blocks_and_removals_name_their_keys() {
     // 256 blocks each: the conversations fit (about 120 blocks each); with the flood (about 16
     // blocks a prompt, 20 prompts) they do not, and the oldest go first.

@@ -62,6 +62,7 @@
 //! assert_eq!(r[0].keys, vec![BlockKey(2)]);
 //! ```
 
+use std::cell::Cell;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -79,10 +80,8 @@ const MAX_WALK: usize = 16;
 /// How the linker matches, and what it holds at most.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LinkSettings {
-    /// Off by default: the matching costs up to pending decisions x pending chains per event
-    /// batch (e2e/tests/chaos.rs's 10,000 requests held the linker's lock long enough to stall
-    /// the pool task), and the proxies do not apply the removals yet. Off, the linker keeps
-    /// and does nothing.
+    /// On by default. Off, the linker keeps and does nothing (no removals reach the proxies;
+    /// they still cut an endpoint's index to its reported block count).
     pub enabled: bool,
     /// The filters' key schedule (`block_size`, `dense_blocks`, `blocks_per_doubling`,
     /// `max_blocks` of their configuration): where each text key ends, in prompt bytes.
@@ -113,6 +112,8 @@ pub struct LinkSettings {
     pub max_matches_per_tick: usize,
     /// Keys one removal record names at most (the count is always exact).
     pub max_removal_keys: usize,
+    /// Matching runs on a tick at most this often (ageing on every tick).
+    pub match_interval: Duration,
 }
 
 impl Default for LinkSettings {
@@ -120,7 +121,7 @@ impl Default for LinkSettings {
     /// 4 bytes per token).
     fn default() -> Self {
         LinkSettings {
-            enabled: false,
+            enabled: true,
             schedule: KeySchedule {
                 block_size: 64,
                 max_keys: 512,
@@ -138,7 +139,8 @@ impl Default for LinkSettings {
             max_linked_blocks: 1 << 16,
             max_removals: 256,
             max_removal_keys: 4096,
-            max_matches_per_tick: 32,
+            max_matches_per_tick: 16,
+            match_interval: Duration::from_millis(50),
         }
     }
 }
@@ -213,6 +215,10 @@ struct Chain {
 struct Decision {
     keys: Vec<BlockKey>,
     at: Instant,
+    /// The anchor found last, and the endpoint's [`Endpoint::removals`] then: it holds until a
+    /// removal, or a link of a decision with the same first key (keys chain: only those share
+    /// keys with this one).
+    anchor: Cell<Option<(u64, Anchor)>>,
 }
 
 /// Where a pending chain hangs off the linked tree, and what lies between.
@@ -250,6 +256,8 @@ struct Endpoint {
     decision_order: VecDeque<u64>,
     /// Something arrived since the last match (see [`Linker::tick`]).
     dirty: bool,
+    /// Removals so far (a removal can shorten any decision's anchor).
+    removals: u64,
     /// When the next pending chain settles (then a match may link it).
     settle_at: Option<Instant>,
 }
@@ -263,6 +271,8 @@ pub struct Linker {
     removals: VecDeque<Removal>,
     next_seq: u64,
     next_id: u64,
+    /// When matching last ran.
+    matched_at: Option<Instant>,
 }
 
 impl Linker {
@@ -274,6 +284,7 @@ impl Linker {
             removals: VecDeque::new(),
             next_seq: 1,
             next_id: 1,
+            matched_at: None,
         }
     }
 
@@ -316,6 +327,7 @@ impl Linker {
                 Decision {
                     keys: d.keys.clone(),
                     at: now,
+                    anchor: Cell::new(None),
                 },
             );
             ep.decision_order.push_back(id);
@@ -380,6 +392,7 @@ impl Linker {
             .collect();
         ep.tree.clear();
         ep.keys.clear();
+        ep.removals += 1;
         ep.chains.clear();
         ep.chain_order.clear();
         ep.pending_blocks.clear();
@@ -401,6 +414,13 @@ impl Linker {
         for ep in self.endpoints.values_mut() {
             ep.age(&settings, now, &mut self.counters);
         }
+        if self
+            .matched_at
+            .is_some_and(|t| now.saturating_duration_since(t) < settings.match_interval)
+        {
+            return;
+        }
+        self.matched_at = Some(now);
         let due: Vec<SocketAddr> = self
             .endpoints
             .iter()
@@ -595,7 +615,7 @@ impl Linker {
                     if earlier.iter().any(|k| lasts.contains(k)) {
                         return None;
                     }
-                    let anchor = ep.anchor(&d.keys);
+                    let anchor = ep.anchor_of(d);
                     let mut fitting: Vec<usize> = buckets
                         .near(ep, &s, d, &anchor)
                         .into_iter()
@@ -666,9 +686,15 @@ impl Linker {
                     if ep.tree.len() + fork_blocks(ep, fork) > s.max_linked_blocks {
                         c.unlinked_capacity += 1;
                     } else {
-                        let anchor = ep.anchor(&d.keys);
+                        let anchor = ep.anchor_of(&d);
                         c.keys_linked += ep.link(&s, &d, &anchor, fork) as u64;
                         c.decisions_linked += 1;
+                        // Decisions sharing its first key may have a longer anchor now.
+                        for other in ep.decisions.values() {
+                            if other.keys.first() == d.keys.first() {
+                                other.anchor.set(None);
+                            }
+                        }
                         // The continuation chains no other decision (a later turn waiting
                         // for this one included) fits now.
                         for &ci in candidates.iter().filter(|&&ci| ci != chosen[0]) {
@@ -841,6 +867,7 @@ impl Endpoint {
     }
 
     fn remove_subtree(&mut self, root: BlockHash, keys: &mut Vec<BlockKey>) {
+        self.removals += 1;
         if let Some(parent) = self.tree.get(&root).and_then(|n| n.parent) {
             if let Some(p) = self.tree.get_mut(&parent) {
                 p.children.retain(|c| *c != root);
@@ -856,6 +883,18 @@ impl Endpoint {
                 stack.extend(n.children);
             }
         }
+    }
+
+    /// [`Endpoint::anchor`] of a pending decision, remembered until it may have changed.
+    fn anchor_of(&self, d: &Decision) -> Anchor {
+        if let Some((at, anchor)) = d.anchor.get() {
+            if at == self.removals {
+                return anchor;
+            }
+        }
+        let anchor = self.anchor(&d.keys);
+        d.anchor.set(Some((self.removals, anchor)));
+        anchor
     }
 
     /// The decision's last key linked here (scanning from the end: keys chain, so the longest
@@ -944,7 +983,7 @@ impl Endpoint {
             return false;
         };
         self.decisions.values().any(|d| {
-            let anchor = self.anchor(&d.keys);
+            let anchor = self.anchor_of(d);
             !ch.contested && ch.at + s.relay_lag >= d.at && self.fits(s, d, &anchor, fork)
         })
     }
@@ -958,7 +997,7 @@ impl Endpoint {
         forks: &[(u64, Fork)],
     ) -> Option<usize> {
         let d = self.decisions.get(&did)?;
-        let anchor = self.anchor(&d.keys);
+        let anchor = self.anchor_of(d);
         let (lo, _) = predicted(s, d, &anchor);
         candidates.iter().copied().min_by(|&a, &b| {
             let da = (forks[a].1.end as f64 - lo).abs();

@@ -601,6 +601,7 @@ fn a_burst_of_first_turns_links_over_a_few_ticks() {
     let mut l = Linker::new(LinkSettings {
         enabled: true,
         max_matches_per_tick: 4,
+        match_interval: Duration::ZERO,
         ..LinkSettings::default()
     });
     let t0 = Instant::now();

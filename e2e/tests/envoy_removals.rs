@@ -1,0 +1,211 @@
+//! End to end: a server's eviction reaches the proxy's prefix index. A real Envoy (the combined
+//! `kvoy` filter, `--concurrency 2`) relays its decisions to kvoy-aggregator, which links them
+//! to the blocks two kvoy-sim simulators store (their real KV events over ZMQ; the linker at
+//! its defaults). A conversation's first turn is routed and linked; then prompts sent straight
+//! to its simulator (not through the proxy) fill that simulator's small cache until it evicts
+//! the conversation's blocks (`BlockRemoved`). The aggregator records the removal, the proxy's
+//! next decision exchange brings it, and both workers forget those keys: measured from the
+//! removal appearing at the aggregator to the proxy's `removed_keys` counter moving (the
+//! design's budget is 200 ms from the event; asserted within 2 s on a loaded machine). The
+//! conversation's next turn then matches less of its prompt than the first turn's keys.
+//!
+//! Needs `envoy` on PATH and the built wasm filters (`make test` provides both).
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use kvoy_e2e::http;
+use kvoy_e2e::{
+    aggregator_yaml, AggregatedEndpoint, LocalAggregator, PoolEndpoint, PublishingSim, Stack,
+    StackConfig,
+};
+use serde_json::{json, Value};
+
+const NAME: &str = "removals";
+const MODEL: &str = "kvoy-demo";
+const TIMEOUT: Duration = Duration::from_secs(30);
+/// Prompts of about 16 blocks sent to the conversation's simulator at most, to evict it.
+const MAX_FLOOD: usize = 80;
+/// Requests through the proxy before the conversation (each on a new connection).
+const WARM_UP: usize = 16;
+const REMOVED: &str = "kvoy_prefix_affinity_removed_keys_total";
+const MATCHED: &str = "kvoy_prefix_affinity_prefix_blocks_matched_total";
+
+fn start_sim() -> PublishingSim {
+    let args = [
+        "--model",
+        MODEL,
+        "--speedup",
+        "10",
+        "--block-size",
+        "16",
+        "--num-gpu-blocks",
+        "128",
+    ];
+    PublishingSim::start(&args, false)
+        .unwrap_or_else(|e| panic!("[{NAME}] could not start a simulator: {e:#}"))
+}
+
+fn turn(t: usize) -> Vec<u8> {
+    let mut messages = vec![json!({"role": "system", "content":
+        format!("The evicted conversation. {}", "You are a careful assistant with a long brief. ".repeat(24))})];
+    for k in 0..t {
+        messages.push(json!({"role": "user", "content": format!("Question {k}?")}));
+        messages
+            .push(json!({"role": "assistant", "content": format!("Answer {k}, at some length.")}));
+    }
+    messages.push(json!({"role": "user", "content": format!("Question {t}?")}));
+    serde_json::to_vec(&json!({"model": MODEL, "max_tokens": 2, "messages": messages})).unwrap()
+}
+
+fn flood(i: usize) -> Vec<u8> {
+    let text = format!(
+        "Unrelated prompt {i}. {}",
+        "Other work fills the cache. ".repeat(36)
+    );
+    serde_json::to_vec(&json!({"model": MODEL, "max_tokens": 2,
+        "messages": [{"role": "user", "content": text}]}))
+    .unwrap()
+}
+
+fn post(to: SocketAddr, body: &[u8]) -> http::Response {
+    let r = http::post_json(to, "/v1/chat/completions", &[], body, TIMEOUT).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    r
+}
+
+fn get_json(agg: SocketAddr, path: &str) -> Value {
+    let r = http::send(agg, "GET", path, &[], b"", TIMEOUT).unwrap();
+    assert_eq!(r.status, 200, "{path}: {}", r.text());
+    serde_json::from_slice(&r.body).unwrap()
+}
+
+fn linked_keys(agg: SocketAddr, endpoint: &str) -> u64 {
+    get_json(agg, "/v1/pool")["links"]["endpoints"][endpoint]["linked_keys"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+/// Keys the aggregator's removal records name for `endpoint`.
+fn removed_at_aggregator(agg: SocketAddr, endpoint: &str) -> usize {
+    get_json(agg, "/v1/removals?after=0")["removals"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["endpoint"] == endpoint)
+        .map(|r| r["keys"].as_array().map_or(0, Vec::len))
+        .sum()
+}
+
+fn counter(proxy: &Stack, name: &str, now: bool) -> u64 {
+    let stats = if now {
+        proxy.admin_stats(name)
+    } else {
+        proxy.stats(name)
+    };
+    stats.unwrap().values().sum()
+}
+
+#[test]
+fn an_eviction_the_servers_report_ends_that_prefixs_affinity_at_the_proxy() {
+    let sims: Vec<PublishingSim> = (0..2).map(|_| start_sim()).collect();
+    let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join("kvoy-e2e")
+        .join(format!("{NAME}-{}", std::process::id()));
+    std::fs::create_dir_all(&run_dir).unwrap();
+    let aggregated: Vec<AggregatedEndpoint> = sims
+        .iter()
+        .map(|s| AggregatedEndpoint {
+            address: s.addr,
+            models: vec![MODEL.into()],
+            kv_events: Some((s.kv.clone(), None)),
+        })
+        .collect();
+    // The linker at its defaults: on, with its tolerance.
+    let agg = LocalAggregator::start(
+        &run_dir.join("aggregator.yaml"),
+        &aggregator_yaml("scrape_interval_ms: 50\n", &aggregated),
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .unwrap();
+    agg.wait_ready(2, Duration::from_secs(10));
+    let endpoints: Vec<PoolEndpoint> = sims
+        .iter()
+        .map(|s| PoolEndpoint::new(s.addr, &[MODEL]))
+        .collect();
+    let mut config = StackConfig::new(endpoints, run_dir.join("proxy"));
+    config.aggregator = Some(agg.addr());
+    let proxy = Stack::start(&config).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    // A few requests first, on new connections, so that both workers serve (a worker replays
+    // the shared log on its tick once it serves; before, on its first request). `GET
+    // /v1/models` makes no routing decision, so the linker has nothing more to tell apart.
+    for _ in 0..WARM_UP {
+        let r = http::send(proxy.listen, "GET", "/v1/models", &[], b"", TIMEOUT).unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+
+    // The first turn, linked to the blocks its prefill stored.
+    let first = post(proxy.listen, &turn(0));
+    let served = first.header(kvoy_e2e::SERVED_BY_HEADER).unwrap().to_owned();
+    let sim = sims.iter().find(|s| s.addr.to_string() == served).unwrap();
+    kvoy_e2e::wait_for(
+        "the first turn linked at the aggregator",
+        Duration::from_secs(10),
+        || linked_keys(agg.addr(), &served) > 0,
+    );
+    let linked = linked_keys(agg.addr(), &served);
+
+    // Other prompts straight to that simulator evict the conversation's blocks.
+    let mut sent = 0;
+    while removed_at_aggregator(agg.addr(), &served) == 0 {
+        assert!(
+            sent < MAX_FLOOD,
+            "[{NAME}] {sent} prompts to {served} evicted none of the conversation's blocks"
+        );
+        post(sim.addr, &flood(sent));
+        sent += 1;
+    }
+    let removal_seen = Instant::now();
+    let removed = removed_at_aggregator(agg.addr(), &served);
+    // Both workers forget them on their tick after the proxy's next exchange (each worker's
+    // index holds the conversation: one routed it, the other replayed its decision).
+    let (mut first_worker, mut applied) = (None, None);
+    while removal_seen.elapsed() < Duration::from_secs(5) {
+        let forgot = counter(&proxy, REMOVED, true) as usize;
+        if forgot > 0 && first_worker.is_none() {
+            first_worker = Some(removal_seen.elapsed());
+        }
+        if forgot >= 2 * removed {
+            applied = Some(removal_seen.elapsed());
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let forgotten = counter(&proxy, REMOVED, false);
+    eprintln!(
+        "[{NAME}] {sent} prompts to {served} evicted {removed} of its {linked} linked keys; the proxy's workers forgot {forgotten} keys, the first {first_worker:?} and both {applied:?} after the removal showed at the aggregator"
+    );
+    let applied = applied.unwrap_or_else(|| {
+        panic!("[{NAME}] the proxy never applied the removal (5 s after the aggregator had it)")
+    });
+    assert!(
+        applied < Duration::from_secs(2),
+        "[{NAME}] the removal took {applied:?} to reach the proxy's index"
+    );
+
+    // The next turn: its prefix is no longer believed cached whole on that simulator.
+    let before = counter(&proxy, MATCHED, false);
+    post(proxy.listen, &turn(1));
+    let matched_now = counter(&proxy, MATCHED, false) - before;
+    eprintln!(
+        "[{NAME}] the next turn matched {matched_now} blocks (the first turn made {linked} keys linked there)"
+    );
+    assert!(
+        matched_now < linked,
+        "[{NAME}] the next turn still matched {matched_now} blocks of the evicted prefix"
+    );
+    proxy.assert_no_wasm_failures(NAME);
+}
