@@ -481,6 +481,7 @@ impl Api {
                     "endpoint": r.endpoint.to_string(),
                     "count": r.count,
                     "cleared": r.cleared,
+                    "event_ts": r.event_ts,
                     "keys": r.keys.iter().map(|k| format!("{:016x}", k.0)).collect::<Vec<_>>(),
                 })
             })

@@ -5,8 +5,8 @@
 //! to its simulator (not through the proxy) fill that simulator's small cache until it evicts
 //! the conversation's blocks (`BlockRemoved`). The aggregator records the removal, the proxy's
 //! next decision exchange brings it, and both workers forget those keys: measured from the
-//! removal appearing at the aggregator to the proxy's `removed_keys` counter moving (the
-//! design's budget is 200 ms from the event; asserted within 2 s on a loaded machine). The
+//! eviction's event (its batch's timestamp) to the proxy's `removed_keys` counter moving (the
+//! design's budget is 200 ms; asserted within 2 s on a loaded machine, printed). The
 //! conversation's next turn then matches less of its prompt than the first turn's keys.
 //!
 //! Needs `envoy` on PATH and the built wasm filters (`make test` provides both).
@@ -88,15 +88,32 @@ fn linked_keys(agg: SocketAddr, endpoint: &str) -> u64 {
         .unwrap_or(0)
 }
 
-/// Keys the aggregator's removal records name for `endpoint`.
-fn removed_at_aggregator(agg: SocketAddr, endpoint: &str) -> usize {
-    get_json(agg, "/v1/removals?after=0")["removals"]
+/// Keys the aggregator's removal records name for `endpoint`, and the earliest record's event
+/// time (the server's clock, seconds since the Unix epoch).
+fn removed_at_aggregator(agg: SocketAddr, endpoint: &str) -> (usize, Option<f64>) {
+    let v = get_json(agg, "/v1/removals?after=0");
+    let records: Vec<&Value> = v["removals"]
         .as_array()
         .unwrap()
         .iter()
         .filter(|r| r["endpoint"] == endpoint)
+        .collect();
+    let keys = records
+        .iter()
         .map(|r| r["keys"].as_array().map_or(0, Vec::len))
-        .sum()
+        .sum();
+    let first = records
+        .iter()
+        .filter_map(|r| r["event_ts"].as_f64())
+        .reduce(f64::min);
+    (keys, first)
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
 }
 
 fn counter(proxy: &Stack, name: &str, now: bool) -> u64 {
@@ -160,7 +177,7 @@ fn an_eviction_the_servers_report_ends_that_prefixs_affinity_at_the_proxy() {
 
     // Other prompts straight to that simulator evict the conversation's blocks.
     let mut sent = 0;
-    while removed_at_aggregator(agg.addr(), &served) == 0 {
+    while removed_at_aggregator(agg.addr(), &served).0 == 0 {
         assert!(
             sent < MAX_FLOOD,
             "[{NAME}] {sent} prompts to {served} evicted none of the conversation's blocks"
@@ -169,31 +186,35 @@ fn an_eviction_the_servers_report_ends_that_prefixs_affinity_at_the_proxy() {
         sent += 1;
     }
     let removal_seen = Instant::now();
-    let removed = removed_at_aggregator(agg.addr(), &served);
+    let (removed, event_ts) = removed_at_aggregator(agg.addr(), &served);
+    let event_ts = event_ts.expect("a removal record carries its event's time");
     // Both workers forget them on their tick after the proxy's next exchange (each worker's
     // index holds the conversation: one routed it, the other replayed its decision).
+    // Times are from the eviction's event (its batch's timestamp; the simulator runs on this
+    // machine's clock), and include the filters' metrics flush on their tick.
     let (mut first_worker, mut applied) = (None, None);
     while removal_seen.elapsed() < Duration::from_secs(5) {
         let forgot = counter(&proxy, REMOVED, true) as usize;
+        let since_event = Duration::from_secs_f64((unix_now() - event_ts).max(0.0));
         if forgot > 0 && first_worker.is_none() {
-            first_worker = Some(removal_seen.elapsed());
+            first_worker = Some(since_event);
         }
         if forgot >= 2 * removed {
-            applied = Some(removal_seen.elapsed());
+            applied = Some(since_event);
             break;
         }
         std::thread::sleep(Duration::from_millis(5));
     }
     let forgotten = counter(&proxy, REMOVED, false);
     eprintln!(
-        "[{NAME}] {sent} prompts to {served} evicted {removed} of its {linked} linked keys; the proxy's workers forgot {forgotten} keys, the first {first_worker:?} and both {applied:?} after the removal showed at the aggregator"
+        "[{NAME}] {sent} prompts to {served} evicted {removed} of its {linked} linked keys; the proxy's workers forgot {forgotten} keys, the first {first_worker:?} and both {applied:?} after the eviction's event (budget 200 ms)"
     );
     let applied = applied.unwrap_or_else(|| {
         panic!("[{NAME}] the proxy never applied the removal (5 s after the aggregator had it)")
     });
     assert!(
         applied < Duration::from_secs(2),
-        "[{NAME}] the removal took {applied:?} to reach the proxy's index"
+        "[{NAME}] the eviction took {applied:?} to reach both workers' indexes"
     );
 
     // The next turn: its prefix is no longer believed cached whole on that simulator.

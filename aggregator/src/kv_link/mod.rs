@@ -168,7 +168,7 @@ pub struct LinkCounters {
 }
 
 /// Linked keys an endpoint lost: their prefix is no longer cached there.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Removal {
     /// Numbered from 1, across endpoints.
     pub seq: u64,
@@ -179,6 +179,9 @@ pub struct Removal {
     pub count: usize,
     /// Every key of the endpoint went (`AllBlocksCleared`, a publisher restart).
     pub cleared: bool,
+    /// The event batch's timestamp (the server's clock, seconds since the Unix epoch); none
+    /// for a publisher restart.
+    pub event_ts: Option<f64>,
 }
 
 /// One endpoint's state, for the pool view.
@@ -370,8 +373,8 @@ impl Linker {
                     block_hashes,
                     medium,
                     ..
-                } if *medium == Medium::Gpu => self.removed(endpoint, block_hashes),
-                KvEvent::AllBlocksCleared => self.clear(endpoint),
+                } if *medium == Medium::Gpu => self.removed(endpoint, block_hashes, batch.ts),
+                KvEvent::AllBlocksCleared => self.clear_at(endpoint, Some(batch.ts)),
                 _ => {}
             }
         }
@@ -382,6 +385,10 @@ impl Linker {
 
     /// Forgets `endpoint`'s blocks (its publisher restarted): every linked key is removed.
     pub fn clear(&mut self, endpoint: SocketAddr) {
+        self.clear_at(endpoint, None);
+    }
+
+    fn clear_at(&mut self, endpoint: SocketAddr, event_ts: Option<f64>) {
         let Some(ep) = self.endpoints.get_mut(&endpoint) else {
             return;
         };
@@ -396,7 +403,7 @@ impl Linker {
         ep.chains.clear();
         ep.chain_order.clear();
         ep.pending_blocks.clear();
-        self.record_removal(endpoint, keys, true);
+        self.record_removal(endpoint, keys, true, event_ts);
     }
 
     /// Forgets `endpoint` altogether (it left the pool).
@@ -534,7 +541,7 @@ impl Linker {
         }
     }
 
-    fn removed(&mut self, endpoint: SocketAddr, blocks: &[BlockHash]) {
+    fn removed(&mut self, endpoint: SocketAddr, blocks: &[BlockHash], event_ts: f64) {
         let Some(ep) = self.endpoints.get_mut(&endpoint) else {
             return;
         };
@@ -548,11 +555,17 @@ impl Linker {
             }
         }
         if !keys.is_empty() {
-            self.record_removal(endpoint, keys, false);
+            self.record_removal(endpoint, keys, false, Some(event_ts));
         }
     }
 
-    fn record_removal(&mut self, endpoint: SocketAddr, mut keys: Vec<BlockKey>, cleared: bool) {
+    fn record_removal(
+        &mut self,
+        endpoint: SocketAddr,
+        mut keys: Vec<BlockKey>,
+        cleared: bool,
+        event_ts: Option<f64>,
+    ) {
         if keys.is_empty() {
             return;
         }
@@ -566,6 +579,7 @@ impl Linker {
             keys,
             count,
             cleared,
+            event_ts: event_ts.filter(|t| t.is_finite()),
         });
         self.next_seq += 1;
         while self.removals.len() > self.settings.max_removals {
