@@ -296,6 +296,11 @@ impl Router {
         &self.keys
     }
 
+    /// Where each of [`Router::last_keys`] ends in the prompt, in bytes.
+    pub fn last_key_ends(&self) -> &[u32] {
+        self.hasher.ends()
+    }
+
     /// Scores of the last decision of the weighted scorer, in the order of
     /// [`Router::last_candidates`] (empty under the cost scorer).
     pub fn last_scores(&self) -> &[EndpointScore] {

@@ -12,8 +12,13 @@
 //!   no block identities, so the index is fed the engines' real cached blocks through the
 //!   causal join of the design (a request's text keys linked to the server blocks its prefill
 //!   stored): when a request's prompt is known cached on its endpoint (its first token came out
-//!   before the scrape), its keys are applied with [`Router::apply_remote`]. Evictions cannot be
-//!   applied: the index has no removal (its LRU bound stands in for them). Each endpoint's
+//!   before the scrape), its keys are applied with [`Router::apply_remote`]. Evictions are
+//!   applied as kvoy-aggregator's linker applies them at best: each key is linked to the engine
+//!   block that holds its last token (the simulation knows every request's blocks, where the
+//!   live linker matches lengths and leaves ambiguous decisions unlinked), and a
+//!   `BlockRemoved` makes the index forget the keys linked to that block and their suffix
+//!   ([`Router::apply_removal`]) [`REMOVAL_DELAY`] later, on a scrape (the live proxies took
+//!   25-154 ms from the event, `e2e/tests/envoy_removals.rs`). Each endpoint's
 //!   prefill rate is kvoy-aggregator's own online estimate ([`PrefillEstimator`]) from the
 //!   engines' prefill-time and computed-token histograms, observed as vLLM observes them (when
 //!   a request finishes); before it has enough evidence, the model's configured rate stands.
@@ -32,8 +37,12 @@ use kvoy_shared::{
     Scorer,
 };
 
+use kvoy_sim::engine::tokenizer::BYTES_PER_TOKEN;
+use kvoy_sim::engine::KvEvent;
+
 use super::{argmin_random, Policy, Prefilled, RouteRequest, View};
 use crate::rng::Rng;
+use crate::sim::block_hashes;
 
 /// The model name every simulated endpoint serves.
 pub const MODEL: &str = "sim";
@@ -98,11 +107,28 @@ struct Sent {
     answered: bool,
 }
 
+/// From a server's eviction to the proxies' index (aggregator mode): the proxies' decision
+/// exchange and the workers' tick.
+pub const REMOVAL_DELAY: Duration = Duration::from_millis(150);
+
+/// A request routed but not yet known cached (aggregator mode): its keys, where they end, and
+/// its engine blocks.
+struct Pending {
+    keys: Vec<BlockKey>,
+    ends: Vec<u32>,
+    blocks: Vec<u64>,
+}
+
 pub struct Kvoy {
     router: Router,
     aggregator: bool,
-    /// Keys of requests routed but not yet known cached (aggregator mode).
-    pending: HashMap<u64, Vec<BlockKey>>,
+    pending: HashMap<u64, Pending>,
+    /// Aggregator mode: the keys linked to each engine block, per endpoint.
+    links: Vec<HashMap<u64, Vec<BlockKey>>>,
+    /// Removals on their way to the index: when they arrive, the endpoint, the keys.
+    removals: Vec<(Duration, usize, Vec<BlockKey>)>,
+    /// Keys the removals made the index forget.
+    pub removed_keys: u64,
     /// What the filter keeps in its shared outstanding table, per endpoint.
     outstanding: Vec<Outstanding>,
     sent: HashMap<u64, Sent>,
@@ -128,6 +154,9 @@ impl Kvoy {
             router: Router::new(config(replicas, options, rates)?, seed),
             aggregator: options.aggregator,
             pending: HashMap::new(),
+            links: vec![HashMap::new(); replicas],
+            removals: Vec::new(),
+            removed_keys: 0,
             outstanding: vec![Outstanding::default(); replicas],
             sent: HashMap::new(),
             version: 0,
@@ -199,8 +228,18 @@ impl Policy for Kvoy {
         {
             Ok(decision) => {
                 if self.aggregator {
-                    self.pending
-                        .insert(request.id, self.router.last_keys().to_vec());
+                    let block_size = view.metrics.first().map_or(16, |m| m.block_size) as usize;
+                    let mut blocks = Vec::new();
+                    let tokens = kvoy_sim::engine::tokenizer::tokenize(request.text);
+                    block_hashes(&tokens, block_size.max(1), usize::MAX, &mut blocks);
+                    self.pending.insert(
+                        request.id,
+                        Pending {
+                            keys: self.router.last_keys().to_vec(),
+                            ends: self.router.last_key_ends().to_vec(),
+                            blocks,
+                        },
+                    );
                 }
                 let endpoint = decision.endpoint.index();
                 let charge = decision.charge;
@@ -251,10 +290,60 @@ impl Policy for Kvoy {
         let snapshot = self.snapshot(view);
         self.router.set_pool(live::live_pool(&snapshot, true));
         for p in prefilled {
-            if let Some(keys) = self.pending.remove(&p.request) {
-                self.router
-                    .apply_remote(EndpointId(p.endpoint as u16), &keys);
+            if let Some(pending) = self.pending.remove(&p.request) {
+                let id = EndpointId(p.endpoint as u16);
+                self.router.apply_remote(id, &pending.keys);
+                let block_size = view.metrics.get(p.endpoint).map_or(16, |m| m.block_size);
+                if let Some(links) = self.links.get_mut(p.endpoint) {
+                    link(links, &pending, block_size.max(1) as usize);
+                }
             }
+        }
+        let now = view.now;
+        let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.removals)
+            .into_iter()
+            .partition(|r| r.0 <= now);
+        self.removals = later;
+        for (_, endpoint, keys) in due {
+            self.removed_keys +=
+                self.router
+                    .apply_removal(EndpointId(endpoint as u16), &keys) as u64;
+        }
+    }
+
+    fn on_kv_events(&mut self, endpoint: usize, events: &[KvEvent], now: Duration) {
+        if !self.aggregator {
+            return;
+        }
+        let Some(links) = self.links.get_mut(endpoint) else {
+            return;
+        };
+        let mut keys = Vec::new();
+        for e in events {
+            match e {
+                KvEvent::BlockRemoved { block_hashes, .. } => {
+                    for h in block_hashes {
+                        keys.extend(links.remove(h).into_iter().flatten());
+                    }
+                }
+                // The index forgets the endpoint with its cache generation.
+                KvEvent::AllBlocksCleared => links.clear(),
+                KvEvent::BlockStored { .. } => {}
+            }
+        }
+        if !keys.is_empty() {
+            self.removals.push((now + REMOVAL_DELAY, endpoint, keys));
+        }
+    }
+}
+
+/// Links each key of a cached request to the block holding its last token (keys in a partial
+/// last block stay unlinked: no event names that block).
+fn link(links: &mut HashMap<u64, Vec<BlockKey>>, pending: &Pending, block_size: usize) {
+    for (key, &end) in pending.keys.iter().zip(&pending.ends) {
+        let last_token = (end as usize).div_ceil(BYTES_PER_TOKEN).saturating_sub(1);
+        if let Some(block) = pending.blocks.get(last_token / block_size) {
+            links.entry(*block).or_default().push(*key);
         }
     }
 }
@@ -340,6 +429,66 @@ mod tests {
             prompt_tokens: 0,
         };
         assert_ne!(p.pick(&req3, &view), first, "the hot-spot guard spills");
+    }
+
+    #[test]
+    fn an_engines_eviction_reaches_the_index_after_the_relay_delay() {
+        let options = KvoyOptions {
+            aggregator: true,
+            scorer: Scorer::Cost,
+            prefill_tokens_per_s: 25_000.0,
+            kv_capacity_tokens: 409_600,
+        };
+        let mut p = Kvoy::new(2, 1, &options, &[]).unwrap();
+        let inflight = [0u32; 2];
+        let mut metrics = [EndpointMetrics::default(); 2];
+        for m in &mut metrics {
+            m.block_size = 16;
+        }
+        let view = |now| View {
+            now,
+            inflight: &inflight,
+            metrics: &metrics,
+        };
+        // 2,000 bytes: 500 tokens, 31 full blocks of 16; keys of 64 bytes (16 tokens) each.
+        let text = "abcd".repeat(500);
+        let b = body(&text);
+        let req = RouteRequest {
+            id: 1,
+            text: &text,
+            body: &b,
+            prompt_tokens: 500,
+        };
+        let e = p.pick(&req, &view(Duration::ZERO));
+        let keys = p.router().last_keys().to_vec();
+        let mut blocks = Vec::new();
+        block_hashes(
+            &kvoy_sim::engine::tokenizer::tokenize(&text),
+            16,
+            usize::MAX,
+            &mut blocks,
+        );
+        p.on_scrape(
+            &view(Duration::from_millis(50)),
+            &[Prefilled {
+                endpoint: e,
+                request: 1,
+            }],
+        );
+        let id = EndpointId(e as u16);
+        let held = p.router().index().matched(id, &keys);
+        assert!(held >= 20, "{held} of {} keys held", keys.len());
+        // The engine evicts the block holding the 11th key's last token (block 10).
+        let removed = KvEvent::BlockRemoved {
+            block_hashes: vec![blocks[10]],
+            medium: kvoy_sim::engine::MEDIUM_GPU,
+        };
+        p.on_kv_events(e, &[removed], Duration::from_millis(60));
+        p.on_scrape(&view(Duration::from_millis(100)), &[]);
+        assert_eq!(p.router().index().matched(id, &keys), held, "not yet");
+        p.on_scrape(&view(Duration::from_millis(60) + REMOVAL_DELAY), &[]);
+        assert_eq!(p.router().index().matched(id, &keys), 10);
+        assert_eq!(p.removed_keys, (held - 10) as u64);
     }
 
     #[test]
