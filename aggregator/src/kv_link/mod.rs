@@ -114,6 +114,8 @@ pub struct LinkSettings {
     pub max_removal_keys: usize,
     /// Matching runs on a tick at most this often (ageing on every tick).
     pub match_interval: Duration,
+    /// Chains in a decision's window at most before it counts as ambiguous outright.
+    pub max_candidates: usize,
 }
 
 impl Default for LinkSettings {
@@ -141,6 +143,7 @@ impl Default for LinkSettings {
             max_removal_keys: 4096,
             max_matches_per_tick: 16,
             match_interval: Duration::from_millis(50),
+            max_candidates: 16,
         }
     }
 }
@@ -602,17 +605,22 @@ impl Linker {
         }
         // Each link can make another decision's anchor (its previous turn) known, and each
         // drop changes who fits what: recompute after either, a bounded number of times.
+        // Where the chains fork changes only with a link (drops change who fits, not where).
+        let mut cached: Option<(Vec<(u64, Fork)>, ForkBuckets)> = None;
         for pass in 0.. {
             if pass == s.max_matches_per_tick {
                 ep.dirty = true;
                 break;
             }
-            let forks: Vec<(u64, Fork)> = ep
-                .chain_order
-                .iter()
-                .filter_map(|&id| ep.fork(id).map(|f| (id, f)))
-                .collect();
-            let buckets = ForkBuckets::new(ep, &s, &forks);
+            let (forks, buckets) = &*cached.get_or_insert_with(|| {
+                let forks: Vec<(u64, Fork)> = ep
+                    .chain_order
+                    .iter()
+                    .filter_map(|&id| ep.fork(id).map(|f| (id, f)))
+                    .collect();
+                let buckets = ForkBuckets::new(ep, &s, &forks);
+                (forks, buckets)
+            });
             // A later turn waits for its earlier turn's decision: until that one is linked its
             // anchor would be the root, and a root prediction fits the earlier turn's chain.
             let lasts: HashSet<BlockKey> = ep
@@ -620,6 +628,10 @@ impl Linker {
                 .values()
                 .filter_map(|d| d.keys.last().copied())
                 .collect();
+            // A decision with more chains in its window than `max_candidates` cannot be told
+            // apart from them (many concurrent prompts of one length): dropped as ambiguous at
+            // once, its chains contested, without trying each pair.
+            let mut crowded: Vec<(u64, Vec<usize>)> = Vec::new();
             let table: Vec<(u64, Vec<usize>)> = ep
                 .decision_order
                 .iter()
@@ -630,8 +642,12 @@ impl Linker {
                         return None;
                     }
                     let anchor = ep.anchor_of(d);
-                    let mut fitting: Vec<usize> = buckets
-                        .near(ep, &s, d, &anchor)
+                    let near = buckets.near(ep, &s, d, &anchor);
+                    if near.len() > s.max_candidates {
+                        crowded.push((did, near));
+                        return None;
+                    }
+                    let mut fitting: Vec<usize> = near
                         .into_iter()
                         .filter(|&i| {
                             let (cid, f) = &forks[i];
@@ -647,6 +663,21 @@ impl Linker {
                     Some((did, fitting))
                 })
                 .collect();
+            if !crowded.is_empty() {
+                for (did, near) in crowded {
+                    if ep.decisions.remove(&did).is_some() {
+                        c.unlinked_ambiguous += 1;
+                    }
+                    for i in near {
+                        if let Some(ch) = ep.chains.get_mut(&forks[i].0) {
+                            ch.contested = true;
+                        }
+                    }
+                }
+                ep.decision_order.retain(|id| ep.decisions.contains_key(id));
+                // The others' rivals changed: match again.
+                continue;
+            }
             // Which decisions fit each chain, for the rivals of a pick.
             let mut fitted_by: HashMap<usize, Vec<u64>> = HashMap::new();
             for (did, cs) in &table {
@@ -659,9 +690,17 @@ impl Linker {
                 .enumerate()
                 .map(|(i, (d, _))| (*d, i))
                 .collect();
+            // A link changes the tree, hence forks and anchors: the pass ends after one. A drop
+            // of an ambiguous group does not; the pass goes on with the decisions none of whose
+            // chains it touched (their table rows still hold).
             let mut changed = false;
+            let mut linked = false;
+            let mut touched: HashSet<usize> = HashSet::new();
             for (did, candidates) in &table {
-                if candidates.is_empty() {
+                if candidates.is_empty()
+                    || !ep.decisions.contains_key(did)
+                    || candidates.iter().any(|ci| touched.contains(ci))
+                {
                     continue;
                 }
                 let settled = candidates.iter().all(|&ci| {
@@ -675,7 +714,7 @@ impl Linker {
                 // Several chains that all descend from the best fitting one are the prompt and
                 // its own continuation (decode blocks, or a next turn's chain relayed late):
                 // the best one is the prefill, the rest are taken in without keys.
-                let best = ep.best(&s, *did, candidates, &forks);
+                let best = ep.best(&s, *did, candidates, forks);
                 let nested = best.is_some_and(|b| {
                     candidates
                         .iter()
@@ -690,6 +729,7 @@ impl Linker {
                     .iter()
                     .flat_map(|ci| fitted_by.get(ci).into_iter().flatten().copied())
                     .collect();
+                rivals.retain(|r| ep.decisions.contains_key(r));
                 rivals.sort_unstable_by_key(|d| order.get(d).copied().unwrap_or(usize::MAX));
                 rivals.dedup();
                 if chosen.len() == 1 && rivals == [*did] {
@@ -718,6 +758,9 @@ impl Linker {
                             }
                         }
                     }
+                    changed = true;
+                    linked = true;
+                    break;
                 } else {
                     // Several fit: none of them can be told apart, now or later.
                     for r in &rivals {
@@ -738,9 +781,14 @@ impl Linker {
                             ch.contested = true;
                         }
                     }
+                    // A decision that fits one of these chains sees them differently now (the
+                    // rivals' other chains are not: a rival gone only leaves fewer rivals).
+                    touched.extend(candidates.iter().copied());
+                    changed = true;
                 }
-                changed = true;
-                break;
+            }
+            if linked {
+                cached = None;
             }
             ep.decision_order.retain(|id| ep.decisions.contains_key(id));
             ep.chain_order.retain(|id| ep.chains.contains_key(id));

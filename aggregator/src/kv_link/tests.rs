@@ -631,3 +631,33 @@ fn a_burst_of_first_turns_links_over_a_few_ticks() {
     let c = l.counters();
     assert_eq!((c.decisions_linked, c.unlinked_ambiguous), (12, 0));
 }
+
+#[test]
+fn many_concurrent_prompts_of_one_length_are_dropped_as_ambiguous_in_one_tick() {
+    let mut l = linker();
+    let t0 = Instant::now();
+    // 40 first turns of 4 blocks and 40 chains of 4 blocks: each decision fits every chain.
+    let decisions: Vec<_> = (0..40u64)
+        .map(|i| decision(1, keys(10_000 + i * 10, 4)))
+        .collect();
+    l.decisions(&decisions, t0);
+    for i in 0..40u64 {
+        l.events(
+            ep(1),
+            &batch(vec![stored(i * 100..i * 100 + 4, None)]),
+            ms(t0, 10),
+        );
+    }
+    l.tick(ms(t0, 600));
+    let c = l.counters();
+    assert_eq!((c.decisions_linked, c.unlinked_ambiguous), (0, 40));
+    assert_eq!(l.endpoint(ep(1)).pending_decisions, 0);
+    // Two more of that length, relayed just after the chains: still ambiguous (the chains are
+    // contested and each other's rival).
+    l.decisions(
+        &[decision(1, keys(90_000, 4)), decision(1, keys(91_000, 4))],
+        ms(t0, 20),
+    );
+    l.tick(ms(t0, 700));
+    assert_eq!(l.counters().decisions_linked, 0);
+}
