@@ -154,3 +154,59 @@ impl Drop for LocalAggregator {
         self.kill();
     }
 }
+
+/// Simulators publishing their KV events and an in-process aggregator following them, the
+/// pool most aggregator tests start from. Fields drop in order: the aggregator, then the
+/// simulators.
+pub struct FollowedPool {
+    pub agg: LocalAggregator,
+    pub sims: Vec<crate::PublishingSim>,
+    /// A fresh directory for this run's configuration files and proxies.
+    pub run_dir: std::path::PathBuf,
+}
+
+impl FollowedPool {
+    /// `sims` simulators started with `sim_args` (serving `model`), an aggregator with
+    /// `settings` (YAML lines before its `endpoints`) following them, ready; files under
+    /// `$CARGO_TARGET_TMPDIR/kvoy-e2e/{run}-{pid}`.
+    pub fn start(
+        target_tmp: &str,
+        run: &str,
+        sims: usize,
+        sim_args: &[&str],
+        model: &str,
+        settings: &str,
+    ) -> anyhow::Result<FollowedPool> {
+        let sims: Vec<crate::PublishingSim> = (0..sims)
+            .map(|_| crate::PublishingSim::start(sim_args, false))
+            .collect::<anyhow::Result<_>>()
+            .with_context(|| format!("[{run}] could not start a simulator"))?;
+        let run_dir = std::path::PathBuf::from(target_tmp)
+            .join("kvoy-e2e")
+            .join(format!("{run}-{}", std::process::id()));
+        std::fs::create_dir_all(&run_dir)?;
+        let aggregated: Vec<AggregatedEndpoint> = sims
+            .iter()
+            .map(|s| AggregatedEndpoint {
+                address: s.addr,
+                models: vec![model.into()],
+                kv_events: Some((s.kv.clone(), None)),
+            })
+            .collect();
+        let agg = LocalAggregator::start(
+            &run_dir.join("aggregator.yaml"),
+            &aggregator_yaml(settings, &aggregated),
+            "127.0.0.1:0".parse()?,
+        )?;
+        agg.wait_ready(sims.len(), std::time::Duration::from_secs(10));
+        Ok(FollowedPool { agg, sims, run_dir })
+    }
+
+    /// The simulators as a proxy's configured pool.
+    pub fn endpoints(&self, model: &str) -> Vec<crate::PoolEndpoint> {
+        self.sims
+            .iter()
+            .map(|s| crate::PoolEndpoint::new(s.addr, &[model]))
+            .collect()
+    }
+}

@@ -38,7 +38,7 @@ mod sim;
 mod stack;
 pub mod webdriver;
 
-pub use aggregator::{aggregator_yaml, AggregatedEndpoint, LocalAggregator};
+pub use aggregator::{aggregator_yaml, AggregatedEndpoint, FollowedPool, LocalAggregator};
 pub use bootstrap::{
     kvoy_config, prefix_affinity_config, quoted_contents, render_bootstrap, render_bootstrap_file,
     BootstrapParams, PoolEndpoint, RenderError,

@@ -18,14 +18,10 @@
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use kvoy_e2e::http;
-use kvoy_e2e::{
-    aggregator_yaml, AggregatedEndpoint, LocalAggregator, PoolEndpoint, PublishingSim, Stack,
-    StackConfig,
-};
+use kvoy_e2e::{FollowedPool, Stack, StackConfig};
 use serde_json::json;
 
 const NAME: &str = "eviction";
@@ -36,21 +32,17 @@ const FLOOD: usize = 96;
 /// What the acceptance allows between the eviction and the routing that no longer counts on it.
 const AFTER_EVICTION: Duration = Duration::from_millis(200);
 
-/// One simulator publishing its KV events, with a small cache.
-fn start_sim() -> PublishingSim {
-    let args = [
-        "--model",
-        MODEL,
-        "--speedup",
-        "10",
-        "--block-size",
-        "16",
-        "--num-gpu-blocks",
-        "128",
-    ];
-    PublishingSim::start(&args, false)
-        .unwrap_or_else(|e| panic!("[{NAME}] could not start a simulator: {e:#}"))
-}
+/// The simulators publish their KV events and have small caches.
+const SIM_ARGS: [&str; 8] = [
+    "--model",
+    MODEL,
+    "--speedup",
+    "10",
+    "--block-size",
+    "16",
+    "--num-gpu-blocks",
+    "128",
+];
 
 /// About 1 KB: 16 blocks of the simulators' caches.
 fn conversation(i: usize, turn: usize) -> Vec<u8> {
@@ -111,63 +103,49 @@ fn back(proxy: SocketAddr, base: usize, placed: &[String]) -> usize {
 /// Four simulators, an aggregator following their KV events, an Envoy polling it
 /// (`counted`) and one with only its configured pool (`alone`).
 struct Fixture {
-    // Fields drop in order: the proxies, the aggregator, then the simulators.
+    // Fields drop in order: the proxies, then the aggregator and the simulators.
     counted: Stack,
     alone: Stack,
-    agg: LocalAggregator,
-    sims: Vec<PublishingSim>,
+    pool: FollowedPool,
 }
 
 impl Fixture {
     fn start(run: &str) -> Fixture {
-        let sims: Vec<PublishingSim> = (0..4).map(|_| start_sim()).collect();
-        let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-            .join("kvoy-e2e")
-            .join(format!("{NAME}-{run}-{}", std::process::id()));
-        std::fs::create_dir_all(&run_dir).unwrap();
-        let aggregated: Vec<AggregatedEndpoint> = sims
-            .iter()
-            .map(|s| AggregatedEndpoint {
-                address: s.addr,
-                models: vec![MODEL.into()],
-                kv_events: Some((s.kv.clone(), None)),
-            })
-            .collect();
-        let agg = LocalAggregator::start(
-            &run_dir.join("aggregator.yaml"),
-            &aggregator_yaml("scrape_interval_ms: 50\n", &aggregated),
-            "127.0.0.1:0".parse().unwrap(),
+        let pool = FollowedPool::start(
+            env!("CARGO_TARGET_TMPDIR"),
+            &format!("{NAME}-{run}"),
+            4,
+            &SIM_ARGS,
+            MODEL,
+            "scrape_interval_ms: 50\n",
         )
         .unwrap();
-        agg.wait_ready(4, Duration::from_secs(10));
-        let endpoints: Vec<PoolEndpoint> = sims
-            .iter()
-            .map(|s| PoolEndpoint::new(s.addr, &[MODEL]))
-            .collect();
-        let mut config = StackConfig::new(endpoints.clone(), run_dir.join("counted"));
-        config.aggregator = Some(agg.addr());
+        let endpoints = pool.endpoints(MODEL);
+        let mut config = StackConfig::new(endpoints.clone(), pool.run_dir.join("counted"));
+        config.aggregator = Some(pool.agg.addr());
         let counted = Stack::start(&config).unwrap();
-        let alone = Stack::start(&StackConfig::new(endpoints, run_dir.join("alone"))).unwrap();
+        let alone = Stack::start(&StackConfig::new(endpoints, pool.run_dir.join("alone"))).unwrap();
         std::thread::sleep(Duration::from_millis(500));
 
         Fixture {
             counted,
             alone,
-            agg,
-            sims,
+            pool,
         }
     }
 }
 
 impl Fixture {
     fn snapshot_bytes(&self) -> f64 {
-        self.agg
+        self.pool
+            .agg
             .metric("kvoy_aggregator_snapshot_bytes_total")
             .unwrap()
     }
 
     fn incremental_polls(&self) -> f64 {
-        self.agg
+        self.pool
+            .agg
             .metric(r#"kvoy_aggregator_snapshot_requests_total{kind="incremental"}"#)
             .unwrap()
     }
@@ -223,7 +201,7 @@ fn a_reset_cache_stops_attracting_its_requests() {
     let placed_alone = place(f.alone.listen, 1000);
     // vLLM's /reset_prefix_cache on every server: its AllBlocksCleared event bumps the
     // endpoint's cache generation in the aggregator's snapshot.
-    for sim in &f.sims {
+    for sim in &f.pool.sims {
         let r = http::send(sim.addr, "POST", "/reset_prefix_cache", &[], b"", TIMEOUT).unwrap();
         assert_eq!(r.status, 200, "{}", r.text());
     }

@@ -21,14 +21,10 @@
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use kvoy_e2e::http;
-use kvoy_e2e::{
-    aggregator_yaml, AggregatedEndpoint, LocalAggregator, PoolEndpoint, PublishingSim, Stack,
-    StackConfig,
-};
+use kvoy_e2e::{FollowedPool, Stack, StackConfig};
 use kvoy_shared::relay::DecisionBatch;
 use serde_json::{json, Value};
 
@@ -43,21 +39,6 @@ const THINK: Duration = Duration::from_millis(300);
 const SETTLE: Duration = Duration::from_millis(1_500);
 /// Prompts of about 16 blocks each that evict some of the conversations (the oldest first).
 const FLOOD: usize = 20;
-
-fn start_sim(blocks: &str) -> PublishingSim {
-    let args = [
-        "--model",
-        MODEL,
-        "--speedup",
-        "10",
-        "--block-size",
-        "16",
-        "--num-gpu-blocks",
-        blocks,
-    ];
-    PublishingSim::start(&args, false)
-        .unwrap_or_else(|e| panic!("[{NAME}] could not start a simulator: {e:#}"))
-}
 
 fn send(proxy: SocketAddr, body: &[u8]) -> String {
     let r = http::post_json(proxy, "/v1/chat/completions", &[], body, TIMEOUT).unwrap();
@@ -217,34 +198,27 @@ fn run(
 fn relayed_decisions_link_to_server_blocks_and_removals_name_their_keys() {
     // 256 blocks each: the conversations fit (about 120 blocks each); with the flood (about 16
     // blocks a prompt, 20 prompts) they do not, and the oldest go first.
-    let sims: Vec<PublishingSim> = (0..2).map(|_| start_sim("256")).collect();
-    let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("kvoy-e2e")
-        .join(format!("{NAME}-{}", std::process::id()));
-    std::fs::create_dir_all(&run_dir).unwrap();
-    let aggregated: Vec<AggregatedEndpoint> = sims
-        .iter()
-        .map(|s| AggregatedEndpoint {
-            address: s.addr,
-            models: vec![MODEL.into()],
-            kv_events: Some((s.kv.clone(), None)),
-        })
-        .collect();
-    let agg = LocalAggregator::start(
-        &run_dir.join("aggregator.yaml"),
-        &aggregator_yaml(
-            "scrape_interval_ms: 50\nlinks: {enabled: true, tolerance: 0, slack_tokens: 0}\n",
-            &aggregated,
-        ),
-        "127.0.0.1:0".parse().unwrap(),
+    let sim_args = [
+        "--model",
+        MODEL,
+        "--speedup",
+        "10",
+        "--block-size",
+        "16",
+        "--num-gpu-blocks",
+        "256",
+    ];
+    let pool = FollowedPool::start(
+        env!("CARGO_TARGET_TMPDIR"),
+        NAME,
+        2,
+        &sim_args,
+        MODEL,
+        "scrape_interval_ms: 50\nlinks: {enabled: true, tolerance: 0, slack_tokens: 0}\n",
     )
     .unwrap();
-    agg.wait_ready(2, Duration::from_secs(10));
-    let endpoints: Vec<PoolEndpoint> = sims
-        .iter()
-        .map(|s| PoolEndpoint::new(s.addr, &[MODEL]))
-        .collect();
-    let mut config = StackConfig::new(endpoints, run_dir.join("proxy"));
+    let (agg, sims) = (&pool.agg, &pool.sims);
+    let mut config = StackConfig::new(pool.endpoints(MODEL), pool.run_dir.join("proxy"));
     config.aggregator = Some(agg.addr());
     let proxy = Stack::start(&config).unwrap();
     std::thread::sleep(Duration::from_millis(500));

@@ -13,14 +13,10 @@
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use kvoy_e2e::http;
-use kvoy_e2e::{
-    aggregator_yaml, AggregatedEndpoint, LocalAggregator, PoolEndpoint, PublishingSim, Stack,
-    StackConfig,
-};
+use kvoy_e2e::{FollowedPool, Stack, StackConfig};
 use serde_json::{json, Value};
 
 const NAME: &str = "removals";
@@ -33,20 +29,17 @@ const WARM_UP: usize = 16;
 const REMOVED: &str = "kvoy_prefix_affinity_removed_keys_total";
 const MATCHED: &str = "kvoy_prefix_affinity_prefix_blocks_matched_total";
 
-fn start_sim() -> PublishingSim {
-    let args = [
-        "--model",
-        MODEL,
-        "--speedup",
-        "10",
-        "--block-size",
-        "16",
-        "--num-gpu-blocks",
-        "128",
-    ];
-    PublishingSim::start(&args, false)
-        .unwrap_or_else(|e| panic!("[{NAME}] could not start a simulator: {e:#}"))
-}
+/// Small caches: 128 blocks of 16 tokens.
+const SIM_ARGS: [&str; 8] = [
+    "--model",
+    MODEL,
+    "--speedup",
+    "10",
+    "--block-size",
+    "16",
+    "--num-gpu-blocks",
+    "128",
+];
 
 fn turn(t: usize) -> Vec<u8> {
     let mut messages = vec![json!({"role": "system", "content":
@@ -127,32 +120,18 @@ fn counter(proxy: &Stack, name: &str, now: bool) -> u64 {
 
 #[test]
 fn an_eviction_the_servers_report_ends_that_prefixs_affinity_at_the_proxy() {
-    let sims: Vec<PublishingSim> = (0..2).map(|_| start_sim()).collect();
-    let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("kvoy-e2e")
-        .join(format!("{NAME}-{}", std::process::id()));
-    std::fs::create_dir_all(&run_dir).unwrap();
-    let aggregated: Vec<AggregatedEndpoint> = sims
-        .iter()
-        .map(|s| AggregatedEndpoint {
-            address: s.addr,
-            models: vec![MODEL.into()],
-            kv_events: Some((s.kv.clone(), None)),
-        })
-        .collect();
     // The linker at its defaults: on, with its tolerance.
-    let agg = LocalAggregator::start(
-        &run_dir.join("aggregator.yaml"),
-        &aggregator_yaml("scrape_interval_ms: 50\n", &aggregated),
-        "127.0.0.1:0".parse().unwrap(),
+    let pool = FollowedPool::start(
+        env!("CARGO_TARGET_TMPDIR"),
+        NAME,
+        2,
+        &SIM_ARGS,
+        MODEL,
+        "scrape_interval_ms: 50\n",
     )
     .unwrap();
-    agg.wait_ready(2, Duration::from_secs(10));
-    let endpoints: Vec<PoolEndpoint> = sims
-        .iter()
-        .map(|s| PoolEndpoint::new(s.addr, &[MODEL]))
-        .collect();
-    let mut config = StackConfig::new(endpoints, run_dir.join("proxy"));
+    let (agg, sims) = (&pool.agg, &pool.sims);
+    let mut config = StackConfig::new(pool.endpoints(MODEL), pool.run_dir.join("proxy"));
     config.aggregator = Some(agg.addr());
     let proxy = Stack::start(&config).unwrap();
     std::thread::sleep(Duration::from_millis(500));
