@@ -56,6 +56,8 @@ pub struct ApiCounters {
     pub decisions_sent: AtomicU64,
     /// Removal records sent to proxies (pieces of at most a wire record's keys).
     pub removals_sent: AtomicU64,
+    /// Decisions not linked: their proxy keys prompts with another schedule than the linker.
+    pub link_schedule_mismatches: AtomicU64,
     pub decision_bytes_in: AtomicU64,
     pub decision_bytes_out: AtomicU64,
     /// Connections open now.
@@ -515,6 +517,12 @@ impl Api {
         let limit = decisions_limit(query);
         // A proxy that asks for removals gets them (format 2); one that does not, format 1.
         let removals_since = query_u64(query, "removals_since");
+        // The proxy's key schedule, when it names one (older filters do not).
+        let schedule = query
+            .split('&')
+            .filter_map(|pair| pair.split_once('='))
+            .rfind(|(k, _)| *k == relay::SCHEDULE_PARAM)
+            .map(|(_, v)| relay::parse_schedule(v));
         let body = match Limited::new(req.into_body(), relay::MAX_BATCH_BYTES)
             .collect()
             .await
@@ -571,7 +579,25 @@ impl Api {
             .fetch_add((received - kept.len()) as u64, Ordering::Relaxed);
         self.page.count_routed(kept.iter().map(|d| d.endpoint));
         if let Ok(mut l) = self.links.lock() {
-            l.decisions(&kept, std::time::Instant::now());
+            // Keys made with another schedule than the linker's would link to the wrong blocks
+            // (and their removals forget the wrong prefixes): such a proxy's are not linked.
+            let expected = l.settings().schedule;
+            match schedule {
+                Some(named) if named != Some(expected) => {
+                    let before = c
+                        .link_schedule_mismatches
+                        .fetch_add(kept.len() as u64, Ordering::Relaxed);
+                    if before == 0 {
+                        log::warn!(
+                            "POST {}: a proxy keys prompts with schedule {}, the linker expects {} (links: in pool.yaml must have the filters' block_size, max_blocks, dense_blocks, blocks_per_doubling): its decisions are relayed, not linked (counted in kvoy_aggregator_decisions_unlinked_schedule_total)",
+                            relay::PATH,
+                            named.map_or_else(|| "(unreadable)".to_owned(), |s| relay::schedule_param(&s)),
+                            relay::schedule_param(&expected)
+                        );
+                    }
+                }
+                _ => l.decisions(&kept, std::time::Instant::now()),
+            }
         }
         let (decisions, next) = {
             let Ok(mut relay) = self.relay.lock() else {
@@ -1011,6 +1037,16 @@ pub fn render_metrics(
             c.load(Ordering::Relaxed) as f64,
         );
     }
+    f.head(
+        "kvoy_aggregator_decisions_unlinked_schedule_total",
+        "counter",
+        "Relayed decisions not linked to the servers' blocks: their proxy keys prompts with another block schedule than links: in pool.yaml.",
+    );
+    f.sample(
+        "kvoy_aggregator_decisions_unlinked_schedule_total",
+        &[],
+        api.link_schedule_mismatches.load(Ordering::Relaxed) as f64,
+    );
     f.head(
         "kvoy_aggregator_removals_sent_total",
         "counter",

@@ -199,6 +199,7 @@ fn decisions_travel_between_proxies_for_pool_members_only() {
             removals: vec![]
         })
     );
+
     // Malformed batches and other methods are refused, not stored.
     let (status, _, _) = request(api, "POST", PATH, "", b"KVDR\x01garbage");
     assert_eq!(status, 400);
@@ -338,4 +339,50 @@ fn relayed_decisions_wait_for_kv_events_to_link() {
     ] {
         assert!(metrics.contains(line), "{line} missing");
     }
+}
+
+#[test]
+fn a_proxy_keying_with_another_schedule_is_relayed_not_linked() {
+    let a = free_port();
+    let (_rt, agg) = start(&format!(
+        "endpoints: [{{address: '127.0.0.1:{a}', models: [m]}}]\n"
+    ));
+    let api = agg.local_addr();
+    let ea: SocketAddr = format!("127.0.0.1:{a}").parse().unwrap();
+    // A proxy keying prompts with another block schedule than the linker's: its decisions are
+    // relayed, not linked (counted); one with the linker's schedule is linked as usual.
+    let unlinked = |api| {
+        let (_, _, m) = request(api, "GET", "/metrics", "", b"");
+        String::from_utf8_lossy(&m)
+            .lines()
+            .find_map(|l| l.strip_prefix("kvoy_aggregator_decisions_unlinked_schedule_total "))
+            .map(|v| v.trim().parse::<f64>().unwrap())
+            .unwrap()
+    };
+    assert_eq!(unlinked(api), 0.0);
+    let mut one = Vec::new();
+    DecisionBatch {
+        proxy: 3,
+        decisions: vec![decision(ea, &[5, 6])],
+        ..Default::default()
+    }
+    .encode(&mut one);
+    for (schedule, counted) in [
+        ("32.512.128.64", 1.0),
+        ("64.512.128.64", 1.0),
+        ("junk", 2.0),
+    ] {
+        let path = format!("{PATH}?since=0&schedule={schedule}");
+        assert_eq!(request(api, "POST", &path, "", &one).0, 200);
+        assert_eq!(unlinked(api), counted, "schedule {schedule}");
+    }
+    // Only the matching proxy's decision waits in the linker for its server's blocks.
+    let (_, _, pool) = request(api, "GET", "/v1/pool", "", b"");
+    let pool: serde_json::Value = serde_json::from_slice(&pool).unwrap();
+    assert_eq!(
+        pool["links"]["endpoints"][ea.to_string()]["pending_decisions"],
+        1,
+        "{}",
+        pool["links"]
+    );
 }

@@ -36,7 +36,7 @@ use std::net::SocketAddr;
 
 use thiserror::Error;
 
-use crate::prefix::BlockKey;
+use crate::prefix::{BlockKey, KeySchedule};
 use crate::replica::{decode_address, encode_address, ADDRESS_BYTES};
 
 /// The HTTP `Content-Type` of an encoded [`DecisionBatch`].
@@ -51,6 +51,28 @@ const FORMAT_DECISIONS: u8 = 1;
 const FORMAT_REMOVALS: u8 = 2;
 /// Address, key count.
 const DECISION_HEADER_BYTES: usize = ADDRESS_BYTES + 2;
+
+/// The exchange's query parameter that names the proxy's key schedule
+/// (`block_size.max_keys.dense.group`, see [`schedule_param`]): the aggregator links decisions
+/// to the servers' blocks only for proxies keying prompts as its linker expects.
+pub const SCHEDULE_PARAM: &str = "schedule";
+
+/// A key schedule as [`SCHEDULE_PARAM`]'s value.
+pub fn schedule_param(s: &KeySchedule) -> String {
+    format!("{}.{}.{}.{}", s.block_size, s.max_keys, s.dense, s.group)
+}
+
+/// [`schedule_param`]'s value read back; `None` for anything else.
+pub fn parse_schedule(value: &str) -> Option<KeySchedule> {
+    let mut parts = value.split('.').map(|p| p.parse::<usize>().ok());
+    let schedule = KeySchedule {
+        block_size: parts.next()??,
+        max_keys: parts.next()??,
+        dense: parts.next()??,
+        group: parts.next()??,
+    };
+    parts.next().is_none().then_some(schedule)
+}
 
 /// Decisions one batch carries at most.
 pub const MAX_DECISIONS: usize = 4_096;
@@ -431,6 +453,28 @@ mod tests {
             (plain[4], plain.len()),
             (1, HEADER_BYTES + DECISION_HEADER_BYTES + 8)
         );
+    }
+
+    #[test]
+    fn a_key_schedule_round_trips_as_a_query_value() {
+        let s = KeySchedule {
+            block_size: 64,
+            max_keys: 512,
+            dense: 128,
+            group: 64,
+        };
+        assert_eq!(schedule_param(&s), "64.512.128.64");
+        assert_eq!(parse_schedule(&schedule_param(&s)), Some(s));
+        for bad in [
+            "",
+            "64",
+            "64.512.128",
+            "64.512.128.64.1",
+            "64.x.128.64",
+            "-1.2.3.4",
+        ] {
+            assert_eq!(parse_schedule(bad), None, "{bad:?}");
+        }
     }
 
     #[test]

@@ -167,6 +167,16 @@ const TYPICAL_ALPHA: f64 = 0.05;
 /// keeps for an endpoint: a quarter more, for the lag of the report and the keys' spans.
 pub const CACHED_KEYS_SLACK: f64 = 1.25;
 
+/// The block schedule a configuration keys prompts with.
+fn key_schedule(config: &PluginConfig) -> KeySchedule {
+    KeySchedule {
+        block_size: config.block_size,
+        max_keys: config.max_blocks,
+        dense: config.dense_blocks,
+        group: config.blocks_per_doubling,
+    }
+}
+
 impl Router {
     /// `seed` drives tie-breaks and keys the index's hash maps.
     pub fn new(config: PluginConfig, seed: u64) -> Self {
@@ -175,12 +185,7 @@ impl Router {
             config.lru_blocks_per_endpoint,
             seed.rotate_left(17),
         );
-        let hasher = PrefixHasher::with_schedule(KeySchedule {
-            block_size: config.block_size,
-            max_keys: config.max_blocks,
-            dense: config.dense_blocks,
-            group: config.blocks_per_doubling,
-        });
+        let hasher = PrefixHasher::with_schedule(key_schedule(&config));
         Router {
             pool: config.pool.clone(),
             config,
@@ -294,6 +299,11 @@ impl Router {
     /// Prefix keys of the last request routed by [`Router::route_body`] (empty otherwise).
     pub fn last_keys(&self) -> &[BlockKey] {
         &self.keys
+    }
+
+    /// How this router keys prompts (its configuration's block schedule).
+    pub fn key_schedule(&self) -> KeySchedule {
+        key_schedule(&self.config)
     }
 
     /// Where each of [`Router::last_keys`] ends in the prompt, in bytes.

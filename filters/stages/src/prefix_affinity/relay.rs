@@ -123,10 +123,12 @@ impl Relay {
         }
         .encode(&mut self.scratch);
         let path = format!(
-            "{}?since={}&limit={RELAYED_PER_EXCHANGE}&removals_since={}",
+            "{}?since={}&limit={RELAYED_PER_EXCHANGE}&removals_since={}&{}={}",
             relay::PATH,
             self.cursor,
-            self.removal_cursor
+            self.removal_cursor,
+            relay::SCHEDULE_PARAM,
+            relay::schedule_param(&router.key_schedule())
         );
         match call_aggregator(
             settings,
