@@ -252,27 +252,28 @@ fn decisions_limit(query: &str) -> usize {
 
 /// The value of `name` in a query string as a number (the last `name` counts); absent or
 /// unparsable is `None`.
-fn query_u64(query: &str, name: &str) -> Option<u64> {
+/// The value of the last `name` in a query string (`""` for a bare `name`).
+fn query_value<'a>(query: &'a str, name: &str) -> Option<&'a str> {
     query
         .split('&')
         .map(|pair| pair.split_once('=').unwrap_or((pair, "")))
         .rfind(|(k, _)| *k == name)
-        .and_then(|(_, v)| v.parse().ok())
+        .map(|(_, v)| v)
+}
+
+fn query_u64(query: &str, name: &str) -> Option<u64> {
+    query_value(query, name).and_then(|v| v.parse().ok())
 }
 
 /// A poll's admission report, `proxy=<16 hex digits>&held=N` (the filters'
 /// `kvoy_shared::live::PollReport`); `None` unless both parse. The held count is bounded by
 /// what one proxy could hold (a garbage figure must not swamp the sum).
 fn admission_report(query: &str) -> Option<(u64, u64)> {
-    let proxy = query
-        .split('&')
-        .filter_map(|pair| pair.split_once('='))
-        .rfind(|(k, _)| *k == "proxy")
-        .and_then(|(_, v)| {
-            (v.len() == 16)
-                .then(|| u64::from_str_radix(v, 16).ok())
-                .flatten()
-        })?;
+    let proxy = query_value(query, "proxy").and_then(|v| {
+        (v.len() == 16)
+            .then(|| u64::from_str_radix(v, 16).ok())
+            .flatten()
+    })?;
     let held = query_u64(query, "held")?;
     (held <= MAX_REPORTED_HELD).then_some((proxy, held))
 }
@@ -518,11 +519,7 @@ impl Api {
         // A proxy that asks for removals gets them (format 2); one that does not, format 1.
         let removals_since = query_u64(query, "removals_since");
         // The proxy's key schedule, when it names one (older filters do not).
-        let schedule = query
-            .split('&')
-            .filter_map(|pair| pair.split_once('='))
-            .rfind(|(k, _)| *k == relay::SCHEDULE_PARAM)
-            .map(|(_, v)| relay::parse_schedule(v));
+        let schedule = query_value(query, relay::SCHEDULE_PARAM).map(relay::parse_schedule);
         let body = match Limited::new(req.into_body(), relay::MAX_BATCH_BYTES)
             .collect()
             .await

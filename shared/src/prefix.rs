@@ -107,6 +107,11 @@ impl PrefixHasher {
         self.schedule.block_size
     }
 
+    /// Where this hasher's keys end (its schedule, as normalised when it was made).
+    pub fn schedule(&self) -> KeySchedule {
+        self.schedule
+    }
+
     /// Where each key of the last [`PrefixHasher::hash`] ends, in prompt bytes.
     pub fn ends(&self) -> &[u32] {
         &self.ends

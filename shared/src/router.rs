@@ -167,16 +167,6 @@ const TYPICAL_ALPHA: f64 = 0.05;
 /// keeps for an endpoint: a quarter more, for the lag of the report and the keys' spans.
 pub const CACHED_KEYS_SLACK: f64 = 1.25;
 
-/// The block schedule a configuration keys prompts with.
-fn key_schedule(config: &PluginConfig) -> KeySchedule {
-    KeySchedule {
-        block_size: config.block_size,
-        max_keys: config.max_blocks,
-        dense: config.dense_blocks,
-        group: config.blocks_per_doubling,
-    }
-}
-
 impl Router {
     /// `seed` drives tie-breaks and keys the index's hash maps.
     pub fn new(config: PluginConfig, seed: u64) -> Self {
@@ -185,7 +175,12 @@ impl Router {
             config.lru_blocks_per_endpoint,
             seed.rotate_left(17),
         );
-        let hasher = PrefixHasher::with_schedule(key_schedule(&config));
+        let hasher = PrefixHasher::with_schedule(KeySchedule {
+            block_size: config.block_size,
+            max_keys: config.max_blocks,
+            dense: config.dense_blocks,
+            group: config.blocks_per_doubling,
+        });
         Router {
             pool: config.pool.clone(),
             config,
@@ -303,7 +298,7 @@ impl Router {
 
     /// How this router keys prompts (its configuration's block schedule).
     pub fn key_schedule(&self) -> KeySchedule {
-        key_schedule(&self.config)
+        self.hasher.schedule()
     }
 
     /// Where each of [`Router::last_keys`] ends in the prompt, in bytes.

@@ -107,8 +107,9 @@ pub struct LinkSettings {
     pub max_linked_blocks: usize,
     /// Removal records kept at most, for all endpoints.
     pub max_removals: usize,
-    /// Links or drops one [`Linker::tick`] makes on one endpoint at most (each recomputes the
-    /// matching, about the pending chains times their walk); the rest wait for the next tick.
+    /// Matching passes one [`Linker::tick`] makes on one endpoint at most (a pass ends at a
+    /// link, which changes the tree: the next recomputes the forks, about the pending chains
+    /// times their walk); the rest wait for the next tick.
     pub max_matches_per_tick: usize,
     /// Keys one removal record names at most (the count is always exact).
     pub max_removal_keys: usize,
@@ -417,8 +418,8 @@ impl Linker {
     /// Ages out what waited too long and links what settled, on every endpoint. Decisions and
     /// events only queue (their callers hold the lock on the aggregator's hot paths); the
     /// matching happens here, on the endpoints where something arrived or a chain settled
-    /// since, at most [`LinkSettings::max_matches_per_tick`] links or drops each: the rest
-    /// waits for the next tick.
+    /// since, at most [`LinkSettings::max_matches_per_tick`] passes each: the rest waits for
+    /// the next tick.
     pub fn tick(&mut self, now: Instant) {
         let (settings, lag) = (self.settings, self.settings.relay_lag);
         for ep in self.endpoints.values_mut() {
@@ -597,8 +598,8 @@ impl Linker {
         let Some(ep) = self.endpoints.get_mut(&endpoint) else {
             return;
         };
+        // (Aged already: `tick` ages every endpoint before it matches.)
         let c = &mut self.counters;
-        ep.age(&s, now, c);
         ep.dirty = false;
         if ep.decisions.is_empty() || ep.chains.is_empty() {
             return;

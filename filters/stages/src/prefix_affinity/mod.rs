@@ -20,7 +20,6 @@ use log::{info, warn};
 
 use kvoy_filter_common::HostStore;
 use kvoy_shared::replica::{self, DecisionLog, Logged, OutstandingTable};
-
 use kvoy_shared::{LogOnce, LogReplay, Outstanding, PluginConfig, Router};
 
 pub use metrics::Metrics;
