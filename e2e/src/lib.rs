@@ -50,7 +50,7 @@ pub use echo::{
 pub use envoy::{
     envoy_binary, envoy_version, free_port, validate_config, wasm_failures, EnvoyProcess,
 };
-pub use sim::{PublishingSim, SimFleet};
+pub use sim::{small_cache_flags, PublishingSim, SimFleet};
 pub use stack::{
     bootstrap_template, default_wasm_dir, require_filter_wasm, separate_bootstrap_template,
     served_by, stale_sources, workspace_root, FilterLayout, Stack, StackConfig, ADMISSION_WASM,

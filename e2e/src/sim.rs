@@ -98,6 +98,22 @@ impl Drop for SimFleet {
     }
 }
 
+/// Flags for a simulator serving `model` ten times faster than the modelled GPU, with a KV
+/// cache of `gpu_blocks` blocks of 16 tokens: small enough that a test's prompts make it
+/// evict.
+pub fn small_cache_flags<'a>(model: &'a str, gpu_blocks: &'a str) -> [&'a str; 8] {
+    [
+        "--model",
+        model,
+        "--speedup",
+        "10",
+        "--block-size",
+        "16",
+        "--num-gpu-blocks",
+        gpu_blocks,
+    ]
+}
+
 /// One simulator publishing its KV events over ZMQ on free ports of 127.0.0.1, healthy.
 pub struct PublishingSim {
     /// `None` once a test took it (to stop the simulator).

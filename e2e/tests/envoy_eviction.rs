@@ -32,18 +32,6 @@ const FLOOD: usize = 96;
 /// What the acceptance allows between the eviction and the routing that no longer counts on it.
 const AFTER_EVICTION: Duration = Duration::from_millis(200);
 
-/// The simulators publish their KV events and have small caches.
-const SIM_ARGS: [&str; 8] = [
-    "--model",
-    MODEL,
-    "--speedup",
-    "10",
-    "--block-size",
-    "16",
-    "--num-gpu-blocks",
-    "128",
-];
-
 /// About 1 KB: 16 blocks of the simulators' caches.
 fn conversation(i: usize, turn: usize) -> Vec<u8> {
     let mut messages = vec![json!({"role": "system", "content":
@@ -118,7 +106,7 @@ impl Fixture {
             env!("CARGO_TARGET_TMPDIR"),
             &format!("{NAME}-{run}"),
             4,
-            &SIM_ARGS,
+            &kvoy_e2e::small_cache_flags(MODEL, "128"),
             MODEL,
             "scrape_interval_ms: 50\n",
         )

@@ -198,21 +198,11 @@ fn run(
 fn relayed_decisions_link_to_server_blocks_and_removals_name_their_keys() {
     // 256 blocks each: the conversations fit (about 120 blocks each); with the flood (about 16
     // blocks a prompt, 20 prompts) they do not, and the oldest go first.
-    let sim_args = [
-        "--model",
-        MODEL,
-        "--speedup",
-        "10",
-        "--block-size",
-        "16",
-        "--num-gpu-blocks",
-        "256",
-    ];
     let pool = FollowedPool::start(
         env!("CARGO_TARGET_TMPDIR"),
         NAME,
         2,
-        &sim_args,
+        &kvoy_e2e::small_cache_flags(MODEL, "256"),
         MODEL,
         "scrape_interval_ms: 50\nlinks: {enabled: true, tolerance: 0, slack_tokens: 0}\n",
     )

@@ -29,18 +29,6 @@ const WARM_UP: usize = 16;
 const REMOVED: &str = "kvoy_prefix_affinity_removed_keys_total";
 const MATCHED: &str = "kvoy_prefix_affinity_prefix_blocks_matched_total";
 
-/// Small caches: 128 blocks of 16 tokens.
-const SIM_ARGS: [&str; 8] = [
-    "--model",
-    MODEL,
-    "--speedup",
-    "10",
-    "--block-size",
-    "16",
-    "--num-gpu-blocks",
-    "128",
-];
-
 fn turn(t: usize) -> Vec<u8> {
     let mut messages = vec![json!({"role": "system", "content":
         format!("The evicted conversation. {}", "You are a careful assistant with a long brief. ".repeat(24))})];
@@ -125,7 +113,7 @@ fn an_eviction_the_servers_report_ends_that_prefixs_affinity_at_the_proxy() {
         env!("CARGO_TARGET_TMPDIR"),
         NAME,
         2,
-        &SIM_ARGS,
+        &kvoy_e2e::small_cache_flags(MODEL, "128"),
         MODEL,
         "scrape_interval_ms: 50\n",
     )

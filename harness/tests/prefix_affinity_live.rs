@@ -274,6 +274,29 @@ fn exchange_call(plugin: &Plugin) -> Option<HttpCall> {
         .find(testing::is_decision_exchange)
 }
 
+/// Two proxies (two plugins: separate shared data) following the same aggregator pool of four
+/// endpoints, their first polls answered.
+fn two_proxies() -> Result<(Plugin, Plugin, SnapshotHistory), Error> {
+    let (a, b) = (plugin()?, plugin()?);
+    let mut history = SnapshotHistory::new(42);
+    history.update((0..4).map(|s| status(s, 19001 + s)).collect());
+    for p in [&a, &b] {
+        let call = next_poll(p)?;
+        answer(p, &call, &history)?;
+    }
+    Ok((a, b, history))
+}
+
+/// The path of `p`'s next decision exchange, once the calls in flight are answered.
+fn next_exchange_path(p: &Plugin, history: &SnapshotHistory) -> Result<String, Error> {
+    for call in p.http_calls() {
+        answer(p, &call, history)?;
+    }
+    p.advance(Duration::from_millis(100))?;
+    let next = exchange_call(p).expect("another exchange");
+    Ok(next.headers.get(":path").unwrap_or_default().to_owned())
+}
+
 #[test]
 fn a_proxy_told_not_to_relay_exchanges_no_decisions() -> TestResult {
     let config = config().replace(
@@ -308,14 +331,7 @@ fn a_proxy_told_not_to_relay_exchanges_no_decisions() -> TestResult {
 #[test]
 fn decisions_relayed_by_the_aggregator_steer_another_proxy_within_its_pool_only() -> TestResult {
     use kvoy_shared::relay::{DecisionBatch, CONTENT_TYPE};
-    // Two proxies (two plugins: separate shared data) following the same aggregator pool.
-    let (a, b) = (plugin()?, plugin()?);
-    let mut history = SnapshotHistory::new(42);
-    history.update((0..4).map(|s| status(s, 19001 + s)).collect());
-    for p in [&a, &b] {
-        let call = next_poll(p)?;
-        answer(p, &call, &history)?;
-    }
+    let (a, b, history) = two_proxies()?;
     // Proxy A routes 20 conversations; on its next poll tick it sends them.
     let chosen: Vec<String> = (0..20)
         .map(|i| route(&a, i % 2, 100 + i))
@@ -358,18 +374,8 @@ fn decisions_relayed_by_the_aggregator_steer_another_proxy_within_its_pool_only(
     }
     // B's next exchange (on its next poll, once the polls in flight are answered) asks from
     // the cursor it was given.
-    for call in b.http_calls() {
-        answer(&b, &call, &history)?;
-    }
-    b.advance(Duration::from_millis(100))?;
-    let next = exchange_call(&b).expect("another exchange");
-    assert!(
-        next.headers
-            .get(":path")
-            .is_some_and(|p| p.contains("since=21")),
-        "{:?}",
-        next.headers.get(":path")
-    );
+    let path = next_exchange_path(&b, &history)?;
+    assert!(path.contains("since=21"), "{path}");
     Ok(())
 }
 
@@ -378,13 +384,7 @@ fn a_confirmed_removal_from_the_aggregator_ends_that_prefixs_affinity_on_every_w
 {
     use kvoy_shared::relay::{DecisionBatch, Removals};
     const MATCHED: &str = "kvoy_prefix_affinity_prefix_blocks_matched_total";
-    let (a, b) = (plugin()?, plugin()?);
-    let mut history = SnapshotHistory::new(42);
-    history.update((0..4).map(|s| status(s, 19001 + s)).collect());
-    for p in [&a, &b] {
-        let call = next_poll(p)?;
-        answer(p, &call, &history)?;
-    }
+    let (a, b, history) = two_proxies()?;
     let chosen: Vec<String> = (0..6)
         .map(|i| route(&a, i % 2, 100 + i))
         .collect::<Result<_, _>>()?;
@@ -446,17 +446,7 @@ fn a_confirmed_removal_from_the_aggregator_ends_that_prefixs_affinity_on_every_w
     route(&b, 1, 100)?;
     assert_eq!(b.counter(MATCHED).unwrap_or(0), before);
     // B's next exchange asks for removals after the cursor it was given.
-    for call in b.http_calls() {
-        answer(&b, &call, &history)?;
-    }
-    b.advance(Duration::from_millis(100))?;
-    let next = exchange_call(&b).expect("another exchange");
-    assert!(
-        next.headers
-            .get(":path")
-            .is_some_and(|p| p.contains("removals_since=3")),
-        "{:?}",
-        next.headers.get(":path")
-    );
+    let path = next_exchange_path(&b, &history)?;
+    assert!(path.contains("removals_since=3"), "{path}");
     Ok(())
 }

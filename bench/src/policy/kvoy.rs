@@ -354,6 +354,16 @@ mod tests {
     use crate::policy::EndpointMetrics;
     use std::time::Duration;
 
+    /// kvoy-aggregator with `scorer`, the profile's prefill rate and KV capacity.
+    fn aggregator_mode(scorer: Scorer) -> KvoyOptions {
+        KvoyOptions {
+            aggregator: true,
+            scorer,
+            prefill_tokens_per_s: 25_000.0,
+            kv_capacity_tokens: 409_600,
+        }
+    }
+
     fn body(text: &str) -> Vec<u8> {
         serde_json::json!({"model": MODEL, "prompt": text})
             .to_string()
@@ -362,18 +372,7 @@ mod tests {
 
     #[test]
     fn same_prefix_same_endpoint_and_loads_from_scrapes() {
-        let mut p = Kvoy::new(
-            4,
-            3,
-            &KvoyOptions {
-                aggregator: true,
-                scorer: Scorer::Weighted,
-                prefill_tokens_per_s: 25_000.0,
-                kv_capacity_tokens: 409_600,
-            },
-            &[],
-        )
-        .unwrap();
+        let mut p = Kvoy::new(4, 3, &aggregator_mode(Scorer::Weighted), &[]).unwrap();
         let inflight = [0u32; 4];
         let mut metrics = [EndpointMetrics::default(); 4];
         let system = "abc ".repeat(500);
@@ -433,13 +432,7 @@ mod tests {
 
     #[test]
     fn an_engines_eviction_reaches_the_index_after_the_relay_delay() {
-        let options = KvoyOptions {
-            aggregator: true,
-            scorer: Scorer::Cost,
-            prefill_tokens_per_s: 25_000.0,
-            kv_capacity_tokens: 409_600,
-        };
-        let mut p = Kvoy::new(2, 1, &options, &[]).unwrap();
+        let mut p = Kvoy::new(2, 1, &aggregator_mode(Scorer::Cost), &[]).unwrap();
         let inflight = [0u32; 2];
         let mut metrics = [EndpointMetrics::default(); 2];
         for m in &mut metrics {
@@ -493,13 +486,7 @@ mod tests {
 
     #[test]
     fn the_aggregator_view_carries_each_endpoints_estimated_prefill_rate() {
-        let options = KvoyOptions {
-            aggregator: true,
-            scorer: Scorer::Cost,
-            prefill_tokens_per_s: 25_000.0,
-            kv_capacity_tokens: 409_600,
-        };
-        let mut p = Kvoy::new(2, 1, &options, &[]).unwrap();
+        let mut p = Kvoy::new(2, 1, &aggregator_mode(Scorer::Cost), &[]).unwrap();
         let inflight = [0u32; 2];
         let mut metrics = [EndpointMetrics::default(); 2];
         let rate = |p: &Kvoy, i: u16| {
