@@ -457,6 +457,8 @@ impl Api {
             "keys_linked": c.keys_linked,
             "exact_removals": c.exact_removals,
             "keys_removed": c.keys_removed,
+            "offloads": c.offloads,
+            "keys_offloaded": c.keys_offloaded,
             "unclaimed_chains": c.chains_expired,
             "endpoints": endpoints,
             "removals": removals,
@@ -485,6 +487,12 @@ impl Api {
                     "count": r.count,
                     "cleared": r.cleared,
                     "event_ts": r.event_ts,
+                    // Offloaded to this tier (its medium), rather than removed.
+                    "offloaded_to": r.offloaded_to.map(|t| match t {
+                        kvoy_shared::Tier::Gpu => "GPU",
+                        kvoy_shared::Tier::Cpu => "CPU",
+                        kvoy_shared::Tier::Storage => "STORAGE",
+                    }),
                     "keys": r.keys.iter().map(|k| format!("{:016x}", k.0)).collect::<Vec<_>>(),
                 })
             })
@@ -518,6 +526,8 @@ impl Api {
         let limit = decisions_limit(query);
         // A proxy that asks for removals gets them (format 2); one that does not, format 1.
         let removals_since = query_u64(query, "removals_since");
+        // One that says `tiers=1` gets the offloads too (format 3 when there are some).
+        let tiers = query_value(query, relay::TIERS_PARAM) == Some("1");
         // The proxy's key schedule, when it names one (older filters do not).
         let schedule = query_value(query, relay::SCHEDULE_PARAM).map(relay::parse_schedule);
         let body = match Limited::new(req.into_body(), relay::MAX_BATCH_BYTES)
@@ -613,12 +623,14 @@ impl Api {
             // A record's keys travel in pieces of at most a wire record's worth.
             let removals: Vec<RelayedRemoval> = records
                 .iter()
+                .filter(|r| tiers || r.offloaded_to.is_none())
                 .flat_map(|r| {
                     r.keys
                         .chunks(relay::MAX_KEYS_PER_DECISION)
                         .map(|keys| RelayedRemoval {
                             endpoint: r.endpoint,
                             keys: keys.to_vec(),
+                            offloaded_to: r.offloaded_to,
                         })
                 })
                 .collect();
@@ -870,7 +882,7 @@ fn link_metrics(f: &mut Family<'_>, c: &LinkCounters) {
             n as f64,
         );
     }
-    let totals: [(&str, &str, u64); 4] = [
+    let totals: [(&str, &str, u64); 6] = [
         (
             "kvoy_aggregator_linked_keys_total",
             "Text block keys linked to server blocks.",
@@ -885,6 +897,16 @@ fn link_metrics(f: &mut Family<'_>, c: &LinkCounters) {
             "kvoy_aggregator_removed_keys_total",
             "Linked text keys removed by the servers' block removals.",
             c.keys_removed,
+        ),
+        (
+            "kvoy_aggregator_offloads_total",
+            "Server block removals from the GPU that moved linked text keys to a slower tier, where the server still holds them (GET /v1/removals, offloaded_to).",
+            c.offloads,
+        ),
+        (
+            "kvoy_aggregator_offloaded_keys_total",
+            "Linked text keys moved off the GPU to a slower tier.",
+            c.keys_offloaded,
         ),
         (
             "kvoy_aggregator_unclaimed_chains_total",

@@ -240,7 +240,8 @@ fn k8s() {
 /// Decision batches as proxies and the aggregator exchange them.
 fn decisions() {
     use kvoy_shared::prefix::BlockKey;
-    use kvoy_shared::relay::{DecisionBatch, RelayedDecision, Removals};
+    use kvoy_shared::relay::{DecisionBatch, RelayedDecision, RelayedRemoval, Removals};
+    use kvoy_shared::Tier;
     let encode = |batch: DecisionBatch| {
         let mut out = Vec::new();
         batch.encode(&mut out);
@@ -282,10 +283,40 @@ fn decisions() {
             }],
             removals: Some(Removals {
                 cursor: 9,
-                removals: vec![RelayedDecision {
+                removals: vec![RelayedRemoval {
                     endpoint: v6,
                     keys: (4..=6).map(BlockKey).collect(),
+                    offloaded_to: None,
                 }],
+            }),
+        }),
+    );
+    write(
+        "decisions",
+        "with-offloads",
+        encode(DecisionBatch {
+            proxy: 0,
+            cursor: 3,
+            decisions: vec![],
+            removals: Some(Removals {
+                cursor: 9,
+                removals: vec![
+                    RelayedRemoval {
+                        endpoint: v6,
+                        keys: (4..=6).map(BlockKey).collect(),
+                        offloaded_to: Some(Tier::Cpu),
+                    },
+                    RelayedRemoval {
+                        endpoint: v4,
+                        keys: vec![BlockKey(8)],
+                        offloaded_to: None,
+                    },
+                    RelayedRemoval {
+                        endpoint: v4,
+                        keys: vec![BlockKey(9)],
+                        offloaded_to: Some(Tier::Storage),
+                    },
+                ],
             }),
         }),
     );

@@ -406,6 +406,7 @@ fn a_confirmed_removal_from_the_aggregator_ends_that_prefixs_affinity_on_every_w
     let removal = kvoy_shared::relay::RelayedRemoval {
         endpoint: gone.endpoint,
         keys: gone.keys[..1].to_vec(),
+        offloaded_to: None,
     };
     let mut body = Vec::new();
     DecisionBatch {
@@ -446,6 +447,76 @@ fn a_confirmed_removal_from_the_aggregator_ends_that_prefixs_affinity_on_every_w
     route(&b, 1, 100)?;
     assert_eq!(b.counter(MATCHED).unwrap_or(0), before);
     // B's next exchange asks for removals after the cursor it was given.
+    let path = next_exchange_path(&b, &history)?;
+    assert!(path.contains("removals_since=3"), "{path}");
+    Ok(())
+}
+
+#[test]
+fn a_confirmed_offload_keeps_that_prefixs_affinity_at_its_tiers_credit() -> TestResult {
+    use kvoy_shared::relay::{DecisionBatch, RelayedRemoval, Removals};
+    use kvoy_shared::Tier;
+    const MATCHED: &str = "kvoy_prefix_affinity_prefix_blocks_matched_total";
+    let (a, b, history) = two_proxies()?;
+    let chosen: Vec<String> = (0..6)
+        .map(|i| route(&a, i % 2, 100 + i))
+        .collect::<Result<_, _>>()?;
+    a.advance(Duration::from_millis(100))?;
+    let sent = exchange_call(&a).expect("proxy A exchanges decisions on its poll tick");
+    // The proxy asks for offloads as well as removals.
+    let path = sent.headers.get(":path").unwrap_or_default().to_owned();
+    assert!(path.contains("tiers=1"), "{path}");
+    let decisions = DecisionBatch::decode(&sent.body).unwrap().decisions;
+    assert_eq!(decisions.len(), 6);
+    // Conversation 0's server moved its whole prompt to CPU memory, conversation 1's to
+    // storage (each from its first key on).
+    let offload = |i: usize, tier| RelayedRemoval {
+        endpoint: decisions[i].endpoint,
+        keys: decisions[i].keys[..1].to_vec(),
+        offloaded_to: Some(tier),
+    };
+    let removals = vec![offload(0, Tier::Cpu), offload(1, Tier::Storage)];
+    let moved = (decisions[0].keys.len() + decisions[1].keys.len()) as u64;
+    let mut body = Vec::new();
+    DecisionBatch {
+        proxy: 0,
+        cursor: 6,
+        decisions,
+        removals: Some(Removals {
+            cursor: 3,
+            removals,
+        }),
+    }
+    .encode(&mut body);
+    b.advance(Duration::from_millis(100))?;
+    let call = exchange_call(&b).expect("proxy B exchanges too");
+    b.respond_http_call(&call, HttpResponse::new(200).body(body))?;
+    assert_eq!(
+        b.counter("kvoy_prefix_affinity_relay_removals_received_total"),
+        Some(2)
+    );
+    // The next tick replays the decisions, then the offloads, on both of B's VMs.
+    b.advance(Duration::from_millis(100))?;
+    assert_eq!(
+        b.counter("kvoy_prefix_affinity_offloaded_keys_total"),
+        Some(2 * moved),
+        "every worker moves both prompts down a tier"
+    );
+    assert_eq!(
+        b.counter("kvoy_prefix_affinity_removed_keys_total")
+            .unwrap_or(0),
+        0
+    );
+    // Every conversation still goes where A sent it, its whole prompt matched: a prefix on a
+    // slower tier still saves its prefill there, against endpoints that hold nothing of it.
+    for (i, want) in chosen.iter().enumerate() {
+        let before = b.counter(MATCHED).unwrap_or(0);
+        assert_eq!(&route(&b, i % 2, 100 + i)?, want, "conversation {i}");
+        assert!(
+            b.counter(MATCHED).unwrap_or(0) > before,
+            "conversation {i} matched"
+        );
+    }
     let path = next_exchange_path(&b, &history)?;
     assert!(path.contains("removals_since=3"), "{path}");
     Ok(())

@@ -12,7 +12,7 @@ use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use std::hint::black_box;
 
 use kvoy_shared::prefix::BlockKey;
-use kvoy_shared::{EndpointId, LruSet, PrefixIndex};
+use kvoy_shared::{EndpointId, LruSet, Match, PrefixIndex};
 
 const ENDPOINTS: usize = 16;
 const CAPACITY: usize = 31_250;
@@ -49,14 +49,14 @@ impl KeySets {
 
 /// What the router asks of either index.
 trait Index {
-    fn match_all(&self, keys: &[BlockKey], out: &mut Vec<usize>);
+    fn match_all(&self, keys: &[BlockKey], out: &mut Vec<Match>);
     fn record(&mut self, endpoint: usize, keys: &[BlockKey]);
 }
 
 impl Index for KeySets {
-    fn match_all(&self, keys: &[BlockKey], out: &mut Vec<usize>) {
+    fn match_all(&self, keys: &[BlockKey], out: &mut Vec<Match>) {
         out.clear();
-        out.extend((0..self.sets.len()).map(|e| self.matched(e, keys)));
+        out.extend((0..self.sets.len()).map(|e| Match::on_gpu(self.matched(e, keys))));
     }
 
     fn record(&mut self, endpoint: usize, keys: &[BlockKey]) {
@@ -65,7 +65,7 @@ impl Index for KeySets {
 }
 
 impl Index for PrefixIndex {
-    fn match_all(&self, keys: &[BlockKey], out: &mut Vec<usize>) {
+    fn match_all(&self, keys: &[BlockKey], out: &mut Vec<Match>) {
         self.matched_all(keys, out);
     }
 
@@ -157,7 +157,8 @@ fn bench_kind<I: Index>(c: &mut Criterion, name: &str, index: I) {
     });
     index.match_all(&shared, &mut out);
     assert_eq!(
-        out, [KEYS; ENDPOINTS],
+        out,
+        [Match::on_gpu(KEYS); ENDPOINTS],
         "{name}: every endpoint holds the chain"
     );
     g.finish();

@@ -66,6 +66,22 @@ struct RawCost {
     kv_full_s: f64,
     kv_capacity_tokens: Option<u32>,
     footprint_high: f64,
+    tier_credit: RawTierCredit,
+}
+
+/// `cost.tier_credit`: what a matched block offloaded from the GPU counts for (GPU: 1).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawTierCredit {
+    cpu: f64,
+    storage: f64,
+}
+
+impl Default for RawTierCredit {
+    fn default() -> Self {
+        let [cpu, storage] = CostParams::default().tier_credit;
+        RawTierCredit { cpu, storage }
+    }
 }
 
 impl Default for RawCost {
@@ -84,6 +100,7 @@ impl Default for RawCost {
             kv_full_s: d.kv_full_s,
             kv_capacity_tokens: d.kv_capacity_tokens,
             footprint_high: d.footprint_high,
+            tier_credit: RawTierCredit::default(),
         }
     }
 }
@@ -164,6 +181,17 @@ impl TryFrom<RawCost> for CostParams {
                 raw.footprint_high,
             ));
         }
+        let RawTierCredit { cpu, storage } = raw.tier_credit;
+        if !(0.0..=1.0).contains(&cpu) {
+            return Err(out_of_range("cost.tier_credit.cpu", "within 0..=1", cpu));
+        }
+        if !(0.0..=cpu).contains(&storage) {
+            return Err(out_of_range(
+                "cost.tier_credit.storage",
+                "within 0..=cost.tier_credit.cpu",
+                storage,
+            ));
+        }
         Ok(CostParams {
             prefill_tokens_per_s: positive("cost.prefill_tokens_per_s", raw.prefill_tokens_per_s)?,
             models,
@@ -177,6 +205,7 @@ impl TryFrom<RawCost> for CostParams {
             kv_full_s: raw.kv_full_s,
             kv_capacity_tokens: raw.kv_capacity_tokens,
             footprint_high: raw.footprint_high,
+            tier_credit: [cpu, storage],
         })
     }
 }
@@ -917,6 +946,15 @@ mod tests {
                 "cost.models.m.kv_capacity_tokens",
             ),
             (r#""cost":{"footprint_high":1}"#, "cost.footprint_high"),
+            (
+                r#""cost":{"tier_credit":{"cpu":1.5}}"#,
+                "cost.tier_credit.cpu",
+            ),
+            (
+                r#""cost":{"tier_credit":{"cpu":0.5,"storage":0.6}}"#,
+                "cost.tier_credit.storage",
+            ),
+            (r#""cost":{"tier_credit":{"gpu":1}}"#, "gpu"),
             (r#""cost":{"footprint_high":-0.1}"#, "cost.footprint_high"),
             (
                 r#""cost":{"pressure_time_constant_s":-1}"#,

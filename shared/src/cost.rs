@@ -86,6 +86,10 @@ pub struct CostParams {
     /// The share of an endpoint's KV cache this proxy's requests in flight may fill before a
     /// request that matches nowhere starts to avoid it.
     pub footprint_high: f64,
+    /// What a matched block offloaded from the GPU counts for, against 1 for one on the GPU:
+    /// `[CPU, storage]` (the server loads it back instead of computing it; see
+    /// [`crate::PrefixIndex::demote`]).
+    pub tier_credit: [f64; 2],
 }
 
 /// A model's own figures.
@@ -120,11 +124,30 @@ impl Default for CostParams {
             // Measured on the half-slow fleet (bench/README.md): 0.3, 0.5 and 0.7 all avoid
             // the preemptions; 0.7 did best on both fleets.
             footprint_high: 0.7,
+            // vLLM's router's (its `kv_aware` policy: 1.0 / 0.8 / 0.3); Dynamo's KV router
+            // credits 1.0 / 0.75 / 0.25.
+            tier_credit: [0.8, 0.3],
         }
     }
 }
 
 impl CostParams {
+    /// The prompt bytes a match credits: each tier's share of `ends` (where each key ends in
+    /// the prompt, in bytes) at that tier's credit.
+    pub fn credited_bytes(&self, matched: crate::Match, ends: &[u32]) -> u64 {
+        use crate::Tier;
+        let end = |keys: usize| {
+            keys.checked_sub(1)
+                .and_then(|last| ends.get(last))
+                .map_or(0.0, |&e| f64::from(e))
+        };
+        let gpu = end(matched.within(Tier::Gpu));
+        let cpu = end(matched.within(Tier::Cpu));
+        let all = end(matched.keys());
+        let credited = gpu + (cpu - gpu) * self.tier_credit[0] + (all - cpu) * self.tier_credit[1];
+        credited.round() as u64
+    }
+
     pub fn model(&self, model: &str) -> Option<&ModelCost> {
         self.models.iter().find(|m| m.model == model)
     }

@@ -45,7 +45,7 @@ pub use config::{
 };
 pub use cost::{CostParams, CostTerms};
 pub use endpoint::{Endpoint, EndpointId, EndpointLoad, Health, Pool};
-pub use index::PrefixIndex;
+pub use index::{Match, PrefixIndex, Tier};
 pub use lru::LruSet;
 pub use once::LogOnce;
 pub use outstanding::{Charge, Outstanding, OutstandingDelta};

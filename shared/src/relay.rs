@@ -14,7 +14,10 @@
 //! A proxy that also asks `removals_since=R` gets, in format 2, the confirmed removals numbered
 //! `R` or later ([`Removals`]; `R` = 0 on its first exchange, answered with no records and the
 //! number to ask from): keys whose server blocks an endpoint evicted, as the aggregator's
-//! KV-event linker saw them. A proxy that does not ask gets format 1, as before.
+//! KV-event linker saw them. A proxy that does not ask gets format 1, as before. A proxy that
+//! also says `tiers=1` ([`TIERS_PARAM`]) gets the confirmed offloads too, in format 3: keys
+//! whose blocks left the endpoint's GPU for its CPU memory or storage, which still save
+//! prefill there (a format 2 reader is sent removals only).
 //!
 //! ```
 //! use kvoy_shared::prefix::BlockKey;
@@ -36,6 +39,7 @@ use std::net::SocketAddr;
 
 use thiserror::Error;
 
+use crate::index::Tier;
 use crate::prefix::{BlockKey, KeySchedule};
 use crate::replica::{decode_address, encode_address, ADDRESS_BYTES};
 
@@ -49,6 +53,14 @@ const MAGIC: &[u8; 4] = b"KVDR";
 const FORMAT_DECISIONS: u8 = 1;
 /// Decisions, then removals.
 const FORMAT_REMOVALS: u8 = 2;
+/// Decisions, then removals and offloads: format 2 followed by each removal record's fate.
+const FORMAT_TIERS: u8 = 3;
+/// A record's fate in format 3: removed, or offloaded to a tier.
+const FATE_REMOVED: u8 = 0;
+
+/// The exchange's query parameter with which a proxy asks for offloads (format 3) as well as
+/// removals: `tiers=1`.
+pub const TIERS_PARAM: &str = "tiers";
 /// Address, key count.
 const DECISION_HEADER_BYTES: usize = ADDRESS_BYTES + 2;
 
@@ -89,11 +101,18 @@ pub struct RelayedDecision {
     pub keys: Vec<BlockKey>,
 }
 
-/// Keys an endpoint no longer holds: the server evicted the blocks they were linked to, so the
-/// prefixes through them are not cached there whole. The same shape as a decision.
-pub type RelayedRemoval = RelayedDecision;
+/// Keys an endpoint no longer holds on its GPU: the server evicted the blocks they were linked
+/// to (`offloaded_to` none), so the prefixes through them are not cached there whole, or moved
+/// them to a slower tier, where they still save prefill at a lower credit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RelayedRemoval {
+    pub endpoint: SocketAddr,
+    pub keys: Vec<BlockKey>,
+    pub offloaded_to: Option<Tier>,
+}
 
-/// Removals from the asked removal cursor on, and the cursor to ask with next (format 2).
+/// Removals from the asked removal cursor on, and the cursor to ask with next (format 2; with
+/// an offload among them, format 3).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Removals {
     pub cursor: u64,
@@ -116,8 +135,12 @@ pub struct DecisionBatch {
 pub enum DecodeError {
     #[error("not a decision batch (bad magic)")]
     Magic,
-    #[error("decision batch format {0} is not known (this build reads formats 1 and 2)")]
+    #[error("decision batch format {0} is not known (this build reads formats 1 to 3)")]
     Format(u8),
+    #[error("removal {index} has fate {fate}, expected 0 (removed), 1 (CPU) or 2 (storage)")]
+    Fate { index: usize, fate: u8 },
+    #[error("a format 3 batch with no offload (format 2 carries removals only)")]
+    NoOffload,
     #[error("the batch ends early at byte {0}")]
     Truncated(usize),
     #[error("{0} decisions in one batch, at most {MAX_DECISIONS}")]
@@ -134,16 +157,34 @@ impl DecisionBatch {
     /// Appends the encoded batch to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(MAGIC);
-        out.push(match self.removals {
-            None => FORMAT_DECISIONS,
-            Some(_) => FORMAT_REMOVALS,
+        let tiers = self.removals.as_ref().is_some_and(|r| {
+            r.removals
+                .iter()
+                .take(MAX_DECISIONS)
+                .any(|d| d.offloaded_to.is_some())
+        });
+        out.push(match (&self.removals, tiers) {
+            (None, _) => FORMAT_DECISIONS,
+            (Some(_), false) => FORMAT_REMOVALS,
+            (Some(_), true) => FORMAT_TIERS,
         });
         out.extend_from_slice(&self.proxy.to_le_bytes());
         out.extend_from_slice(&self.cursor.to_le_bytes());
-        encode_records(&self.decisions, out);
+        encode_records(
+            self.decisions.iter().map(|d| (d.endpoint, &d.keys[..])),
+            out,
+        );
         if let Some(r) = &self.removals {
             out.extend_from_slice(&r.cursor.to_le_bytes());
-            encode_records(&r.removals, out);
+            encode_records(r.removals.iter().map(|d| (d.endpoint, &d.keys[..])), out);
+            if tiers {
+                out.extend(
+                    r.removals
+                        .iter()
+                        .take(MAX_DECISIONS)
+                        .map(|d| d.offloaded_to.map_or(FATE_REMOVED, |t| t as u8)),
+                );
+            }
         }
     }
 
@@ -154,20 +195,41 @@ impl DecisionBatch {
             return Err(DecodeError::Magic);
         }
         let format = r.take(1)?[0];
-        if format != FORMAT_DECISIONS && format != FORMAT_REMOVALS {
+        if !matches!(format, FORMAT_DECISIONS | FORMAT_REMOVALS | FORMAT_TIERS) {
             return Err(DecodeError::Format(format));
         }
         let proxy = r.u64()?;
         let cursor = r.u64()?;
         let decisions = r.records()?;
-        let removals = if format == FORMAT_REMOVALS {
-            let cursor = r.u64()?;
-            Some(Removals {
-                cursor,
-                removals: r.records()?,
-            })
-        } else {
+        let removals = if format == FORMAT_DECISIONS {
             None
+        } else {
+            let cursor = r.u64()?;
+            let mut removals: Vec<RelayedRemoval> = r
+                .records()?
+                .into_iter()
+                .map(|d| RelayedRemoval {
+                    endpoint: d.endpoint,
+                    keys: d.keys,
+                    offloaded_to: None,
+                })
+                .collect();
+            if format == FORMAT_TIERS {
+                let fates = r.take(removals.len())?;
+                for (index, (removal, &fate)) in removals.iter_mut().zip(fates).enumerate() {
+                    removal.offloaded_to = match fate {
+                        FATE_REMOVED => None,
+                        1 => Some(Tier::Cpu),
+                        2 => Some(Tier::Storage),
+                        _ => return Err(DecodeError::Fate { index, fate }),
+                    };
+                }
+                // One encoding per batch: removals only are format 2.
+                if removals.iter().all(|r| r.offloaded_to.is_none()) {
+                    return Err(DecodeError::NoOffload);
+                }
+            }
+            Some(Removals { cursor, removals })
         };
         if r.at != b.len() {
             return Err(DecodeError::Trailing(b.len() - r.at));
@@ -183,14 +245,17 @@ impl DecisionBatch {
 
 /// A count, then each record's address, key count and keys (at most [`MAX_DECISIONS`] records
 /// of [`MAX_KEYS_PER_DECISION`] keys; more are left out).
-fn encode_records(records: &[RelayedDecision], out: &mut Vec<u8>) {
+fn encode_records<'a>(
+    records: impl ExactSizeIterator<Item = (SocketAddr, &'a [BlockKey])>,
+    out: &mut Vec<u8>,
+) {
     let count = records.len().min(MAX_DECISIONS);
     out.extend_from_slice(&(count as u32).to_le_bytes());
-    for d in records.iter().take(count) {
-        encode_address(d.endpoint, out);
-        let keys = d.keys.len().min(MAX_KEYS_PER_DECISION);
-        out.extend_from_slice(&(keys as u16).to_le_bytes());
-        for k in d.keys.iter().take(keys) {
+    for (endpoint, keys) in records.take(count) {
+        encode_address(endpoint, out);
+        let n = keys.len().min(MAX_KEYS_PER_DECISION);
+        out.extend_from_slice(&(n as u16).to_le_bytes());
+        for k in keys.iter().take(n) {
             out.extend_from_slice(&k.0.to_le_bytes());
         }
     }
@@ -425,7 +490,7 @@ mod tests {
             decisions: vec![decision(8000, &[1])],
             removals: Some(Removals {
                 cursor: 17,
-                removals: vec![decision(8001, &[2, 3]), decision(8000, &[9])],
+                removals: vec![removal(8001, &[2, 3], None), removal(8000, &[9], None)],
             }),
         };
         let mut bytes = Vec::new();
@@ -453,6 +518,59 @@ mod tests {
             (plain[4], plain.len()),
             (1, HEADER_BYTES + DECISION_HEADER_BYTES + 8)
         );
+    }
+
+    fn removal(port: u16, keys: &[u64], offloaded_to: Option<Tier>) -> RelayedRemoval {
+        let d = decision(port, keys);
+        RelayedRemoval {
+            endpoint: d.endpoint,
+            keys: d.keys,
+            offloaded_to,
+        }
+    }
+
+    #[test]
+    fn offloads_round_trip_in_format_3_and_every_truncation_fails_cleanly() {
+        let batch = DecisionBatch {
+            proxy: 0,
+            cursor: 4,
+            decisions: vec![decision(8000, &[1])],
+            removals: Some(Removals {
+                cursor: 17,
+                removals: vec![
+                    removal(8001, &[2, 3], Some(Tier::Cpu)),
+                    removal(8000, &[9], None),
+                    removal(8002, &[4], Some(Tier::Storage)),
+                ],
+            }),
+        };
+        let mut bytes = Vec::new();
+        batch.encode(&mut bytes);
+        assert_eq!(bytes[4], 3);
+        // Format 2's bytes, then one fate byte per record.
+        assert_eq!(
+            bytes.len(),
+            HEADER_BYTES + 8 + 4 + 4 * DECISION_HEADER_BYTES + 5 * 8 + 3
+        );
+        assert_eq!(&bytes[bytes.len() - 3..], &[1, 0, 2]);
+        assert_eq!(DecisionBatch::decode(&bytes), Ok(batch.clone()));
+        for cut in 0..bytes.len() {
+            assert!(
+                DecisionBatch::decode(&bytes[..cut]).is_err(),
+                "cut at {cut}"
+            );
+        }
+        let mut bad = bytes.clone();
+        let last = bad.len() - 1;
+        bad[last] = 7;
+        assert_eq!(
+            DecisionBatch::decode(&bad),
+            Err(DecodeError::Fate { index: 2, fate: 7 })
+        );
+        // Every fate "removed": that batch is format 2's, and only that encoding is read.
+        let n = bad.len();
+        bad[n - 3..].copy_from_slice(&[0, 0, 0]);
+        assert_eq!(DecisionBatch::decode(&bad), Err(DecodeError::NoOffload));
     }
 
     #[test]
@@ -491,8 +609,8 @@ mod tests {
         bad[0] = b'X';
         assert_eq!(DecisionBatch::decode(&bad), Err(DecodeError::Magic));
         let mut bad = bytes.clone();
-        bad[4] = 3;
-        assert_eq!(DecisionBatch::decode(&bad), Err(DecodeError::Format(3)));
+        bad[4] = 4;
+        assert_eq!(DecisionBatch::decode(&bad), Err(DecodeError::Format(4)));
         // Format 2 without its removal section.
         let mut bad = bytes.clone();
         bad[4] = 2;

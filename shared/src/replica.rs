@@ -27,6 +27,7 @@ use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::time::Duration;
 
 use crate::endpoint::{EndpointId, Pool};
+use crate::index::Tier;
 use crate::outstanding::{Outstanding, OutstandingDelta};
 use crate::prefix::BlockKey;
 
@@ -449,14 +450,27 @@ pub struct LogRecord {
     pub origin: u64,
     pub endpoint: EndpointId,
     pub keys: Vec<BlockKey>,
-    /// A confirmed removal (the endpoint evicted these keys' blocks) rather than a decision.
-    pub removal: bool,
+    pub kind: RecordKind,
+}
+
+/// What a [`LogRecord`] says of its endpoint and keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecordKind {
+    /// A prompt with these keys was routed there.
+    Routed,
+    /// A confirmed removal: the endpoint evicted these keys' blocks.
+    Removed,
+    /// A confirmed offload: the endpoint moved these keys' blocks off its GPU, to this tier.
+    Offloaded(Tier),
 }
 
 const RECORD_HEADER: usize = 8 + 8 + 2 + 4;
-/// Set in a record's endpoint field for a removal: endpoint ids stay below
-/// [`crate::config::MAX_ENDPOINTS`], far under this bit.
+/// Set in a record's endpoint field for a removal or an offload: endpoint ids stay below
+/// [`crate::config::MAX_ENDPOINTS`], far under this bit and [`TIER_BITS`].
 const REMOVAL_BIT: u16 = 0x8000;
+/// With [`REMOVAL_BIT`]: 0 a removal, else the tier offloaded to (1 CPU, 2 storage).
+const TIER_SHIFT: u16 = 13;
+const TIER_BITS: u16 = 0x3 << TIER_SHIFT;
 
 /// What a record of the log says, as [`DecisionLog::poll_to_with`] hands it out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -465,6 +479,8 @@ pub enum Logged<'a> {
     Routed(EndpointId, &'a [BlockKey]),
     /// The endpoint evicted these keys' blocks.
     Removed(EndpointId, &'a [BlockKey]),
+    /// The endpoint moved these keys' blocks off its GPU, to this tier.
+    Offloaded(EndpointId, Tier, &'a [BlockKey]),
 }
 
 impl LogRecord {
@@ -472,10 +488,12 @@ impl LogRecord {
         out.clear();
         out.extend_from_slice(&self.seq.to_le_bytes());
         out.extend_from_slice(&self.origin.to_le_bytes());
-        let endpoint = if self.removal {
-            self.endpoint.0 | REMOVAL_BIT
-        } else {
-            self.endpoint.0
+        let endpoint = match self.kind {
+            RecordKind::Routed => self.endpoint.0,
+            RecordKind::Removed => self.endpoint.0 | REMOVAL_BIT,
+            RecordKind::Offloaded(tier) => {
+                self.endpoint.0 | REMOVAL_BIT | ((tier as u16) << TIER_SHIFT)
+            }
         };
         out.extend_from_slice(&endpoint.to_le_bytes());
         out.extend_from_slice(&(self.keys.len() as u32).to_le_bytes());
@@ -490,7 +508,14 @@ impl LogRecord {
         let seq = u64::from_le_bytes(header[0..8].try_into().ok()?);
         let origin = u64::from_le_bytes(header[8..16].try_into().ok()?);
         let raw = u16::from_le_bytes(header[16..18].try_into().ok()?);
-        let endpoint = EndpointId(raw & !REMOVAL_BIT);
+        let endpoint = EndpointId(raw & !(REMOVAL_BIT | TIER_BITS));
+        let kind = match (raw & REMOVAL_BIT != 0, (raw & TIER_BITS) >> TIER_SHIFT) {
+            (false, 0) => RecordKind::Routed,
+            (true, 0) => RecordKind::Removed,
+            (true, 1) => RecordKind::Offloaded(Tier::Cpu),
+            (true, 2) => RecordKind::Offloaded(Tier::Storage),
+            _ => return None,
+        };
         let n = u32::from_le_bytes(header[18..22].try_into().ok()?) as usize;
         let body = &b[RECORD_HEADER..];
         if body.len() != n.checked_mul(8)? {
@@ -509,7 +534,7 @@ impl LogRecord {
             origin,
             endpoint,
             keys,
-            removal: raw & REMOVAL_BIT != 0,
+            kind,
         })
     }
 }
@@ -618,7 +643,7 @@ impl DecisionLog {
         endpoint: EndpointId,
         keys: &[BlockKey],
     ) -> Result<(), StoreError> {
-        self.write_record(store, seq, endpoint, keys, false)
+        self.write_record(store, seq, endpoint, keys, RecordKind::Routed)
     }
 
     /// Writes a confirmed removal into the slot `seq` (claimed by [`DecisionLog::claim`]):
@@ -630,7 +655,20 @@ impl DecisionLog {
         endpoint: EndpointId,
         keys: &[BlockKey],
     ) -> Result<(), StoreError> {
-        self.write_record(store, seq, endpoint, keys, true)
+        self.write_record(store, seq, endpoint, keys, RecordKind::Removed)
+    }
+
+    /// Writes a confirmed offload into the slot `seq` (claimed by [`DecisionLog::claim`]):
+    /// every other VM's [`DecisionLog::poll_to_with`] hands it out as [`Logged::Offloaded`].
+    pub fn write_offload(
+        &mut self,
+        store: &impl SharedStore,
+        seq: u64,
+        endpoint: EndpointId,
+        tier: Tier,
+        keys: &[BlockKey],
+    ) -> Result<(), StoreError> {
+        self.write_record(store, seq, endpoint, keys, RecordKind::Offloaded(tier))
     }
 
     fn write_record(
@@ -639,7 +677,7 @@ impl DecisionLog {
         seq: u64,
         endpoint: EndpointId,
         keys: &[BlockKey],
-        removal: bool,
+        kind: RecordKind,
     ) -> Result<(), StoreError> {
         // Nothing between what this VM has seen and its own record: the next poll need not
         // read the record back only to skip it.
@@ -651,7 +689,7 @@ impl DecisionLog {
             origin: self.origin,
             endpoint,
             keys: keys.to_vec(),
-            removal,
+            kind,
         };
         record.encode(&mut self.scratch);
         store.set(&self.slot_key(seq), &self.scratch, 0)
@@ -742,10 +780,12 @@ impl DecisionLog {
                 Some(((seq, origin), bytes)) if seq == want => {
                     if origin != self.origin {
                         if let Some(rec) = LogRecord::decode(&bytes) {
-                            let taken = apply(if rec.removal {
-                                Logged::Removed(rec.endpoint, &rec.keys)
-                            } else {
-                                Logged::Routed(rec.endpoint, &rec.keys)
+                            let taken = apply(match rec.kind {
+                                RecordKind::Routed => Logged::Routed(rec.endpoint, &rec.keys),
+                                RecordKind::Removed => Logged::Removed(rec.endpoint, &rec.keys),
+                                RecordKind::Offloaded(tier) => {
+                                    Logged::Offloaded(rec.endpoint, tier, &rec.keys)
+                                }
                             });
                             if !taken {
                                 return applied;
@@ -1290,13 +1330,22 @@ mod tests {
     }
 
     #[test]
-    fn removals_travel_in_order_with_decisions_and_plain_polls_skip_them() {
+    fn removals_and_offloads_travel_in_order_with_decisions_and_plain_polls_skip_them() {
         let store = MemoryStore::default();
         let mut relay = DecisionLog::new("ns", 8, 9);
         relay.append(&store, EndpointId(2), &keys(&[1, 2])).unwrap();
-        let seq = relay.claim(&store, 1).unwrap();
+        let seq = relay.claim(&store, 2).unwrap();
         relay
             .write_removal(&store, seq, EndpointId(2), &keys(&[2]))
+            .unwrap();
+        relay
+            .write_offload(
+                &store,
+                seq + 1,
+                EndpointId(4095),
+                Tier::Storage,
+                &keys(&[5]),
+            )
             .unwrap();
         relay.append(&store, EndpointId(1), &keys(&[7])).unwrap();
         let mut all = Vec::new();
@@ -1308,28 +1357,52 @@ mod tests {
                 first.push(e.0);
                 true
             }
-            Logged::Removed(..) => false,
+            Logged::Removed(..) | Logged::Offloaded(..) => false,
         });
         assert_eq!((handed, first, reader.seen()), (1, vec![2], 1));
         let handed = DecisionLog::new("ns", 8, 1).poll_at_most_with(&store, 8, |l| {
             all.push(match l {
-                Logged::Routed(e, k) => (true, e.0, k.to_vec()),
-                Logged::Removed(e, k) => (false, e.0, k.to_vec()),
+                Logged::Routed(e, k) => (RecordKind::Routed, e.0, k.to_vec()),
+                Logged::Removed(e, k) => (RecordKind::Removed, e.0, k.to_vec()),
+                Logged::Offloaded(e, t, k) => (RecordKind::Offloaded(t), e.0, k.to_vec()),
             });
             true
         });
-        assert_eq!(handed, 3);
+        assert_eq!(handed, 4);
         assert_eq!(
             all,
             vec![
-                (true, 2, keys(&[1, 2])),
-                (false, 2, keys(&[2])),
-                (true, 1, keys(&[7]))
+                (RecordKind::Routed, 2, keys(&[1, 2])),
+                (RecordKind::Removed, 2, keys(&[2])),
+                (RecordKind::Offloaded(Tier::Storage), 4095, keys(&[5])),
+                (RecordKind::Routed, 1, keys(&[7]))
             ]
         );
         let mut routed = Vec::new();
         let n = DecisionLog::new("ns", 8, 1).poll(&store, |e, _| routed.push(e.0));
         assert_eq!((n, routed), (2, vec![2, 1]));
+    }
+
+    #[test]
+    fn a_record_of_an_unknown_kind_does_not_decode() {
+        let mut bytes = Vec::new();
+        LogRecord {
+            seq: 1,
+            origin: 2,
+            endpoint: EndpointId(3),
+            keys: keys(&[4]),
+            kind: RecordKind::Offloaded(Tier::Cpu),
+        }
+        .encode(&mut bytes);
+        assert_eq!(
+            LogRecord::decode(&bytes).map(|r| r.kind),
+            Some(RecordKind::Offloaded(Tier::Cpu))
+        );
+        // Tier bits without the removal bit, or tier 3.
+        for raw in [0x2003u16, 0xE003] {
+            bytes[16..18].copy_from_slice(&raw.to_le_bytes());
+            assert_eq!(LogRecord::decode(&bytes), None, "{raw:#x}");
+        }
     }
 
     #[test]
@@ -1342,7 +1415,7 @@ mod tests {
             origin: 2,
             endpoint: EndpointId(3),
             keys: keys(&[4, 5]),
-            removal: false,
+            kind: RecordKind::Routed,
         }
         .encode(&mut rec);
         assert_eq!(LogRecord::decode(&rec).unwrap().keys, keys(&[4, 5]));

@@ -7,7 +7,7 @@ use crate::cost::{self, CostTerms, Pressure, RequestSize, TokenRatio};
 use std::time::Duration;
 
 use crate::endpoint::{EndpointId, Pool};
-use crate::index::PrefixIndex;
+use crate::index::{Match, PrefixIndex, Tier};
 use crate::outstanding::{Charge, Outstanding};
 use crate::prefix::{BlockKey, KeySchedule, PrefixHasher};
 use crate::request::{self, Api, ParsedRequest, RequestError};
@@ -146,8 +146,8 @@ pub struct Router {
     scores: Vec<EndpointScore>,
     costs: Vec<CostTerms>,
     keys: Vec<BlockKey>,
-    /// Leading keys each endpoint holds (by id), for the request being routed.
-    matched: Vec<usize>,
+    /// Leading keys each endpoint holds (by id), by tier, for the request being routed.
+    matched: Vec<Match>,
     /// Bytes per token learned per model from the servers' `usage`.
     ratio: TokenRatio,
     /// Uncached tokens of a typical request routed here (EWMA): sizes a server's queue.
@@ -363,6 +363,14 @@ impl Router {
         self.index.remove(endpoint, keys)
     }
 
+    /// Applies a confirmed offload (the aggregator saw `endpoint` move the blocks these keys
+    /// were linked to off its GPU, to `tier`): the prefixes through them count at that tier's
+    /// credit there. Returns the keys moved down; a walk of the endpoint's holdings, as
+    /// [`Router::apply_removal`].
+    pub fn apply_demotion(&mut self, endpoint: EndpointId, keys: &[BlockKey], tier: Tier) -> usize {
+        self.index.demote(endpoint, keys, tier)
+    }
+
     fn fill_candidates(
         &mut self,
         outstanding: &[Outstanding],
@@ -376,14 +384,12 @@ impl Router {
         for &id in &self.ids {
             let load = self.pool.get(id).map(|e| e.load).unwrap_or_default();
             let o = outstanding.get(id.index()).copied().unwrap_or_default();
-            let matched = self.matched.get(id.index()).copied().unwrap_or(0);
-            let matched_bytes = match matched.checked_sub(1) {
-                Some(last) => ends.get(last).map_or(0, |&e| u64::from(e)),
-                None => 0,
-            };
+            let matched = self.matched.get(id.index()).copied().unwrap_or_default();
+            // Blocks the server offloaded count at their tier's credit.
+            let matched_bytes = self.config.cost.credited_bytes(matched, ends);
             self.candidates.push(Candidate {
                 id,
-                matched: matched as u32,
+                matched: matched.keys() as u32,
                 matched_bytes,
                 inflight: o.requests,
                 prefilling: o.prefilling.min(o.requests),
@@ -630,48 +636,60 @@ fn tokens(estimate: f64) -> u32 {
 }
 
 /// Applies the decision log's records ([`crate::replica::Logged`]) to a router in log order,
-/// gathering each endpoint's removals so that one walk of its holdings forgets them all; a
-/// decision for an endpoint with removals waiting applies after them, as logged. Call
-/// [`LogReplay::finish`] after the last record.
+/// gathering each endpoint's removals and offloads so that one walk of its holdings applies
+/// them all; a decision for an endpoint with some waiting applies after them, as logged.
+/// (Among themselves their order does not matter: a key removed stays removed, whether it was
+/// offloaded before or after.) Call [`LogReplay::finish`] after the last record.
 #[derive(Debug, Default)]
 pub struct LogReplay {
-    waiting: Vec<(EndpointId, Vec<BlockKey>)>,
+    /// Per endpoint and fate (`None`: removed; else offloaded to that tier), the keys.
+    waiting: Vec<(EndpointId, Option<Tier>, Vec<BlockKey>)>,
     /// Decisions applied.
     pub routed: u64,
     /// Keys the removals made the index forget.
     pub removed_keys: u64,
+    /// Keys the offloads moved down a tier.
+    pub offloaded_keys: u64,
 }
 
 impl LogReplay {
     pub fn apply(&mut self, router: &mut Router, logged: crate::replica::Logged<'_>) {
         use crate::replica::Logged;
-        match logged {
+        let (endpoint, fate, keys) = match logged {
             Logged::Routed(endpoint, keys) => {
                 self.flush(router, Some(endpoint));
                 router.apply_remote(endpoint, keys);
                 self.routed += 1;
+                return;
             }
-            Logged::Removed(endpoint, keys) => {
-                match self.waiting.iter_mut().find(|(e, _)| *e == endpoint) {
-                    Some((_, all)) => all.extend_from_slice(keys),
-                    None => self.waiting.push((endpoint, keys.to_vec())),
-                }
-            }
+            Logged::Removed(endpoint, keys) => (endpoint, None, keys),
+            Logged::Offloaded(endpoint, tier, keys) => (endpoint, Some(tier), keys),
+        };
+        match self
+            .waiting
+            .iter_mut()
+            .find(|(e, f, _)| *e == endpoint && *f == fate)
+        {
+            Some((_, _, all)) => all.extend_from_slice(keys),
+            None => self.waiting.push((endpoint, fate, keys.to_vec())),
         }
     }
 
-    /// Applies the removals still waiting.
+    /// Applies the removals and offloads still waiting.
     pub fn finish(&mut self, router: &mut Router) {
         self.flush(router, None);
     }
 
     fn flush(&mut self, router: &mut Router, only: Option<EndpointId>) {
-        let removed = &mut self.removed_keys;
-        self.waiting.retain(|(e, keys)| {
+        let (removed, offloaded) = (&mut self.removed_keys, &mut self.offloaded_keys);
+        self.waiting.retain(|(e, fate, keys)| {
             if only.is_some_and(|o| o != *e) {
                 return true;
             }
-            *removed += router.apply_removal(*e, keys) as u64;
+            match fate {
+                None => *removed += router.apply_removal(*e, keys) as u64,
+                Some(tier) => *offloaded += router.apply_demotion(*e, keys, *tier) as u64,
+            }
             false
         });
     }
@@ -1080,6 +1098,66 @@ mod tests {
         // The longest match left is the prompt's head: the tail went first.
         let keys = r.last_keys().to_vec();
         assert_eq!(r.index().matched(old.endpoint, &keys), want);
+    }
+
+    #[test]
+    fn an_offloaded_prefix_counts_at_its_tiers_credit() {
+        let outstanding = [Outstanding::default(); 3];
+        let system = "z".repeat(6000);
+        let route = |r: &mut Router, user: &str| {
+            r.route_body(
+                Api::ChatCompletions,
+                &chat("a", &system, user),
+                &outstanding,
+                Duration::ZERO,
+            )
+            .unwrap()
+        };
+        let credit_of = |r: &Router, id: EndpointId| {
+            r.last_candidates()
+                .iter()
+                .find(|c| c.id == id)
+                .map(|c| (c.matched, c.matched_bytes))
+                .unwrap()
+        };
+        let mut r = router("");
+        let holder = route(&mut r, "first").endpoint;
+        let keys = r.last_keys().to_vec();
+        // The whole prompt went to the holder's CPU memory (its first key and every key after).
+        let moved = r.apply_demotion(holder, &keys[..1], Tier::Cpu);
+        assert_eq!(moved, keys.len());
+        // The next turn: still the holder, against idle endpoints with nothing, matched whole
+        // and credited at 0.8 (the default), up to where the first prompt's keys end.
+        let next = route(&mut r, "second");
+        assert_eq!(next.endpoint, holder);
+        let (matched, bytes) = credit_of(&r, holder);
+        let full = u64::from(r.last_key_ends()[matched as usize - 1]);
+        assert!(matched > 10, "{matched}");
+        assert_eq!(bytes, (full as f64 * 0.8).round() as u64);
+        // Routing it recorded the prompt again, back on the GPU: full credit.
+        route(&mut r, "second");
+        let (_, bytes) = credit_of(&r, holder);
+        assert!(bytes > full, "{bytes} > {full}");
+        // A prefix on storage against the same prefix on another endpoint's GPU: the GPU wins.
+        let mut r = router("");
+        let holder = route(&mut r, "first").endpoint;
+        let keys = r.last_keys().to_vec();
+        let other = EndpointId((holder.0 + 1) % 3);
+        r.apply_remote(other, &keys);
+        assert_eq!(
+            r.apply_demotion(holder, &keys[..1], Tier::Storage),
+            keys.len()
+        );
+        assert_eq!(route(&mut r, "second").endpoint, other);
+        let (_, bytes) = credit_of(&r, holder);
+        assert_eq!(bytes, (full as f64 * 0.3).round() as u64);
+        // With no credit for the CPU tier, an offloaded prefix counts for nothing.
+        let mut r = router(r#","cost":{"tier_credit":{"cpu":0,"storage":0}}"#);
+        let holder = route(&mut r, "first").endpoint;
+        let keys = r.last_keys().to_vec();
+        r.apply_demotion(holder, &keys[..1], Tier::Cpu);
+        route(&mut r, "second");
+        assert_eq!(credit_of(&r, holder).1, 0);
     }
 
     #[test]

@@ -23,7 +23,12 @@
 //!
 //! A `BlockRemoved` (GPU) of a linked block removes the text keys linked to it and to every
 //! block below it (the suffix: those prefixes are no longer cached whole), recorded as a
-//! [`Removal`]; `AllBlocksCleared` removes every key of the endpoint. Time is passed in.
+//! [`Removal`]; `AllBlocksCleared` removes every key of the endpoint. A block the server also
+//! holds on a slower tier (its `BlockStored` with medium CPU or STORAGE, as vLLM's CPU
+//! offloading writes every block through) is offloaded instead: its keys stay linked, and the
+//! record says the tier they moved to, where they still save prefill; they are removed when
+//! the last slower copy goes, and back on the GPU when the server stores the block there
+//! again (it loaded it back). Time is passed in.
 //!
 //! ```
 //! use std::time::{Duration, Instant};
@@ -70,6 +75,7 @@ use std::time::{Duration, Instant};
 use kvoy_kvevents::{BlockHash, EventBatch, KvEvent, Medium};
 use kvoy_shared::prefix::{BlockKey, KeySchedule};
 use kvoy_shared::relay::RelayedDecision;
+use kvoy_shared::Tier;
 
 #[cfg(test)]
 mod tests;
@@ -113,6 +119,9 @@ pub struct LinkSettings {
     pub max_matches_per_tick: usize,
     /// Keys one removal record names at most (the count is always exact).
     pub max_removal_keys: usize,
+    /// Blocks per endpoint whose copies on slower tiers (CPU, storage) are followed, at most
+    /// (beyond, a block evicted from the GPU counts as removed).
+    pub max_offloaded_blocks: usize,
     /// Matching runs on a tick at most this often (ageing on every tick).
     pub match_interval: Duration,
     /// Chains in a decision's window at most before it counts as ambiguous outright.
@@ -142,6 +151,7 @@ impl Default for LinkSettings {
             max_linked_blocks: 1 << 16,
             max_removals: 256,
             max_removal_keys: 4096,
+            max_offloaded_blocks: 1 << 18,
             max_matches_per_tick: 16,
             match_interval: Duration::from_millis(50),
             max_candidates: 16,
@@ -167,11 +177,17 @@ pub struct LinkCounters {
     /// `BlockRemoved` or `AllBlocksCleared` events that removed linked keys.
     pub exact_removals: u64,
     pub keys_removed: u64,
+    /// `BlockRemoved` events that moved linked keys off the GPU to a slower tier, and the keys.
+    pub offloads: u64,
+    pub keys_offloaded: u64,
+    /// Blocks on slower tiers not followed (over [`LinkSettings::max_offloaded_blocks`]).
+    pub offloaded_over_cap: u64,
     /// Chains no decision claimed within the window.
     pub chains_expired: u64,
 }
 
-/// Linked keys an endpoint lost: their prefix is no longer cached there.
+/// Linked keys an endpoint lost: their prefix is no longer cached there (or, with
+/// `offloaded_to`, no longer on its GPU).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Removal {
     /// Numbered from 1, across endpoints.
@@ -186,6 +202,8 @@ pub struct Removal {
     /// The event batch's timestamp (the server's clock, seconds since the Unix epoch); none
     /// for a publisher restart.
     pub event_ts: Option<f64>,
+    /// The keys moved to this slower tier rather than out of the server's caches.
+    pub offloaded_to: Option<Tier>,
 }
 
 /// One endpoint's state, for the pool view.
@@ -205,6 +223,23 @@ struct Node {
     keys: Vec<BlockKey>,
     /// Token position of the block's end, from the root.
     end: u64,
+    /// The server evicted the block from its GPU and holds it on a slower tier only.
+    off_gpu: bool,
+}
+
+/// A block's copies on the tiers below the GPU.
+const COPY_CPU: u8 = 1;
+const COPY_STORAGE: u8 = 2;
+
+/// The fastest slower tier among `copies`.
+fn copy_tier(copies: u8) -> Option<Tier> {
+    if copies & COPY_CPU != 0 {
+        Some(Tier::Cpu)
+    } else if copies & COPY_STORAGE != 0 {
+        Some(Tier::Storage)
+    } else {
+        None
+    }
 }
 
 #[derive(Debug)]
@@ -265,6 +300,8 @@ struct Endpoint {
     dirty: bool,
     /// Removals so far (a removal can shorten any decision's anchor).
     removals: u64,
+    /// Blocks held on slower tiers ([`COPY_CPU`], [`COPY_STORAGE`]), linked or not.
+    copies: HashMap<BlockHash, u8>,
     /// When the next pending chain settles (then a match may link it).
     settle_at: Option<Instant>,
 }
@@ -373,11 +410,21 @@ impl Linker {
                     }
                     self.stored(endpoint, block_hashes, *parent_block_hash, *block_size, now);
                 }
+                KvEvent::BlockStored {
+                    block_hashes,
+                    medium,
+                    ..
+                } => self.copied(endpoint, block_hashes, medium, true, batch.ts),
                 KvEvent::BlockRemoved {
                     block_hashes,
                     medium,
                     ..
                 } if *medium == Medium::Gpu => self.removed(endpoint, block_hashes, batch.ts),
+                KvEvent::BlockRemoved {
+                    block_hashes,
+                    medium,
+                    ..
+                } => self.copied(endpoint, block_hashes, medium, false, batch.ts),
                 KvEvent::AllBlocksCleared => self.clear_at(endpoint, Some(batch.ts)),
                 _ => {}
             }
@@ -403,11 +450,12 @@ impl Linker {
             .collect();
         ep.tree.clear();
         ep.keys.clear();
+        ep.copies.clear();
         ep.removals += 1;
         ep.chains.clear();
         ep.chain_order.clear();
         ep.pending_blocks.clear();
-        self.record_removal(endpoint, keys, true, event_ts);
+        self.record_removal(endpoint, keys, true, event_ts, None);
     }
 
     /// Forgets `endpoint` altogether (it left the pool).
@@ -515,10 +563,28 @@ impl Linker {
         now: Instant,
     ) {
         let ep = self.endpoints.entry(endpoint).or_default();
-        // A block stored again (vLLM may hold two copies of one hash) changes nothing.
-        if blocks
+        // Linked blocks stored again: the server loaded them back from a slower tier (or holds
+        // two copies of one hash). They are on the GPU again, and what follows them in the
+        // event (the rest of the prompt, prefilled) hangs under the last of them.
+        let known = blocks
             .iter()
-            .any(|b| ep.tree.contains_key(b) || ep.pending_blocks.contains_key(b))
+            .take_while(|b| match ep.tree.get_mut(b) {
+                Some(n) => {
+                    n.off_gpu = false;
+                    true
+                }
+                None => false,
+            })
+            .count();
+        let (parent, blocks) = match known.checked_sub(1) {
+            Some(last) => (Some(blocks[last]), &blocks[known..]),
+            None => (parent, blocks),
+        };
+        // A block stored again (vLLM may hold two copies of one hash) changes nothing.
+        if blocks.is_empty()
+            || blocks
+                .iter()
+                .any(|b| ep.tree.contains_key(b) || ep.pending_blocks.contains_key(b))
         {
             return;
         }
@@ -550,17 +616,82 @@ impl Linker {
             return;
         };
         let mut keys = Vec::new();
+        let mut offloaded: [Vec<BlockKey>; 2] = Default::default();
         for b in blocks {
             if ep.tree.contains_key(b) {
-                ep.remove_subtree(*b, &mut keys);
+                ep.evict_from_gpu(*b, &mut keys, &mut offloaded);
             } else if let Some(&(id, _)) = ep.pending_blocks.get(b) {
                 // Its prefix is gone: it can no longer be anyone's cached continuation.
                 ep.drop_chain(id);
             }
         }
-        if !keys.is_empty() {
-            self.record_removal(endpoint, keys, false, Some(event_ts));
+        self.record_removal(endpoint, keys, false, Some(event_ts), None);
+        let [cpu, storage] = offloaded;
+        self.record_removal(endpoint, cpu, false, Some(event_ts), Some(Tier::Cpu));
+        self.record_removal(
+            endpoint,
+            storage,
+            false,
+            Some(event_ts),
+            Some(Tier::Storage),
+        );
+    }
+
+    /// A `BlockStored` (`stored`) or `BlockRemoved` on any tier: the blocks' copies below the
+    /// GPU. A linked block off the GPU whose last slower copy goes is removed; one that keeps
+    /// only a slower copy moves there.
+    fn copied(
+        &mut self,
+        endpoint: SocketAddr,
+        blocks: &[BlockHash],
+        medium: &Medium,
+        stored: bool,
+        event_ts: f64,
+    ) {
+        let bit = match medium {
+            Medium::Cpu => COPY_CPU,
+            Medium::Storage => COPY_STORAGE,
+            _ => return,
+        };
+        let cap = self.settings.max_offloaded_blocks;
+        let ep = self.endpoints.entry(endpoint).or_default();
+        let mut keys = Vec::new();
+        let mut moved = Vec::new();
+        for b in blocks {
+            if stored {
+                if let Some(c) = ep.copies.get_mut(b) {
+                    *c |= bit;
+                } else if ep.copies.len() < cap {
+                    ep.copies.insert(*b, bit);
+                } else {
+                    self.counters.offloaded_over_cap += 1;
+                }
+                continue;
+            }
+            let left = match ep.copies.get_mut(b) {
+                Some(c) => {
+                    *c &= !bit;
+                    *c
+                }
+                None => continue,
+            };
+            if left == 0 {
+                ep.copies.remove(b);
+            }
+            if !ep.tree.get(b).is_some_and(|n| n.off_gpu) {
+                continue;
+            }
+            match copy_tier(left) {
+                None => ep.remove_subtree(*b, &mut keys),
+                // Only storage left: the block and its suffix are there at best.
+                Some(_) => ep.subtree_keys(*b, &mut moved),
+            }
         }
+        self.record_removal(endpoint, keys, false, Some(event_ts), None);
+        // A block's subtree holds the blocks below it, which may be listed too.
+        moved.sort_unstable();
+        moved.dedup();
+        self.record_removal(endpoint, moved, false, Some(event_ts), Some(Tier::Storage));
     }
 
     fn record_removal(
@@ -569,13 +700,19 @@ impl Linker {
         mut keys: Vec<BlockKey>,
         cleared: bool,
         event_ts: Option<f64>,
+        offloaded_to: Option<Tier>,
     ) {
         if keys.is_empty() {
             return;
         }
         let count = keys.len();
-        self.counters.exact_removals += 1;
-        self.counters.keys_removed += count as u64;
+        if offloaded_to.is_some() {
+            self.counters.offloads += 1;
+            self.counters.keys_offloaded += count as u64;
+        } else {
+            self.counters.exact_removals += 1;
+            self.counters.keys_removed += count as u64;
+        }
         keys.truncate(self.settings.max_removal_keys);
         self.removals.push_back(Removal {
             seq: self.next_seq,
@@ -584,6 +721,7 @@ impl Linker {
             count,
             cleared,
             event_ts: event_ts.filter(|t| t.is_finite()),
+            offloaded_to,
         });
         self.next_seq += 1;
         while self.removals.len() > self.settings.max_removals {
@@ -929,6 +1067,46 @@ impl Endpoint {
         }
     }
 
+    /// The server evicted `root` from its GPU: each block of its subtree still on the GPU
+    /// moves to its fastest slower copy (its keys into `offloaded[CPU, storage]`), or, with
+    /// none, goes with its own subtree (its keys into `removed`: a prefix through it is no
+    /// longer cached anywhere there). Blocks already off the GPU stay as they are.
+    fn evict_from_gpu(
+        &mut self,
+        root: BlockHash,
+        removed: &mut Vec<BlockKey>,
+        offloaded: &mut [Vec<BlockKey>; 2],
+    ) {
+        let mut stack = vec![root];
+        while let Some(b) = stack.pop() {
+            let copies = self.copies.get(&b).copied().unwrap_or(0);
+            let Some(tier) = copy_tier(copies) else {
+                self.remove_subtree(b, removed);
+                continue;
+            };
+            let Some(n) = self.tree.get_mut(&b) else {
+                continue;
+            };
+            if !n.off_gpu {
+                n.off_gpu = true;
+                let to = if tier == Tier::Cpu { 0 } else { 1 };
+                offloaded[to].extend_from_slice(&n.keys);
+            }
+            stack.extend(n.children.iter().copied());
+        }
+    }
+
+    /// The keys linked to `root` and every block below it.
+    fn subtree_keys(&self, root: BlockHash, keys: &mut Vec<BlockKey>) {
+        let mut stack = vec![root];
+        while let Some(b) = stack.pop() {
+            if let Some(n) = self.tree.get(&b) {
+                keys.extend_from_slice(&n.keys);
+                stack.extend(n.children.iter().copied());
+            }
+        }
+    }
+
     fn remove_subtree(&mut self, root: BlockHash, keys: &mut Vec<BlockKey>) {
         self.removals += 1;
         if let Some(parent) = self.tree.get(&root).and_then(|n| n.parent) {
@@ -1094,6 +1272,7 @@ impl Endpoint {
                         children: Vec::new(),
                         keys: Vec::new(),
                         end: at,
+                        off_gpu: false,
                     },
                 );
                 if let Some(p) = parent.and_then(|p| self.tree.get_mut(&p)) {

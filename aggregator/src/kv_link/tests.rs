@@ -661,3 +661,133 @@ fn many_concurrent_prompts_of_one_length_are_dropped_as_ambiguous_in_one_tick() 
     l.tick(ms(t0, 700));
     assert_eq!(l.counters().decisions_linked, 0);
 }
+
+fn on_tier(stored: bool, blocks: &[u64], medium: Medium) -> KvEvent {
+    let block_hashes = blocks.iter().copied().map(h).collect();
+    if stored {
+        // As vLLM's offloading connector sends it: no parent, no token ids.
+        KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash: None,
+            token_ids: vec![],
+            block_size: 0,
+            lora_id: None,
+            medium,
+            lora_name: None,
+            group_idx: None,
+        }
+    } else {
+        KvEvent::BlockRemoved {
+            block_hashes,
+            medium,
+            group_idx: None,
+        }
+    }
+}
+
+/// What the records after `seq` say, keys sorted: (fate, keys).
+fn fates(l: &Linker, seq: u64) -> Vec<(Option<Tier>, Vec<BlockKey>)> {
+    l.removals_after(seq, 100)
+        .into_iter()
+        .map(|r| {
+            let mut k = r.keys;
+            k.sort();
+            (r.offloaded_to, k)
+        })
+        .collect()
+}
+
+#[test]
+fn a_block_evicted_from_the_gpu_with_a_cpu_copy_is_offloaded_not_removed() {
+    let mut l = linker();
+    let t0 = Instant::now();
+    // A four-block first turn, written through to CPU memory as it was stored (blocks 1-4),
+    // and to storage as well (blocks 1-2).
+    l.decisions(&[decision(1, keys(100, 4))], t0);
+    l.events(
+        ep(1),
+        &batch(vec![
+            stored(1..5, None),
+            on_tier(true, &[1, 2, 3, 4], Medium::Cpu),
+            on_tier(true, &[1, 2], Medium::Storage),
+        ]),
+        ms(t0, 10),
+    );
+    l.tick(ms(t0, 600));
+    assert_eq!(l.counters().decisions_linked, 1);
+    // The GPU evicts the tail first: block 4, then 3; each moves to CPU memory, keys linked.
+    l.events(
+        ep(1),
+        &batch(vec![removed(&[4]), removed(&[3])]),
+        ms(t0, 700),
+    );
+    assert_eq!(
+        fates(&l, 0),
+        vec![
+            (Some(Tier::Cpu), keys(103, 1)),
+            (Some(Tier::Cpu), keys(102, 1)),
+        ]
+    );
+    assert_eq!(l.linked_keys(ep(1)), keys(100, 4));
+    let c = l.counters();
+    assert_eq!((c.offloads, c.keys_offloaded, c.exact_removals), (2, 2, 0));
+    // Block 3's CPU copy goes (no storage copy): it and block 4 below it are removed.
+    l.events(
+        ep(1),
+        &batch(vec![on_tier(false, &[3], Medium::Cpu)]),
+        ms(t0, 800),
+    );
+    assert_eq!(fates(&l, 2), vec![(None, keys(102, 2))]);
+    assert_eq!(l.linked_keys(ep(1)), keys(100, 2));
+    // Block 1 leaves the GPU: blocks 1 and 2 are offloaded, to CPU memory, in one record.
+    l.events(ep(1), &batch(vec![removed(&[1])]), ms(t0, 900));
+    assert_eq!(fates(&l, 3), vec![(Some(Tier::Cpu), keys(100, 2))]);
+    // Their CPU copies go, the storage copies stay: they move down to storage.
+    l.events(
+        ep(1),
+        &batch(vec![on_tier(false, &[1, 2], Medium::Cpu)]),
+        ms(t0, 1_000),
+    );
+    assert_eq!(fates(&l, 4), vec![(Some(Tier::Storage), keys(100, 2))]);
+    assert_eq!(l.linked_keys(ep(1)), keys(100, 2));
+    // A CPU copy that goes while the block is on the GPU changes nothing.
+    let before = l.removals_after(0, 100).len();
+    l.events(
+        ep(2),
+        &batch(vec![on_tier(false, &[1], Medium::Cpu)]),
+        ms(t0, 1_100),
+    );
+    assert_eq!(l.removals_after(0, 100).len(), before);
+}
+
+#[test]
+fn a_prefix_loaded_back_from_cpu_is_on_the_gpu_again_and_the_next_turn_links_under_it() {
+    let mut l = linker();
+    let t0 = Instant::now();
+    l.decisions(&[decision(1, keys(100, 3))], t0);
+    l.events(
+        ep(1),
+        &batch(vec![
+            stored(1..4, None),
+            on_tier(true, &[1, 2, 3], Medium::Cpu),
+        ]),
+        ms(t0, 10),
+    );
+    l.tick(ms(t0, 600));
+    l.events(ep(1), &batch(vec![removed(&[1])]), ms(t0, 700));
+    assert_eq!(fates(&l, 0), vec![(Some(Tier::Cpu), keys(100, 3))]);
+    // The next turn: the server loads blocks 1-3 back and prefills two more, stored in one
+    // event (the loaded blocks first).
+    l.decisions(&[decision(1, keys(100, 5))], ms(t0, 800));
+    l.events(ep(1), &batch(vec![stored(1..6, None)]), ms(t0, 810));
+    l.tick(ms(t0, 1_500));
+    assert_eq!(l.counters().decisions_linked, 2);
+    assert_eq!(l.linked_keys(ep(1)), keys(100, 5));
+    // Back on the GPU: evicting block 1 from it offloads the whole prompt again (its CPU copies
+    // still there for 1-3; 4 and 5 have none, so they go).
+    l.events(ep(1), &batch(vec![removed(&[1])]), ms(t0, 1_600));
+    assert_eq!(
+        fates(&l, 1),
+        vec![(None, keys(103, 2)), (Some(Tier::Cpu), keys(100, 3))]
+    );
+}

@@ -22,6 +22,11 @@
 //! LRU set touched last-first would keep. (For sequences that are not chains, e.g. one key
 //! after two different keys, the trie is one of sequences: a key is held per position.)
 //!
+//! A holding also says how much of it sits on each of the server's tiers
+//! ([`PrefixIndex::demote`]: a block offloaded from the GPU to CPU memory still saves its
+//! prefill, for less), so a match is counted per tier ([`Match`]). As an eviction, an offload
+//! takes a key's suffix with it; recording the keys again brings them back to the GPU.
+//!
 //! ```
 //! use kvoy_shared::{prefix::BlockKey, EndpointId, PrefixIndex};
 //! let mut index = PrefixIndex::new(2, 1000, 7);
@@ -29,7 +34,7 @@
 //! index.record(EndpointId(1), &keys);
 //! let mut matched = Vec::new();
 //! index.matched_all(&[BlockKey(1), BlockKey(2), BlockKey(9)], &mut matched);
-//! assert_eq!(matched, [0, 2]);
+//! assert_eq!(matched.iter().map(|m| m.keys()).collect::<Vec<_>>(), [0, 2]);
 //! ```
 
 mod edges;
@@ -110,8 +115,59 @@ impl Vacancy for Node {
 struct Holder {
     endpoint: u16,
     held: u32,
+    /// How many of the held keys, from the first, are on the GPU (`[0]`) and on the GPU or
+    /// CPU (`[1]`); the rest were offloaded further. `fast[0] <= fast[1] <= held`, and below a
+    /// key that left a tier every key has left it too (a demotion takes a key's suffix).
+    fast: [u32; 2],
     /// Its place in the endpoint's recency list.
     entry: u32,
+}
+
+impl Holder {
+    /// Keeps the tiers within `held`.
+    fn fit_tiers(&mut self) {
+        for f in &mut self.fast {
+            *f = (*f).min(self.held);
+        }
+    }
+}
+
+/// Where a server holds a block: its GPU, or offloaded to CPU memory or to storage (vLLM's KV
+/// event `medium`). Ordered fastest first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Tier {
+    Gpu = 0,
+    Cpu = 1,
+    Storage = 2,
+}
+
+impl Tier {
+    pub const ALL: [Tier; 3] = [Tier::Gpu, Tier::Cpu, Tier::Storage];
+}
+
+/// How far an endpoint holds a request's keys, by tier: [`Match::keys`] leading keys at all,
+/// and of those the leading ones on each tier or a faster one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Match {
+    /// `[GPU, GPU or CPU, any tier]`.
+    within: [usize; 3],
+}
+
+impl Match {
+    /// Leading keys held at all.
+    pub fn keys(&self) -> usize {
+        self.within[2]
+    }
+
+    /// Leading keys held on `tier` or a faster one.
+    pub fn within(&self, tier: Tier) -> usize {
+        self.within[tier as usize]
+    }
+
+    /// A match of `keys` keys, all on the GPU.
+    pub fn on_gpu(keys: usize) -> Match {
+        Match { within: [keys; 3] }
+    }
 }
 
 /// A holding in its endpoint's recency list.
@@ -255,11 +311,11 @@ impl PrefixIndex {
         pos
     }
 
-    /// Every endpoint's [`PrefixIndex::matched`] in one walk of `keys`: `out[i]` for
+    /// Every endpoint's [`PrefixIndex::matched`] in one walk of `keys`, by tier: `out[i]` for
     /// `EndpointId(i)`, `out` as long as the id space.
-    pub fn matched_all(&self, keys: &[BlockKey], out: &mut Vec<usize>) {
+    pub fn matched_all(&self, keys: &[BlockKey], out: &mut Vec<Match>) {
         out.clear();
-        out.resize(self.endpoints.len(), 0);
+        out.resize(self.endpoints.len(), Match::default());
         let (mut parent, mut pos) = (NIL, 0);
         while let Some(&key) = keys.get(pos) {
             let Some(n) = self.child(parent, key.0) else {
@@ -268,10 +324,17 @@ impl PrefixIndex {
             let node = &self.nodes[n];
             let m = node.common(&keys[pos..]);
             for h in &node.holders {
-                // Only an endpoint holding the whole path so far extends its match here.
+                // Only an endpoint holding the whole path so far extends its match here, and
+                // only a tier that holds the whole path so far extends that tier's.
                 if let Some(o) = out.get_mut(usize::from(h.endpoint)) {
-                    if *o == pos {
-                        *o = pos + m.min(h.held as usize);
+                    if o.within[2] == pos {
+                        let held = m.min(h.held as usize);
+                        for (w, &fast) in o.within.iter_mut().zip(&h.fast) {
+                            if *w == pos {
+                                *w = pos + held.min(fast as usize);
+                            }
+                        }
+                        o.within[2] = pos + held;
                     }
                 }
             }
@@ -330,13 +393,62 @@ impl PrefixIndex {
     /// node does not list its children), so it belongs on the tick, not a request's path.
     pub fn remove(&mut self, endpoint: EndpointId, removed: &[BlockKey]) -> usize {
         let e = endpoint.index();
-        if e >= self.endpoints.len() || removed.is_empty() {
+        let Some(cuts) = self.cuts(e, removed) else {
+            return 0;
+        };
+        // Leaves first, so that a node freed has no children left.
+        let before = self.endpoints[e].blocks;
+        for &(entry, held, keep) in cuts.iter().rev() {
+            if keep < held {
+                self.cut(e, entry, (held - keep) as usize);
+            }
+        }
+        before - self.endpoints[e].blocks
+    }
+
+    /// Moves `demoted` and every key after one of them in a chain down to `tier` on `endpoint`
+    /// (those still on a faster one): the server offloaded those blocks (evicted them from its
+    /// GPU while a CPU copy stays, say), so the prefixes through them still save prefill there,
+    /// at a lower credit. Recency is unchanged; recording the keys again brings them back to
+    /// the GPU, as serving a request loads them back. Returns the keys moved down. A walk of
+    /// the endpoint's holdings, as [`PrefixIndex::remove`].
+    pub fn demote(&mut self, endpoint: EndpointId, demoted: &[BlockKey], tier: Tier) -> usize {
+        let e = endpoint.index();
+        if tier == Tier::Gpu {
             return 0;
         }
-        let mut removed: Vec<u64> = removed.iter().map(|k| k.0).collect();
-        removed.sort_unstable();
-        // Each holding: its node, what it holds, and how much of it stays (up to the first
-        // removed key).
+        let Some(cuts) = self.cuts(e, demoted) else {
+            return 0;
+        };
+        let faster = tier as usize;
+        let mut moved = 0usize;
+        for (entry, _, keep) in cuts {
+            let n = self.entries[entry].node;
+            if let Some(h) = self.nodes[n]
+                .holders
+                .iter_mut()
+                .find(|h| usize::from(h.endpoint) == e)
+            {
+                moved += h.fast[faster - 1].saturating_sub(keep) as usize;
+                for f in &mut h.fast[..faster] {
+                    *f = (*f).min(keep);
+                }
+            }
+        }
+        moved
+    }
+
+    /// For each holding of endpoint `e`, parents before children: its entry, the keys it holds,
+    /// and how many of them come before the first of `keys` or below one (`None`: none of
+    /// `keys` is held).
+    fn cuts(&self, e: usize, keys: &[BlockKey]) -> Option<Vec<(u32, u32, u32)>> {
+        if e >= self.endpoints.len() || keys.is_empty() {
+            return None;
+        }
+        let mut keys: Vec<u64> = keys.iter().map(|k| k.0).collect();
+        keys.sort_unstable();
+        // Each holding: its node, what it holds, and how much of it comes before the first
+        // listed key.
         let mut holdings: Vec<(u32, u32, u32, u32)> = Vec::new(); // (entry, node, held, keep)
         let mut t = self.endpoints[e].head;
         while t != NIL {
@@ -346,21 +458,19 @@ impl PrefixIndex {
             let keep = std::iter::once(&node.first)
                 .chain(node.rest.iter())
                 .take(held as usize)
-                .position(|k| removed.binary_search(k).is_ok())
+                .position(|k| keys.binary_search(k).is_ok())
                 .map_or(held, |p| p as u32);
             holdings.push((t, n, held, keep));
             t = self.entries[t].next;
         }
         if holdings.iter().all(|&(_, _, held, keep)| keep == held) {
-            return 0;
+            return None;
         }
-        // A holding below a cut goes whole: its prefix now stops above it. Nodes this endpoint
-        // holds are prefix-closed, so looking up each parent's cut is enough, and parents
-        // come first when the holdings are ordered by depth.
-        let mut keep_of: HashMap<u32, (u32, u32)> = holdings
-            .iter()
-            .map(|&(_, n, held, keep)| (n, (held, keep)))
-            .collect();
+        // A holding below a cut is cut whole: its prefix now stops above it. Nodes this
+        // endpoint holds are prefix-closed, so looking up each parent's cut is enough, and
+        // parents come first when the holdings are ordered by depth.
+        let mut keep_of: HashMap<u32, u32> =
+            holdings.iter().map(|&(_, n, _, keep)| (n, keep)).collect();
         let depth = |mut n: u32| {
             let mut d = 0usize;
             while self.nodes[n].parent != NIL {
@@ -369,32 +479,23 @@ impl PrefixIndex {
             }
             d
         };
-        let mut order: Vec<(usize, u32, u32)> = holdings
+        let mut order: Vec<(usize, u32, u32, u32)> = holdings
             .iter()
-            .map(|&(entry, n, _, _)| (depth(n), entry, n))
+            .map(|&(entry, n, held, _)| (depth(n), entry, n, held))
             .collect();
-        order.sort_unstable_by_key(|&(d, _, _)| d);
-        for &(_, _, n) in &order {
+        order.sort_unstable_by_key(|&(d, _, _, _)| d);
+        let mut cuts = Vec::with_capacity(order.len());
+        for &(_, entry, n, held) in &order {
             let parent = self.nodes[n].parent;
             let parent_cut = keep_of
                 .get(&parent)
-                .is_some_and(|&(_, keep)| (keep as usize) < self.nodes[parent].len());
+                .is_some_and(|&keep| (keep as usize) < self.nodes[parent].len());
             if parent_cut {
-                if let Some(k) = keep_of.get_mut(&n) {
-                    k.1 = 0;
-                }
+                keep_of.insert(n, 0);
             }
+            cuts.push((entry, held, keep_of.get(&n).copied().unwrap_or(held)));
         }
-        // Cut leaves first, so that a node freed has no children left.
-        let before = self.endpoints[e].blocks;
-        for &(_, entry, n) in order.iter().rev() {
-            if let Some(&(held, keep)) = keep_of.get(&n) {
-                if keep < held {
-                    self.cut(e, entry, (held - keep) as usize);
-                }
-            }
-        }
-        before - self.endpoints[e].blocks
+        Some(cuts)
     }
 
     fn clear(&mut self, e: usize) {
@@ -516,6 +617,13 @@ impl PrefixIndex {
                 self.entries[h.entry].node = head;
                 false
             } else {
+                let mut head_holder = Holder {
+                    endpoint: h.endpoint,
+                    held: m32,
+                    fast: h.fast,
+                    entry: NIL,
+                };
+                head_holder.fit_tiers();
                 let entry = self.entries.alloc(Entry {
                     node: head,
                     prev: NIL,
@@ -527,12 +635,12 @@ impl PrefixIndex {
                     h.entry,
                     entry,
                 );
-                head_holders.push(Holder {
-                    endpoint: h.endpoint,
-                    held: m32,
-                    entry,
-                });
+                head_holder.entry = entry;
+                head_holders.push(head_holder);
                 h.held -= m32;
+                for f in &mut h.fast {
+                    *f = f.saturating_sub(m32);
+                }
                 true
             }
         });
@@ -554,6 +662,7 @@ impl PrefixIndex {
         {
             lru.blocks += len.saturating_sub(h.held) as usize;
             h.held = len;
+            h.fast = [len; 2];
             let entry = h.entry;
             unlink(&mut self.entries, lru, entry);
             push_front(&mut self.entries, lru, entry);
@@ -570,6 +679,7 @@ impl PrefixIndex {
         node.holders.push(Holder {
             endpoint: e as u16,
             held: len,
+            fast: [len; 2],
             entry,
         });
         lru.blocks += len as usize;
@@ -617,6 +727,7 @@ impl PrefixIndex {
             self.entries.release(entry);
         } else {
             node.holders[i].held -= cut as u32;
+            node.holders[i].fit_tiers();
         }
         if node.holders.is_empty() {
             self.free_node(n);

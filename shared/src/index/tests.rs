@@ -9,10 +9,12 @@ fn keys(v: &[u64]) -> Vec<BlockKey> {
 }
 
 /// Today's semantics, naively: per endpoint a most-recent-first list of keys, touched
-/// last-first, the least recent dropped past capacity.
+/// last-first, the least recent dropped past capacity; and per endpoint the tier of each key
+/// offloaded from the GPU since it was last recorded.
 struct Model {
     capacity: usize,
     sets: Vec<Vec<u64>>,
+    tiers: Vec<BTreeMap<u64, Tier>>,
 }
 
 impl Model {
@@ -20,11 +22,17 @@ impl Model {
         Model {
             capacity: capacity.max(1),
             sets: vec![Vec::new(); endpoints],
+            tiers: vec![BTreeMap::new(); endpoints],
         }
     }
 
     fn record(&mut self, e: usize, keys: &[BlockKey]) {
         let capacity = self.capacity;
+        if let Some(tiers) = self.tiers.get_mut(e) {
+            for k in keys {
+                tiers.remove(&k.0);
+            }
+        }
         let Some(set) = self.sets.get_mut(e) else {
             return;
         };
@@ -38,14 +46,44 @@ impl Model {
         }
     }
 
-    fn matched(&self, e: usize, keys: &[BlockKey]) -> usize {
+    /// Leading keys held on `tier` or a faster one.
+    fn within(&self, e: usize, keys: &[BlockKey], tier: Tier) -> usize {
         self.sets.get(e).map_or(0, |set| {
-            keys.iter().take_while(|k| set.contains(&k.0)).count()
+            keys.iter()
+                .take_while(|k| {
+                    set.contains(&k.0) && self.tiers[e].get(&k.0).is_none_or(|&t| t <= tier)
+                })
+                .count()
         })
+    }
+
+    /// Moves every held key whose chain goes through a demoted key down to `tier`.
+    fn demote(
+        &mut self,
+        e: usize,
+        demoted: &[u64],
+        tier: Tier,
+        chain_of: impl Fn(u64) -> Vec<u64>,
+    ) -> usize {
+        let Some(set) = self.sets.get(e) else {
+            return 0;
+        };
+        let mut moved = 0;
+        for &k in set {
+            if chain_of(k).iter().any(|c| demoted.contains(c)) {
+                let t = self.tiers[e].entry(k).or_insert(Tier::Gpu);
+                if *t < tier {
+                    moved += 1;
+                    *t = tier;
+                }
+            }
+        }
+        moved
     }
 
     fn resize(&mut self, endpoints: usize) {
         self.sets.resize(endpoints, Vec::new());
+        self.tiers.resize(endpoints, BTreeMap::new());
     }
 
     fn clear(&mut self, e: usize) {
@@ -160,12 +198,14 @@ fn assert_matches(idx: &PrefixIndex, model: &Model, chain: &[BlockKey]) {
     assert_eq!(all.len(), model.sets.len());
     for (e, &got) in all.iter().enumerate() {
         let id = EndpointId(e as u16);
-        assert_eq!(
-            got,
-            model.matched(e, chain),
-            "endpoint {e}, chain {chain:?}"
-        );
-        assert_eq!(idx.matched(id, chain), got);
+        for tier in Tier::ALL {
+            assert_eq!(
+                got.within(tier),
+                model.within(e, chain, tier),
+                "endpoint {e}, {tier:?}, chain {chain:?}"
+            );
+        }
+        assert_eq!(idx.matched(id, chain), got.keys());
     }
 }
 
@@ -181,7 +221,7 @@ fn longest_consecutive_prefix() {
     assert_eq!(idx.matched(EndpointId(7), &keys(&[1])), 0);
     let mut all = Vec::new();
     idx.matched_all(&keys(&[1, 2, 3, 4]), &mut all);
-    assert_eq!(all, [3, 1]);
+    assert_eq!(all, [Match::on_gpu(3), Match::on_gpu(1)]);
     check(&idx);
 }
 
@@ -250,7 +290,7 @@ fn a_conversation_stays_one_node() {
     );
     let mut all = Vec::new();
     idx.matched_all(&chain, &mut all);
-    assert_eq!(all, [60, 25]);
+    assert_eq!(all, [Match::on_gpu(60), Match::on_gpu(25)]);
     check(&idx);
 }
 
@@ -328,6 +368,7 @@ enum Op {
     Trim(usize, usize),
     Resize(usize),
     Remove(usize, Vec<usize>),
+    Demote(usize, Vec<usize>, bool),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -339,6 +380,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..6usize).prop_map(Op::Resize),
         2 => (0..5usize, prop::collection::vec(any::<usize>(), 1..3))
             .prop_map(|(e, ks)| Op::Remove(e, ks)),
+        2 => (0..5usize, prop::collection::vec(any::<usize>(), 1..3), any::<bool>())
+            .prop_map(|(e, ks, storage)| Op::Demote(e, ks, storage)),
     ]
 }
 
@@ -398,6 +441,21 @@ proptest! {
                     let after = model.sets.get(e).map_or(0, Vec::len);
                     prop_assert_eq!(forgot, before - after);
                 }
+                Op::Demote(e, picks, storage) => {
+                    let tier = if storage { Tier::Storage } else { Tier::Cpu };
+                    let demoted: Vec<u64> = picks
+                        .iter()
+                        .filter_map(|c| chains[c % chains.len()].last().map(|k| k.0))
+                        .collect();
+                    let moved = idx.demote(EndpointId(e as u16), &keys(&demoted), tier);
+                    let want = model.demote(e, &demoted, tier, |k| {
+                        chains
+                            .iter()
+                            .find(|c| c.last().map(|l| l.0) == Some(k))
+                            .map_or_else(Vec::new, |c| c.iter().map(|b| b.0).collect())
+                    });
+                    prop_assert_eq!(moved, want);
+                }
             }
             check(&idx);
             for (e, set) in model.sets.iter().enumerate() {
@@ -427,13 +485,13 @@ proptest! {
             idx.record(EndpointId(e as u16), &ks);
             check(&idx);
             idx.matched_all(&ks, &mut all);
-            for (i, &m) in all.iter().enumerate() {
+            for (i, m) in all.iter().map(Match::keys).enumerate() {
                 prop_assert!(m <= ks.len());
                 prop_assert_eq!(idx.matched(EndpointId(i as u16), &ks), m);
                 prop_assert!(idx.blocks(EndpointId(i as u16)) <= capacity);
             }
             if e < 2 {
-                prop_assert_eq!(all[e], ks.len().min(capacity));
+                prop_assert_eq!(all[e], Match::on_gpu(ks.len().min(capacity)));
             }
         }
     }

@@ -37,6 +37,8 @@ pub struct Metrics {
     /// forgot applying them (every worker counts its own).
     pub relay_removals: Option<u32>,
     pub removed_keys: Option<u32>,
+    /// Keys moved down a tier applying confirmed offloads (every worker counts its own).
+    pub offloaded_keys: Option<u32>,
     pub pool_updates: Option<u32>,
     /// Endpoints in the pool routed to, and whether it is the aggregator's (1) or static (0).
     pub pool_endpoints: Option<u32>,
@@ -79,6 +81,7 @@ impl Metrics {
             relay_failures: counter("kvoy_prefix_affinity_relay_failures_total"),
             relay_removals: counter("kvoy_prefix_affinity_relay_removals_received_total"),
             removed_keys: counter("kvoy_prefix_affinity_removed_keys_total"),
+            offloaded_keys: counter("kvoy_prefix_affinity_offloaded_keys_total"),
             pool_updates: counter("kvoy_prefix_affinity_pool_updates_total"),
             pool_endpoints: gauge("kvoy_prefix_affinity_pool_endpoints"),
             pool_live: gauge("kvoy_prefix_affinity_pool_live"),

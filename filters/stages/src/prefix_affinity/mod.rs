@@ -188,8 +188,9 @@ impl PrefixVm {
         } = self;
         let mut replay = LogReplay::default();
         let apply = |logged: Logged<'_>| match logged {
-            // A removal walks the endpoint's holdings: on a request's path, leave it to the tick.
-            Logged::Removed(..) if on_request => false,
+            // A removal or an offload walks the endpoint's holdings: on a request's path, leave
+            // it to the tick.
+            Logged::Removed(..) | Logged::Offloaded(..) if on_request => false,
             logged => {
                 replay.apply(router, logged);
                 true
@@ -206,6 +207,9 @@ impl PrefixVm {
         }
         if removed > 0 {
             Metrics::add(metrics.removed_keys, removed);
+        }
+        if replay.offloaded_keys > 0 {
+            Metrics::add(metrics.offloaded_keys, replay.offloaded_keys);
         }
     }
 }

@@ -9,7 +9,9 @@
 //! The same exchange brings the confirmed removals (`removals_since`, format 2): keys whose
 //! server blocks an endpoint evicted, as the aggregator's KV-event linker saw it. They go into
 //! the decision log after the answer's decisions, and every worker's replay forgets them for
-//! that endpoint ([`kvoy_shared::Router::apply_removal`]).
+//! that endpoint ([`kvoy_shared::Router::apply_removal`]). With `tiers=1` (format 3) it also
+//! brings the confirmed offloads, keys whose blocks left the endpoint's GPU for a slower tier,
+//! which the replay moves down a tier there ([`kvoy_shared::Router::apply_demotion`]).
 
 use log::{debug, warn};
 
@@ -123,10 +125,11 @@ impl Relay {
         }
         .encode(&mut self.scratch);
         let path = format!(
-            "{}?since={}&limit={RELAYED_PER_EXCHANGE}&removals_since={}&{}={}",
+            "{}?since={}&limit={RELAYED_PER_EXCHANGE}&removals_since={}&{}=1&{}={}",
             relay::PATH,
             self.cursor,
             self.removal_cursor,
+            relay::TIERS_PARAM,
             relay::SCHEDULE_PARAM,
             relay::schedule_param(&router.key_schedule())
         );
@@ -185,7 +188,10 @@ impl Relay {
         let removals = batch.removals.as_ref().map_or(&[][..], |r| &r.removals[..]);
         let removed: Vec<_> = removals
             .iter()
-            .filter_map(|r| pool.id_of(r.endpoint).map(|id| (id, &r.keys)))
+            .filter_map(|r| {
+                pool.id_of(r.endpoint)
+                    .map(|id| (id, r.offloaded_to, &r.keys))
+            })
             .collect();
         let done = Exchanged {
             received: batch.decisions.len(),
@@ -195,7 +201,7 @@ impl Relay {
         let records = accepted.len() + removed.len();
         if records > 0 {
             // The batch's slots are claimed in one write, then filled in order: the decisions,
-            // then the removals.
+            // then the removals and offloads.
             match self.log.claim(&HostStore, records as u64) {
                 Ok(first) => {
                     let mut seq = first;
@@ -205,9 +211,13 @@ impl Relay {
                         }
                         seq += 1;
                     }
-                    for (id, keys) in &removed {
-                        if let Err(e) = self.log.write_removal(&HostStore, seq, *id, keys) {
-                            debug!("decision relay: cannot log a removal: {e}");
+                    for &(id, offloaded_to, keys) in &removed {
+                        let written = match offloaded_to {
+                            None => self.log.write_removal(&HostStore, seq, id, keys),
+                            Some(tier) => self.log.write_offload(&HostStore, seq, id, tier, keys),
+                        };
+                        if let Err(e) = written {
+                            debug!("decision relay: cannot log a removal or offload: {e}");
                         }
                         seq += 1;
                     }
