@@ -13,9 +13,16 @@
 //!   reused in LRU order the tail goes before the head and shared prefixes survive longer.
 //! - Usage counts referenced blocks only (`vllm:kv_cache_usage_perc`): cached blocks that no
 //!   request holds are free, reusable, and not counted.
+//! - With a CPU offload tier ([`CpuTier`]), every block cached on GPU is also stored there
+//!   (write-through, as vLLM's `OffloadingConnector` stores each computed block): a
+//!   `BlockStored` CPU follows the GPU one for the blocks the tier did not hold, after a
+//!   `BlockRemoved` CPU for each block it evicted to make room. GPU eviction leaves the CPU copy.
+//!   Admission continues the GPU prefix lookup on the tier; blocks found there are loaded: given
+//!   fresh GPU blocks, counted as computed, and cached on GPU again.
 
 use super::block_pool::{BlockId, BlockPool};
-use super::events::{KvEvent, MEDIUM_GPU};
+use super::cpu_tier::CpuTier;
+use super::events::{KvEvent, MEDIUM_CPU, MEDIUM_GPU};
 
 /// The blocks one sequence holds, and the hash chain of its full blocks.
 #[derive(Debug, Clone, Default)]
@@ -32,6 +39,7 @@ pub(crate) struct SeqBlocks {
 #[derive(Debug, Clone)]
 pub(crate) struct KvCache {
     pool: BlockPool,
+    cpu: CpuTier,
     block_size: usize,
     events: Vec<KvEvent>,
     scratch: Vec<u8>,
@@ -54,10 +62,12 @@ fn block_hash(scratch: &mut Vec<u8>, parent: Option<u64>, tokens: &[u32]) -> u64
 }
 
 impl KvCache {
-    /// `block_size` must be at least 1 (checked by `Profile::validate`; 0 is treated as 1).
-    pub(crate) fn new(num_blocks: u32, block_size: u32) -> KvCache {
+    /// `block_size` must be at least 1 (checked by `Profile::validate`; 0 is treated as 1);
+    /// `cpu_blocks` 0 is no CPU tier.
+    pub(crate) fn new(num_blocks: u32, block_size: u32, cpu_blocks: u32) -> KvCache {
         KvCache {
             pool: BlockPool::new(num_blocks),
+            cpu: CpuTier::new(cpu_blocks),
             block_size: (block_size as usize).max(1),
             events: Vec::new(),
             scratch: Vec::new(),
@@ -92,20 +102,39 @@ impl KvCache {
             .collect()
     }
 
+    /// How many blocks after the first `from` (the GPU hits of [`KvCache::computed_blocks`],
+    /// called first) are on the CPU tier, consecutively, under the same cap.
+    pub(crate) fn loadable_blocks(&self, seq: &SeqBlocks, tokens: &[u32], from: usize) -> usize {
+        let max_blocks = tokens.len().saturating_sub(1) / self.block_size;
+        seq.hashes
+            .iter()
+            .take(max_blocks)
+            .skip(from)
+            .take_while(|&&h| self.cpu.contains(h))
+            .count()
+    }
+
+    /// True when there is a CPU tier.
+    pub(crate) fn offload_enabled(&self) -> bool {
+        self.cpu.enabled()
+    }
+
     /// Makes room for `num_new` more tokens after `num_computed` computed ones plus the cache
-    /// hits `new_computed` (only on admission, when the sequence holds no block yet). Returns
-    /// false, changing nothing, when too few blocks are free. On success, caches the blocks that
-    /// this step fills and queues the events.
+    /// hits `new_computed` and `loaded` blocks loaded from the CPU tier (both only on admission,
+    /// when the sequence holds no block yet). Returns false, changing nothing, when too few
+    /// blocks are free. On success, caches the blocks that this step fills (loaded ones
+    /// included) and queues the events.
     pub(crate) fn allocate_slots(
         &mut self,
         seq: &mut SeqBlocks,
         tokens: &[u32],
         num_computed: usize,
         new_computed: &[BlockId],
+        loaded: usize,
         num_new: usize,
     ) -> bool {
         let bs = self.block_size;
-        let total = num_computed + new_computed.len() * bs + num_new;
+        let total = num_computed + (new_computed.len() + loaded) * bs + num_new;
         let needed = total.div_ceil(bs);
         let have = seq.blocks.len() + new_computed.len();
         let to_allocate = needed.saturating_sub(have);
@@ -124,6 +153,14 @@ impl KvCache {
             match self.pool.allocate(&mut self.events) {
                 Some(b) => seq.blocks.push(b),
                 None => break, // unreachable: counted above
+            }
+        }
+        // A hit makes the loaded blocks the tier's most recent, before the write-through below
+        // can evict anything.
+        let first_loaded = new_computed.len();
+        if let Some(hashes) = seq.hashes.get(first_loaded..first_loaded + loaded) {
+            for &h in hashes {
+                self.cpu.touch(h);
             }
         }
         self.cache_full_blocks(seq, tokens, total);
@@ -157,14 +194,46 @@ impl KvCache {
         seq.num_cached = full;
     }
 
+    /// Announces blocks `start..end` of `seq` newly cached on GPU, and writes them through to
+    /// the CPU tier.
     fn emit_stored(&mut self, seq: &SeqBlocks, tokens: &[u32], start: usize, end: usize) {
+        self.push_stored(seq, tokens, start, end, MEDIUM_GPU);
+        if !self.cpu.enabled() {
+            return;
+        }
+        let fresh = self.cpu.store(&seq.hashes[start..end], &mut self.events);
+        // One CPU event per run of consecutive newly stored blocks, as on GPU.
+        let mut run_start: Option<usize> = None;
+        for (i, &new) in (start..end).zip(fresh.iter()) {
+            match (new, run_start) {
+                (true, None) => run_start = Some(i),
+                (false, Some(s)) => {
+                    self.push_stored(seq, tokens, s, i, MEDIUM_CPU);
+                    run_start = None;
+                }
+                _ => {}
+            }
+        }
+        if let Some(s) = run_start {
+            self.push_stored(seq, tokens, s, end, MEDIUM_CPU);
+        }
+    }
+
+    fn push_stored(
+        &mut self,
+        seq: &SeqBlocks,
+        tokens: &[u32],
+        start: usize,
+        end: usize,
+        medium: &'static str,
+    ) {
         let bs = self.block_size;
         self.events.push(KvEvent::BlockStored {
             block_hashes: seq.hashes[start..end].to_vec(),
             parent_block_hash: start.checked_sub(1).map(|p| seq.hashes[p]),
             token_ids: tokens[start * bs..end * bs].to_vec(),
             block_size: bs as u32,
-            medium: MEDIUM_GPU,
+            medium,
         });
     }
 
@@ -177,13 +246,16 @@ impl KvCache {
         seq.num_cached = 0;
     }
 
-    /// Drops the prefix cache if no block is referenced (vLLM's `reset_prefix_cache`): queues
-    /// `AllBlocksCleared` and returns true; otherwise changes nothing and returns false.
+    /// Drops the prefix cache, both tiers, if no block is referenced (vLLM's
+    /// `reset_prefix_cache`; vLLM clears the offload tier too when asked with
+    /// `reset_connector`): queues one `AllBlocksCleared` and returns true; otherwise changes
+    /// nothing and returns false.
     pub(crate) fn reset(&mut self) -> bool {
         if self.pool.num_free() != self.pool.num_blocks() {
             return false;
         }
         self.pool.clear_cache();
+        self.cpu.clear();
         self.events.push(KvEvent::AllBlocksCleared);
         true
     }
@@ -210,6 +282,15 @@ impl KvCache {
         self.pool.cached_hashes()
     }
 
+    /// The hashes on the CPU tier.
+    pub(crate) fn cpu_block_hashes(&self) -> impl Iterator<Item = u64> + '_ {
+        self.cpu.hashes()
+    }
+
+    pub(crate) fn num_cpu_blocks(&self) -> usize {
+        self.cpu.len()
+    }
+
     pub(crate) fn num_blocks(&self) -> usize {
         self.pool.num_blocks()
     }
@@ -219,7 +300,8 @@ impl KvCache {
     }
 
     pub(crate) fn check(&self) -> Result<(), String> {
-        self.pool.check()
+        self.pool.check()?;
+        self.cpu.check()
     }
 }
 
@@ -235,11 +317,11 @@ mod tests {
 
     #[test]
     fn prefix_hit_is_capped_below_the_last_token_and_whole_blocks() {
-        let mut cache = KvCache::new(16, 4);
+        let mut cache = KvCache::new(16, 4, 0);
         let t = tokens(12, 0);
         let mut a = SeqBlocks::default();
         assert!(cache.computed_blocks(&mut a, &t).is_empty());
-        assert!(cache.allocate_slots(&mut a, &t, 0, &[], 12));
+        assert!(cache.allocate_slots(&mut a, &t, 0, &[], 0, 12));
         let events = cache.take_events();
         assert_eq!(events.len(), 1, "three blocks in one BlockStored");
         let KvEvent::BlockStored {
@@ -267,16 +349,16 @@ mod tests {
 
     #[test]
     fn decode_fills_blocks_and_chains_parents() {
-        let mut cache = KvCache::new(16, 4);
+        let mut cache = KvCache::new(16, 4, 0);
         let mut t = tokens(6, 1);
         let mut s = SeqBlocks::default();
-        assert!(cache.allocate_slots(&mut s, &t, 0, &[], 6));
+        assert!(cache.allocate_slots(&mut s, &t, 0, &[], 0, 6));
         let first = cache.take_events();
         assert_eq!(first.len(), 1);
         t.extend([7, 8]); // two decode steps: tokens 6 and 7 computed
-        assert!(cache.allocate_slots(&mut s, &t, 6, &[], 1));
+        assert!(cache.allocate_slots(&mut s, &t, 6, &[], 0, 1));
         assert!(cache.take_events().is_empty());
-        assert!(cache.allocate_slots(&mut s, &t, 7, &[], 1));
+        assert!(cache.allocate_slots(&mut s, &t, 7, &[], 0, 1));
         let second = cache.take_events();
         let (
             KvEvent::BlockStored {
@@ -298,19 +380,19 @@ mod tests {
 
     #[test]
     fn allocation_fails_without_change_and_eviction_emits_removed() {
-        let mut cache = KvCache::new(2, 4);
+        let mut cache = KvCache::new(2, 4, 0);
         let mut a = SeqBlocks::default();
         let t = tokens(8, 2);
-        assert!(cache.allocate_slots(&mut a, &t, 0, &[], 8));
+        assert!(cache.allocate_slots(&mut a, &t, 0, &[], 0, 8));
         let mut b = SeqBlocks::default();
         let u = tokens(4, 3);
-        assert!(!cache.allocate_slots(&mut b, &u, 0, &[], 4));
+        assert!(!cache.allocate_slots(&mut b, &u, 0, &[], 0, 4));
         assert!(b.blocks.is_empty());
         cache.free(&mut a);
         assert_eq!(cache.usage(), 0.0);
         assert_eq!(cache.num_cached_blocks(), 2);
         cache.take_events();
-        assert!(cache.allocate_slots(&mut b, &u, 0, &[], 4));
+        assert!(cache.allocate_slots(&mut b, &u, 0, &[], 0, 4));
         // Tail block of `a` was freed first, so it is evicted first; the head survives.
         let events = cache.take_events();
         assert!(
@@ -324,10 +406,10 @@ mod tests {
 
     #[test]
     fn reset_only_when_idle() {
-        let mut cache = KvCache::new(4, 4);
+        let mut cache = KvCache::new(4, 4, 0);
         let mut a = SeqBlocks::default();
         let t = tokens(8, 4);
-        assert!(cache.allocate_slots(&mut a, &t, 0, &[], 8));
+        assert!(cache.allocate_slots(&mut a, &t, 0, &[], 0, 8));
         assert!(!cache.reset());
         cache.free(&mut a);
         cache.take_events();
