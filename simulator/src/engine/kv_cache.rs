@@ -418,4 +418,215 @@ mod tests {
         assert_eq!(cache.cached_block_hashes().count(), 0);
         cache.check().unwrap();
     }
+
+    fn stored(events: &[KvEvent], medium: &str) -> Vec<u64> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                KvEvent::BlockStored {
+                    block_hashes,
+                    medium: m,
+                    ..
+                } if *m == medium => Some(block_hashes.clone()),
+                _ => None,
+            })
+            .flatten()
+            .collect()
+    }
+
+    fn removed(events: &[KvEvent], medium: &str) -> Vec<u64> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                KvEvent::BlockRemoved {
+                    block_hashes,
+                    medium: m,
+                } if *m == medium => Some(block_hashes.clone()),
+                _ => None,
+            })
+            .flatten()
+            .collect()
+    }
+
+    /// Caches `t` whole in a fresh sequence, frees it, and returns its events.
+    fn run(cache: &mut KvCache, t: &[u32]) -> (SeqBlocks, Vec<KvEvent>) {
+        let mut s = SeqBlocks::default();
+        let hits = cache.computed_blocks(&mut s, t);
+        let loaded = cache.loadable_blocks(&s, t, hits.len());
+        let n = t.len() - (hits.len() + loaded) * cache.block_size();
+        assert!(cache.allocate_slots(&mut s, t, 0, &hits, loaded, n));
+        cache.free(&mut s);
+        (s, cache.take_events())
+    }
+
+    #[test]
+    fn write_through_stores_the_same_blocks_on_cpu() {
+        let mut cache = KvCache::new(16, 4, 8);
+        let t = tokens(12, 10);
+        let (s, events) = run(&mut cache, &t);
+        assert_eq!(events.len(), 2, "{events:?}");
+        let KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            medium,
+            ..
+        } = &events[1]
+        else {
+            panic!("expected BlockStored CPU");
+        };
+        assert_eq!(*medium, MEDIUM_CPU);
+        assert_eq!(block_hashes, &s.hashes);
+        assert_eq!(*parent_block_hash, None);
+        assert_eq!(token_ids, &t);
+        let (
+            KvEvent::BlockStored { block_size: g, .. },
+            KvEvent::BlockStored { block_size: c, .. },
+        ) = (&events[0], &events[1])
+        else {
+            panic!("expected two BlockStored");
+        };
+        assert_eq!((g, c), (&4, &4));
+        // A longer prompt sharing the prefix stores only its new block, chained to the prefix.
+        let mut longer = t.clone();
+        longer.extend(tokens(5, 11));
+        let (l, events) = run(&mut cache, &longer);
+        assert_eq!(stored(&events, MEDIUM_CPU), vec![l.hashes[3]]);
+        assert!(events.iter().any(|e| matches!(e,
+            KvEvent::BlockStored { medium, parent_block_hash, .. }
+            if *medium == MEDIUM_CPU && *parent_block_hash == Some(s.hashes[2]))));
+        assert_eq!(cache.num_cpu_blocks(), 4);
+        cache.check().unwrap();
+    }
+
+    #[test]
+    fn gpu_eviction_keeps_the_cpu_copy_and_cpu_eviction_is_announced() {
+        // 3 GPU blocks, 4 CPU blocks; prompts of 2 full blocks + 1 token.
+        let mut cache = KvCache::new(3, 4, 4);
+        let a = tokens(9, 20);
+        let (sa, _) = run(&mut cache, &a);
+        let b = tokens(9, 21);
+        let (sb, events) = run(&mut cache, &b);
+        // b took a's blocks: GPU removals of a, no CPU removal, a still on CPU.
+        let gpu_removed = removed(&events, MEDIUM_GPU);
+        assert_eq!(gpu_removed.len(), 2, "{events:?}");
+        assert!(gpu_removed.iter().all(|h| sa.hashes.contains(h)));
+        assert!(removed(&events, MEDIUM_CPU).is_empty());
+        let cpu: Vec<u64> = cache.cpu_block_hashes().collect();
+        assert!(sa.hashes[..2].iter().all(|h| cpu.contains(h)));
+        assert_eq!(stored(&events, MEDIUM_CPU), sb.hashes[..2]);
+        // A third prompt overflows the CPU tier: a's blocks, the least recently used, go.
+        let c = tokens(9, 22);
+        let (sc, events) = run(&mut cache, &c);
+        let mut cpu_removed = removed(&events, MEDIUM_CPU);
+        cpu_removed.sort_unstable();
+        let mut expected = sa.hashes[..2].to_vec();
+        expected.sort_unstable();
+        assert_eq!(cpu_removed, expected);
+        assert_eq!(stored(&events, MEDIUM_CPU), sc.hashes[..2]);
+        // Each CPU removal precedes the CPU store that needed the room.
+        let last_removed = events.iter().rposition(
+            |e| matches!(e, KvEvent::BlockRemoved { medium, .. } if *medium == MEDIUM_CPU),
+        );
+        let cpu_stored = events.iter().position(
+            |e| matches!(e, KvEvent::BlockStored { medium, .. } if *medium == MEDIUM_CPU),
+        );
+        assert!(last_removed < cpu_stored);
+        cache.check().unwrap();
+    }
+
+    #[test]
+    fn a_prefix_evicted_from_gpu_loads_from_cpu() {
+        let mut cache = KvCache::new(3, 4, 8);
+        let a = tokens(9, 30);
+        let (sa, _) = run(&mut cache, &a);
+        run(&mut cache, &tokens(9, 31)); // evicts a's two blocks from GPU
+        let mut s = SeqBlocks::default();
+        let hits = cache.computed_blocks(&mut s, &a);
+        assert!(hits.is_empty(), "not on GPU any more");
+        assert_eq!(
+            cache.loadable_blocks(&s, &a, 0),
+            2,
+            "capped below the last token"
+        );
+        assert!(cache.allocate_slots(&mut s, &a, 0, &hits, 2, 1));
+        let events = cache.take_events();
+        assert_eq!(
+            stored(&events, MEDIUM_GPU),
+            sa.hashes[..2],
+            "cached on GPU again"
+        );
+        assert!(stored(&events, MEDIUM_CPU).is_empty(), "already on CPU");
+        let gpu: Vec<u64> = cache.cached_block_hashes().collect();
+        assert!(sa.hashes[..2].iter().all(|h| gpu.contains(h)));
+        cache.free(&mut s);
+        // Loading touched a's blocks: the next overflow evicts the other prompt's instead.
+        let mut cache2 = cache.clone();
+        run(&mut cache2, &tokens(9, 32));
+        run(&mut cache2, &tokens(9, 33));
+        let cpu: Vec<u64> = cache2.cpu_block_hashes().collect();
+        assert!(sa.hashes[..2].iter().all(|h| cpu.contains(h)), "{cpu:?}");
+        cache.check().unwrap();
+    }
+
+    #[test]
+    fn the_cpu_lookup_follows_gpu_hits_and_stops_at_a_miss() {
+        let mut cache = KvCache::new(8, 4, 8);
+        let a = tokens(17, 40); // 4 full blocks
+        run(&mut cache, &a);
+        let mut s = SeqBlocks::default();
+        let hits = cache.computed_blocks(&mut s, &a);
+        assert_eq!(hits.len(), 4);
+        assert_eq!(cache.loadable_blocks(&s, &a, 4), 0, "nothing after the cap");
+        // Only CPU: a fresh GPU with the same CPU tier.
+        let mut other = KvCache::new(8, 4, 8);
+        other.cpu = cache.cpu.clone();
+        let mut s = SeqBlocks::default();
+        let mut b = a[..8].to_vec();
+        b.extend(tokens(9, 41)); // shares 2 blocks
+        assert!(other.computed_blocks(&mut s, &b).is_empty());
+        assert_eq!(other.loadable_blocks(&s, &b, 0), 2);
+    }
+
+    #[test]
+    fn reset_clears_both_tiers() {
+        let mut cache = KvCache::new(4, 4, 4);
+        run(&mut cache, &tokens(9, 50));
+        assert!(cache.num_cpu_blocks() > 0);
+        assert!(cache.reset());
+        assert_eq!(cache.take_events(), vec![KvEvent::AllBlocksCleared]);
+        assert_eq!(cache.num_cpu_blocks(), 0);
+        assert_eq!(cache.cached_block_hashes().count(), 0);
+        cache.check().unwrap();
+    }
+
+    #[test]
+    fn without_a_cpu_tier_events_are_gpu_only_and_unchanged() {
+        // A workload with GPU hits and GPU evictions but no CPU load (nothing comes back after
+        // its GPU eviction): with a tier, the events are the same plus CPU ones.
+        let (mut off, mut on) = (KvCache::new(6, 4, 0), KvCache::new(6, 4, 3));
+        let is_cpu = |e: &KvEvent| {
+            matches!(e, KvEvent::BlockStored { medium, .. } | KvEvent::BlockRemoved { medium, .. }
+                if *medium == MEDIUM_CPU)
+        };
+        let (mut cpu_events, mut gpu_removals) = (0, 0);
+        for salt in [60, 61, 60, 62, 63, 64] {
+            let t = tokens(9, salt);
+            let (_, a) = run(&mut off, &t);
+            let (_, b) = run(&mut on, &t);
+            assert!(a.iter().all(|e| !is_cpu(e)), "{a:?}");
+            gpu_removals += removed(&a, MEDIUM_GPU).len();
+            cpu_events += b.iter().filter(|e| is_cpu(e)).count();
+            let gpu_only: Vec<KvEvent> = b.into_iter().filter(|e| !is_cpu(e)).collect();
+            assert_eq!(a, gpu_only, "salt {salt}");
+        }
+        assert!(
+            cpu_events > 0 && gpu_removals > 0,
+            "{cpu_events} {gpu_removals}"
+        );
+        assert_eq!(off.num_cpu_blocks(), 0);
+        assert_eq!(on.num_cpu_blocks(), 3);
+        off.check().unwrap();
+        on.check().unwrap();
+    }
 }
