@@ -45,6 +45,9 @@ usage: kvoy-sim [options]
   --block-size N --num-gpu-blocks N --max-num-seqs N --max-num-batched-tokens N
   --max-model-len N --prefill-tokens-per-s F --prefill-attention-s-per-token-pair F
   --step-base-s F --step-per-seq-s F --step-per-context-token-s F
+  --cpu-offload-blocks N        blocks of a CPU offload tier, as vLLM's --kv-offloading-size
+                                (default 0: none)
+  --offload-load-tokens-per-s F  CPU-to-GPU load rate of that tier (default 200000)
   -h, --help
 ";
 
@@ -146,6 +149,8 @@ pub fn parse(args: &[String]) -> Result<Option<Options>> {
             "--step-base-s" => profile.step_base_s = num(flag, v)?,
             "--step-per-seq-s" => profile.step_per_seq_s = num(flag, v)?,
             "--step-per-context-token-s" => profile.step_per_context_token_s = num(flag, v)?,
+            "--cpu-offload-blocks" => profile.cpu_offload_blocks = num(flag, v)?,
+            "--offload-load-tokens-per-s" => profile.offload_load_tokens_per_s = num(flag, v)?,
             other => bail!("unknown option {other}\n\n{USAGE}"),
         }
     }
@@ -199,6 +204,19 @@ mod tests {
         assert_eq!(o.http.speedup, 20.0);
         assert_eq!(o.http.models, vec!["a", "b"]);
         assert_eq!(o.http.max_stored_responses, 10_000);
+        assert_eq!(o.profile.cpu_offload_blocks, 0);
+        let o = parse(&args(
+            "--cpu-offload-blocks 5000 --offload-load-tokens-per-s 1e5",
+        ))
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            (
+                o.profile.cpu_offload_blocks,
+                o.profile.offload_load_tokens_per_s
+            ),
+            (5000, 1e5)
+        );
         let o = parse(&args(
             "--max-stored-responses 3 --max-stored-response-bytes 99",
         ))
@@ -219,6 +237,8 @@ mod tests {
             ("--frobnicate 3", "--frobnicate"),
             ("--kv-events-format json", "--kv-events-format"),
             ("--count", "--count"),
+            ("--cpu-offload-blocks -1", "--cpu-offload-blocks"),
+            ("--offload-load-tokens-per-s 0", "offload_load_tokens_per_s"),
         ] {
             let e = parse(&args(bad)).unwrap_err().to_string();
             assert!(e.contains(named), "{bad}: {e}");

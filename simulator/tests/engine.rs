@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use kvoy_sim::engine::{
     tokenizer, BatchItem, Engine, EngineRequest, KvEvent, OutputKind, Profile, ResetError,
-    SubmitError,
+    SubmitError, MEDIUM_CPU,
 };
 
 /// What a run observed for one request.
@@ -26,7 +26,11 @@ struct Driver {
     engine: Engine,
     now: Duration,
     seen: BTreeMap<u64, Seen>,
+    /// GPU hashes, from the events.
     subscriber: HashSet<u64>,
+    /// CPU-tier hashes, from the events.
+    cpu_subscriber: HashSet<u64>,
+    /// GPU removals.
     removed_events: usize,
     max_usage: f64,
     step_durations: Vec<Duration>,
@@ -39,6 +43,7 @@ impl Driver {
             now: Duration::ZERO,
             seen: BTreeMap::new(),
             subscriber: HashSet::new(),
+            cpu_subscriber: HashSet::new(),
             removed_events: 0,
             max_usage: 0.0,
             step_durations: Vec::new(),
@@ -57,14 +62,30 @@ impl Driver {
     fn apply(&mut self, events: Vec<KvEvent>) {
         for event in events {
             match event {
+                KvEvent::BlockStored {
+                    block_hashes,
+                    medium,
+                    ..
+                } if medium == MEDIUM_CPU => self.cpu_subscriber.extend(block_hashes),
                 KvEvent::BlockStored { block_hashes, .. } => self.subscriber.extend(block_hashes),
+                KvEvent::BlockRemoved {
+                    block_hashes,
+                    medium,
+                } if medium == MEDIUM_CPU => {
+                    for h in block_hashes {
+                        assert!(self.cpu_subscriber.remove(&h), "removed unknown {h:#x}");
+                    }
+                }
                 KvEvent::BlockRemoved { block_hashes, .. } => {
                     self.removed_events += 1;
                     for h in block_hashes {
                         assert!(self.subscriber.remove(&h), "removed unknown {h:#x}");
                     }
                 }
-                KvEvent::AllBlocksCleared => self.subscriber.clear(),
+                KvEvent::AllBlocksCleared => {
+                    self.subscriber.clear();
+                    self.cpu_subscriber.clear();
+                }
             }
         }
     }
@@ -105,6 +126,8 @@ impl Driver {
         assert!((0.0..=1.0).contains(&usage), "{usage}");
         self.max_usage = self.max_usage.max(usage);
         assert_eq!(self.subscriber, self.cached());
+        let cpu: HashSet<u64> = self.engine.cpu_cached_block_hashes().collect();
+        assert_eq!(self.cpu_subscriber, cpu);
     }
 
     fn cached(&self) -> HashSet<u64> {
@@ -356,4 +379,82 @@ fn aborts_free_blocks_without_events() {
     );
     assert!(!d.engine.has_work());
     assert_eq!(d.subscriber, d.cached());
+}
+
+/// A conversation's second turn after other prompts pushed its first turn out of the GPU cache:
+/// with a CPU tier it loads the prefix (cached tokens, load time) instead of prefilling it again.
+fn second_turn_after_gpu_eviction(cpu_offload_blocks: u32) -> (Driver, Seen) {
+    // 64 blocks of 16 = 1,024 tokens of GPU cache; one step can prefill a whole prompt.
+    let profile = Profile {
+        name: "small".to_owned(),
+        num_gpu_blocks: 64,
+        max_num_batched_tokens: 8192,
+        cpu_offload_blocks,
+        ..Profile::llama_8b_h100()
+    };
+    let mut d = Driver::new(&profile);
+    let first = prompt(800, 300); // 50 full blocks
+    d.submit(1, first.clone(), 1);
+    d.run_to_idle();
+    for id in 2..5 {
+        d.submit(id, prompt(800, 300 + id as u32), 1);
+        d.run_to_idle();
+    }
+    assert!(
+        d.removed_events >= 50,
+        "the first turn was evicted from GPU"
+    );
+    let mut second = first;
+    second.extend(prompt(200, 400));
+    d.submit(10, second, 1);
+    d.run_to_idle();
+    let seen = d.seen[&10].clone();
+    (d, seen)
+}
+
+#[test]
+fn a_prefix_evicted_from_gpu_but_on_cpu_loads_instead_of_prefilling() {
+    let (on, with_tier) = second_turn_after_gpu_eviction(1000);
+    let (off, without) = second_turn_after_gpu_eviction(0);
+    let p = on.engine.profile().clone();
+    let item = |c, n| BatchItem {
+        context_tokens: c,
+        new_tokens: n,
+    };
+    // Without the tier: the whole 1,000-token prompt is prefilled again.
+    assert_eq!(without.cached_tokens, Some(0));
+    assert_eq!(without.ttft, Some(p.step_duration(&[item(0, 1000)])));
+    // With it: 800 tokens loaded (800 / 200,000 tokens/s = 4 ms), 200 prefilled.
+    assert_eq!(with_tier.cached_tokens, Some(800));
+    assert_eq!(
+        with_tier.ttft,
+        Some(p.step_duration(&[item(800, 200)]) + p.load_duration(800))
+    );
+    let (fast, slow) = (with_tier.ttft.unwrap(), without.ttft.unwrap());
+    assert!(fast * 2 < slow, "{fast:?} vs {slow:?}");
+    let stats = on.engine.stats();
+    assert_eq!(stats.external_prefix_cache_hits, 800);
+    assert_eq!(stats.external_prefix_cache_queries, 4 * 800 + 1000);
+    let off_stats = off.engine.stats();
+    assert_eq!(
+        (
+            off_stats.external_prefix_cache_queries,
+            off_stats.external_prefix_cache_hits
+        ),
+        (0, 0)
+    );
+    assert!(off.cpu_subscriber.is_empty());
+    // The loaded blocks are cached on GPU again: a third turn hits all of the second turn's
+    // full blocks there (62 blocks = 992 tokens), none on CPU.
+    let mut on = on;
+    let mut third = prompt(800, 300);
+    third.extend(prompt(200, 400));
+    third.extend(prompt(10, 500));
+    let gpu_hits = stats.prefix_cache_hits;
+    on.submit(11, third, 1);
+    on.run_to_idle();
+    assert_eq!(on.seen[&11].cached_tokens, Some(992));
+    let stats = on.engine.stats();
+    assert_eq!(stats.prefix_cache_hits - gpu_hits, 992);
+    assert_eq!(stats.external_prefix_cache_hits, 800);
 }

@@ -1,12 +1,12 @@
 //! A subscriber that applies every published KV event reconstructs exactly the engine's set of
-//! cached block hashes, after randomized workloads with shared prefixes, evictions,
-//! preemptions, aborts and resets.
+//! cached block hashes, per medium (GPU, and the CPU offload tier when there is one), after
+//! randomized workloads with shared prefixes, evictions, preemptions, aborts and resets.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::HashSet;
 use std::time::Duration;
 
-use kvoy_sim::engine::{Engine, EngineRequest, KvEvent, Profile};
+use kvoy_sim::engine::{Engine, EngineRequest, KvEvent, Profile, MEDIUM_CPU, MEDIUM_GPU};
 use proptest::prelude::*;
 
 /// A tiny deterministic generator (xorshift64*), seeded by proptest.
@@ -25,33 +25,77 @@ impl Rng {
     }
 }
 
-fn apply(subscriber: &mut HashSet<u64>, events: Vec<KvEvent>, removed: &mut usize) {
-    for event in events {
-        match event {
-            KvEvent::BlockStored {
-                block_hashes,
-                token_ids,
-                block_size,
-                ..
-            } => {
-                assert_eq!(token_ids.len(), block_hashes.len() * block_size as usize);
-                for h in block_hashes {
-                    assert!(subscriber.insert(h), "stored twice without removal: {h:#x}");
-                }
-            }
-            KvEvent::BlockRemoved { block_hashes, .. } => {
-                for h in block_hashes {
-                    assert!(subscriber.remove(&h), "removed unknown {h:#x}");
-                    *removed += 1;
-                }
-            }
-            KvEvent::AllBlocksCleared => subscriber.clear(),
+/// What a subscriber keeps: the hashes on each medium, and counts for coverage checks.
+#[derive(Default)]
+struct Subscriber {
+    gpu: HashSet<u64>,
+    cpu: HashSet<u64>,
+    gpu_removed: usize,
+    cpu_removed: usize,
+}
+
+impl Subscriber {
+    fn medium(&mut self, medium: &str) -> (&mut HashSet<u64>, &mut usize) {
+        match medium {
+            MEDIUM_GPU => (&mut self.gpu, &mut self.gpu_removed),
+            MEDIUM_CPU => (&mut self.cpu, &mut self.cpu_removed),
+            other => panic!("unexpected medium {other}"),
         }
+    }
+
+    fn apply(&mut self, events: Vec<KvEvent>) {
+        for event in events {
+            match event {
+                KvEvent::BlockStored {
+                    block_hashes,
+                    token_ids,
+                    block_size,
+                    medium,
+                    ..
+                } => {
+                    assert_eq!(token_ids.len(), block_hashes.len() * block_size as usize);
+                    let (set, _) = self.medium(medium);
+                    for h in block_hashes {
+                        assert!(set.insert(h), "stored twice on {medium}: {h:#x}");
+                    }
+                }
+                KvEvent::BlockRemoved {
+                    block_hashes,
+                    medium,
+                } => {
+                    let (set, removed) = self.medium(medium);
+                    for h in block_hashes {
+                        assert!(set.remove(&h), "removed unknown {h:#x} from {medium}");
+                        *removed += 1;
+                    }
+                }
+                // Clears both tiers, as the engine's reset does.
+                KvEvent::AllBlocksCleared => {
+                    self.gpu.clear();
+                    self.cpu.clear();
+                }
+            }
+        }
+    }
+
+    fn assert_matches(&self, engine: &Engine) {
+        let gpu: HashSet<u64> = engine.cached_block_hashes().collect();
+        let cpu: HashSet<u64> = engine.cpu_cached_block_hashes().collect();
+        assert_eq!(self.gpu, gpu);
+        assert_eq!(self.cpu, cpu);
     }
 }
 
-/// Runs one randomized workload; returns (blocks evicted, preemptions) for coverage checks.
-fn workload(seed: u64) -> (usize, u64) {
+/// What one workload exercised.
+struct Coverage {
+    gpu_removed: usize,
+    cpu_removed: usize,
+    preemptions: u64,
+    cpu_hits: u64,
+}
+
+/// Runs one randomized workload, with a CPU tier of `cpu_offload_blocks` (0: none).
+fn workload(seed: u64, cpu_offload_blocks: u32) -> Coverage {
     let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
     let profile = Profile {
         name: "tiny".to_owned(),
@@ -59,6 +103,7 @@ fn workload(seed: u64) -> (usize, u64) {
         num_gpu_blocks: 48 + rng.below(48) as u32,
         max_num_seqs: 2 + rng.below(6) as u32,
         max_num_batched_tokens: 16 + rng.below(64) as u32,
+        cpu_offload_blocks,
         ..Profile::llama_8b_h100()
     };
     let mut engine = Engine::new(&profile).unwrap();
@@ -69,8 +114,7 @@ fn workload(seed: u64) -> (usize, u64) {
                 .collect()
         })
         .collect();
-    let mut subscriber = HashSet::new();
-    let mut removed = 0;
+    let mut subscriber = Subscriber::default();
     let mut now = Duration::ZERO;
     let mut next_id = 0u64;
     let mut live: Vec<u64> = Vec::new();
@@ -96,37 +140,43 @@ fn workload(seed: u64) -> (usize, u64) {
             }
             5 if rng.below(8) == 0 => {
                 if let Ok(events) = engine.reset_cache() {
-                    apply(&mut subscriber, events, &mut removed);
+                    subscriber.apply(events);
                 }
             }
             _ => {
                 let step = engine.step(now);
                 now += step.duration;
-                apply(&mut subscriber, step.events, &mut removed);
+                subscriber.apply(step.events);
             }
         }
         engine.check_invariants().unwrap();
         assert!(engine.stats().kv_cache_usage <= 1.0);
-        let cached: HashSet<u64> = engine.cached_block_hashes().collect();
-        assert_eq!(subscriber, cached);
+        subscriber.assert_matches(&engine);
     }
     while engine.has_work() {
         let step = engine.step(now);
         now += step.duration;
-        apply(&mut subscriber, step.events, &mut removed);
+        subscriber.apply(step.events);
         engine.check_invariants().unwrap();
     }
-    let cached: HashSet<u64> = engine.cached_block_hashes().collect();
-    assert_eq!(subscriber, cached);
-    assert_eq!(engine.stats().kv_cache_usage, 0.0);
-    (removed, engine.stats().preemptions)
+    subscriber.assert_matches(&engine);
+    let stats = engine.stats();
+    assert_eq!(stats.kv_cache_usage, 0.0);
+    assert!(stats.num_cpu_cached_blocks <= cpu_offload_blocks as usize);
+    Coverage {
+        gpu_removed: subscriber.gpu_removed,
+        cpu_removed: subscriber.cpu_removed,
+        preemptions: stats.preemptions,
+        cpu_hits: stats.external_prefix_cache_hits,
+    }
 }
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(32))]
     #[test]
-    fn subscriber_reconstructs_cached_hashes(seed in any::<u64>()) {
-        workload(seed);
+    fn subscriber_reconstructs_cached_hashes(seed in any::<u64>(), cpu in 0u32..3) {
+        // No tier, a tier smaller than the GPU, or a larger one.
+        workload(seed, [0, 24, 200][cpu as usize]);
     }
 }
 
@@ -135,12 +185,25 @@ fn seeded_workloads_evict_and_preempt() {
     let mut evictions_seen = 0;
     let mut preemptions = 0;
     for seed in 0..32 {
-        let (evicted, preempted) = workload(seed);
-        if evicted > 0 {
+        let c = workload(seed, 0);
+        if c.gpu_removed > 0 {
             evictions_seen += 1;
         }
-        preemptions += preempted;
+        assert_eq!((c.cpu_removed, c.cpu_hits), (0, 0), "no tier, no CPU event");
+        preemptions += c.preemptions;
     }
     assert!(evictions_seen > 0);
     assert!(preemptions > 0);
+}
+
+#[test]
+fn seeded_workloads_with_a_cpu_tier_evict_and_load_from_it() {
+    let (mut cpu_evictions, mut cpu_hits) = (0, 0);
+    for seed in 0..32 {
+        let c = workload(seed, 24);
+        cpu_evictions += c.cpu_removed;
+        cpu_hits += c.cpu_hits;
+    }
+    assert!(cpu_evictions > 0);
+    assert!(cpu_hits > 0);
 }

@@ -399,6 +399,78 @@ async fn kv_events_reach_a_zmq_subscriber() {
     assert!(cleared);
 }
 
+/// `--cpu-offload-blocks` end to end: a prompt pushed out of a 64-block GPU cache comes back
+/// from the CPU tier (cached tokens, `vllm:external_prefix_cache_hits_total`), and the ZMQ
+/// stream carries its blocks stored on CPU, then loaded back to GPU.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cpu_offload_by_flag() {
+    use kvoy_kvevents::{decode_batch, KvEvent as Wire, Medium, ZmqContext};
+    let _serial = SERIAL.lock().await;
+    let port = free_port();
+    let addr = start_with_flags(&format!(
+        "--kv-events-endpoint tcp://127.0.0.1:{port} --model m --speedup 50 \
+         --num-gpu-blocks 64 --cpu-offload-blocks 1000"
+    ))
+    .await;
+    let ctx = ZmqContext::new();
+    let sub =
+        kvoy_kvevents::Subscriber::connect(&ctx, &format!("tcp://127.0.0.1:{port}"), b"").unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await; // let the subscription propagate
+                                                          // 800 tokens (50 blocks) each: b, c and d evict a from the GPU.
+    let body = |c: &str| {
+        serde_json::json!({"model": "m", "prompt": c.repeat(4 * 800), "max_tokens": 1}).to_string()
+    };
+    let mut cached = Vec::new();
+    for c in ["a", "b", "c", "d", "a"] {
+        let r = request(addr, "POST", "/v1/completions", &body(c)).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        cached.push(usage(&r.body)["prompt_tokens_details"]["cached_tokens"].as_u64());
+    }
+    // The last token is always computed: 49 blocks of 16 loaded.
+    assert_eq!(cached, [Some(0), Some(0), Some(0), Some(0), Some(784)]);
+    let m = request(addr, "GET", "/metrics", "").await;
+    for line in [
+        "vllm:external_prefix_cache_hits_total{engine=\"0\",model_name=\"m\"} 784",
+        "vllm:external_prefix_cache_queries_total{engine=\"0\",model_name=\"m\"} 4000",
+    ] {
+        assert!(m.body.contains(line), "missing {line}:\n{}", m.body);
+    }
+
+    let (mut gpu_stored, mut cpu_stored, mut gpu_removed) = (0, 0, 0);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline && (gpu_stored < 250 || cpu_stored < 200) {
+        let Some(msg) =
+            tokio::task::block_in_place(|| sub.recv(Duration::from_millis(200))).unwrap()
+        else {
+            continue;
+        };
+        for e in decode_batch(&msg.payload).unwrap().events {
+            match e {
+                Wire::BlockStored {
+                    block_hashes,
+                    medium: Medium::Cpu,
+                    ..
+                } => cpu_stored += block_hashes.len(),
+                Wire::BlockStored { block_hashes, .. } => gpu_stored += block_hashes.len(),
+                Wire::BlockRemoved {
+                    block_hashes,
+                    medium,
+                    ..
+                } => {
+                    assert_eq!(medium, Medium::Gpu, "the CPU tier is large enough");
+                    gpu_removed += block_hashes.len();
+                }
+                _ => {}
+            }
+        }
+    }
+    // 4 prompts stored once on CPU; on GPU, a's second time too (49 blocks loaded back, its
+    // last block computed again; on CPU already).
+    assert_eq!(cpu_stored, 200);
+    assert_eq!(gpu_stored, 250);
+    assert!(gpu_removed >= 50, "{gpu_removed}");
+}
+
 fn free_port() -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     l.local_addr().unwrap().port()

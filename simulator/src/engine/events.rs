@@ -3,8 +3,10 @@
 //! A separate crate encodes these to msgpack; the engine only produces them, in the order a
 //! subscriber must apply them.
 
-/// The `medium` of every event the simulated GPU cache emits.
+/// The `medium` of the events of the simulated GPU cache.
 pub const MEDIUM_GPU: &str = "GPU";
+/// The `medium` of the events of the CPU offload tier (vLLM's OffloadingConnector).
+pub const MEDIUM_CPU: &str = "CPU";
 
 /// One KV cache event.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -21,16 +23,16 @@ pub enum KvEvent {
         token_ids: Vec<u32>,
         /// Tokens per block.
         block_size: u32,
-        /// Always [`MEDIUM_GPU`].
+        /// [`MEDIUM_GPU`] or [`MEDIUM_CPU`].
         medium: &'static str,
     },
     /// Cached blocks were evicted (one event per evicted block, as vLLM does).
     BlockRemoved {
         /// The evicted hashes.
         block_hashes: Vec<u64>,
-        /// Always [`MEDIUM_GPU`].
+        /// [`MEDIUM_GPU`] or [`MEDIUM_CPU`].
         medium: &'static str,
     },
-    /// The whole prefix cache was dropped (admin reset).
+    /// The whole prefix cache was dropped (admin reset), both tiers.
     AllBlocksCleared,
 }

@@ -33,6 +33,7 @@
 //! ```
 
 mod block_pool;
+mod cpu_tier;
 mod events;
 mod kv_cache;
 mod output;
@@ -41,7 +42,7 @@ mod scheduler;
 pub mod tokenizer;
 mod types;
 
-pub use events::{KvEvent, MEDIUM_GPU};
+pub use events::{KvEvent, MEDIUM_CPU, MEDIUM_GPU};
 pub use output::{EmptyVocab, OutputVocab, OutputWord};
 pub use profile::{BatchItem, Profile, ProfileError};
 pub use scheduler::Engine;

@@ -71,7 +71,17 @@ pub struct Profile {
     pub step_per_seq_s: f64,
     /// Decode cost per context token of each decoding sequence (KV read), seconds.
     pub step_per_context_token_s: f64,
+    /// Blocks of the CPU offload tier (vLLM's `--kv-offloading-size`, in blocks); 0: no tier.
+    pub cpu_offload_blocks: u32,
+    /// How fast a prefix found on the CPU tier loads back into GPU memory, tokens per second.
+    pub offload_load_tokens_per_s: f64,
 }
+
+/// CPU→GPU load rate of both built-in profiles: ~25 GB/s of PCIe 5 host-to-device copy over
+/// 128 KiB of KV per token (Llama-3.1-8B: 32 layers · 8 KV heads · 128 dims · 2 (K, V) · 2 bytes)
+/// = 25e9 / 131,072 ≈ 190,000 tokens/s, rounded to 200,000. Qwen2.5-32B has 256 KiB per token
+/// (64 layers) but its two GPUs load their halves over two links, so the rate is about the same.
+const OFFLOAD_LOAD_TOKENS_PER_S: f64 = 200_000.0;
 
 /// The cost of one sequence in a step, for [`Profile::step_duration`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,6 +129,8 @@ impl Profile {
             step_base_s: 6.9e-3,
             step_per_seq_s: 6.0e-5,
             step_per_context_token_s: 4.0e-8,
+            cpu_offload_blocks: 0,
+            offload_load_tokens_per_s: OFFLOAD_LOAD_TOKENS_PER_S,
         }
     }
 
@@ -136,6 +148,8 @@ impl Profile {
             step_base_s: 10.9e-3,
             step_per_seq_s: 1.4e-4,
             step_per_context_token_s: 4.0e-8,
+            cpu_offload_blocks: 0,
+            offload_load_tokens_per_s: OFFLOAD_LOAD_TOKENS_PER_S,
         }
     }
 
@@ -157,11 +171,17 @@ impl Profile {
                 });
             }
         }
-        if !(self.prefill_tokens_per_s.is_finite() && self.prefill_tokens_per_s > 0.0) {
-            return Err(ProfileError {
-                field: "prefill_tokens_per_s",
-                reason: "must be a finite number above 0",
-            });
+        let rates = [
+            ("prefill_tokens_per_s", self.prefill_tokens_per_s),
+            ("offload_load_tokens_per_s", self.offload_load_tokens_per_s),
+        ];
+        for (field, value) in rates {
+            if !(value.is_finite() && value > 0.0) {
+                return Err(ProfileError {
+                    field,
+                    reason: "must be a finite number above 0",
+                });
+            }
         }
         let costs = [
             (
@@ -181,6 +201,19 @@ impl Profile {
             }
         }
         Ok(())
+    }
+
+    /// The time to load `tokens` from the CPU offload tier into GPU memory; saturates.
+    pub fn load_duration(&self, tokens: u64) -> Duration {
+        if tokens == 0 {
+            return Duration::ZERO;
+        }
+        let secs = tokens as f64 / self.offload_load_tokens_per_s;
+        Duration::try_from_secs_f64(secs).unwrap_or(if secs > 0.0 {
+            Duration::MAX
+        } else {
+            Duration::ZERO
+        })
     }
 
     /// Cache capacity in tokens.
@@ -267,6 +300,7 @@ mod tests {
             let p = Profile::by_name(name).unwrap();
             assert_eq!(p.name, name);
             p.validate().unwrap();
+            assert_eq!(p.cpu_offload_blocks, 0, "offload is off unless asked");
         }
         assert_eq!(Profile::llama_8b_h100().capacity_tokens(), 409_600);
         assert_eq!(Profile::qwen_32b_h100_tp2().capacity_tokens(), 307_200);
@@ -284,6 +318,9 @@ mod tests {
         let mut p = Profile::llama_8b_h100();
         p.step_base_s = -1.0;
         assert_eq!(p.validate().unwrap_err().field, "step_base_s");
+        let mut p = Profile::llama_8b_h100();
+        p.offload_load_tokens_per_s = 0.0;
+        assert_eq!(p.validate().unwrap_err().field, "offload_load_tokens_per_s");
     }
 
     #[test]

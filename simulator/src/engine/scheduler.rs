@@ -9,7 +9,11 @@
 //! 2. If nothing was preempted in this step, waiting requests are admitted in FIFO order while
 //!    budget remains and fewer than `max_num_seqs` run: each looks up its longest cached prefix,
 //!    then allocates blocks for the rest of its first chunk; the first one that does not fit
-//!    stops admission.
+//!    stops admission. With a CPU offload tier, the lookup continues there after the GPU hits;
+//!    the blocks found are loaded (counted as computed, not prefilled), and the step lasts
+//!    `loaded tokens / offload_load_tokens_per_s` longer: its forward pass waits for the copy.
+//!    vLLM loads asynchronously, so only the loading request waits there; charging the step
+//!    also delays the sequences batched with it, by as much (milliseconds per thousand tokens).
 //!
 //! After the forward pass, a sequence whose tokens are all computed samples one token; after
 //! `max_tokens` tokens it finishes and frees its blocks (they stay cached until evicted).
@@ -57,6 +61,8 @@ pub struct Engine {
     running: Vec<u64>,
     prefix_cache_queries: u64,
     prefix_cache_hits: u64,
+    external_prefix_cache_queries: u64,
+    external_prefix_cache_hits: u64,
     preemptions: u64,
     prompt_tokens: u64,
     generation_tokens: u64,
@@ -72,13 +78,19 @@ impl Engine {
         profile.validate()?;
         Ok(Engine {
             max_model_len: u64::from(profile.max_model_len).min(profile.capacity_tokens()),
-            cache: KvCache::new(profile.num_gpu_blocks, profile.block_size),
+            cache: KvCache::new(
+                profile.num_gpu_blocks,
+                profile.block_size,
+                profile.cpu_offload_blocks,
+            ),
             profile: profile.clone(),
             seqs: HashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
             prefix_cache_queries: 0,
             prefix_cache_hits: 0,
+            external_prefix_cache_queries: 0,
+            external_prefix_cache_hits: 0,
             preemptions: 0,
             prompt_tokens: 0,
             generation_tokens: 0,
@@ -198,15 +210,24 @@ impl Engine {
             num_cached_blocks: self.cache.num_cached_blocks(),
             prefix_cache_queries: self.prefix_cache_queries,
             prefix_cache_hits: self.prefix_cache_hits,
+            external_prefix_cache_queries: self.external_prefix_cache_queries,
+            external_prefix_cache_hits: self.external_prefix_cache_hits,
+            num_cpu_cached_blocks: self.cache.num_cpu_blocks(),
             preemptions: self.preemptions,
             prompt_tokens: self.prompt_tokens,
             generation_tokens: self.generation_tokens,
         }
     }
 
-    /// The hashes a subscriber replaying every published event holds.
+    /// The GPU hashes a subscriber replaying every published event holds.
     pub fn cached_block_hashes(&self) -> impl Iterator<Item = u64> + '_ {
         self.cache.cached_block_hashes()
+    }
+
+    /// The CPU-tier hashes a subscriber replaying every published event holds (none without
+    /// `cpu_offload_blocks`).
+    pub fn cpu_cached_block_hashes(&self) -> impl Iterator<Item = u64> + '_ {
+        self.cache.cpu_block_hashes()
     }
 
     /// Runs one step starting at simulated time `now`; see the module doc. The caller advances
@@ -216,11 +237,16 @@ impl Engine {
         let mut batch: Vec<(u64, BatchItem)> = Vec::new();
         let mut outputs = Vec::new();
         let preempted = self.schedule_running(&mut budget, &mut batch, &mut outputs);
-        if !preempted {
-            self.schedule_waiting(&mut budget, &mut batch, now);
-        }
+        let loaded_tokens = if preempted {
+            0
+        } else {
+            self.schedule_waiting(&mut budget, &mut batch, now)
+        };
         let items: Vec<BatchItem> = batch.iter().map(|(_, item)| *item).collect();
-        let duration = self.profile.step_duration(&items);
+        let duration = self
+            .profile
+            .step_duration(&items)
+            .saturating_add(self.profile.load_duration(loaded_tokens as u64));
         let end = now.saturating_add(duration);
         for (id, item) in &batch {
             self.advance(*id, item.new_tokens as usize, end, &mut outputs);
@@ -256,7 +282,7 @@ impl Engine {
             }
             if self
                 .cache
-                .allocate_slots(&mut seq.blocks, &seq.tokens, seq.num_computed, &[], n)
+                .allocate_slots(&mut seq.blocks, &seq.tokens, seq.num_computed, &[], 0, n)
             {
                 batch.push((id, item(seq.num_computed, n)));
                 *budget -= n;
@@ -286,14 +312,17 @@ impl Engine {
         self.preemptions += 1;
     }
 
-    /// Admits waiting requests in FIFO order into the step starting at `now`.
+    /// Admits waiting requests in FIFO order into the step starting at `now`; returns the tokens
+    /// they load from the CPU tier.
     fn schedule_waiting(
         &mut self,
         budget: &mut usize,
         batch: &mut Vec<(u64, BatchItem)>,
         now: Duration,
-    ) {
+    ) -> usize {
         let bs = self.cache.block_size();
+        let offload = self.cache.offload_enabled();
+        let mut loaded_tokens = 0;
         while *budget > 0 && self.running.len() < self.profile.max_num_seqs as usize {
             let Some(&id) = self.waiting.front() else {
                 break;
@@ -304,25 +333,38 @@ impl Engine {
             };
             let hits = self.cache.computed_blocks(&mut seq.blocks, &seq.tokens);
             let hit_tokens = hits.len() * bs;
-            let n = (seq.tokens.len() - hit_tokens).min(*budget);
+            let loaded = self
+                .cache
+                .loadable_blocks(&seq.blocks, &seq.tokens, hits.len());
+            let computed = hit_tokens + loaded * bs;
+            // Never 0: the lookups stop before the last token.
+            let n = (seq.tokens.len() - computed).min(*budget);
             if !self
                 .cache
-                .allocate_slots(&mut seq.blocks, &seq.tokens, 0, &hits, n)
+                .allocate_slots(&mut seq.blocks, &seq.tokens, 0, &hits, loaded, n)
             {
                 break;
             }
             self.prefix_cache_queries += seq.tokens.len() as u64;
             self.prefix_cache_hits += hit_tokens as u64;
-            seq.num_computed = hit_tokens;
+            if offload {
+                // vLLM counts the connector's lookup over the whole request, as the GPU one.
+                self.external_prefix_cache_queries += seq.tokens.len() as u64;
+                self.external_prefix_cache_hits += (loaded * bs) as u64;
+            }
+            loaded_tokens += loaded * bs;
+            seq.num_computed = computed;
             seq.first_scheduled.get_or_insert(now);
             if seq.generated == 0 {
-                seq.cached_tokens = to_u32(hit_tokens);
+                // vLLM counts tokens loaded by a connector as cached.
+                seq.cached_tokens = to_u32(computed);
             }
-            batch.push((id, item(hit_tokens, n)));
+            batch.push((id, item(computed, n)));
             *budget -= n;
             self.waiting.pop_front();
             self.running.push(id);
         }
+        loaded_tokens
     }
 
     /// Applies a computed chunk of `n` tokens; samples when the sequence caught up.

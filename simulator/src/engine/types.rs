@@ -22,7 +22,8 @@ pub struct Usage {
     pub prompt_tokens: u32,
     /// Generated tokens (always `max_tokens`).
     pub completion_tokens: u32,
-    /// Prompt tokens served from the prefix cache (`prompt_tokens_details.cached_tokens`).
+    /// Prompt tokens served from the prefix cache (`prompt_tokens_details.cached_tokens`): GPU
+    /// hits and blocks loaded from the CPU offload tier.
     pub cached_tokens: u32,
 }
 
@@ -37,7 +38,7 @@ pub enum OutputKind {
     FirstToken {
         /// Token id (`tokenizer::generated_token(id, 0)`, or the request's `OutputVocab::pick`).
         token: u32,
-        /// Prompt tokens hit in the prefix cache.
+        /// Prompt tokens hit in the prefix cache or loaded from the CPU offload tier.
         cached_tokens: u32,
         /// Time to first token.
         ttft: Duration,
@@ -113,6 +114,13 @@ pub struct EngineStats {
     pub prefix_cache_queries: u64,
     /// `vllm:prefix_cache_hits_total`: of those, tokens found in the cache.
     pub prefix_cache_hits: u64,
+    /// `vllm:external_prefix_cache_queries_total`: prompt tokens looked up on the CPU offload
+    /// tier (vLLM's KV connector), once per admission; 0 without the tier.
+    pub external_prefix_cache_queries: u64,
+    /// `vllm:external_prefix_cache_hits_total`: of those, tokens loaded from the tier.
+    pub external_prefix_cache_hits: u64,
+    /// Blocks on the CPU offload tier.
+    pub num_cpu_cached_blocks: usize,
     /// `vllm:num_preemptions_total`.
     pub preemptions: u64,
     /// `vllm:prompt_tokens_total`: prompt tokens of the requests that produced their first

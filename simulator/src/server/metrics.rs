@@ -271,6 +271,19 @@ impl Recorder {
             "Prefix cache hits, in terms of number of cached tokens.",
             stats.prefix_cache_hits,
         );
+        // vLLM registers these with or without a connector; they stay 0 without the CPU tier.
+        counter(
+            &mut out,
+            "vllm:external_prefix_cache_queries_total",
+            "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.",
+            stats.external_prefix_cache_queries,
+        );
+        counter(
+            &mut out,
+            "vllm:external_prefix_cache_hits_total",
+            "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.",
+            stats.external_prefix_cache_hits,
+        );
         counter(
             &mut out,
             "vllm:num_preemptions_total",
@@ -437,6 +450,9 @@ mod tests {
                 num_cached_blocks: 0,
                 prefix_cache_queries: 300,
                 prefix_cache_hits: 96,
+                external_prefix_cache_queries: 300,
+                external_prefix_cache_hits: 32,
+                num_cpu_cached_blocks: 2,
                 preemptions: 0,
                 prompt_tokens: 300,
                 generation_tokens: 7,
@@ -451,6 +467,8 @@ mod tests {
             format!("vllm:request_prompt_tokens_sum{l} 300"),
             format!("vllm:prompt_tokens_total{l} 300"),
             format!("vllm:generation_tokens_total{l} 7"),
+            format!("vllm:external_prefix_cache_queries_total{l} 300"),
+            format!("vllm:external_prefix_cache_hits_total{l} 32"),
             "vllm:request_prefill_kv_computed_tokens_bucket{engine=\"0\",le=\"1000\",model_name=\"m\"} 1".to_owned(),
             "vllm:request_prefill_kv_computed_tokens_bucket{engine=\"0\",le=\"200\",model_name=\"m\"} 0".to_owned(),
             "vllm:request_success_total{engine=\"0\",finished_reason=\"length\",model_name=\"m\"} 1".to_owned(),
