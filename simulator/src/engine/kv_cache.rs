@@ -219,6 +219,9 @@ impl KvCache {
         }
     }
 
+    /// A `BlockStored` for blocks `start..end` of `seq`. On the GPU with their parent and
+    /// token ids; on the CPU tier as vLLM's offloading connector announces its stores: the
+    /// hashes only (no parent, no token ids).
     fn push_stored(
         &mut self,
         seq: &SeqBlocks,
@@ -228,10 +231,15 @@ impl KvCache {
         medium: &'static str,
     ) {
         let bs = self.block_size;
+        let gpu = medium == MEDIUM_GPU;
         self.events.push(KvEvent::BlockStored {
             block_hashes: seq.hashes[start..end].to_vec(),
-            parent_block_hash: start.checked_sub(1).map(|p| seq.hashes[p]),
-            token_ids: tokens[start * bs..end * bs].to_vec(),
+            parent_block_hash: start.checked_sub(1).filter(|_| gpu).map(|p| seq.hashes[p]),
+            token_ids: if gpu {
+                tokens[start * bs..end * bs].to_vec()
+            } else {
+                Vec::new()
+            },
             block_size: bs as u32,
             medium,
         });
@@ -477,8 +485,9 @@ mod tests {
         };
         assert_eq!(*medium, MEDIUM_CPU);
         assert_eq!(block_hashes, &s.hashes);
+        // As vLLM's offloading connector: hashes only.
         assert_eq!(*parent_block_hash, None);
-        assert_eq!(token_ids, &t);
+        assert!(token_ids.is_empty());
         let (
             KvEvent::BlockStored { block_size: g, .. },
             KvEvent::BlockStored { block_size: c, .. },
@@ -487,14 +496,15 @@ mod tests {
             panic!("expected two BlockStored");
         };
         assert_eq!((g, c), (&4, &4));
-        // A longer prompt sharing the prefix stores only its new block, chained to the prefix.
+        // A longer prompt sharing the prefix stores only its new block (chained to the prefix
+        // on the GPU, a bare hash on the CPU tier).
         let mut longer = t.clone();
         longer.extend(tokens(5, 11));
         let (l, events) = run(&mut cache, &longer);
         assert_eq!(stored(&events, MEDIUM_CPU), vec![l.hashes[3]]);
         assert!(events.iter().any(|e| matches!(e,
             KvEvent::BlockStored { medium, parent_block_hash, .. }
-            if *medium == MEDIUM_CPU && *parent_block_hash == Some(s.hashes[2]))));
+            if *medium == MEDIUM_GPU && *parent_block_hash == Some(s.hashes[2]))));
         assert_eq!(cache.num_cpu_blocks(), 4);
         cache.check().unwrap();
     }
