@@ -1,0 +1,239 @@
+//! End to end: a prefix the server offloaded keeps its affinity. A real Envoy (the combined
+//! `kvoy` filter, `--concurrency 2`) relays its decisions to kvoy-aggregator, which links them
+//! to the blocks two kvoy-sim simulators store; the simulators have a CPU tier for their KV
+//! cache (`--cpu-offload-blocks`, written through as vLLM's CPU offloading does) and publish
+//! its events over ZMQ. A conversation's first turn is routed and linked; prompts sent straight
+//! to its simulator then evict the conversation's blocks from the GPU, while their CPU copies
+//! stay. The aggregator records an offload (not a removal), the proxy's next decision exchange
+//! brings it (format 3), and both workers move those keys down to the CPU tier. The
+//! conversation's next turn still goes to that simulator, its whole prefix matched at the CPU
+//! tier's credit, and the simulator serves the prefix from its CPU tier (`cached_tokens`)
+//! instead of computing it again.
+//!
+//! Needs `envoy` on PATH and the built wasm filters (`make test` provides both).
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use kvoy_e2e::http;
+use kvoy_e2e::{FollowedPool, Stack, StackConfig};
+use serde_json::{json, Value};
+
+const NAME: &str = "offload";
+const MODEL: &str = "kvoy-demo";
+const TIMEOUT: Duration = Duration::from_secs(30);
+/// Prompts of about 16 blocks sent to the conversation's simulator at most, to evict it from
+/// the GPU (128 blocks) but not from the CPU tier (1,024 blocks).
+const MAX_FLOOD: usize = 40;
+const WARM_UP: usize = 16;
+const OFFLOADED: &str = "kvoy_prefix_affinity_offloaded_keys_total";
+const REMOVED: &str = "kvoy_prefix_affinity_removed_keys_total";
+const MATCHED: &str = "kvoy_prefix_affinity_prefix_blocks_matched_total";
+
+fn turn(t: usize) -> Vec<u8> {
+    let mut messages = vec![json!({"role": "system", "content":
+        format!("The offloaded conversation. {}", "You are a careful assistant with a long brief. ".repeat(24))})];
+    for k in 0..t {
+        messages.push(json!({"role": "user", "content": format!("Question {k}?")}));
+        messages
+            .push(json!({"role": "assistant", "content": format!("Answer {k}, at some length.")}));
+    }
+    messages.push(json!({"role": "user", "content": format!("Question {t}?")}));
+    serde_json::to_vec(&json!({"model": MODEL, "max_tokens": 2, "messages": messages})).unwrap()
+}
+
+fn flood(i: usize) -> Vec<u8> {
+    let text = format!(
+        "Unrelated prompt {i}. {}",
+        "Other work fills the cache. ".repeat(36)
+    );
+    serde_json::to_vec(&json!({"model": MODEL, "max_tokens": 2,
+        "messages": [{"role": "user", "content": text}]}))
+    .unwrap()
+}
+
+fn post(to: SocketAddr, body: &[u8]) -> http::Response {
+    let r = http::post_json(to, "/v1/chat/completions", &[], body, TIMEOUT).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    r
+}
+
+fn get_json(agg: SocketAddr, path: &str) -> Value {
+    let r = http::send(agg, "GET", path, &[], b"", TIMEOUT).unwrap();
+    assert_eq!(r.status, 200, "{path}: {}", r.text());
+    serde_json::from_slice(&r.body).unwrap()
+}
+
+fn linked_keys(agg: SocketAddr, endpoint: &str) -> u64 {
+    get_json(agg, "/v1/pool")["links"]["endpoints"][endpoint]["linked_keys"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+/// The aggregator's records for `endpoint`: keys offloaded to CPU, keys removed, and the last
+/// offload's event time.
+fn records(agg: SocketAddr, endpoint: &str) -> (usize, usize, Option<f64>) {
+    let v = get_json(agg, "/v1/removals?after=0");
+    let (mut offloaded, mut removed, mut last) = (0, 0, None::<f64>);
+    for r in v["removals"].as_array().unwrap() {
+        if r["endpoint"] != endpoint {
+            continue;
+        }
+        let keys = r["keys"].as_array().map_or(0, Vec::len);
+        if r["offloaded_to"] == "CPU" {
+            offloaded += keys;
+            if let Some(ts) = r["event_ts"].as_f64() {
+                last = Some(last.map_or(ts, |l| l.max(ts)));
+            }
+        } else {
+            removed += keys;
+        }
+    }
+    (offloaded, removed, last)
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+fn counter(proxy: &Stack, name: &str, now: bool) -> u64 {
+    let stats = if now {
+        proxy.admin_stats(name)
+    } else {
+        proxy.stats(name)
+    };
+    stats.map_or(0, |s| s.values().sum())
+}
+
+fn cached_tokens(r: &http::Response) -> u64 {
+    let v: Value = serde_json::from_slice(&r.body).unwrap();
+    v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+#[test]
+fn a_prefix_offloaded_to_the_servers_cpu_tier_keeps_its_affinity_and_is_loaded_not_recomputed() {
+    let mut flags = kvoy_e2e::small_cache_flags(MODEL, "128").to_vec();
+    flags.extend(["--cpu-offload-blocks", "1024"]);
+    let pool = FollowedPool::start(
+        env!("CARGO_TARGET_TMPDIR"),
+        NAME,
+        2,
+        &flags,
+        MODEL,
+        "scrape_interval_ms: 50\n",
+    )
+    .unwrap();
+    let (agg, sims) = (&pool.agg, &pool.sims);
+    let mut config = StackConfig::new(pool.endpoints(MODEL), pool.run_dir.join("proxy"));
+    config.aggregator = Some(agg.addr());
+    let proxy = Stack::start(&config).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    // Both workers serve before the conversation (see envoy_removals.rs).
+    for _ in 0..WARM_UP {
+        let r = http::send(proxy.listen, "GET", "/v1/models", &[], b"", TIMEOUT).unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+
+    // The first turn, linked to the blocks its prefill stored.
+    let first = post(proxy.listen, &turn(0));
+    let served = first.header(kvoy_e2e::SERVED_BY_HEADER).unwrap().to_owned();
+    let sim = sims.iter().find(|s| s.addr.to_string() == served).unwrap();
+    kvoy_e2e::wait_for(
+        "the first turn linked at the aggregator",
+        Duration::from_secs(10),
+        || linked_keys(agg.addr(), &served) > 0,
+    );
+    let linked = linked_keys(agg.addr(), &served);
+
+    // Other prompts straight to that simulator evict the whole conversation from its GPU
+    // (tail first); its CPU copies stay. Then the simulator holds nothing of it on the GPU,
+    // and only the CPU tier's credit keeps the next turn there rather than on the other, cold,
+    // idle simulator.
+    let mut sent = 0;
+    while records(agg.addr(), &served).0 < linked as usize {
+        assert!(
+            sent < MAX_FLOOD,
+            "[{NAME}] {sent} prompts to {served} offloaded none of the conversation's blocks: {}",
+            get_json(agg.addr(), "/v1/removals?after=0")
+        );
+        post(sim.addr, &flood(sent));
+        sent += 1;
+    }
+    let seen = Instant::now();
+    // Both workers move the keys down a tier on their tick after the proxy's next exchange
+    // (measured from the last offload's event, its batch's timestamp, to both workers having
+    // applied every offload).
+    let (mut offloaded, mut removed, mut applied) = (0, 0, None);
+    while seen.elapsed() < Duration::from_secs(5) {
+        let (o, r, event_ts) = records(agg.addr(), &served);
+        (offloaded, removed) = (o, r);
+        if counter(&proxy, OFFLOADED, true) as usize >= 2 * offloaded {
+            let event_ts = event_ts.expect("an offload record carries its event's time");
+            applied = Some(Duration::from_secs_f64((unix_now() - event_ts).max(0.0)));
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(
+        removed, 0,
+        "[{NAME}] blocks with a CPU copy were removed, not offloaded"
+    );
+    eprintln!(
+        "[{NAME}] {sent} prompts to {served} offloaded {offloaded} of its {linked} linked keys to CPU; both workers applied them {applied:?} after the last offload's event (budget 200 ms)"
+    );
+    let applied = applied.unwrap_or_else(|| {
+        panic!(
+            "[{NAME}] the proxy never applied the offload: {} keys moved",
+            counter(&proxy, OFFLOADED, true)
+        )
+    });
+    assert!(
+        applied < Duration::from_secs(2),
+        "[{NAME}] the offload took {applied:?} to reach both workers' indexes"
+    );
+    assert_eq!(counter(&proxy, REMOVED, true), 0, "nothing was removed");
+
+    // The next turn: still that simulator, the whole prefix matched, and served from the
+    // simulator's CPU tier rather than computed again.
+    let before = counter(&proxy, MATCHED, false);
+    let next = post(proxy.listen, &turn(1));
+    let matched = counter(&proxy, MATCHED, false) - before;
+    let cached = cached_tokens(&next);
+    eprintln!(
+        "[{NAME}] the next turn went to {:?}, matched {matched} blocks, {cached} prompt tokens cached (loaded from CPU)",
+        next.header(kvoy_e2e::SERVED_BY_HEADER)
+    );
+    assert_eq!(
+        next.header(kvoy_e2e::SERVED_BY_HEADER),
+        Some(served.as_str()),
+        "[{NAME}] the next turn left the simulator holding its prefix on CPU"
+    );
+    assert!(
+        matched >= linked,
+        "[{NAME}] the next turn matched {matched} blocks, the first turn linked {linked}"
+    );
+    // 64-byte keys at about 4 bytes per token: the linked keys cover about 16 tokens each.
+    assert!(
+        cached >= 8 * linked,
+        "[{NAME}] only {cached} prompt tokens were cached ({linked} keys linked)"
+    );
+    let metrics = http::send(sim.addr, "GET", "/metrics", &[], b"", TIMEOUT).unwrap();
+    let loaded: f64 = metrics
+        .text()
+        .lines()
+        .find_map(|l| l.strip_prefix("vllm:external_prefix_cache_hits_total"))
+        .and_then(|rest| rest.split_whitespace().last())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
+    assert!(
+        loaded > 0.0,
+        "[{NAME}] the simulator loaded nothing from CPU"
+    );
+    proxy.assert_no_wasm_failures(NAME);
+}
