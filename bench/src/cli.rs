@@ -27,6 +27,8 @@ usage: kvoy-bench sim [options]      (this page)
                         dynamo (default: all)
   --replicas N          engines in the fleet, 1-4096 (default 16)
   --profile NAME        llama-8b-h100 (default) or qwen-32b-h100-tp2
+  --cpu-offload-blocks N  every replica offloads its KV cache to a CPU tier of N blocks
+                        (kvoy-sim's --cpu-offload-blocks; default 0: none)
   --fleet KIND          uniform (default): every replica runs the profile; half-slow: the
                         odd-indexed replicas (1, 3, 5, ...) run it --slow-factor times slower
                         (every step-time duration multiplied, same KV geometry); loads in `x`
@@ -101,6 +103,8 @@ pub struct SimArgs {
     pub policies: Vec<PolicyKind>,
     pub replicas: usize,
     pub profile: Profile,
+    /// Overrides the profile's CPU offload tier (blocks), whatever the flags' order.
+    pub cpu_offload_blocks: Option<u32>,
     pub fleet: FleetKind,
     pub rates: Vec<Rate>,
     pub scale: f64,
@@ -122,6 +126,7 @@ impl Default for SimArgs {
             policies: PolicyKind::ALL.to_vec(),
             replicas: 16,
             profile: Profile::llama_8b_h100(),
+            cpu_offload_blocks: None,
             fleet: FleetKind::Uniform,
             rates: [0.5, 1.0, 2.0, 3.0]
                 .into_iter()
@@ -272,6 +277,10 @@ pub fn parse(args: &[String]) -> Result<Command, CliError> {
                 a.profile =
                     Profile::by_name(v).ok_or_else(|| CliError::UnknownProfile(v.to_owned()))?;
             }
+            "--cpu-offload-blocks" => {
+                let v = value("--cpu-offload-blocks")?;
+                a.cpu_offload_blocks = Some(number("--cpu-offload-blocks", v, "a block count")?);
+            }
             "--fleet" => {
                 let v = value("--fleet")?.trim();
                 a.fleet = FleetKind::by_name(v, FleetKind::DEFAULT_SLOW_FACTOR)
@@ -389,7 +398,13 @@ impl SimArgs {
             workloads,
             policies: self.policies.clone(),
             rates: self.rates.clone(),
-            profile: self.profile.clone(),
+            profile: {
+                let mut p = self.profile.clone();
+                if let Some(n) = self.cpu_offload_blocks {
+                    p.cpu_offload_blocks = n;
+                }
+                p
+            },
             replicas: self.replicas,
             fleet: self.fleet,
             seed: self.seed,

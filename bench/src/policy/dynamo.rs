@@ -5,12 +5,15 @@
 //! engine's KV blocks (16 tokens); it learns which blocks each worker holds from the workers' KV
 //! events ([`Policy::on_kv_events`], applied after `kv_event_delay`, default 0). For worker `w`:
 //!
-//! - `overlap_w`: leading request blocks `w` holds (device tier; the simulated servers have no
-//!   host or disk tier, whose credits would be 0.75 and 0.25 per block);
+//! - `overlap_w`: leading request blocks `w` holds on its device, and `host_w` the blocks after
+//!   those it holds on its host (CPU) tier, when the engines offload (`kvoy-bench sim
+//!   --cpu-offload-blocks`), credited at 0.75 a block (Dynamo's host credit; 0.25 for disk,
+//!   which the simulated servers do not have);
 //! - `raw_prefill_blocks = (active_prefill_tokens_w + isl) / block_size`, where
 //!   `active_prefill_tokens_w` sums the uncached prompt tokens (`isl - overlap * block_size`) of
 //!   the requests routed to `w` whose first token has not come back yet;
-//! - `adjusted = max(raw_prefill_blocks - overlap_score_credit * overlap_w, 0)`;
+//! - `adjusted = max(raw_prefill_blocks - overlap_score_credit * overlap_w
+//!   - host_credit * host_w, 0)`;
 //! - `decode_blocks`: distinct complete prompt blocks of the requests active on `w` (added at
 //!   routing, released at completion; output blocks not tracked), plus this request's blocks not
 //!   already among them;
@@ -46,6 +49,8 @@ pub struct DynamoConfig {
     /// Tokens per KV block (the engine's).
     pub block_size: usize,
     pub overlap_score_credit: f64,
+    /// Credit of a block held on the host (CPU) tier.
+    pub host_credit: f64,
     pub prefill_load_scale: f64,
     pub decode_active_request_weight: f64,
     pub router_temperature: f64,
@@ -61,6 +66,7 @@ impl DynamoConfig {
         DynamoConfig {
             block_size: profile.block_size as usize,
             overlap_score_credit: 1.0,
+            host_credit: 0.75,
             prefill_load_scale: 1.0,
             decode_active_request_weight: 0.0,
             router_temperature: 0.0,
@@ -177,7 +183,9 @@ impl Dynamo {
                 0
             };
             let raw_prefill_blocks = raw_prefill_tokens as f64 / bs as f64;
-            let credit = self.config.overlap_score_credit * overlap as f64;
+            let host = self.index[w].matched_host(&self.hashes, overlap);
+            let credit = self.config.overlap_score_credit * overlap as f64
+                + self.config.host_credit * host as f64;
             let adjusted = (raw_prefill_blocks - credit).max(0.0);
             let active = &self.active_blocks[w];
             let new_blocks = self

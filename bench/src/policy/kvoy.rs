@@ -23,7 +23,7 @@
 //!   engines' prefill-time and computed-token histograms, observed as vLLM observes them (when
 //!   a request finishes); before it has enough evidence, the model's configured rate stands.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
@@ -34,11 +34,11 @@ use kvoy_shared::request::Api;
 use kvoy_shared::snapshot::{EndpointStatus, Snapshot};
 use kvoy_shared::{
     live, Charge, ConfigError, EndpointId, Outstanding, OutstandingDelta, PluginConfig, Router,
-    Scorer,
+    Scorer, Tier,
 };
 
 use kvoy_sim::engine::tokenizer::BYTES_PER_TOKEN;
-use kvoy_sim::engine::KvEvent;
+use kvoy_sim::engine::{KvEvent, MEDIUM_GPU};
 
 use super::{argmin_random, Policy, Prefilled, RouteRequest, View};
 use crate::rng::Rng;
@@ -125,10 +125,17 @@ pub struct Kvoy {
     pending: HashMap<u64, Pending>,
     /// Aggregator mode: the keys linked to each engine block, per endpoint.
     links: Vec<HashMap<u64, Vec<BlockKey>>>,
-    /// Removals on their way to the index: when they arrive, the endpoint, the keys.
-    removals: Vec<(Duration, usize, Vec<BlockKey>)>,
+    /// Aggregator mode: the blocks each endpoint holds on its CPU tier, and the linked ones of
+    /// those it evicted from its GPU (offloaded: their keys stay linked).
+    host: Vec<HashSet<u64>>,
+    off_gpu: Vec<HashSet<u64>>,
+    /// Removals and offloads on their way to the index: when they arrive, the endpoint, the
+    /// tier the keys moved to (`None`: removed), the keys.
+    removals: Vec<(Duration, usize, Option<Tier>, Vec<BlockKey>)>,
     /// Keys the removals made the index forget.
     pub removed_keys: u64,
+    /// Keys the offloads moved down a tier.
+    pub offloaded_keys: u64,
     /// What the filter keeps in its shared outstanding table, per endpoint.
     outstanding: Vec<Outstanding>,
     sent: HashMap<u64, Sent>,
@@ -155,8 +162,11 @@ impl Kvoy {
             aggregator: options.aggregator,
             pending: HashMap::new(),
             links: vec![HashMap::new(); replicas],
+            host: vec![HashSet::new(); replicas],
+            off_gpu: vec![HashSet::new(); replicas],
             removals: Vec::new(),
             removed_keys: 0,
+            offloaded_keys: 0,
             outstanding: vec![Outstanding::default(); replicas],
             sent: HashMap::new(),
             version: 0,
@@ -304,10 +314,14 @@ impl Policy for Kvoy {
             .into_iter()
             .partition(|r| r.0 <= now);
         self.removals = later;
-        for (_, endpoint, keys) in due {
-            self.removed_keys +=
-                self.router
-                    .apply_removal(EndpointId(endpoint as u16), &keys) as u64;
+        for (_, endpoint, fate, keys) in due {
+            let id = EndpointId(endpoint as u16);
+            match fate {
+                None => self.removed_keys += self.router.apply_removal(id, &keys) as u64,
+                Some(tier) => {
+                    self.offloaded_keys += self.router.apply_demotion(id, &keys, tier) as u64
+                }
+            }
         }
     }
 
@@ -315,24 +329,67 @@ impl Policy for Kvoy {
         if !self.aggregator {
             return;
         }
-        let Some(links) = self.links.get_mut(endpoint) else {
+        let (Some(links), Some(host), Some(off_gpu)) = (
+            self.links.get_mut(endpoint),
+            self.host.get_mut(endpoint),
+            self.off_gpu.get_mut(endpoint),
+        ) else {
             return;
         };
-        let mut keys = Vec::new();
+        // As the aggregator's linker does: a linked block evicted from the GPU with a copy on
+        // the CPU tier is offloaded (its keys stay linked), else removed; an offloaded block
+        // whose CPU copy goes is removed; stored on the GPU again, it is back there.
+        let (mut removed, mut offloaded) = (Vec::new(), Vec::new());
         for e in events {
             match e {
-                KvEvent::BlockRemoved { block_hashes, .. } => {
+                KvEvent::BlockRemoved {
+                    block_hashes,
+                    medium,
+                } if *medium == MEDIUM_GPU => {
                     for h in block_hashes {
-                        keys.extend(links.remove(h).into_iter().flatten());
+                        if host.contains(h) {
+                            if let Some(keys) = links.get(h) {
+                                off_gpu.insert(*h);
+                                offloaded.extend_from_slice(keys);
+                            }
+                        } else {
+                            removed.extend(links.remove(h).into_iter().flatten());
+                        }
                     }
                 }
+                KvEvent::BlockRemoved { block_hashes, .. } => {
+                    for h in block_hashes {
+                        host.remove(h);
+                        if off_gpu.remove(h) {
+                            removed.extend(links.remove(h).into_iter().flatten());
+                        }
+                    }
+                }
+                KvEvent::BlockStored {
+                    block_hashes,
+                    medium,
+                    ..
+                } if *medium == MEDIUM_GPU => {
+                    for h in block_hashes {
+                        off_gpu.remove(h);
+                    }
+                }
+                KvEvent::BlockStored { block_hashes, .. } => host.extend(block_hashes),
                 // The index forgets the endpoint with its cache generation.
-                KvEvent::AllBlocksCleared => links.clear(),
-                KvEvent::BlockStored { .. } => {}
+                KvEvent::AllBlocksCleared => {
+                    links.clear();
+                    host.clear();
+                    off_gpu.clear();
+                }
             }
         }
-        if !keys.is_empty() {
-            self.removals.push((now + REMOVAL_DELAY, endpoint, keys));
+        if !removed.is_empty() {
+            self.removals
+                .push((now + REMOVAL_DELAY, endpoint, None, removed));
+        }
+        if !offloaded.is_empty() {
+            self.removals
+                .push((now + REMOVAL_DELAY, endpoint, Some(Tier::Cpu), offloaded));
         }
     }
 }
@@ -480,6 +537,75 @@ mod tests {
         p.on_scrape(&view(Duration::from_millis(100)), &[]);
         assert_eq!(p.router().index().matched(id, &keys), held, "not yet");
         p.on_scrape(&view(Duration::from_millis(60) + REMOVAL_DELAY), &[]);
+        assert_eq!(p.router().index().matched(id, &keys), 10);
+        assert_eq!(p.removed_keys, (held - 10) as u64);
+    }
+
+    #[test]
+    fn a_block_offloaded_to_the_cpu_tier_keeps_its_keys_at_the_cpu_tier() {
+        use kvoy_sim::engine::MEDIUM_CPU;
+        let mut p = Kvoy::new(2, 1, &aggregator_mode(Scorer::Cost), &[]).unwrap();
+        let inflight = [0u32; 2];
+        let mut metrics = [EndpointMetrics::default(); 2];
+        for m in &mut metrics {
+            m.block_size = 16;
+        }
+        let view = |now| View {
+            now,
+            inflight: &inflight,
+            metrics: &metrics,
+        };
+        let text = "abcd".repeat(500);
+        let b = body(&text);
+        let req = RouteRequest {
+            id: 1,
+            text: &text,
+            body: &b,
+            prompt_tokens: 500,
+        };
+        let e = p.pick(&req, &view(Duration::ZERO));
+        let keys = p.router().last_keys().to_vec();
+        let mut blocks = Vec::new();
+        block_hashes(
+            &kvoy_sim::engine::tokenizer::tokenize(&text),
+            16,
+            usize::MAX,
+            &mut blocks,
+        );
+        p.on_scrape(
+            &view(Duration::from_millis(50)),
+            &[Prefilled {
+                endpoint: e,
+                request: 1,
+            }],
+        );
+        let id = EndpointId(e as u16);
+        let held = p.router().index().matched(id, &keys);
+        let stored = |medium| KvEvent::BlockStored {
+            block_hashes: blocks.clone(),
+            parent_block_hash: None,
+            token_ids: Vec::new(),
+            block_size: 16,
+            medium,
+        };
+        let removed = |i: usize, medium| KvEvent::BlockRemoved {
+            block_hashes: vec![blocks[i]],
+            medium,
+        };
+        // Written through to the CPU tier; then the GPU evicts block 10: offloaded, not removed.
+        p.on_kv_events(
+            e,
+            &[stored(MEDIUM_CPU), removed(10, MEDIUM_GPU)],
+            Duration::from_millis(60),
+        );
+        p.on_scrape(&view(Duration::from_millis(60) + REMOVAL_DELAY), &[]);
+        let mut m = Vec::new();
+        p.router().index().matched_all(&keys, &mut m);
+        assert_eq!((m[e].keys(), m[e].within(Tier::Gpu)), (held, 10));
+        assert_eq!((p.offloaded_keys, p.removed_keys), ((held - 10) as u64, 0));
+        // Its CPU copy goes too: removed.
+        p.on_kv_events(e, &[removed(10, MEDIUM_CPU)], Duration::from_millis(300));
+        p.on_scrape(&view(Duration::from_millis(300) + REMOVAL_DELAY), &[]);
         assert_eq!(p.router().index().matched(id, &keys), 10);
         assert_eq!(p.removed_keys, (held - 10) as u64);
     }

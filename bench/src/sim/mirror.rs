@@ -8,7 +8,7 @@
 use std::collections::HashSet;
 use std::hash::BuildHasherDefault;
 
-use kvoy_sim::engine::KvEvent;
+use kvoy_sim::engine::{KvEvent, MEDIUM_GPU};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::ideal::PassThrough;
@@ -47,34 +47,65 @@ pub fn block_hashes_into(
     }
 }
 
-/// The cached block hashes of one engine.
+/// The cached block hashes of one engine: on its GPU, and on its CPU offload tier.
 #[derive(Default)]
 pub struct CacheMirror {
     blocks: HashSet<u64, BuildHasherDefault<PassThrough>>,
+    host: HashSet<u64, BuildHasherDefault<PassThrough>>,
 }
 
 impl CacheMirror {
     pub fn apply(&mut self, events: &[KvEvent]) {
         for e in events {
             match e {
-                KvEvent::BlockStored { block_hashes, .. } => {
-                    self.blocks.extend(block_hashes.iter().copied())
+                KvEvent::BlockStored {
+                    block_hashes,
+                    medium,
+                    ..
+                } => {
+                    let set = if *medium == MEDIUM_GPU {
+                        &mut self.blocks
+                    } else {
+                        &mut self.host
+                    };
+                    set.extend(block_hashes.iter().copied())
                 }
-                KvEvent::BlockRemoved { block_hashes, .. } => {
+                KvEvent::BlockRemoved {
+                    block_hashes,
+                    medium,
+                } => {
+                    let set = if *medium == MEDIUM_GPU {
+                        &mut self.blocks
+                    } else {
+                        &mut self.host
+                    };
                     for h in block_hashes {
-                        self.blocks.remove(h);
+                        set.remove(h);
                     }
                 }
-                KvEvent::AllBlocksCleared => self.blocks.clear(),
+                KvEvent::AllBlocksCleared => {
+                    self.blocks.clear();
+                    self.host.clear();
+                }
             }
         }
     }
 
-    /// Leading `hashes` held.
+    /// Leading `hashes` held on the GPU.
     pub fn matched(&self, hashes: &[u64]) -> usize {
         hashes
             .iter()
             .take_while(|h| self.blocks.contains(h))
+            .count()
+    }
+
+    /// Leading `hashes` after the first `from` held on the CPU tier (what the engine would
+    /// load after its GPU hits).
+    pub fn matched_host(&self, hashes: &[u64], from: usize) -> usize {
+        hashes
+            .iter()
+            .skip(from)
+            .take_while(|h| self.host.contains(h))
             .count()
     }
 
