@@ -86,6 +86,7 @@ struct RawLinks {
     relay_lag_ms: u64,
     tolerance: f64,
     slack_tokens: u64,
+    clock_skew_ms: u64,
 }
 
 impl Default for RawLinks {
@@ -102,6 +103,7 @@ impl Default for RawLinks {
             relay_lag_ms: d.relay_lag.as_millis() as u64,
             tolerance: d.tolerance,
             slack_tokens: d.slack_tokens,
+            clock_skew_ms: (d.clock_skew_s * 1000.0) as u64,
         }
     }
 }
@@ -167,6 +169,13 @@ fn links(raw: &RawLinks) -> Result<LinkSettings, ConfigError> {
         65_536,
         "within 0..=65536",
     )?;
+    let clock_skew_ms = within(
+        "links.clock_skew_ms",
+        raw.clock_skew_ms,
+        0,
+        60_000,
+        "within 0..=60000",
+    )?;
     // Floats are reported by their integer part: the messages name the field and range.
     if !(raw.bytes_per_token.is_finite() && (0.1..=100.0).contains(&raw.bytes_per_token)) {
         return Err(ConfigError::OutOfRange {
@@ -195,6 +204,7 @@ fn links(raw: &RawLinks) -> Result<LinkSettings, ConfigError> {
         relay_lag: Duration::from_millis(relay_lag_ms as u64),
         tolerance: raw.tolerance,
         slack_tokens: slack_tokens as u64,
+        clock_skew_s: clock_skew_ms as f64 / 1000.0,
         ..LinkSettings::default()
     })
 }
@@ -755,9 +765,10 @@ kubernetes:
         let off = AggregatorConfig::from_yaml("links: {enabled: false}").unwrap();
         assert!(!off.links.enabled);
         let cfg = AggregatorConfig::from_yaml(
-            "links: {enabled: true, block_size: 32, bytes_per_token: 3.5, window_ms: 2000, relay_lag_ms: 0}",
+            "links: {enabled: true, block_size: 32, bytes_per_token: 3.5, window_ms: 2000, relay_lag_ms: 0, clock_skew_ms: 5}",
         )
         .unwrap();
+        assert_eq!(cfg.links.clock_skew_s, 0.005);
         assert!(cfg.links.enabled);
         assert_eq!(cfg.links.schedule.block_size, 32);
         assert_eq!(cfg.links.bytes_per_token, 3.5);
@@ -769,6 +780,7 @@ kubernetes:
             ("links: {bytes_per_token: .nan}", "links.bytes_per_token"),
             ("links: {tolerance: 2}", "links.tolerance"),
             ("links: {window_ms: 1}", "links.window_ms"),
+            ("links: {clock_skew_ms: 60001}", "links.clock_skew_ms"),
             (
                 "links: {blocks_per_doubling: 0}",
                 "links.blocks_per_doubling",

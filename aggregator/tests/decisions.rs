@@ -69,6 +69,7 @@ fn decision(endpoint: SocketAddr, keys: &[u64]) -> RelayedDecision {
     RelayedDecision {
         endpoint,
         keys: keys.iter().copied().map(BlockKey).collect(),
+        routed_at_ms: None,
     }
 }
 

@@ -204,7 +204,7 @@ fn relayed_decisions_link_to_server_blocks_and_removals_name_their_keys() {
         2,
         &kvoy_e2e::small_cache_flags(MODEL, "256"),
         MODEL,
-        "scrape_interval_ms: 50\nlinks: {enabled: true, tolerance: 0, slack_tokens: 0}\n",
+        "scrape_interval_ms: 50\nlinks: {enabled: true, tolerance: 0, slack_tokens: 0, clock_skew_ms: 0}\n",
     )
     .unwrap();
     let (agg, sims) = (&pool.agg, &pool.sims);

@@ -266,6 +266,7 @@ fn decisions() {
                 RelayedDecision {
                     endpoint: v6,
                     keys: vec![],
+                    routed_at_ms: None,
                 },
             ],
             removals: None,
@@ -280,6 +281,7 @@ fn decisions() {
             decisions: vec![RelayedDecision {
                 endpoint: v4,
                 keys: vec![BlockKey(1)],
+                routed_at_ms: None,
             }],
             removals: Some(Removals {
                 cursor: 9,
@@ -289,6 +291,20 @@ fn decisions() {
                     offloaded_to: None,
                 }],
             }),
+        }),
+    );
+    write(
+        "decisions",
+        "with-times",
+        encode(DecisionBatch {
+            proxy: 5,
+            cursor: 0,
+            decisions: vec![RelayedDecision {
+                endpoint: v4,
+                keys: vec![BlockKey(1), BlockKey(2)],
+                routed_at_ms: Some(1_796_416_089_869),
+            }],
+            removals: None,
         }),
     );
     write(

@@ -41,8 +41,7 @@ impl Sub for CallCounts {
 }
 
 /// Host calls by import name, over a plugin's VMs (see [`crate::Plugin::host_call_names`]):
-/// every proxy-wasm import, and the WASI imports that do work (`fd_write`, `clock_time_get`,
-/// `random_get`); the WASI stubs are counted in [`CallCounts::host_calls`] only.
+/// every proxy-wasm and WASI import; they add up to [`CallCounts::host_calls`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct HostCallNames(pub BTreeMap<&'static str, u64>);
 

@@ -175,10 +175,14 @@ impl VmInstance {
         let mut store = Store::new(host.module.engine(), VmState::new(vm, shared));
         store.call_hook(|mut store, hook| {
             let counts = &mut store.data_mut().counts;
+            // Host calls are counted where each import is served (`note_host_call`): this
+            // hook also fires for wasmtime's own libcalls (`memory.grow`, ...), which are no
+            // crossing into the proxy.
             match hook {
-                CallHook::CallingHost => counts.host_calls += 1,
                 CallHook::CallingWasm => counts.vm_entries += 1,
-                CallHook::ReturningFromHost | CallHook::ReturningFromWasm => {}
+                CallHook::CallingHost
+                | CallHook::ReturningFromHost
+                | CallHook::ReturningFromWasm => {}
             }
             Ok(())
         });

@@ -55,9 +55,13 @@ pub(crate) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
     linker.func_wrap(
         MODULE,
         "fd_read",
-        |_: Ctx<'_>, _fd: i32, _iovs: i32, _len: i32, _nread: i32| NOSYS,
+        |mut c: Ctx<'_>, _fd: i32, _iovs: i32, _len: i32, _nread: i32| {
+            c.data_mut().note_host_call("fd_read");
+            NOSYS
+        },
     )?;
     linker.func_wrap(MODULE, "fd_close", |mut c: Ctx<'_>, fd: i32| {
+        c.data_mut().note_host_call("fd_close");
         unsupported(&mut c, "fd_close", fd);
         SUCCESS
     })?;
@@ -65,6 +69,7 @@ pub(crate) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
         MODULE,
         "fd_seek",
         |mut c: Ctx<'_>, fd: i32, _offset: i64, _whence: i32, _new: i32| {
+            c.data_mut().note_host_call("fd_seek");
             unsupported(&mut c, "fd_seek", fd);
             SUCCESS
         },
@@ -72,22 +77,31 @@ pub(crate) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
     linker.func_wrap(
         MODULE,
         "fd_fdstat_get",
-        |mut c: Ctx<'_>, fd: i32, stat: i32| errno(fd_fdstat_get(&mut c, fd, stat as u32)),
+        |mut c: Ctx<'_>, fd: i32, stat: i32| {
+            c.data_mut().note_host_call("fd_fdstat_get");
+            errno(fd_fdstat_get(&mut c, fd, stat as u32))
+        },
     )?;
     linker.func_wrap(
         MODULE,
         "fd_prestat_get",
-        |_: Ctx<'_>, _fd: i32, _out: i32| BADF,
+        |mut c: Ctx<'_>, _fd: i32, _out: i32| {
+            c.data_mut().note_host_call("fd_prestat_get");
+            BADF
+        },
     )?;
     linker.func_wrap(
         MODULE,
         "fd_prestat_dir_name",
-        |_: Ctx<'_>, _fd: i32, _path: i32, _len: i32| NOSYS,
+        |mut c: Ctx<'_>, _fd: i32, _path: i32, _len: i32| {
+            c.data_mut().note_host_call("fd_prestat_dir_name");
+            NOSYS
+        },
     )?;
     linker.func_wrap(
         MODULE,
         "path_open",
-        |_: Ctx<'_>,
+        |mut c: Ctx<'_>,
          _fd: i32,
          _dirflags: i32,
          _path: i32,
@@ -96,12 +110,16 @@ pub(crate) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
          _base: i64,
          _inheriting: i64,
          _fdflags: i32,
-         _out: i32| NOENT,
+         _out: i32| {
+            c.data_mut().note_host_call("path_open");
+            NOENT
+        },
     )?;
     linker.func_wrap(
         MODULE,
         "environ_sizes_get",
         |mut c: Ctx<'_>, count: i32, size: i32| {
+            c.data_mut().note_host_call("environ_sizes_get");
             let env = environment(c.data());
             errno(sizes_get(&mut c, &env, count as u32, size as u32))
         },
@@ -110,6 +128,7 @@ pub(crate) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
         MODULE,
         "environ_get",
         |mut c: Ctx<'_>, ptrs: i32, buf: i32| {
+            c.data_mut().note_host_call("environ_get");
             let env = environment(c.data());
             errno(strings_get(&mut c, &env, ptrs as u32, buf as u32))
         },
@@ -118,10 +137,12 @@ pub(crate) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
         MODULE,
         "args_sizes_get",
         |mut c: Ctx<'_>, count: i32, size: i32| {
+            c.data_mut().note_host_call("args_sizes_get");
             errno(sizes_get(&mut c, &[], count as u32, size as u32))
         },
     )?;
     linker.func_wrap(MODULE, "args_get", |mut c: Ctx<'_>, ptrs: i32, buf: i32| {
+        c.data_mut().note_host_call("args_get");
         errno(strings_get(&mut c, &[], ptrs as u32, buf as u32))
     })?;
     linker.func_wrap(
@@ -136,6 +157,7 @@ pub(crate) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
         MODULE,
         "clock_res_get",
         |mut c: Ctx<'_>, id: i32, out: i32| {
+            c.data_mut().note_host_call("clock_res_get");
             if !(0..=1).contains(&id) {
                 return NOTSUP;
             }
@@ -150,11 +172,15 @@ pub(crate) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
             errno(random_get(&mut c, buf as u32, len as u32))
         },
     )?;
-    linker.func_wrap(MODULE, "sched_yield", |_: Ctx<'_>| SUCCESS)?;
+    linker.func_wrap(MODULE, "sched_yield", |mut c: Ctx<'_>| {
+        c.data_mut().note_host_call("sched_yield");
+        SUCCESS
+    })?;
     linker.func_wrap(
         MODULE,
         "proc_exit",
-        |_: Ctx<'_>, code: i32| -> wasmtime::Result<()> {
+        |mut c: Ctx<'_>, code: i32| -> wasmtime::Result<()> {
+            c.data_mut().note_host_call("proc_exit");
             Err(wasmtime::Error::new(ProcExit(code)))
         },
     )?;

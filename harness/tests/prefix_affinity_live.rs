@@ -468,6 +468,11 @@ fn a_confirmed_offload_keeps_that_prefixs_affinity_at_its_tiers_credit() -> Test
     assert!(path.contains("tiers=1"), "{path}");
     let decisions = DecisionBatch::decode(&sent.body).unwrap().decisions;
     assert_eq!(decisions.len(), 6);
+    // Each with the time its worker routed it (the harness's clock).
+    assert!(
+        decisions.iter().all(|d| d.routed_at_ms.is_some()),
+        "{decisions:?}"
+    );
     // Conversation 0's server moved its whole prompt to CPU memory, conversation 1's to
     // storage (each from its first key on).
     let offload = |i: usize, tier| RelayedRemoval {

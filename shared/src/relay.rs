@@ -22,7 +22,11 @@
 //! ```
 //! use kvoy_shared::prefix::BlockKey;
 //! use kvoy_shared::relay::{DecisionBatch, DecisionRelay, RelayedDecision};
-//! let d = RelayedDecision { endpoint: "10.0.0.1:8000".parse().unwrap(), keys: vec![BlockKey(7)] };
+//! let d = RelayedDecision {
+//!     endpoint: "10.0.0.1:8000".parse().unwrap(),
+//!     keys: vec![BlockKey(7)],
+//!     routed_at_ms: None,
+//! };
 //! let mut relay = DecisionRelay::new(1_000);
 //! relay.push(1, vec![d.clone()]);
 //! // Proxy 2 sees proxy 1's decision; proxy 1 does not get its own back.
@@ -57,6 +61,9 @@ const FORMAT_REMOVALS: u8 = 2;
 const FORMAT_TIERS: u8 = 3;
 /// A record's fate in format 3: removed, or offloaded to a tier.
 const FATE_REMOVED: u8 = 0;
+/// Set in the format byte when every decision's routing time follows the decisions (a `u64`
+/// of milliseconds each, in order).
+const TIMES_FLAG: u8 = 0x10;
 
 /// The exchange's query parameter with which a proxy asks for offloads (format 3) as well as
 /// removals: `tiers=1`.
@@ -99,6 +106,21 @@ pub const MAX_BATCH_BYTES: usize = 4 << 20;
 pub struct RelayedDecision {
     pub endpoint: SocketAddr,
     pub keys: Vec<BlockKey>,
+    /// When the proxy routed it, in milliseconds since the Unix epoch (its clock), when it
+    /// says: the aggregator's linker tells apart prompts of one length by it. A proxy sends it;
+    /// the aggregator's answers carry none.
+    pub routed_at_ms: Option<u64>,
+}
+
+impl RelayedDecision {
+    /// The decision as the aggregator hands it on: with no routing time (a reader older than
+    /// the times cannot decode them, and they only serve the linker).
+    fn without_time(&self) -> RelayedDecision {
+        RelayedDecision {
+            routed_at_ms: None,
+            ..self.clone()
+        }
+    }
 }
 
 /// Keys an endpoint no longer holds on its GPU: the server evicted the blocks they were linked
@@ -141,6 +163,8 @@ pub enum DecodeError {
     Fate { index: usize, fate: u8 },
     #[error("a format 3 batch with no offload (format 2 carries removals only)")]
     NoOffload,
+    #[error("routing times announced for a batch with no decision")]
+    NoTimes,
     #[error("the batch ends early at byte {0}")]
     Truncated(usize),
     #[error("{0} decisions in one batch, at most {MAX_DECISIONS}")]
@@ -163,10 +187,25 @@ impl DecisionBatch {
                 .take(MAX_DECISIONS)
                 .any(|d| d.offloaded_to.is_some())
         });
-        out.push(match (&self.removals, tiers) {
+        // Routing times travel when every decision has one.
+        let times: Option<Vec<u64>> = match self.decisions.is_empty() {
+            true => None,
+            false => self
+                .decisions
+                .iter()
+                .take(MAX_DECISIONS)
+                .map(|d| d.routed_at_ms)
+                .collect(),
+        };
+        let format = match (&self.removals, tiers) {
             (None, _) => FORMAT_DECISIONS,
             (Some(_), false) => FORMAT_REMOVALS,
             (Some(_), true) => FORMAT_TIERS,
+        };
+        out.push(if times.is_some() {
+            format | TIMES_FLAG
+        } else {
+            format
         });
         out.extend_from_slice(&self.proxy.to_le_bytes());
         out.extend_from_slice(&self.cursor.to_le_bytes());
@@ -174,6 +213,9 @@ impl DecisionBatch {
             self.decisions.iter().map(|d| (d.endpoint, &d.keys[..])),
             out,
         );
+        for t in times.into_iter().flatten() {
+            out.extend_from_slice(&t.to_le_bytes());
+        }
         if let Some(r) = &self.removals {
             out.extend_from_slice(&r.cursor.to_le_bytes());
             encode_records(r.removals.iter().map(|d| (d.endpoint, &d.keys[..])), out);
@@ -194,13 +236,22 @@ impl DecisionBatch {
         if r.take(4)? != MAGIC {
             return Err(DecodeError::Magic);
         }
-        let format = r.take(1)?[0];
+        let raw = r.take(1)?[0];
+        let (format, timed) = (raw & !TIMES_FLAG, raw & TIMES_FLAG != 0);
         if !matches!(format, FORMAT_DECISIONS | FORMAT_REMOVALS | FORMAT_TIERS) {
-            return Err(DecodeError::Format(format));
+            return Err(DecodeError::Format(raw));
         }
         let proxy = r.u64()?;
         let cursor = r.u64()?;
-        let decisions = r.records()?;
+        let mut decisions = r.records()?;
+        if timed {
+            if decisions.is_empty() {
+                return Err(DecodeError::NoTimes);
+            }
+            for d in &mut decisions {
+                d.routed_at_ms = Some(r.u64()?);
+            }
+        }
         let removals = if format == FORMAT_DECISIONS {
             None
         } else {
@@ -323,7 +374,11 @@ impl<'a> Reader<'a> {
                 .chunks_exact(8)
                 .map(|c| BlockKey(u64::from_le_bytes(c.try_into().unwrap_or([0; 8]))))
                 .collect();
-            records.push(RelayedDecision { endpoint, keys });
+            records.push(RelayedDecision {
+                endpoint,
+                keys,
+                routed_at_ms: None,
+            });
         }
         Ok(records)
     }
@@ -387,7 +442,7 @@ impl DecisionRelay {
             }
             last = *seq;
             if *from != proxy {
-                out.push(d.clone());
+                out.push(d.without_time());
             }
         }
         (out, last)
@@ -413,7 +468,7 @@ impl DecisionRelay {
                 break;
             }
             last = *seq;
-            out.push(d.clone());
+            out.push(d.without_time());
         }
         (out, last)
     }
@@ -444,7 +499,65 @@ mod tests {
         RelayedDecision {
             endpoint: SocketAddr::from(([10, 0, 0, 1], port)),
             keys: keys.iter().copied().map(BlockKey).collect(),
+            routed_at_ms: None,
         }
+    }
+
+    #[test]
+    fn routing_times_travel_when_every_decision_has_one_and_never_in_answers() {
+        let timed = |port, keys: &[u64], at| RelayedDecision {
+            routed_at_ms: Some(at),
+            ..decision(port, keys)
+        };
+        let batch = DecisionBatch {
+            proxy: 7,
+            cursor: 0,
+            decisions: vec![
+                timed(8000, &[1, 2], 1_700_000_000_123),
+                timed(8001, &[3], 5),
+            ],
+            removals: None,
+        };
+        let mut bytes = Vec::new();
+        batch.encode(&mut bytes);
+        assert_eq!(bytes[4], 0x11);
+        assert_eq!(
+            bytes.len(),
+            HEADER_BYTES + 2 * DECISION_HEADER_BYTES + 3 * 8 + 2 * 8
+        );
+        assert_eq!(DecisionBatch::decode(&bytes), Ok(batch.clone()));
+        for cut in 0..bytes.len() {
+            assert!(
+                DecisionBatch::decode(&bytes[..cut]).is_err(),
+                "cut at {cut}"
+            );
+        }
+        // One decision without a time: none travel (the format 1 bytes).
+        let mut partial = batch.clone();
+        partial.decisions[1].routed_at_ms = None;
+        let mut plain = Vec::new();
+        partial.encode(&mut plain);
+        assert_eq!(plain[4], 1);
+        assert!(DecisionBatch::decode(&plain)
+            .unwrap()
+            .decisions
+            .iter()
+            .all(|d| d.routed_at_ms.is_none()));
+        // Announced for no decision: refused (one encoding per batch).
+        let mut empty = Vec::new();
+        DecisionBatch::default().encode(&mut empty);
+        empty[4] |= 0x10;
+        assert_eq!(DecisionBatch::decode(&empty), Err(DecodeError::NoTimes));
+        // The aggregator stores them and hands the decisions on without.
+        let mut relay = DecisionRelay::new(1_000);
+        relay.push(1, batch.decisions.clone());
+        let (out, _) = relay.since(0, 2, 10);
+        assert_eq!(out, vec![decision(8000, &[1, 2]), decision(8001, &[3])]);
+        assert!(relay
+            .after(0, 10, 100)
+            .0
+            .iter()
+            .all(|d| d.routed_at_ms.is_none()));
     }
 
     #[test]
@@ -457,6 +570,7 @@ mod tests {
                 RelayedDecision {
                     endpoint: "[2001:db8::1]:9000".parse().unwrap(),
                     keys: vec![],
+                    routed_at_ms: None,
                 },
             ],
             removals: None,

@@ -451,6 +451,9 @@ pub struct LogRecord {
     pub endpoint: EndpointId,
     pub keys: Vec<BlockKey>,
     pub kind: RecordKind,
+    /// When the decision was routed, ms since the Unix epoch by the writer's clock; 0 when not
+    /// known (a relayed decision, a removal).
+    pub at_ms: u64,
 }
 
 /// What a [`LogRecord`] says of its endpoint and keys.
@@ -464,7 +467,7 @@ pub enum RecordKind {
     Offloaded(Tier),
 }
 
-const RECORD_HEADER: usize = 8 + 8 + 2 + 4;
+const RECORD_HEADER: usize = 8 + 8 + 2 + 4 + 8;
 /// Set in a record's endpoint field for a removal or an offload: endpoint ids stay below
 /// [`crate::config::MAX_ENDPOINTS`], far under this bit and [`TIER_BITS`].
 const REMOVAL_BIT: u16 = 0x8000;
@@ -475,8 +478,9 @@ const TIER_BITS: u16 = 0x3 << TIER_SHIFT;
 /// What a record of the log says, as [`DecisionLog::poll_to_with`] hands it out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Logged<'a> {
-    /// A prompt was routed to the endpoint.
-    Routed(EndpointId, &'a [BlockKey]),
+    /// A prompt was routed to the endpoint, at this time (ms since the Unix epoch; 0: not
+    /// known).
+    Routed(EndpointId, &'a [BlockKey], u64),
     /// The endpoint evicted these keys' blocks.
     Removed(EndpointId, &'a [BlockKey]),
     /// The endpoint moved these keys' blocks off its GPU, to this tier.
@@ -497,6 +501,7 @@ impl LogRecord {
         };
         out.extend_from_slice(&endpoint.to_le_bytes());
         out.extend_from_slice(&(self.keys.len() as u32).to_le_bytes());
+        out.extend_from_slice(&self.at_ms.to_le_bytes());
         for k in &self.keys {
             out.extend_from_slice(&k.0.to_le_bytes());
         }
@@ -517,6 +522,7 @@ impl LogRecord {
             _ => return None,
         };
         let n = u32::from_le_bytes(header[18..22].try_into().ok()?) as usize;
+        let at_ms = u64::from_le_bytes(header[22..30].try_into().ok()?);
         let body = &b[RECORD_HEADER..];
         if body.len() != n.checked_mul(8)? {
             return None;
@@ -535,6 +541,7 @@ impl LogRecord {
             endpoint,
             keys,
             kind,
+            at_ms,
         })
     }
 }
@@ -630,20 +637,21 @@ impl DecisionLog {
         keys: &[BlockKey],
     ) -> Result<u64, StoreError> {
         let seq = self.claim(store, 1)?;
-        self.write(store, seq, endpoint, keys)?;
+        self.write(store, seq, endpoint, keys, 0)?;
         Ok(seq)
     }
 
-    /// Writes a decision into the slot `seq`, claimed by [`DecisionLog::claim`] or
-    /// [`OutstandingTable::add_claiming`].
+    /// Writes a decision, routed at `at_ms` (ms since the Unix epoch; 0: not known), into the
+    /// slot `seq`, claimed by [`DecisionLog::claim`] or [`OutstandingTable::add_claiming`].
     pub fn write(
         &mut self,
         store: &impl SharedStore,
         seq: u64,
         endpoint: EndpointId,
         keys: &[BlockKey],
+        at_ms: u64,
     ) -> Result<(), StoreError> {
-        self.write_record(store, seq, endpoint, keys, RecordKind::Routed)
+        self.write_record(store, seq, endpoint, keys, RecordKind::Routed, at_ms)
     }
 
     /// Writes a confirmed removal into the slot `seq` (claimed by [`DecisionLog::claim`]):
@@ -655,7 +663,7 @@ impl DecisionLog {
         endpoint: EndpointId,
         keys: &[BlockKey],
     ) -> Result<(), StoreError> {
-        self.write_record(store, seq, endpoint, keys, RecordKind::Removed)
+        self.write_record(store, seq, endpoint, keys, RecordKind::Removed, 0)
     }
 
     /// Writes a confirmed offload into the slot `seq` (claimed by [`DecisionLog::claim`]):
@@ -668,7 +676,7 @@ impl DecisionLog {
         tier: Tier,
         keys: &[BlockKey],
     ) -> Result<(), StoreError> {
-        self.write_record(store, seq, endpoint, keys, RecordKind::Offloaded(tier))
+        self.write_record(store, seq, endpoint, keys, RecordKind::Offloaded(tier), 0)
     }
 
     fn write_record(
@@ -678,6 +686,7 @@ impl DecisionLog {
         endpoint: EndpointId,
         keys: &[BlockKey],
         kind: RecordKind,
+        at_ms: u64,
     ) -> Result<(), StoreError> {
         // Nothing between what this VM has seen and its own record: the next poll need not
         // read the record back only to skip it.
@@ -690,6 +699,7 @@ impl DecisionLog {
             endpoint,
             keys: keys.to_vec(),
             kind,
+            at_ms,
         };
         record.encode(&mut self.scratch);
         store.set(&self.slot_key(seq), &self.scratch, 0)
@@ -730,7 +740,7 @@ impl DecisionLog {
     ) -> usize {
         let mut routed = 0;
         self.poll_to_with(store, head, max_slots, |logged| {
-            if let Logged::Routed(endpoint, keys) = logged {
+            if let Logged::Routed(endpoint, keys, _) = logged {
                 apply(endpoint, keys);
                 routed += 1;
             }
@@ -781,7 +791,9 @@ impl DecisionLog {
                     if origin != self.origin {
                         if let Some(rec) = LogRecord::decode(&bytes) {
                             let taken = apply(match rec.kind {
-                                RecordKind::Routed => Logged::Routed(rec.endpoint, &rec.keys),
+                                RecordKind::Routed => {
+                                    Logged::Routed(rec.endpoint, &rec.keys, rec.at_ms)
+                                }
                                 RecordKind::Removed => Logged::Removed(rec.endpoint, &rec.keys),
                                 RecordKind::Offloaded(tier) => {
                                     Logged::Offloaded(rec.endpoint, tier, &rec.keys)
@@ -996,7 +1008,7 @@ mod tests {
             table.read(&store, &pool, &mut out);
             log.poll_to(&store, table.log_head(), 32, |_, k| seen.push(k[0].0));
             let seq = table.add_claiming(&store, at(port), sent(10), T0).unwrap();
-            log.write(&store, seq, EndpointId(0), &keys(&[key]))
+            log.write(&store, seq, EndpointId(0), &keys(&[key]), 0)
                 .unwrap();
             seq
         };
@@ -1018,20 +1030,20 @@ mod tests {
         let a_seq = at_a.add_claiming(&store, at(1), sent(1), T0).unwrap();
         assert_eq!((b_seq, a_seq), (4, 5));
         log_b
-            .write(&store, b_seq, EndpointId(1), &keys(&[201]))
+            .write(&store, b_seq, EndpointId(1), &keys(&[201]), 0)
             .unwrap();
         log_a
-            .write(&store, a_seq, EndpointId(0), &keys(&[102]))
+            .write(&store, a_seq, EndpointId(0), &keys(&[102]), 0)
             .unwrap();
         // A relay's batch claims its slots in one write and keeps the outstanding work.
         let mut relay = DecisionLog::new("ns", 8, 3);
         relay.start_at_head(&store);
         assert_eq!(relay.claim(&store, 2).unwrap(), 6);
         relay
-            .write(&store, 6, EndpointId(1), &keys(&[300]))
+            .write(&store, 6, EndpointId(1), &keys(&[300]), 0)
             .unwrap();
         relay
-            .write(&store, 7, EndpointId(1), &keys(&[301]))
+            .write(&store, 7, EndpointId(1), &keys(&[301]), 0)
             .unwrap();
         at_b.read(&store, &pool, &mut out);
         assert_eq!(at_b.log_head(), 7);
@@ -1353,7 +1365,7 @@ mod tests {
         let mut reader = DecisionLog::new("ns", 8, 1);
         let mut first = Vec::new();
         let handed = reader.poll_at_most_with(&store, 8, |l| match l {
-            Logged::Routed(e, _) => {
+            Logged::Routed(e, _, _) => {
                 first.push(e.0);
                 true
             }
@@ -1362,7 +1374,7 @@ mod tests {
         assert_eq!((handed, first, reader.seen()), (1, vec![2], 1));
         let handed = DecisionLog::new("ns", 8, 1).poll_at_most_with(&store, 8, |l| {
             all.push(match l {
-                Logged::Routed(e, k) => (RecordKind::Routed, e.0, k.to_vec()),
+                Logged::Routed(e, k, _) => (RecordKind::Routed, e.0, k.to_vec()),
                 Logged::Removed(e, k) => (RecordKind::Removed, e.0, k.to_vec()),
                 Logged::Offloaded(e, t, k) => (RecordKind::Offloaded(t), e.0, k.to_vec()),
             });
@@ -1392,6 +1404,7 @@ mod tests {
             endpoint: EndpointId(3),
             keys: keys(&[4]),
             kind: RecordKind::Offloaded(Tier::Cpu),
+            at_ms: 9,
         }
         .encode(&mut bytes);
         assert_eq!(
@@ -1416,6 +1429,7 @@ mod tests {
             endpoint: EndpointId(3),
             keys: keys(&[4, 5]),
             kind: RecordKind::Routed,
+            at_ms: 0,
         }
         .encode(&mut rec);
         assert_eq!(LogRecord::decode(&rec).unwrap().keys, keys(&[4, 5]));

@@ -656,7 +656,7 @@ impl LogReplay {
     pub fn apply(&mut self, router: &mut Router, logged: crate::replica::Logged<'_>) {
         use crate::replica::Logged;
         let (endpoint, fate, keys) = match logged {
-            Logged::Routed(endpoint, keys) => {
+            Logged::Routed(endpoint, keys, _) => {
                 self.flush(router, Some(endpoint));
                 router.apply_remote(endpoint, keys);
                 self.routed += 1;
@@ -1025,14 +1025,14 @@ mod tests {
         let k = |v: &[u64]| v.iter().copied().map(BlockKey).collect::<Vec<_>>();
         let (a, b) = (EndpointId(0), EndpointId(1));
         let mut replay = LogReplay::default();
-        replay.apply(&mut r, Logged::Routed(a, &k(&[1, 2, 3])));
-        replay.apply(&mut r, Logged::Routed(b, &k(&[1, 2, 3])));
+        replay.apply(&mut r, Logged::Routed(a, &k(&[1, 2, 3]), 0));
+        replay.apply(&mut r, Logged::Routed(b, &k(&[1, 2, 3]), 0));
         replay.apply(&mut r, Logged::Removed(a, &k(&[2])));
         replay.apply(&mut r, Logged::Removed(b, &k(&[3])));
         // Removals wait for the end of the replay...
         assert_eq!(r.index().matched(a, &k(&[1, 2, 3])), 3);
         // ...unless a decision for that endpoint comes after them: then they go first.
-        replay.apply(&mut r, Logged::Routed(b, &k(&[1, 2, 3, 4])));
+        replay.apply(&mut r, Logged::Routed(b, &k(&[1, 2, 3, 4]), 0));
         assert_eq!(r.index().matched(b, &k(&[1, 2, 3, 4])), 4);
         replay.finish(&mut r);
         assert_eq!(r.index().matched(a, &k(&[1, 2, 3])), 1);

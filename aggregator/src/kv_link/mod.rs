@@ -42,7 +42,7 @@
 //! let t0 = Instant::now();
 //! // Two 64-byte text blocks: 32 tokens at 4 bytes per token, two 16-token server blocks.
 //! let keys = vec![BlockKey(1), BlockKey(2)];
-//! linker.decisions(&[RelayedDecision { endpoint: e, keys }], t0);
+//! linker.decisions(&[RelayedDecision { endpoint: e, keys, routed_at_ms: None }], t0);
 //! let stored = KvEvent::BlockStored {
 //!     block_hashes: vec![BlockHash::from_u64(10), BlockHash::from_u64(11)],
 //!     parent_block_hash: None,
@@ -126,6 +126,9 @@ pub struct LinkSettings {
     pub match_interval: Duration,
     /// Chains in a decision's window at most before it counts as ambiguous outright.
     pub max_candidates: usize,
+    /// How far the servers' clocks may be behind the proxies', seconds: a chain stored (its
+    /// event batch's time) more than this before a decision was routed is not its prefill.
+    pub clock_skew_s: f64,
 }
 
 impl Default for LinkSettings {
@@ -155,6 +158,7 @@ impl Default for LinkSettings {
             max_matches_per_tick: 16,
             match_interval: Duration::from_millis(50),
             max_candidates: 16,
+            clock_skew_s: 0.05,
         }
     }
 }
@@ -248,6 +252,8 @@ struct Chain {
     parent: Option<BlockHash>,
     block_tokens: u64,
     at: Instant,
+    /// Its event batch's timestamp (the server's clock, seconds since the Unix epoch).
+    ts: f64,
     /// Fitted several decisions: never linked as one's own, but a later turn's chain still
     /// links through it (that turn's keys cover this one's text too).
     contested: bool,
@@ -257,6 +263,8 @@ struct Chain {
 struct Decision {
     keys: Vec<BlockKey>,
     at: Instant,
+    /// When the proxy routed it (seconds since the Unix epoch, its clock), when it said.
+    routed: Option<f64>,
     /// The anchor found last, and the endpoint's [`Endpoint::removals`] then: it holds until a
     /// removal, or a link of a decision with the same first key (keys chain: only those share
     /// keys with this one).
@@ -371,6 +379,7 @@ impl Linker {
                 Decision {
                     keys: d.keys.clone(),
                     at: now,
+                    routed: d.routed_at_ms.map(|ms| ms as f64 / 1000.0),
                     anchor: Cell::new(None),
                 },
             );
@@ -408,7 +417,13 @@ impl Linker {
                     {
                         continue;
                     }
-                    self.stored(endpoint, block_hashes, *parent_block_hash, *block_size, now);
+                    self.stored(
+                        endpoint,
+                        block_hashes,
+                        *parent_block_hash,
+                        *block_size,
+                        (now, batch.ts),
+                    );
                 }
                 KvEvent::BlockStored {
                     block_hashes,
@@ -560,7 +575,7 @@ impl Linker {
         blocks: &[BlockHash],
         parent: Option<BlockHash>,
         block_size: u32,
-        now: Instant,
+        (now, ts): (Instant, f64),
     ) {
         let ep = self.endpoints.entry(endpoint).or_default();
         // Linked blocks stored again: the server loaded them back from a slower tier (or holds
@@ -600,6 +615,7 @@ impl Linker {
                 parent,
                 block_tokens: u64::from(block_size),
                 at: now,
+                ts,
                 contested: false,
             },
         );
@@ -793,6 +809,7 @@ impl Linker {
                             ep.chains.get(cid).is_some_and(|ch| {
                                 !ch.contested
                                     && ch.at + s.relay_lag >= d.at
+                                    && d.routed.is_none_or(|r| ch.ts + s.clock_skew_s >= r)
                                     && ep.fits(&s, d, &anchor, f)
                             })
                         })
@@ -802,6 +819,18 @@ impl Linker {
                     Some((did, fitting))
                 })
                 .collect();
+            // Earliest routed first (those without a time after, in arrival order): the FIFO
+            // rule below takes a run of one length in the order the server served it.
+            let mut table = table;
+            table.sort_by(|(a, _), (b, _)| {
+                let at = |id| {
+                    ep.decisions
+                        .get(id)
+                        .and_then(|d| d.routed)
+                        .unwrap_or(f64::MAX)
+                };
+                at(a).total_cmp(&at(b))
+            });
             if !crowded.is_empty() {
                 for (did, near) in crowded {
                     if ep.decisions.remove(&did).is_some() {
@@ -871,7 +900,31 @@ impl Linker {
                 rivals.retain(|r| ep.decisions.contains_key(r));
                 rivals.sort_unstable_by_key(|d| order.get(d).copied().unwrap_or(usize::MAX));
                 rivals.dedup();
-                if chosen.len() == 1 && rivals == [*did] {
+                // With routing times, the chain stored first among a decision's candidates is
+                // its prefill when it fits no other pending decision (the others were routed
+                // after it was stored): prompts of one length served one after another.
+                let fifo = || {
+                    ep.decisions.get(did)?.routed?;
+                    let ts = |ci: usize| ep.chains.get(&forks[ci].0).map_or(f64::MAX, |c| c.ts);
+                    let first = *candidates
+                        .iter()
+                        .min_by(|&&a, &&b| ts(a).total_cmp(&ts(b)))?;
+                    let alone = candidates
+                        .iter()
+                        .all(|&ci| ci == first || ts(ci) > ts(first));
+                    let theirs = fitted_by.get(&first).is_some_and(|ds| {
+                        ds.iter()
+                            .filter(|d| ep.decisions.contains_key(d))
+                            .all(|d| d == did)
+                    });
+                    (alone && theirs).then_some(first)
+                };
+                let pick = match (chosen.len(), rivals == [*did]) {
+                    (1, true) => Some(chosen[0]),
+                    _ => fifo(),
+                };
+                if let Some(pick) = pick {
+                    let chosen = [pick];
                     let fork = &forks[chosen[0]].1;
                     let Some(d) = ep.decisions.remove(did) else {
                         continue;

@@ -19,6 +19,7 @@ fn decision(port: u16, keys: Vec<BlockKey>) -> RelayedDecision {
     RelayedDecision {
         endpoint: ep(port),
         keys,
+        routed_at_ms: None,
     }
 }
 
@@ -790,4 +791,90 @@ fn a_prefix_loaded_back_from_cpu_is_on_the_gpu_again_and_the_next_turn_links_und
         fates(&l, 1),
         vec![(None, keys(103, 2)), (Some(Tier::Cpu), keys(100, 3))]
     );
+}
+
+fn timed(port: u16, keys: Vec<BlockKey>, routed_s: f64) -> RelayedDecision {
+    RelayedDecision {
+        routed_at_ms: Some((routed_s * 1000.0) as u64),
+        ..decision(port, keys)
+    }
+}
+
+fn batch_at(ts: f64, events: Vec<KvEvent>) -> EventBatch {
+    EventBatch {
+        ts,
+        events,
+        data_parallel_rank: None,
+    }
+}
+
+#[test]
+fn first_turns_of_equal_length_served_one_after_another_link_by_their_routing_times() {
+    let mut l = linker();
+    let t0 = Instant::now();
+    // Three prompts of four blocks, routed 200 ms apart, each stored 20 ms after it was
+    // routed; all relayed together, their chains arriving within the relay lag.
+    l.decisions(
+        &[
+            timed(1, keys(100, 4), 1000.0),
+            timed(1, keys(200, 4), 1000.2),
+            timed(1, keys(300, 4), 1000.4),
+        ],
+        t0,
+    );
+    l.events(
+        ep(1),
+        &batch_at(1000.02, vec![stored(1..5, None)]),
+        ms(t0, 10),
+    );
+    l.events(
+        ep(1),
+        &batch_at(1000.22, vec![stored(10..14, None)]),
+        ms(t0, 20),
+    );
+    l.events(
+        ep(1),
+        &batch_at(1000.42, vec![stored(20..24, None)]),
+        ms(t0, 30),
+    );
+    for t in [600, 700, 800] {
+        l.tick(ms(t0, t));
+    }
+    let c = l.counters();
+    assert_eq!((c.decisions_linked, c.unlinked_ambiguous), (3, 0));
+    // Each to its own chain: removing the second chain's head removes the second prompt only.
+    l.events(ep(1), &batch(vec![removed(&[10])]), ms(t0, 900));
+    assert_eq!(l.removals_after(0, 10)[0].keys, keys(200, 4));
+    assert_eq!(l.linked_keys(ep(1)).len(), 8);
+}
+
+#[test]
+fn first_turns_of_equal_length_routed_together_stay_ambiguous_even_with_times() {
+    let mut l = linker();
+    let t0 = Instant::now();
+    // Routed 10 ms apart, both stored after both were routed: either chain may be either's.
+    l.decisions(
+        &[
+            timed(1, keys(100, 4), 1000.0),
+            timed(1, keys(200, 4), 1000.01),
+        ],
+        t0,
+    );
+    l.events(
+        ep(1),
+        &batch_at(1000.1, vec![stored(1..5, None), stored(10..14, None)]),
+        ms(t0, 10),
+    );
+    l.tick(ms(t0, 600));
+    let c = l.counters();
+    assert_eq!((c.decisions_linked, c.unlinked_ambiguous), (0, 2));
+    // A chain stored before a decision was routed is not its prefill, whatever its length.
+    l.decisions(&[timed(1, keys(300, 4), 2000.0)], ms(t0, 700));
+    l.events(
+        ep(1),
+        &batch_at(1999.0, vec![stored(30..34, None)]),
+        ms(t0, 710),
+    );
+    l.tick(ms(t0, 1_400));
+    assert_eq!(l.counters().decisions_linked, 0);
 }

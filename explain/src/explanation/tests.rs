@@ -101,6 +101,7 @@ fn a_prefix_relayed_to_one_endpoint_decides_as_in_the_proxy() {
     let relayed = RelayedDecision {
         endpoint: address(1),
         keys: keys_of(&first),
+        routed_at_ms: None,
     };
     let mut e = explainer(3);
     assert_eq!(
@@ -297,6 +298,7 @@ fn stale_endpoints_and_foreign_decisions_are_shown_for_what_they_are() {
     let foreign = RelayedDecision {
         endpoint: "10.9.9.9:1".parse().unwrap(),
         keys: vec![kvoy_shared::prefix::BlockKey(1)],
+        routed_at_ms: None,
     };
     e.add_decisions(&page(vec![foreign], 1)).unwrap();
     let answer = e.explain(CHAT, &chat("s", "u"), None).unwrap();

@@ -17,7 +17,7 @@ use log::{debug, warn};
 
 use kvoy_filter_common::{call_aggregator, CallBody, HostStore};
 use kvoy_shared::relay::{self, DecisionBatch, RelayedDecision, Removals};
-use kvoy_shared::replica::{DecisionLog, SharedStore};
+use kvoy_shared::replica::{DecisionLog, Logged, SharedStore};
 use kvoy_shared::{AggregatorSettings, Router};
 
 /// The origin of the records the relay appends: every worker replays them (their origins are
@@ -106,14 +106,21 @@ impl Relay {
         }
         let pool = router.pool();
         let mut decisions = Vec::new();
+        // The workers' decisions with their routing times (the aggregator's linker tells
+        // prompts of one length apart by them); the relay's own records (relayed decisions,
+        // removals) carry its origin and are skipped.
         self.log
-            .poll_at_most(&HostStore, FORWARD_PER_EXCHANGE, |endpoint, keys| {
-                if let Some(e) = pool.get(endpoint) {
-                    decisions.push(RelayedDecision {
-                        endpoint: e.address,
-                        keys: keys.to_vec(),
-                    });
+            .poll_at_most_with(&HostStore, FORWARD_PER_EXCHANGE, |logged| {
+                if let Logged::Routed(endpoint, keys, at_ms) = logged {
+                    if let Some(e) = pool.get(endpoint) {
+                        decisions.push(RelayedDecision {
+                            endpoint: e.address,
+                            keys: keys.to_vec(),
+                            routed_at_ms: (at_ms > 0).then_some(at_ms),
+                        });
+                    }
                 }
+                true
             });
         let sent = decisions.len();
         self.scratch.clear();
@@ -206,7 +213,7 @@ impl Relay {
                 Ok(first) => {
                     let mut seq = first;
                     for (id, keys) in &accepted {
-                        if let Err(e) = self.log.write(&HostStore, seq, *id, keys) {
+                        if let Err(e) = self.log.write(&HostStore, seq, *id, keys, 0) {
                             debug!("decision relay: cannot log a relayed decision: {e}");
                         }
                         seq += 1;

@@ -360,7 +360,13 @@ impl PrefixStage {
                     // Not counted (the table full, or contended past its retries): the
                     // decision still claims a slot of its own.
                     let logged = match slot {
-                        Some(seq) => vm.log.write(&HostStore, seq, decision.endpoint, keys),
+                        Some(seq) => vm.log.write(
+                            &HostStore,
+                            seq,
+                            decision.endpoint,
+                            keys,
+                            now.as_millis() as u64,
+                        ),
                         None => vm
                             .log
                             .append(&HostStore, decision.endpoint, keys)
