@@ -32,6 +32,7 @@ mod aggregator;
 mod bootstrap;
 mod echo;
 mod envoy;
+pub mod eviction;
 pub mod http;
 pub mod load;
 mod sim;

@@ -13,12 +13,14 @@
 //! Needs `envoy` on PATH and the built wasm filters (`make test` provides both).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
-use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use kvoy_e2e::eviction::{
+    flood_prompt, linked_keys, long_turn, post_chat, proxy_counter, unix_now,
+};
 use kvoy_e2e::http;
-use kvoy_e2e::{FollowedPool, Stack, StackConfig};
-use serde_json::{json, Value};
+use kvoy_e2e::{FollowedPool, LocalAggregator, Stack, StackConfig};
+use serde_json::Value;
 
 const NAME: &str = "offload";
 const MODEL: &str = "kvoy-demo";
@@ -31,50 +33,10 @@ const OFFLOADED: &str = "kvoy_prefix_affinity_offloaded_keys_total";
 const REMOVED: &str = "kvoy_prefix_affinity_removed_keys_total";
 const MATCHED: &str = "kvoy_prefix_affinity_prefix_blocks_matched_total";
 
-fn turn(t: usize) -> Vec<u8> {
-    let mut messages = vec![json!({"role": "system", "content":
-        format!("The offloaded conversation. {}", "You are a careful assistant with a long brief. ".repeat(24))})];
-    for k in 0..t {
-        messages.push(json!({"role": "user", "content": format!("Question {k}?")}));
-        messages
-            .push(json!({"role": "assistant", "content": format!("Answer {k}, at some length.")}));
-    }
-    messages.push(json!({"role": "user", "content": format!("Question {t}?")}));
-    serde_json::to_vec(&json!({"model": MODEL, "max_tokens": 2, "messages": messages})).unwrap()
-}
-
-fn flood(i: usize) -> Vec<u8> {
-    let text = format!(
-        "Unrelated prompt {i}. {}",
-        "Other work fills the cache. ".repeat(36)
-    );
-    serde_json::to_vec(&json!({"model": MODEL, "max_tokens": 2,
-        "messages": [{"role": "user", "content": text}]}))
-    .unwrap()
-}
-
-fn post(to: SocketAddr, body: &[u8]) -> http::Response {
-    let r = http::post_json(to, "/v1/chat/completions", &[], body, TIMEOUT).unwrap();
-    assert_eq!(r.status, 200, "{}", r.text());
-    r
-}
-
-fn get_json(agg: SocketAddr, path: &str) -> Value {
-    let r = http::send(agg, "GET", path, &[], b"", TIMEOUT).unwrap();
-    assert_eq!(r.status, 200, "{path}: {}", r.text());
-    serde_json::from_slice(&r.body).unwrap()
-}
-
-fn linked_keys(agg: SocketAddr, endpoint: &str) -> u64 {
-    get_json(agg, "/v1/pool")["links"]["endpoints"][endpoint]["linked_keys"]
-        .as_u64()
-        .unwrap_or(0)
-}
-
 /// The aggregator's records for `endpoint`: keys offloaded to CPU, keys removed, and the last
 /// offload's event time.
-fn records(agg: SocketAddr, endpoint: &str) -> (usize, usize, Option<f64>) {
-    let v = get_json(agg, "/v1/removals?after=0");
+fn records(agg: &LocalAggregator, endpoint: &str) -> (usize, usize, Option<f64>) {
+    let v = agg.get_json("/v1/removals?after=0").unwrap();
     let (mut offloaded, mut removed, mut last) = (0, 0, None::<f64>);
     for r in v["removals"].as_array().unwrap() {
         if r["endpoint"] != endpoint {
@@ -91,22 +53,6 @@ fn records(agg: SocketAddr, endpoint: &str) -> (usize, usize, Option<f64>) {
         }
     }
     (offloaded, removed, last)
-}
-
-fn unix_now() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs_f64()
-}
-
-fn counter(proxy: &Stack, name: &str, now: bool) -> u64 {
-    let stats = if now {
-        proxy.admin_stats(name)
-    } else {
-        proxy.stats(name)
-    };
-    stats.map_or(0, |s| s.values().sum())
 }
 
 fn cached_tokens(r: &http::Response) -> u64 {
@@ -141,28 +87,28 @@ fn a_prefix_offloaded_to_the_servers_cpu_tier_keeps_its_affinity_and_is_loaded_n
     }
 
     // The first turn, linked to the blocks its prefill stored.
-    let first = post(proxy.listen, &turn(0));
+    let first = post_chat(proxy.listen, &long_turn("offloaded", MODEL, 0)).unwrap();
     let served = first.header(kvoy_e2e::SERVED_BY_HEADER).unwrap().to_owned();
     let sim = sims.iter().find(|s| s.addr.to_string() == served).unwrap();
     kvoy_e2e::wait_for(
         "the first turn linked at the aggregator",
         Duration::from_secs(10),
-        || linked_keys(agg.addr(), &served) > 0,
+        || linked_keys(agg, &served).unwrap() > 0,
     );
-    let linked = linked_keys(agg.addr(), &served);
+    let linked = linked_keys(agg, &served).unwrap();
 
     // Other prompts straight to that simulator evict the whole conversation from its GPU
     // (tail first); its CPU copies stay. Then the simulator holds nothing of it on the GPU,
     // and only the CPU tier's credit keeps the next turn there rather than on the other, cold,
     // idle simulator.
     let mut sent = 0;
-    while records(agg.addr(), &served).0 < linked as usize {
+    while records(agg, &served).0 < linked as usize {
         assert!(
             sent < MAX_FLOOD,
             "[{NAME}] {sent} prompts to {served} offloaded none of the conversation's blocks: {}",
-            get_json(agg.addr(), "/v1/removals?after=0")
+            agg.get_json("/v1/removals?after=0").unwrap()
         );
-        post(sim.addr, &flood(sent));
+        post_chat(sim.addr, &flood_prompt(MODEL, sent)).unwrap();
         sent += 1;
     }
     let seen = Instant::now();
@@ -171,9 +117,9 @@ fn a_prefix_offloaded_to_the_servers_cpu_tier_keeps_its_affinity_and_is_loaded_n
     // applied every offload).
     let (mut offloaded, mut removed, mut applied) = (0, 0, None);
     while seen.elapsed() < Duration::from_secs(5) {
-        let (o, r, event_ts) = records(agg.addr(), &served);
+        let (o, r, event_ts) = records(agg, &served);
         (offloaded, removed) = (o, r);
-        if counter(&proxy, OFFLOADED, true) as usize >= 2 * offloaded {
+        if proxy_counter(&proxy, OFFLOADED, true).unwrap() as usize >= 2 * offloaded {
             let event_ts = event_ts.expect("an offload record carries its event's time");
             applied = Some(Duration::from_secs_f64((unix_now() - event_ts).max(0.0)));
             break;
@@ -190,20 +136,24 @@ fn a_prefix_offloaded_to_the_servers_cpu_tier_keeps_its_affinity_and_is_loaded_n
     let applied = applied.unwrap_or_else(|| {
         panic!(
             "[{NAME}] the proxy never applied the offload: {} keys moved",
-            counter(&proxy, OFFLOADED, true)
+            proxy_counter(&proxy, OFFLOADED, true).unwrap()
         )
     });
     assert!(
         applied < Duration::from_secs(2),
         "[{NAME}] the offload took {applied:?} to reach both workers' indexes"
     );
-    assert_eq!(counter(&proxy, REMOVED, true), 0, "nothing was removed");
+    assert_eq!(
+        proxy_counter(&proxy, REMOVED, true).unwrap(),
+        0,
+        "nothing was removed"
+    );
 
     // The next turn: still that simulator, the whole prefix matched, and served from the
     // simulator's CPU tier rather than computed again.
-    let before = counter(&proxy, MATCHED, false);
-    let next = post(proxy.listen, &turn(1));
-    let matched = counter(&proxy, MATCHED, false) - before;
+    let before = proxy_counter(&proxy, MATCHED, false).unwrap();
+    let next = post_chat(proxy.listen, &long_turn("offloaded", MODEL, 1)).unwrap();
+    let matched = proxy_counter(&proxy, MATCHED, false).unwrap() - before;
     let cached = cached_tokens(&next);
     eprintln!(
         "[{NAME}] the next turn went to {:?}, matched {matched} blocks, {cached} prompt tokens cached (loaded from CPU)",

@@ -12,12 +12,14 @@
 //! Needs `envoy` on PATH and the built wasm filters (`make test` provides both).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
-use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use kvoy_e2e::eviction::{
+    flood_prompt, linked_keys, long_turn, post_chat, proxy_counter, unix_now,
+};
 use kvoy_e2e::http;
-use kvoy_e2e::{FollowedPool, Stack, StackConfig};
-use serde_json::{json, Value};
+use kvoy_e2e::{FollowedPool, LocalAggregator, Stack, StackConfig};
+use serde_json::Value;
 
 const NAME: &str = "removals";
 const MODEL: &str = "kvoy-demo";
@@ -29,50 +31,10 @@ const WARM_UP: usize = 16;
 const REMOVED: &str = "kvoy_prefix_affinity_removed_keys_total";
 const MATCHED: &str = "kvoy_prefix_affinity_prefix_blocks_matched_total";
 
-fn turn(t: usize) -> Vec<u8> {
-    let mut messages = vec![json!({"role": "system", "content":
-        format!("The evicted conversation. {}", "You are a careful assistant with a long brief. ".repeat(24))})];
-    for k in 0..t {
-        messages.push(json!({"role": "user", "content": format!("Question {k}?")}));
-        messages
-            .push(json!({"role": "assistant", "content": format!("Answer {k}, at some length.")}));
-    }
-    messages.push(json!({"role": "user", "content": format!("Question {t}?")}));
-    serde_json::to_vec(&json!({"model": MODEL, "max_tokens": 2, "messages": messages})).unwrap()
-}
-
-fn flood(i: usize) -> Vec<u8> {
-    let text = format!(
-        "Unrelated prompt {i}. {}",
-        "Other work fills the cache. ".repeat(36)
-    );
-    serde_json::to_vec(&json!({"model": MODEL, "max_tokens": 2,
-        "messages": [{"role": "user", "content": text}]}))
-    .unwrap()
-}
-
-fn post(to: SocketAddr, body: &[u8]) -> http::Response {
-    let r = http::post_json(to, "/v1/chat/completions", &[], body, TIMEOUT).unwrap();
-    assert_eq!(r.status, 200, "{}", r.text());
-    r
-}
-
-fn get_json(agg: SocketAddr, path: &str) -> Value {
-    let r = http::send(agg, "GET", path, &[], b"", TIMEOUT).unwrap();
-    assert_eq!(r.status, 200, "{path}: {}", r.text());
-    serde_json::from_slice(&r.body).unwrap()
-}
-
-fn linked_keys(agg: SocketAddr, endpoint: &str) -> u64 {
-    get_json(agg, "/v1/pool")["links"]["endpoints"][endpoint]["linked_keys"]
-        .as_u64()
-        .unwrap_or(0)
-}
-
 /// Keys the aggregator's removal records name for `endpoint`, and the earliest record's event
 /// time (the server's clock, seconds since the Unix epoch).
-fn removed_at_aggregator(agg: SocketAddr, endpoint: &str) -> (usize, Option<f64>) {
-    let v = get_json(agg, "/v1/removals?after=0");
+fn removed_at_aggregator(agg: &LocalAggregator, endpoint: &str) -> (usize, Option<f64>) {
+    let v = agg.get_json("/v1/removals?after=0").unwrap();
     let records: Vec<&Value> = v["removals"]
         .as_array()
         .unwrap()
@@ -88,22 +50,6 @@ fn removed_at_aggregator(agg: SocketAddr, endpoint: &str) -> (usize, Option<f64>
         .filter_map(|r| r["event_ts"].as_f64())
         .reduce(f64::min);
     (keys, first)
-}
-
-fn unix_now() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs_f64()
-}
-
-fn counter(proxy: &Stack, name: &str, now: bool) -> u64 {
-    let stats = if now {
-        proxy.admin_stats(name)
-    } else {
-        proxy.stats(name)
-    };
-    stats.unwrap().values().sum()
 }
 
 #[test]
@@ -132,28 +78,28 @@ fn an_eviction_the_servers_report_ends_that_prefixs_affinity_at_the_proxy() {
     }
 
     // The first turn, linked to the blocks its prefill stored.
-    let first = post(proxy.listen, &turn(0));
+    let first = post_chat(proxy.listen, &long_turn("evicted", MODEL, 0)).unwrap();
     let served = first.header(kvoy_e2e::SERVED_BY_HEADER).unwrap().to_owned();
     let sim = sims.iter().find(|s| s.addr.to_string() == served).unwrap();
     kvoy_e2e::wait_for(
         "the first turn linked at the aggregator",
         Duration::from_secs(10),
-        || linked_keys(agg.addr(), &served) > 0,
+        || linked_keys(agg, &served).unwrap() > 0,
     );
-    let linked = linked_keys(agg.addr(), &served);
+    let linked = linked_keys(agg, &served).unwrap();
 
     // Other prompts straight to that simulator evict the conversation's blocks.
     let mut sent = 0;
-    while removed_at_aggregator(agg.addr(), &served).0 == 0 {
+    while removed_at_aggregator(agg, &served).0 == 0 {
         assert!(
             sent < MAX_FLOOD,
             "[{NAME}] {sent} prompts to {served} evicted none of the conversation's blocks"
         );
-        post(sim.addr, &flood(sent));
+        post_chat(sim.addr, &flood_prompt(MODEL, sent)).unwrap();
         sent += 1;
     }
     let removal_seen = Instant::now();
-    let (removed, event_ts) = removed_at_aggregator(agg.addr(), &served);
+    let (removed, event_ts) = removed_at_aggregator(agg, &served);
     let event_ts = event_ts.expect("a removal record carries its event's time");
     // Both workers forget them on their tick after the proxy's next exchange (each worker's
     // index holds the conversation: one routed it, the other replayed its decision).
@@ -161,7 +107,7 @@ fn an_eviction_the_servers_report_ends_that_prefixs_affinity_at_the_proxy() {
     // machine's clock), and include the filters' metrics flush on their tick.
     let (mut first_worker, mut applied) = (None, None);
     while removal_seen.elapsed() < Duration::from_secs(5) {
-        let forgot = counter(&proxy, REMOVED, true) as usize;
+        let forgot = proxy_counter(&proxy, REMOVED, true).unwrap() as usize;
         let since_event = Duration::from_secs_f64((unix_now() - event_ts).max(0.0));
         if forgot > 0 && first_worker.is_none() {
             first_worker = Some(since_event);
@@ -172,7 +118,7 @@ fn an_eviction_the_servers_report_ends_that_prefixs_affinity_at_the_proxy() {
         }
         std::thread::sleep(Duration::from_millis(5));
     }
-    let forgotten = counter(&proxy, REMOVED, false);
+    let forgotten = proxy_counter(&proxy, REMOVED, false).unwrap();
     eprintln!(
         "[{NAME}] {sent} prompts to {served} evicted {removed} of its {linked} linked keys; the proxy's workers forgot {forgotten} keys, the first {first_worker:?} and both {applied:?} after the eviction's event (budget 200 ms)"
     );
@@ -185,9 +131,9 @@ fn an_eviction_the_servers_report_ends_that_prefixs_affinity_at_the_proxy() {
     );
 
     // The next turn: its prefix is no longer believed cached whole on that simulator.
-    let before = counter(&proxy, MATCHED, false);
-    post(proxy.listen, &turn(1));
-    let matched_now = counter(&proxy, MATCHED, false) - before;
+    let before = proxy_counter(&proxy, MATCHED, false).unwrap();
+    post_chat(proxy.listen, &long_turn("evicted", MODEL, 1)).unwrap();
+    let matched_now = proxy_counter(&proxy, MATCHED, false).unwrap() - before;
     eprintln!(
         "[{NAME}] the next turn matched {matched_now} blocks (the first turn made {linked} keys linked there)"
     );

@@ -62,23 +62,12 @@ impl CacheMirror {
                     block_hashes,
                     medium,
                     ..
-                } => {
-                    let set = if *medium == MEDIUM_GPU {
-                        &mut self.blocks
-                    } else {
-                        &mut self.host
-                    };
-                    set.extend(block_hashes.iter().copied())
-                }
+                } => self.tier(medium).extend(block_hashes.iter().copied()),
                 KvEvent::BlockRemoved {
                     block_hashes,
                     medium,
                 } => {
-                    let set = if *medium == MEDIUM_GPU {
-                        &mut self.blocks
-                    } else {
-                        &mut self.host
-                    };
+                    let set = self.tier(medium);
                     for h in block_hashes {
                         set.remove(h);
                     }
@@ -88,6 +77,15 @@ impl CacheMirror {
                     self.host.clear();
                 }
             }
+        }
+    }
+
+    /// The blocks of the tier an event's `medium` names.
+    fn tier(&mut self, medium: &str) -> &mut HashSet<u64, BuildHasherDefault<PassThrough>> {
+        if medium == MEDIUM_GPU {
+            &mut self.blocks
+        } else {
+            &mut self.host
         }
     }
 
