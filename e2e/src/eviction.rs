@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use serde_json::json;
 
-use crate::{http, LocalAggregator, Stack};
+use crate::{http, FollowedPool, LocalAggregator, Stack, StackConfig};
 
 const TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -70,4 +70,62 @@ pub fn proxy_counter(proxy: &Stack, name: &str, now: bool) -> anyhow::Result<u64
         proxy.stats(name)?
     };
     Ok(stats.values().sum())
+}
+
+/// A relaying proxy in front of a [`FollowedPool`], both workers warmed up, and one
+/// conversation's first turn routed and linked at the aggregator.
+pub struct LinkedConversation {
+    pub pool: FollowedPool,
+    pub proxy: Stack,
+    /// The simulator the first turn went to, as `ip:port`.
+    pub served: String,
+    /// The keys the aggregator linked there.
+    pub linked: u64,
+}
+
+/// Starts two simulators with `sim_flags` and an aggregator following them (run `name`,
+/// files under `target_tmp`), a proxy relaying to it, then sends the conversation `name`'s
+/// first turn and waits until it is linked.
+pub fn linked_conversation(
+    target_tmp: &str,
+    name: &str,
+    sim_flags: &[&str],
+    model: &str,
+) -> anyhow::Result<LinkedConversation> {
+    let pool = FollowedPool::start(
+        target_tmp,
+        name,
+        2,
+        sim_flags,
+        model,
+        "scrape_interval_ms: 50\n",
+    )?;
+    let mut config = StackConfig::new(pool.endpoints(model), pool.run_dir.join("proxy"));
+    config.aggregator = Some(pool.agg.addr());
+    let proxy = Stack::start(&config)?;
+    std::thread::sleep(Duration::from_millis(500));
+    // A few requests first, on new connections, so that both workers serve (a worker replays
+    // the shared log on its tick once it serves; before, on its first request). `GET
+    // /v1/models` makes no routing decision, so the linker has nothing more to tell apart.
+    for _ in 0..16 {
+        let r = http::send(proxy.listen, "GET", "/v1/models", &[], b"", TIMEOUT)?;
+        anyhow::ensure!(r.status == 200, "GET /v1/models: {} {}", r.status, r.text());
+    }
+    let first = post_chat(proxy.listen, &long_turn(name, model, 0))?;
+    let served = first
+        .header(crate::SERVED_BY_HEADER)
+        .ok_or_else(|| anyhow::anyhow!("the first turn has no served-by header"))?
+        .to_owned();
+    crate::wait_for(
+        "the first turn linked at the aggregator",
+        Duration::from_secs(10),
+        || linked_keys(&pool.agg, &served).is_ok_and(|k| k > 0),
+    );
+    let linked = linked_keys(&pool.agg, &served)?;
+    Ok(LinkedConversation {
+        pool,
+        proxy,
+        served,
+        linked,
+    })
 }

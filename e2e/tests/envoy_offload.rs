@@ -16,10 +16,10 @@
 use std::time::{Duration, Instant};
 
 use kvoy_e2e::eviction::{
-    flood_prompt, linked_keys, long_turn, post_chat, proxy_counter, unix_now,
+    flood_prompt, linked_conversation, long_turn, post_chat, proxy_counter, unix_now,
 };
 use kvoy_e2e::http;
-use kvoy_e2e::{FollowedPool, LocalAggregator, Stack, StackConfig};
+use kvoy_e2e::LocalAggregator;
 use serde_json::Value;
 
 const NAME: &str = "offload";
@@ -28,7 +28,6 @@ const TIMEOUT: Duration = Duration::from_secs(30);
 /// Prompts of about 16 blocks sent to the conversation's simulator at most, to evict it from
 /// the GPU (128 blocks) but not from the CPU tier (1,024 blocks).
 const MAX_FLOOD: usize = 40;
-const WARM_UP: usize = 16;
 const OFFLOADED: &str = "kvoy_prefix_affinity_offloaded_keys_total";
 const REMOVED: &str = "kvoy_prefix_affinity_removed_keys_total";
 const MATCHED: &str = "kvoy_prefix_affinity_prefix_blocks_matched_total";
@@ -66,36 +65,10 @@ fn cached_tokens(r: &http::Response) -> u64 {
 fn a_prefix_offloaded_to_the_servers_cpu_tier_keeps_its_affinity_and_is_loaded_not_recomputed() {
     let mut flags = kvoy_e2e::small_cache_flags(MODEL, "128").to_vec();
     flags.extend(["--cpu-offload-blocks", "1024"]);
-    let pool = FollowedPool::start(
-        env!("CARGO_TARGET_TMPDIR"),
-        NAME,
-        2,
-        &flags,
-        MODEL,
-        "scrape_interval_ms: 50\n",
-    )
-    .unwrap();
-    let (agg, sims) = (&pool.agg, &pool.sims);
-    let mut config = StackConfig::new(pool.endpoints(MODEL), pool.run_dir.join("proxy"));
-    config.aggregator = Some(agg.addr());
-    let proxy = Stack::start(&config).unwrap();
-    std::thread::sleep(Duration::from_millis(500));
-    // Both workers serve before the conversation (see envoy_removals.rs).
-    for _ in 0..WARM_UP {
-        let r = http::send(proxy.listen, "GET", "/v1/models", &[], b"", TIMEOUT).unwrap();
-        assert_eq!(r.status, 200, "{}", r.text());
-    }
-
-    // The first turn, linked to the blocks its prefill stored.
-    let first = post_chat(proxy.listen, &long_turn("offloaded", MODEL, 0)).unwrap();
-    let served = first.header(kvoy_e2e::SERVED_BY_HEADER).unwrap().to_owned();
+    let run = linked_conversation(env!("CARGO_TARGET_TMPDIR"), "offloaded", &flags, MODEL).unwrap();
+    let (agg, sims, proxy) = (&run.pool.agg, &run.pool.sims, &run.proxy);
+    let (served, linked) = (run.served.clone(), run.linked);
     let sim = sims.iter().find(|s| s.addr.to_string() == served).unwrap();
-    kvoy_e2e::wait_for(
-        "the first turn linked at the aggregator",
-        Duration::from_secs(10),
-        || linked_keys(agg, &served).unwrap() > 0,
-    );
-    let linked = linked_keys(agg, &served).unwrap();
 
     // Other prompts straight to that simulator evict the whole conversation from its GPU
     // (tail first); its CPU copies stay. Then the simulator holds nothing of it on the GPU,
@@ -119,7 +92,7 @@ fn a_prefix_offloaded_to_the_servers_cpu_tier_keeps_its_affinity_and_is_loaded_n
     while seen.elapsed() < Duration::from_secs(5) {
         let (o, r, event_ts) = records(agg, &served);
         (offloaded, removed) = (o, r);
-        if proxy_counter(&proxy, OFFLOADED, true).unwrap() as usize >= 2 * offloaded {
+        if proxy_counter(proxy, OFFLOADED, true).unwrap() as usize >= 2 * offloaded {
             let event_ts = event_ts.expect("an offload record carries its event's time");
             applied = Some(Duration::from_secs_f64((unix_now() - event_ts).max(0.0)));
             break;
@@ -136,7 +109,7 @@ fn a_prefix_offloaded_to_the_servers_cpu_tier_keeps_its_affinity_and_is_loaded_n
     let applied = applied.unwrap_or_else(|| {
         panic!(
             "[{NAME}] the proxy never applied the offload: {} keys moved",
-            proxy_counter(&proxy, OFFLOADED, true).unwrap()
+            proxy_counter(proxy, OFFLOADED, true).unwrap()
         )
     });
     assert!(
@@ -144,16 +117,16 @@ fn a_prefix_offloaded_to_the_servers_cpu_tier_keeps_its_affinity_and_is_loaded_n
         "[{NAME}] the offload took {applied:?} to reach both workers' indexes"
     );
     assert_eq!(
-        proxy_counter(&proxy, REMOVED, true).unwrap(),
+        proxy_counter(proxy, REMOVED, true).unwrap(),
         0,
         "nothing was removed"
     );
 
     // The next turn: still that simulator, the whole prefix matched, and served from the
     // simulator's CPU tier rather than computed again.
-    let before = proxy_counter(&proxy, MATCHED, false).unwrap();
+    let before = proxy_counter(proxy, MATCHED, false).unwrap();
     let next = post_chat(proxy.listen, &long_turn("offloaded", MODEL, 1)).unwrap();
-    let matched = proxy_counter(&proxy, MATCHED, false).unwrap() - before;
+    let matched = proxy_counter(proxy, MATCHED, false).unwrap() - before;
     let cached = cached_tokens(&next);
     eprintln!(
         "[{NAME}] the next turn went to {:?}, matched {matched} blocks, {cached} prompt tokens cached (loaded from CPU)",

@@ -15,19 +15,15 @@
 use std::time::{Duration, Instant};
 
 use kvoy_e2e::eviction::{
-    flood_prompt, linked_keys, long_turn, post_chat, proxy_counter, unix_now,
+    flood_prompt, linked_conversation, long_turn, post_chat, proxy_counter, unix_now,
 };
-use kvoy_e2e::http;
-use kvoy_e2e::{FollowedPool, LocalAggregator, Stack, StackConfig};
+use kvoy_e2e::LocalAggregator;
 use serde_json::Value;
 
 const NAME: &str = "removals";
 const MODEL: &str = "kvoy-demo";
-const TIMEOUT: Duration = Duration::from_secs(30);
 /// Prompts of about 16 blocks sent to the conversation's simulator at most, to evict it.
 const MAX_FLOOD: usize = 80;
-/// Requests through the proxy before the conversation (each on a new connection).
-const WARM_UP: usize = 16;
 const REMOVED: &str = "kvoy_prefix_affinity_removed_keys_total";
 const MATCHED: &str = "kvoy_prefix_affinity_prefix_blocks_matched_total";
 
@@ -55,38 +51,16 @@ fn removed_at_aggregator(agg: &LocalAggregator, endpoint: &str) -> (usize, Optio
 #[test]
 fn an_eviction_the_servers_report_ends_that_prefixs_affinity_at_the_proxy() {
     // The linker at its defaults: on, with its tolerance.
-    let pool = FollowedPool::start(
+    let run = linked_conversation(
         env!("CARGO_TARGET_TMPDIR"),
-        NAME,
-        2,
+        "evicted",
         &kvoy_e2e::small_cache_flags(MODEL, "128"),
         MODEL,
-        "scrape_interval_ms: 50\n",
     )
     .unwrap();
-    let (agg, sims) = (&pool.agg, &pool.sims);
-    let mut config = StackConfig::new(pool.endpoints(MODEL), pool.run_dir.join("proxy"));
-    config.aggregator = Some(agg.addr());
-    let proxy = Stack::start(&config).unwrap();
-    std::thread::sleep(Duration::from_millis(500));
-    // A few requests first, on new connections, so that both workers serve (a worker replays
-    // the shared log on its tick once it serves; before, on its first request). `GET
-    // /v1/models` makes no routing decision, so the linker has nothing more to tell apart.
-    for _ in 0..WARM_UP {
-        let r = http::send(proxy.listen, "GET", "/v1/models", &[], b"", TIMEOUT).unwrap();
-        assert_eq!(r.status, 200, "{}", r.text());
-    }
-
-    // The first turn, linked to the blocks its prefill stored.
-    let first = post_chat(proxy.listen, &long_turn("evicted", MODEL, 0)).unwrap();
-    let served = first.header(kvoy_e2e::SERVED_BY_HEADER).unwrap().to_owned();
+    let (agg, sims, proxy) = (&run.pool.agg, &run.pool.sims, &run.proxy);
+    let (served, linked) = (run.served.clone(), run.linked);
     let sim = sims.iter().find(|s| s.addr.to_string() == served).unwrap();
-    kvoy_e2e::wait_for(
-        "the first turn linked at the aggregator",
-        Duration::from_secs(10),
-        || linked_keys(agg, &served).unwrap() > 0,
-    );
-    let linked = linked_keys(agg, &served).unwrap();
 
     // Other prompts straight to that simulator evict the conversation's blocks.
     let mut sent = 0;
@@ -107,7 +81,7 @@ fn an_eviction_the_servers_report_ends_that_prefixs_affinity_at_the_proxy() {
     // machine's clock), and include the filters' metrics flush on their tick.
     let (mut first_worker, mut applied) = (None, None);
     while removal_seen.elapsed() < Duration::from_secs(5) {
-        let forgot = proxy_counter(&proxy, REMOVED, true).unwrap() as usize;
+        let forgot = proxy_counter(proxy, REMOVED, true).unwrap() as usize;
         let since_event = Duration::from_secs_f64((unix_now() - event_ts).max(0.0));
         if forgot > 0 && first_worker.is_none() {
             first_worker = Some(since_event);
@@ -118,7 +92,7 @@ fn an_eviction_the_servers_report_ends_that_prefixs_affinity_at_the_proxy() {
         }
         std::thread::sleep(Duration::from_millis(5));
     }
-    let forgotten = proxy_counter(&proxy, REMOVED, false).unwrap();
+    let forgotten = proxy_counter(proxy, REMOVED, false).unwrap();
     eprintln!(
         "[{NAME}] {sent} prompts to {served} evicted {removed} of its {linked} linked keys; the proxy's workers forgot {forgotten} keys, the first {first_worker:?} and both {applied:?} after the eviction's event (budget 200 ms)"
     );
@@ -131,9 +105,9 @@ fn an_eviction_the_servers_report_ends_that_prefixs_affinity_at_the_proxy() {
     );
 
     // The next turn: its prefix is no longer believed cached whole on that simulator.
-    let before = proxy_counter(&proxy, MATCHED, false).unwrap();
+    let before = proxy_counter(proxy, MATCHED, false).unwrap();
     post_chat(proxy.listen, &long_turn("evicted", MODEL, 1)).unwrap();
-    let matched_now = proxy_counter(&proxy, MATCHED, false).unwrap() - before;
+    let matched_now = proxy_counter(proxy, MATCHED, false).unwrap() - before;
     eprintln!(
         "[{NAME}] the next turn matched {matched_now} blocks (the first turn made {linked} keys linked there)"
     );
