@@ -487,20 +487,11 @@ mod tests {
         assert_ne!(p.pick(&req3, &view), first, "the hot-spot guard spills");
     }
 
-    #[test]
-    fn an_engines_eviction_reaches_the_index_after_the_relay_delay() {
+    /// An aggregator-mode policy over two endpoints of 16-token blocks that routed one prompt
+    /// of 2,000 bytes (500 tokens, 31 full blocks; keys of 64 bytes, 16 tokens, each) and saw
+    /// it prefilled: the policy, the endpoint, the prompt's keys and its engine blocks.
+    fn one_prompt_prefilled() -> (Kvoy, usize, Vec<BlockKey>, Vec<u64>) {
         let mut p = Kvoy::new(2, 1, &aggregator_mode(Scorer::Cost), &[]).unwrap();
-        let inflight = [0u32; 2];
-        let mut metrics = [EndpointMetrics::default(); 2];
-        for m in &mut metrics {
-            m.block_size = 16;
-        }
-        let view = |now| View {
-            now,
-            inflight: &inflight,
-            metrics: &metrics,
-        };
-        // 2,000 bytes: 500 tokens, 31 full blocks of 16; keys of 64 bytes (16 tokens) each.
         let text = "abcd".repeat(500);
         let b = body(&text);
         let req = RouteRequest {
@@ -509,7 +500,7 @@ mod tests {
             body: &b,
             prompt_tokens: 500,
         };
-        let e = p.pick(&req, &view(Duration::ZERO));
+        let e = p.pick(&req, &sixteen_token_blocks(Duration::ZERO).view());
         let keys = p.router().last_keys().to_vec();
         let mut blocks = Vec::new();
         block_hashes(
@@ -519,12 +510,48 @@ mod tests {
             &mut blocks,
         );
         p.on_scrape(
-            &view(Duration::from_millis(50)),
+            &sixteen_token_blocks(Duration::from_millis(50)).view(),
             &[Prefilled {
                 endpoint: e,
                 request: 1,
             }],
         );
+        (p, e, keys, blocks)
+    }
+
+    /// Two idle endpoints of 16-token blocks at `now`.
+    struct Idle {
+        now: Duration,
+        inflight: [u32; 2],
+        metrics: [EndpointMetrics; 2],
+    }
+
+    impl Idle {
+        fn view(&self) -> View<'_> {
+            View {
+                now: self.now,
+                inflight: &self.inflight,
+                metrics: &self.metrics,
+            }
+        }
+    }
+
+    fn sixteen_token_blocks(now: Duration) -> Idle {
+        let mut metrics = [EndpointMetrics::default(); 2];
+        for m in &mut metrics {
+            m.block_size = 16;
+        }
+        Idle {
+            now,
+            inflight: [0; 2],
+            metrics,
+        }
+    }
+
+    #[test]
+    fn an_engines_eviction_reaches_the_index_after_the_relay_delay() {
+        let (mut p, e, keys, blocks) = one_prompt_prefilled();
+        let scrape = |p: &mut Kvoy, now| p.on_scrape(&sixteen_token_blocks(now).view(), &[]);
         let id = EndpointId(e as u16);
         let held = p.router().index().matched(id, &keys);
         assert!(held >= 20, "{held} of {} keys held", keys.len());
@@ -534,9 +561,9 @@ mod tests {
             medium: kvoy_sim::engine::MEDIUM_GPU,
         };
         p.on_kv_events(e, &[removed], Duration::from_millis(60));
-        p.on_scrape(&view(Duration::from_millis(100)), &[]);
+        scrape(&mut p, Duration::from_millis(100));
         assert_eq!(p.router().index().matched(id, &keys), held, "not yet");
-        p.on_scrape(&view(Duration::from_millis(60) + REMOVAL_DELAY), &[]);
+        scrape(&mut p, Duration::from_millis(60) + REMOVAL_DELAY);
         assert_eq!(p.router().index().matched(id, &keys), 10);
         assert_eq!(p.removed_keys, (held - 10) as u64);
     }
@@ -544,41 +571,8 @@ mod tests {
     #[test]
     fn a_block_offloaded_to_the_cpu_tier_keeps_its_keys_at_the_cpu_tier() {
         use kvoy_sim::engine::MEDIUM_CPU;
-        let mut p = Kvoy::new(2, 1, &aggregator_mode(Scorer::Cost), &[]).unwrap();
-        let inflight = [0u32; 2];
-        let mut metrics = [EndpointMetrics::default(); 2];
-        for m in &mut metrics {
-            m.block_size = 16;
-        }
-        let view = |now| View {
-            now,
-            inflight: &inflight,
-            metrics: &metrics,
-        };
-        let text = "abcd".repeat(500);
-        let b = body(&text);
-        let req = RouteRequest {
-            id: 1,
-            text: &text,
-            body: &b,
-            prompt_tokens: 500,
-        };
-        let e = p.pick(&req, &view(Duration::ZERO));
-        let keys = p.router().last_keys().to_vec();
-        let mut blocks = Vec::new();
-        block_hashes(
-            &kvoy_sim::engine::tokenizer::tokenize(&text),
-            16,
-            usize::MAX,
-            &mut blocks,
-        );
-        p.on_scrape(
-            &view(Duration::from_millis(50)),
-            &[Prefilled {
-                endpoint: e,
-                request: 1,
-            }],
-        );
+        let (mut p, e, keys, blocks) = one_prompt_prefilled();
+        let scrape = |p: &mut Kvoy, now| p.on_scrape(&sixteen_token_blocks(now).view(), &[]);
         let id = EndpointId(e as u16);
         let held = p.router().index().matched(id, &keys);
         let stored = |medium| KvEvent::BlockStored {
@@ -598,14 +592,14 @@ mod tests {
             &[stored(MEDIUM_CPU), removed(10, MEDIUM_GPU)],
             Duration::from_millis(60),
         );
-        p.on_scrape(&view(Duration::from_millis(60) + REMOVAL_DELAY), &[]);
+        scrape(&mut p, Duration::from_millis(60) + REMOVAL_DELAY);
         let mut m = Vec::new();
         p.router().index().matched_all(&keys, &mut m);
         assert_eq!((m[e].keys(), m[e].within(Tier::Gpu)), (held, 10));
         assert_eq!((p.offloaded_keys, p.removed_keys), ((held - 10) as u64, 0));
         // Its CPU copy goes too: removed.
         p.on_kv_events(e, &[removed(10, MEDIUM_CPU)], Duration::from_millis(300));
-        p.on_scrape(&view(Duration::from_millis(300) + REMOVAL_DELAY), &[]);
+        scrape(&mut p, Duration::from_millis(300) + REMOVAL_DELAY);
         assert_eq!(p.router().index().matched(id, &keys), 10);
         assert_eq!(p.removed_keys, (held - 10) as u64);
     }
