@@ -262,6 +262,7 @@ fn decisions() {
                 RelayedDecision {
                     endpoint: v4,
                     keys: (1..=16).map(BlockKey).collect(),
+                    routed_at_ms: None,
                 },
                 RelayedDecision {
                     endpoint: v6,
