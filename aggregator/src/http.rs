@@ -488,11 +488,7 @@ impl Api {
                     "cleared": r.cleared,
                     "event_ts": r.event_ts,
                     // Offloaded to this tier (its medium), rather than removed.
-                    "offloaded_to": r.offloaded_to.map(|t| match t {
-                        kvoy_shared::Tier::Gpu => "GPU",
-                        kvoy_shared::Tier::Cpu => "CPU",
-                        kvoy_shared::Tier::Storage => "STORAGE",
-                    }),
+                    "offloaded_to": r.offloaded_to.map(kvoy_shared::Tier::name),
                     "keys": r.keys.iter().map(|k| format!("{:016x}", k.0)).collect::<Vec<_>>(),
                 })
             })
@@ -1195,10 +1191,10 @@ pub fn render_metrics(
     );
     for (e, addr) in view.endpoints.iter().zip(&addresses) {
         if e.kv.is_some() {
-            for (medium, n) in ["GPU", "CPU", "STORAGE"].iter().zip(e.status.cached_blocks) {
+            for (tier, n) in kvoy_shared::Tier::ALL.iter().zip(e.status.cached_blocks) {
                 f.sample(
                     "kvoy_aggregator_cached_blocks",
-                    &[("endpoint", addr), ("medium", medium)],
+                    &[("endpoint", addr), ("medium", tier.name())],
                     f64::from(n),
                 );
             }

@@ -153,32 +153,17 @@ pub fn hash_key(hash: &BlockHash) -> u64 {
     xxh3_64_with_seed(hash.as_bytes(), HASH_KEY_SEED)
 }
 
-/// Where a block is cached: vLLM's `medium`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Tier {
-    /// Accelerator memory (`GPU`, or no medium at all).
-    Gpu = 0,
-    /// Host memory (`CPU`).
-    Cpu = 1,
-    /// Disk or remote storage (`STORAGE`, and any medium name kvoy does not know).
-    Storage = 2,
-}
+/// Where a block is cached (kvoy-shared's tier, which the filters' index uses too).
+pub use kvoy_shared::Tier;
 
-impl Tier {
-    /// Every tier, in index order.
-    pub const ALL: [Tier; 3] = [Tier::Gpu, Tier::Cpu, Tier::Storage];
-
-    /// The tier of a wire medium; unknown names are [`Tier::Storage`].
-    pub fn from_medium(medium: &Medium) -> Tier {
-        match medium {
-            Medium::Gpu => Tier::Gpu,
-            Medium::Cpu => Tier::Cpu,
-            Medium::Storage | Medium::Other(_) => Tier::Storage,
-        }
-    }
-
-    fn index(self) -> usize {
-        self as usize
+/// The tier of a wire medium: `GPU` (or no medium at all), `CPU`, and `STORAGE` with any
+/// medium name kvoy does not know (whatever else a server offloads to is slower than host
+/// memory).
+pub fn tier_of_medium(medium: &Medium) -> Tier {
+    match medium {
+        Medium::Gpu => Tier::Gpu,
+        Medium::Cpu => Tier::Cpu,
+        Medium::Storage | Medium::Other(_) => Tier::Storage,
     }
 }
 
@@ -704,7 +689,7 @@ impl EndpointCache {
                 group_idx: _,
             } => {
                 stats.store_events += 1;
-                let tier = tier_of(medium, stats).index();
+                let tier = tier_of(medium, stats) as usize;
                 let bs = *block_size as usize;
                 let spans = !token_ids.is_empty()
                     && bs > 0
@@ -746,7 +731,7 @@ impl EndpointCache {
                 group_idx: _,
             } => {
                 stats.remove_events += 1;
-                let t = tier_of(medium, stats).index();
+                let t = tier_of(medium, stats) as usize;
                 for hash in block_hashes {
                     match slot(hash) {
                         Slot::Narrow(k) => self.narrow.remove(k, t, &mut self.res, stats),
@@ -796,7 +781,7 @@ impl EndpointCache {
 
     /// Blocks (distinct engine hashes) resident in `tier`.
     pub fn blocks(&self, tier: Tier) -> usize {
-        self.res.held[tier.index()]
+        self.res.held[tier as usize]
     }
 
     /// Whether `tier` holds the block with engine hash `hash`.
@@ -805,12 +790,12 @@ impl EndpointCache {
             Slot::Narrow(k) => self.narrow.blocks.get(&k),
             Slot::Wide(k) => self.wide.blocks.get(&k),
         };
-        b.is_some_and(|b| b.refs[tier.index()] > 0)
+        b.is_some_and(|b| b.refs[tier as usize] > 0)
     }
 
     /// The engine hashes resident in `tier`, in no particular order.
     pub fn engine_hashes(&self, tier: Tier) -> impl Iterator<Item = BlockHash> + '_ {
-        let t = tier.index();
+        let t = tier as usize;
         self.narrow.hashes(t).chain(self.wide.hashes(t))
     }
 
@@ -825,12 +810,15 @@ impl EndpointCache {
 
     /// Whether `tier` holds a block with key `key`.
     pub fn contains_key(&self, key: u64, tier: Tier) -> bool {
-        self.res.keys.get(&key).is_some_and(|c| c[tier.index()] > 0)
+        self.res
+            .keys
+            .get(&key)
+            .is_some_and(|c| c[tier as usize] > 0)
     }
 
     /// The distinct keys resident in `tier`, in no particular order.
     pub fn keys(&self, tier: Tier) -> impl Iterator<Item = u64> + '_ {
-        let t = tier.index();
+        let t = tier as usize;
         self.res
             .keys
             .iter()
@@ -863,7 +851,7 @@ fn tier_of(medium: &Medium, stats: &mut ApplyStats) -> Tier {
     if let Medium::Other(_) = medium {
         stats.other_medium += 1;
     }
-    Tier::from_medium(medium)
+    tier_of_medium(medium)
 }
 
 #[cfg(test)]

@@ -142,7 +142,17 @@ pub enum Tier {
 }
 
 impl Tier {
+    /// Every tier, fastest first (index order).
     pub const ALL: [Tier; 3] = [Tier::Gpu, Tier::Cpu, Tier::Storage];
+
+    /// Its name as vLLM's KV events spell the medium.
+    pub fn name(self) -> &'static str {
+        match self {
+            Tier::Gpu => "GPU",
+            Tier::Cpu => "CPU",
+            Tier::Storage => "STORAGE",
+        }
+    }
 }
 
 /// How far an endpoint holds a request's keys, by tier: [`Match::keys`] leading keys at all,
