@@ -5,58 +5,48 @@
 //! Only hashes are kept: the simulator holds no KV data. A block stored here is a copy of a GPU
 //! block with the same hash; it outlives the GPU block's eviction, which is the point.
 
-use std::collections::{BTreeMap, HashMap};
+use kvoy_shared::LruSet;
 
 use super::events::{KvEvent, MEDIUM_CPU};
 
+/// The seed of the tier's hash table: block hashes are the engine's own xxh3 digests, so any
+/// fixed seed spreads them, and a fixed one keeps the fleet simulation reproducible.
+const TABLE_SEED: u64 = 0x6b76_6f79_2d63_7075;
+
+/// The tier: kvoy-shared's LRU set of block hashes, `None` without a tier.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct CpuTier {
-    capacity: usize,
-    /// Hash → stamp of its last store or hit.
-    stamps: HashMap<u64, u64>,
-    /// Stamp → hash; the first entry is the least recently used.
-    lru: BTreeMap<u64, u64>,
-    next_stamp: u64,
+    blocks: Option<LruSet>,
 }
 
 impl CpuTier {
     /// A tier of `capacity` blocks; 0 is no tier (nothing is ever stored).
     pub(crate) fn new(capacity: u32) -> CpuTier {
         CpuTier {
-            capacity: capacity as usize,
-            ..CpuTier::default()
+            blocks: (capacity > 0).then(|| LruSet::new(capacity as usize, TABLE_SEED)),
         }
     }
 
     pub(crate) fn enabled(&self) -> bool {
-        self.capacity > 0
+        self.blocks.is_some()
     }
 
     pub(crate) fn contains(&self, hash: u64) -> bool {
-        self.stamps.contains_key(&hash)
+        self.blocks.as_ref().is_some_and(|b| b.contains(hash))
     }
 
     pub(crate) fn len(&self) -> usize {
-        self.stamps.len()
+        self.blocks.as_ref().map_or(0, LruSet::len)
     }
 
     pub(crate) fn hashes(&self) -> impl Iterator<Item = u64> + '_ {
-        self.stamps.keys().copied()
-    }
-
-    fn stamp(&mut self) -> u64 {
-        let s = self.next_stamp;
-        self.next_stamp += 1;
-        s
+        self.blocks.iter().flat_map(LruSet::iter_mru)
     }
 
     /// Makes `hash` the most recently used, if held.
     pub(crate) fn touch(&mut self, hash: u64) {
-        let stamp = self.stamp();
-        if let Some(old) = self.stamps.get_mut(&hash) {
-            self.lru.remove(old);
-            *old = stamp;
-            self.lru.insert(stamp, hash);
+        if let Some(b) = self.blocks.as_mut().filter(|b| b.contains(hash)) {
+            b.touch(hash);
         }
     }
 
@@ -66,28 +56,25 @@ impl CpuTier {
     /// whether it was newly stored; the caller announces those.
     pub(crate) fn store(&mut self, hashes: &[u64], events: &mut Vec<KvEvent>) -> Vec<bool> {
         let mut fresh = vec![false; hashes.len()];
+        let Some(blocks) = self.blocks.as_mut() else {
+            return fresh;
+        };
         let mut stored = 0;
         for (i, &hash) in hashes.iter().enumerate() {
-            if stored == self.capacity {
+            if stored == blocks.capacity() {
                 break;
             }
-            if self.contains(hash) {
+            if blocks.contains(hash) {
                 continue;
             }
             // With fewer than `capacity` blocks stored by this call, the tier holds an older
             // one, so the least recently used is never one of this call's.
-            if self.stamps.len() >= self.capacity {
-                if let Some((_, evicted)) = self.lru.pop_first() {
-                    self.stamps.remove(&evicted);
-                    events.push(KvEvent::BlockRemoved {
-                        block_hashes: vec![evicted],
-                        medium: MEDIUM_CPU,
-                    });
-                }
+            if let Some(evicted) = blocks.touch(hash) {
+                events.push(KvEvent::BlockRemoved {
+                    block_hashes: vec![evicted],
+                    medium: MEDIUM_CPU,
+                });
             }
-            let stamp = self.stamp();
-            self.stamps.insert(hash, stamp);
-            self.lru.insert(stamp, hash);
             fresh[i] = true;
             stored += 1;
         }
@@ -96,27 +83,20 @@ impl CpuTier {
 
     /// Drops every block (no event: the caller announces the reset).
     pub(crate) fn clear(&mut self) {
-        self.stamps.clear();
-        self.lru.clear();
+        if let Some(b) = self.blocks.as_mut() {
+            b.clear();
+        }
     }
 
     pub(crate) fn check(&self) -> Result<(), String> {
-        if self.stamps.len() > self.capacity {
-            return Err(format!(
+        match &self.blocks {
+            Some(b) if b.len() > b.capacity() => Err(format!(
                 "CPU tier holds {} blocks, over its {}",
-                self.stamps.len(),
-                self.capacity
-            ));
+                b.len(),
+                b.capacity()
+            )),
+            _ => Ok(()),
         }
-        if self.lru.len() != self.stamps.len() {
-            return Err("CPU tier's LRU and map differ in length".to_owned());
-        }
-        for (&stamp, &hash) in &self.lru {
-            if self.stamps.get(&hash) != Some(&stamp) {
-                return Err(format!("CPU tier: LRU entry {hash:#x} not in the map"));
-            }
-        }
-        Ok(())
     }
 }
 
