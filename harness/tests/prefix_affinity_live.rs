@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use kvoy_harness::{testing, Action, Error, HttpCall, HttpResponse, Plugin};
+use kvoy_shared::relay::{DecisionBatch, RelayedDecision, RelayedRemoval, Removals};
 use kvoy_shared::snapshot::{EndpointStatus, SnapshotHistory};
 
 type TestResult = Result<(), Error>;
@@ -379,35 +380,29 @@ fn decisions_relayed_by_the_aggregator_steer_another_proxy_within_its_pool_only(
     Ok(())
 }
 
-#[test]
-fn a_confirmed_removal_from_the_aggregator_ends_that_prefixs_affinity_on_every_worker() -> TestResult
-{
-    use kvoy_shared::relay::{DecisionBatch, Removals};
-    const MATCHED: &str = "kvoy_prefix_affinity_prefix_blocks_matched_total";
-    let (a, b, history) = two_proxies()?;
+/// Proxy A routes six conversations (alternating its workers) and, on its next poll tick,
+/// exchanges them with the aggregator: where each went, the exchange's path, and the decisions
+/// it sent.
+fn six_conversations_sent(
+    a: &Plugin,
+) -> Result<(Vec<String>, String, Vec<RelayedDecision>), Error> {
     let chosen: Vec<String> = (0..6)
-        .map(|i| route(&a, i % 2, 100 + i))
+        .map(|i| route(a, i % 2, 100 + i))
         .collect::<Result<_, _>>()?;
     a.advance(Duration::from_millis(100))?;
-    let sent = exchange_call(&a).expect("proxy A exchanges decisions on its poll tick");
-    // Its first exchange asks for removals from 0: the aggregator's newest.
-    assert!(
-        sent.headers
-            .get(":path")
-            .is_some_and(|p| p.contains("removals_since=0")),
-        "{:?}",
-        sent.headers.get(":path")
-    );
+    let sent = exchange_call(a).expect("proxy A exchanges decisions on its poll tick");
+    let path = sent.headers.get(":path").unwrap_or_default().to_owned();
     let decisions = DecisionBatch::decode(&sent.body).unwrap().decisions;
-    assert_eq!(decisions.len(), 6);
-    // The aggregator relays them to B with one removal: conversation 0's server evicted the
-    // block its first key is linked to (so its whole prompt is gone there).
-    let gone = decisions[0].clone();
-    let removal = kvoy_shared::relay::RelayedRemoval {
-        endpoint: gone.endpoint,
-        keys: gone.keys[..1].to_vec(),
-        offloaded_to: None,
-    };
+    Ok((chosen, path, decisions))
+}
+
+/// The aggregator answers proxy B's next exchange with `decisions` (cursor 6) and `removals`
+/// (removal cursor 3).
+fn answer_b(
+    b: &Plugin,
+    decisions: Vec<RelayedDecision>,
+    removals: Vec<RelayedRemoval>,
+) -> TestResult {
     let mut body = Vec::new();
     DecisionBatch {
         proxy: 0,
@@ -415,13 +410,33 @@ fn a_confirmed_removal_from_the_aggregator_ends_that_prefixs_affinity_on_every_w
         decisions,
         removals: Some(Removals {
             cursor: 3,
-            removals: vec![removal],
+            removals,
         }),
     }
     .encode(&mut body);
     b.advance(Duration::from_millis(100))?;
-    let call = exchange_call(&b).expect("proxy B exchanges too");
-    b.respond_http_call(&call, HttpResponse::new(200).body(body))?;
+    let call = exchange_call(b).expect("proxy B exchanges too");
+    b.respond_http_call(&call, HttpResponse::new(200).body(body))
+}
+
+#[test]
+fn a_confirmed_removal_from_the_aggregator_ends_that_prefixs_affinity_on_every_worker() -> TestResult
+{
+    const MATCHED: &str = "kvoy_prefix_affinity_prefix_blocks_matched_total";
+    let (a, b, history) = two_proxies()?;
+    let (chosen, path, decisions) = six_conversations_sent(&a)?;
+    // Its first exchange asks for removals from 0: the aggregator's newest.
+    assert!(path.contains("removals_since=0"), "{path:?}");
+    assert_eq!(decisions.len(), 6);
+    // The aggregator relays them to B with one removal: conversation 0's server evicted the
+    // block its first key is linked to (so its whole prompt is gone there).
+    let gone = decisions[0].clone();
+    let removal = RelayedRemoval {
+        endpoint: gone.endpoint,
+        keys: gone.keys[..1].to_vec(),
+        offloaded_to: None,
+    };
+    answer_b(&b, decisions, vec![removal])?;
     assert_eq!(
         b.counter("kvoy_prefix_affinity_relay_removals_received_total"),
         Some(1)
@@ -454,19 +469,12 @@ fn a_confirmed_removal_from_the_aggregator_ends_that_prefixs_affinity_on_every_w
 
 #[test]
 fn a_confirmed_offload_keeps_that_prefixs_affinity_at_its_tiers_credit() -> TestResult {
-    use kvoy_shared::relay::{DecisionBatch, RelayedRemoval, Removals};
     use kvoy_shared::Tier;
     const MATCHED: &str = "kvoy_prefix_affinity_prefix_blocks_matched_total";
     let (a, b, history) = two_proxies()?;
-    let chosen: Vec<String> = (0..6)
-        .map(|i| route(&a, i % 2, 100 + i))
-        .collect::<Result<_, _>>()?;
-    a.advance(Duration::from_millis(100))?;
-    let sent = exchange_call(&a).expect("proxy A exchanges decisions on its poll tick");
+    let (chosen, path, decisions) = six_conversations_sent(&a)?;
     // The proxy asks for offloads as well as removals.
-    let path = sent.headers.get(":path").unwrap_or_default().to_owned();
     assert!(path.contains("tiers=1"), "{path}");
-    let decisions = DecisionBatch::decode(&sent.body).unwrap().decisions;
     assert_eq!(decisions.len(), 6);
     // Each with the time its worker routed it (the harness's clock).
     assert!(
@@ -482,20 +490,7 @@ fn a_confirmed_offload_keeps_that_prefixs_affinity_at_its_tiers_credit() -> Test
     };
     let removals = vec![offload(0, Tier::Cpu), offload(1, Tier::Storage)];
     let moved = (decisions[0].keys.len() + decisions[1].keys.len()) as u64;
-    let mut body = Vec::new();
-    DecisionBatch {
-        proxy: 0,
-        cursor: 6,
-        decisions,
-        removals: Some(Removals {
-            cursor: 3,
-            removals,
-        }),
-    }
-    .encode(&mut body);
-    b.advance(Duration::from_millis(100))?;
-    let call = exchange_call(&b).expect("proxy B exchanges too");
-    b.respond_http_call(&call, HttpResponse::new(200).body(body))?;
+    answer_b(&b, decisions, removals)?;
     assert_eq!(
         b.counter("kvoy_prefix_affinity_relay_removals_received_total"),
         Some(2)

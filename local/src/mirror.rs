@@ -13,7 +13,7 @@
 
 use kvoy_harness::Plugin;
 use kvoy_shared::live::{self, PoolChoice, SnapshotBoard};
-use kvoy_shared::replica::{self, DecisionLog, OutstandingTable, SharedStore, StoreError};
+use kvoy_shared::replica::{self, DecisionLog, Logged, OutstandingTable, SharedStore, StoreError};
 use kvoy_shared::request::Api;
 use kvoy_shared::{
     DecisionKind, EndpointId, Outstanding, PluginConfig, RouteError, Router, Scorer, Weights,
@@ -168,7 +168,12 @@ impl Mirror {
             self.config.decision_log_slots,
             0x6b76_6f79_6c6f_6361,
         );
-        log.poll(&store, |endpoint, keys| router.apply_remote(endpoint, keys));
+        log.poll_at_most_with(&store, usize::MAX, |logged| {
+            if let Logged::Routed(endpoint, keys, _) = logged {
+                router.apply_remote(endpoint, keys);
+            }
+            true
+        });
         let mut counts = Vec::new();
         OutstandingTable::new(&self.namespace).read(&store, router.pool(), &mut counts);
         Prepared {

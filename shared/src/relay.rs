@@ -188,33 +188,28 @@ impl DecisionBatch {
                 .any(|d| d.offloaded_to.is_some())
         });
         // Routing times travel when every decision has one.
-        let times: Option<Vec<u64>> = match self.decisions.is_empty() {
-            true => None,
-            false => self
+        let timed = !self.decisions.is_empty()
+            && self
                 .decisions
                 .iter()
                 .take(MAX_DECISIONS)
-                .map(|d| d.routed_at_ms)
-                .collect(),
-        };
+                .all(|d| d.routed_at_ms.is_some());
         let format = match (&self.removals, tiers) {
             (None, _) => FORMAT_DECISIONS,
             (Some(_), false) => FORMAT_REMOVALS,
             (Some(_), true) => FORMAT_TIERS,
         };
-        out.push(if times.is_some() {
-            format | TIMES_FLAG
-        } else {
-            format
-        });
+        out.push(if timed { format | TIMES_FLAG } else { format });
         out.extend_from_slice(&self.proxy.to_le_bytes());
         out.extend_from_slice(&self.cursor.to_le_bytes());
         encode_records(
             self.decisions.iter().map(|d| (d.endpoint, &d.keys[..])),
             out,
         );
-        for t in times.into_iter().flatten() {
-            out.extend_from_slice(&t.to_le_bytes());
+        if timed {
+            for d in self.decisions.iter().take(MAX_DECISIONS) {
+                out.extend_from_slice(&d.routed_at_ms.unwrap_or(0).to_le_bytes());
+            }
         }
         if let Some(r) = &self.removals {
             out.extend_from_slice(&r.cursor.to_le_bytes());

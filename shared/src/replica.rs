@@ -350,7 +350,7 @@ impl OutstandingTable {
     }
 
     /// The decision log's head as the last read (or write) of the value saw it: what
-    /// [`DecisionLog::poll_to`] replays up to.
+    /// [`DecisionLog::poll_to_with`] replays up to.
     pub fn log_head(&self) -> u64 {
         self.head
     }
@@ -705,51 +705,10 @@ impl DecisionLog {
         store.set(&self.slot_key(seq), &self.scratch, 0)
     }
 
-    /// Calls `apply` for every record other VMs appended since the last poll, in order.
-    /// Returns how many were applied.
-    pub fn poll(
-        &mut self,
-        store: &impl SharedStore,
-        apply: impl FnMut(EndpointId, &[BlockKey]),
-    ) -> usize {
-        self.poll_at_most(store, usize::MAX, apply)
-    }
-
-    /// [`DecisionLog::poll`], reading at most `max_slots` records (its own and overwritten
-    /// ones included), so that one call's shared-data reads and replay work are bounded; the
-    /// rest waits, in order, for the next call. Returns how many were applied.
-    pub fn poll_at_most(
-        &mut self,
-        store: &impl SharedStore,
-        max_slots: usize,
-        apply: impl FnMut(EndpointId, &[BlockKey]),
-    ) -> usize {
-        let head = self.head(store);
-        self.poll_to(store, head, max_slots, apply)
-    }
-
-    /// [`DecisionLog::poll_at_most`] up to a `head` already read (with the outstanding work,
-    /// [`OutstandingTable::log_head`]).
-    /// Decisions only: removals are skipped (see [`DecisionLog::poll_to_with`]).
-    pub fn poll_to(
-        &mut self,
-        store: &impl SharedStore,
-        head: u64,
-        max_slots: usize,
-        mut apply: impl FnMut(EndpointId, &[BlockKey]),
-    ) -> usize {
-        let mut routed = 0;
-        self.poll_to_with(store, head, max_slots, |logged| {
-            if let Logged::Routed(endpoint, keys, _) = logged {
-                apply(endpoint, keys);
-                routed += 1;
-            }
-            true
-        });
-        routed
-    }
-
-    /// [`DecisionLog::poll_at_most`] handing out removals too.
+    /// Calls `apply` for every record other VMs appended since the last poll, in order, reading
+    /// at most `max_slots` records (its own and overwritten ones included), so that one call's
+    /// shared-data reads and replay work are bounded; the rest waits, in order, for the next
+    /// call. See [`DecisionLog::poll_to_with`] for what `apply` returns.
     pub fn poll_at_most_with(
         &mut self,
         store: &impl SharedStore,
@@ -760,7 +719,8 @@ impl DecisionLog {
         self.poll_to_with(store, head, max_slots, apply)
     }
 
-    /// [`DecisionLog::poll_to`] handing out removals too, in log order with the decisions.
+    /// [`DecisionLog::poll_at_most_with`] up to a `head` already read (with the outstanding
+    /// work, [`OutstandingTable::log_head`]). Decisions, removals and offloads come in log order.
     /// `apply` returns whether it took the record: `false` stops the poll before it (the
     /// next poll hands it out again), so that a caller can leave costly records for later.
     pub fn poll_to_with(
@@ -863,6 +823,28 @@ impl SharedStore for MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The decisions other VMs logged, in order (removals and offloads taken and skipped), up
+    /// to `head` (the log's own when `None`), at most `max_slots` records: what the filters
+    /// replay, less the records they apply otherwise. Returns how many were applied.
+    fn routed(
+        log: &mut DecisionLog,
+        store: &impl SharedStore,
+        head: Option<u64>,
+        max_slots: usize,
+        mut apply: impl FnMut(EndpointId, &[BlockKey]),
+    ) -> usize {
+        let head = head.unwrap_or_else(|| log.head(store));
+        let mut n = 0;
+        log.poll_to_with(store, head, max_slots, |logged| {
+            if let Logged::Routed(endpoint, keys, _) = logged {
+                apply(endpoint, keys);
+                n += 1;
+            }
+            true
+        });
+        n
+    }
     use crate::endpoint::Endpoint;
     use crate::outstanding::Charge;
 
@@ -911,12 +893,14 @@ mod tests {
         let mut late = DecisionLog::new("ns", 4, 2);
         late.start_with_history(&store);
         let mut seen = Vec::new();
-        late.poll(&store, |_, k| seen.push(k[0].0));
+        routed(&mut late, &store, None, usize::MAX, |_, k| {
+            seen.push(k[0].0)
+        });
         assert_eq!(seen, [2, 3, 4, 5]);
         // One started at the head replays nothing of it.
         let mut fresh = DecisionLog::new("ns", 4, 3);
         fresh.start_at_head(&store);
-        assert_eq!(fresh.poll(&store, |_, _| {}), 0);
+        assert_eq!(routed(&mut fresh, &store, None, usize::MAX, |_, _| {}), 0);
     }
 
     #[test]
@@ -1006,7 +990,9 @@ mod tests {
                            key: u64,
                            seen: &mut Vec<u64>| {
             table.read(&store, &pool, &mut out);
-            log.poll_to(&store, table.log_head(), 32, |_, k| seen.push(k[0].0));
+            routed(log, &store, Some(table.log_head()), 32, |_, k| {
+                seen.push(k[0].0)
+            });
             let seq = table.add_claiming(&store, at(port), sent(10), T0).unwrap();
             log.write(&store, seq, EndpointId(0), &keys(&[key]), 0)
                 .unwrap();
@@ -1049,7 +1035,13 @@ mod tests {
         assert_eq!(at_b.log_head(), 7);
         assert_eq!((out[0].requests, out[1].requests), (3, 2));
         let mut all = Vec::new();
-        DecisionLog::new("ns", 8, 4).poll(&store, |_, k| all.push(k[0].0));
+        routed(
+            &mut DecisionLog::new("ns", 8, 4),
+            &store,
+            None,
+            usize::MAX,
+            |_, k| all.push(k[0].0),
+        );
         assert_eq!(all, [100, 101, 200, 201, 102, 300, 301]);
     }
 
@@ -1268,14 +1260,26 @@ mod tests {
         a.append(&store, EndpointId(1), &keys(&[3])).unwrap();
         b.append(&store, EndpointId(2), &keys(&[4])).unwrap();
         let mut got = Vec::new();
-        assert_eq!(b.poll(&store, |e, k| got.push((e, k.to_vec()))), 2);
+        assert_eq!(
+            routed(&mut b, &store, None, usize::MAX, |e, k| got
+                .push((e, k.to_vec()))),
+            2
+        );
         assert_eq!(
             got,
             vec![(EndpointId(0), keys(&[1, 2])), (EndpointId(1), keys(&[3]))]
         );
         got.clear();
-        assert_eq!(b.poll(&store, |e, k| got.push((e, k.to_vec()))), 0);
-        assert_eq!(a.poll(&store, |e, k| got.push((e, k.to_vec()))), 1);
+        assert_eq!(
+            routed(&mut b, &store, None, usize::MAX, |e, k| got
+                .push((e, k.to_vec()))),
+            0
+        );
+        assert_eq!(
+            routed(&mut a, &store, None, usize::MAX, |e, k| got
+                .push((e, k.to_vec()))),
+            1
+        );
         assert_eq!(got, vec![(EndpointId(2), keys(&[4]))]);
     }
 
@@ -1293,18 +1297,21 @@ mod tests {
         }
         store.ops();
         let mut got = Vec::new();
-        assert_eq!(b.poll_at_most(&store, 4, |_, k| got.push(k[0].0)), 4);
+        assert_eq!(routed(&mut b, &store, None, 4, |_, k| got.push(k[0].0)), 4);
         // The head, then four slots.
         assert_eq!(store.ops(), (5, 0));
         assert_eq!((got.clone(), b.seen()), (vec![0, 1, 2, 3], 4));
-        assert_eq!(b.poll_at_most(&store, 7, |_, k| got.push(k[0].0)), 6);
+        assert_eq!(routed(&mut b, &store, None, 7, |_, k| got.push(k[0].0)), 6);
         // Its own record (seq 11) takes a read and applies nothing.
         assert_eq!(store.ops(), (8, 0));
         assert_eq!(b.seen(), 11);
-        assert_eq!(b.poll(&store, |_, k| got.push(k[0].0)), 2);
+        assert_eq!(
+            routed(&mut b, &store, None, usize::MAX, |_, k| got.push(k[0].0)),
+            2
+        );
         assert_eq!(got, (0..10).chain(10..12).collect::<Vec<u64>>());
         assert_eq!(b.seen(), 13);
-        assert_eq!(b.poll_at_most(&store, 0, |_, _| panic!("nothing")), 0);
+        assert_eq!(routed(&mut b, &store, None, 0, |_, _| panic!("nothing")), 0);
     }
 
     #[test]
@@ -1316,7 +1323,7 @@ mod tests {
             a.append(&store, EndpointId(0), &keys(&[i])).unwrap();
         }
         let mut got = Vec::new();
-        b.poll(&store, |_, k| got.push(k[0].0));
+        routed(&mut b, &store, None, usize::MAX, |_, k| got.push(k[0].0));
         assert_eq!(got, vec![6, 7, 8, 9]);
         assert_eq!(b.seen(), 10);
     }
@@ -1330,14 +1337,14 @@ mod tests {
         // A writer that claimed seq 2 and has not written it yet.
         assert_eq!(DecisionLog::new("ns", 8, 3).claim(&store, 1).unwrap(), 2);
         let mut got = Vec::new();
-        b.poll(&store, |_, k| got.push(k[0].0));
+        routed(&mut b, &store, None, usize::MAX, |_, k| got.push(k[0].0));
         assert_eq!((got.clone(), b.seen()), (vec![1], 1));
         for _ in 0..MAX_STALL_POLLS {
-            b.poll(&store, |_, k| got.push(k[0].0));
+            routed(&mut b, &store, None, usize::MAX, |_, k| got.push(k[0].0));
         }
         assert_eq!(b.seen(), 2);
         a.append(&store, EndpointId(0), &keys(&[3])).unwrap();
-        b.poll(&store, |_, k| got.push(k[0].0));
+        routed(&mut b, &store, None, usize::MAX, |_, k| got.push(k[0].0));
         assert_eq!(got, vec![1, 3]);
     }
 
@@ -1390,9 +1397,15 @@ mod tests {
                 (RecordKind::Routed, 1, keys(&[7]))
             ]
         );
-        let mut routed = Vec::new();
-        let n = DecisionLog::new("ns", 8, 1).poll(&store, |e, _| routed.push(e.0));
-        assert_eq!((n, routed), (2, vec![2, 1]));
+        let mut endpoints = Vec::new();
+        let n = routed(
+            &mut DecisionLog::new("ns", 8, 1),
+            &store,
+            None,
+            usize::MAX,
+            |e, _| endpoints.push(e.0),
+        );
+        assert_eq!((n, endpoints), (2, vec![2, 1]));
     }
 
     #[test]
@@ -1438,6 +1451,11 @@ mod tests {
         let store = MemoryStore::default();
         store.set("ns.log.head", b"\x01", 0).unwrap(); // short head reads as 0
         let mut b = DecisionLog::new("ns", 8, 2);
-        assert_eq!(b.poll(&store, |_, _| panic!("nothing to apply")), 0);
+        assert_eq!(
+            routed(&mut b, &store, None, usize::MAX, |_, _| panic!(
+                "nothing to apply"
+            )),
+            0
+        );
     }
 }

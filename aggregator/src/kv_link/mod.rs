@@ -787,7 +787,7 @@ impl Linker {
             // apart from them (many concurrent prompts of one length): dropped as ambiguous at
             // once, its chains contested, without trying each pair.
             let mut crowded: Vec<(u64, Vec<usize>)> = Vec::new();
-            let table: Vec<(u64, Vec<usize>)> = ep
+            let mut table: Vec<(u64, Vec<usize>)> = ep
                 .decision_order
                 .iter()
                 .filter_map(|&did| {
@@ -821,7 +821,6 @@ impl Linker {
                 .collect();
             // Earliest routed first (those without a time after, in arrival order): the FIFO
             // rule below takes a run of one length in the order the server served it.
-            let mut table = table;
             table.sort_by(|(a, _), (b, _)| {
                 let at = |id| {
                     ep.decisions

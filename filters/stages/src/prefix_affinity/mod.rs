@@ -166,7 +166,7 @@ impl PrefixVm {
 
     /// Replays other workers' decisions and the aggregator's confirmed removals into this VM's
     /// index, reading at most `max_slots` records of the shared log (see
-    /// [`DecisionLog::poll_at_most`]).
+    /// [`DecisionLog::poll_at_most_with`]).
     pub fn catch_up(&mut self, max_slots: usize) {
         self.replay(None, max_slots);
     }
