@@ -30,6 +30,7 @@
 mod client;
 pub mod fit;
 
+use kvoy_shared::protocol::MODELS_PATH;
 use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -231,7 +232,7 @@ async fn check_model(options: &Options) -> Result<(), CalibrateError> {
     let what = "GET /v1/models".to_owned();
     let body = options
         .server
-        .get(&options.server.path("/v1/models"), &what, options.timeout)
+        .get(&options.server.path(MODELS_PATH), &what, options.timeout)
         .await?;
     let v: serde_json::Value =
         serde_json::from_slice(&body).map_err(|e| CalibrateError::BadAnswer {

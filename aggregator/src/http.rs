@@ -11,6 +11,7 @@
 //!   once), request headers within `http_header_read_timeout`, and a failing `accept` backs
 //!   off instead of spinning. Every refusal is counted by reason ([`crate::reject`]).
 
+use kvoy_shared::protocol::{ENDPOINTS_PATH, POOL_PATH, REMOVALS_PATH, SNAPSHOT_PATH};
 use std::convert::Infallible;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -36,8 +37,7 @@ use crate::pool::PoolView;
 use crate::prefill::PrefillReport;
 use crate::reject::{Reason, Rejections};
 
-/// The header that says why `/v1/snapshot` has no snapshot (`not-loaded`).
-pub const STATUS_HEADER: &str = "x-kvoy-aggregator-status";
+pub use kvoy_shared::protocol::AGGREGATOR_STATUS_HEADER as STATUS_HEADER;
 /// Its value while the endpoint source has not been read successfully yet.
 pub const NOT_LOADED: &str = "not-loaded";
 
@@ -348,26 +348,26 @@ impl Api {
         }
         if matches!(
             path,
-            "/v1/snapshot" | "/v1/endpoints" | "/v1/pool" | "/v1/removals"
+            SNAPSHOT_PATH | ENDPOINTS_PATH | POOL_PATH | REMOVALS_PATH
         ) && !self.authorized(req)
         {
             return unauthorized();
         }
         let view = self.views.borrow().clone();
         match path {
-            "/v1/snapshot" => {
+            SNAPSHOT_PATH => {
                 let query = req.uri().query().unwrap_or("");
                 if let Some((proxy, held)) = admission_report(query) {
                     self.page.report_admission(proxy, held, std::time::Instant::now());
                 }
                 self.snapshot(&view, query)
             }
-            "/v1/endpoints" => reply(
+            ENDPOINTS_PATH => reply(
                 StatusCode::OK,
                 "application/json",
                 serde_json::to_vec_pretty(&endpoints_json(&view)).unwrap_or_default(),
             ),
-            "/v1/pool" => {
+            POOL_PATH => {
                 let mut json = self.page.json(&view, std::time::Instant::now());
                 if let Some(o) = json.as_object_mut() {
                     o.insert("links".into(), self.links_json(&view));
@@ -378,7 +378,7 @@ impl Api {
                     serde_json::to_vec(&json).unwrap_or_default(),
                 )
             }
-            "/v1/removals" => self.removals(req.uri().query().unwrap_or("")),
+            REMOVALS_PATH => self.removals(req.uri().query().unwrap_or("")),
             "/metrics" => reply(
                 StatusCode::OK,
                 "text/plain; version=0.0.4; charset=utf-8",

@@ -3,6 +3,7 @@
 
 use std::time::{Duration, Instant};
 
+use kvoy_shared::flow::{pool_level, SaturationThresholds};
 use kvoy_shared::snapshot::EndpointStatus;
 
 use crate::config::EndpointSpec;
@@ -112,27 +113,21 @@ pub struct PoolGauges {
     pub running: u64,
     /// Mean KV-cache use over ready, fresh endpoints (0 when there is none).
     pub kv_cache_usage: f64,
-    /// The flow-control reference's saturation: mean over endpoints of
+    /// The flow-control reference's saturation, as admission computes it
+    /// ([`kvoy_shared::flow::pool_level`] at the default thresholds): mean over endpoints of
     /// `max(waiting / 5, kv / 0.8)`, an endpoint that is stale or not ready counting as 1.
     /// 1 when the pool is empty.
     pub saturation: f64,
 }
 
-/// Queue depth at which an endpoint counts as saturated (the reference's default).
-pub const SATURATION_QUEUE_DEPTH: f64 = 5.0;
-/// KV-cache use at which an endpoint counts as saturated.
-pub const SATURATION_KV_USAGE: f64 = 0.8;
-
 pub fn pool_gauges(statuses: &[EndpointStatus]) -> PoolGauges {
     let mut g = PoolGauges {
         endpoints: statuses.len(),
+        // The same level the admission stage computes, at the reference's default thresholds
+        // (the aggregator does not know the proxies' admission settings).
+        saturation: pool_level(&SaturationThresholds::default(), statuses),
         ..PoolGauges::default()
     };
-    if statuses.is_empty() {
-        g.saturation = 1.0;
-        return g;
-    }
-    let mut saturation = 0.0;
     let mut kv_sum = 0.0;
     let mut fresh = 0usize;
     for s in statuses {
@@ -140,27 +135,22 @@ pub fn pool_gauges(statuses: &[EndpointStatus]) -> PoolGauges {
             g.stale += 1;
         }
         if !s.ready {
-            saturation += 1.0;
             continue;
         }
         g.ready += 1;
         g.waiting += u64::from(s.waiting);
         g.running += u64::from(s.running);
         if s.stale {
-            saturation += 1.0;
             continue;
         }
         fresh += 1;
-        let kv = f64::from(s.kv_cache_usage);
-        kv_sum += kv;
-        saturation += (f64::from(s.waiting) / SATURATION_QUEUE_DEPTH).max(kv / SATURATION_KV_USAGE);
+        kv_sum += f64::from(s.kv_cache_usage);
     }
     g.kv_cache_usage = if fresh > 0 {
         kv_sum / fresh as f64
     } else {
         0.0
     };
-    g.saturation = saturation / statuses.len() as f64;
     g
 }
 
@@ -320,5 +310,26 @@ mod tests {
         assert!((g.saturation - 3.5 / 3.0).abs() < 1e-6, "{}", g.saturation);
         assert!((g.kv_cache_usage - 0.4).abs() < 1e-6);
         assert_eq!(pool_gauges(&[]).saturation, 1.0);
+    }
+
+    #[test]
+    fn the_gauge_is_admissions_level() {
+        let t0 = Instant::now();
+        let scrape = ScrapeState {
+            last_success: Some(t0),
+            metrics: Some(ServerMetrics {
+                waiting: Some(3.0),
+                kv_cache_usage: Some(0.7),
+                ..ServerMetrics::default()
+            }),
+            ..ScrapeState::default()
+        };
+        let statuses = [
+            endpoint_status(0, &spec(), &scrape, None, t0, T),
+            endpoint_status(1, &spec(), &ScrapeState::default(), None, t0, T),
+        ];
+        let admission = kvoy_shared::flow::AdmissionConfig::from_json(b"{}").unwrap();
+        let level = kvoy_shared::flow::saturation(&admission, &statuses, &[], None).level;
+        assert_eq!(pool_gauges(&statuses).saturation, level);
     }
 }

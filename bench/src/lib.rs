@@ -39,7 +39,6 @@ pub mod metrics;
 pub mod overhead;
 pub mod policy;
 pub mod report;
-pub mod rng;
 pub mod runner;
 pub mod saturation;
 pub mod sim;

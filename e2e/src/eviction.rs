@@ -3,6 +3,7 @@
 //! unrelated prompts that push it out of a simulator's cache, and the readings of the
 //! aggregator's links and the proxy's counters.
 
+use kvoy_shared::protocol::{CHAT_COMPLETIONS_PATH, MODELS_PATH, POOL_PATH};
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -40,7 +41,7 @@ pub fn flood_prompt(model: &str, i: usize) -> Vec<u8> {
 
 /// A chat completion to `to`, which must answer 200.
 pub fn post_chat(to: SocketAddr, body: &[u8]) -> anyhow::Result<http::Response> {
-    let r = http::post_json(to, "/v1/chat/completions", &[], body, TIMEOUT)?;
+    let r = http::post_json(to, CHAT_COMPLETIONS_PATH, &[], body, TIMEOUT)?;
     anyhow::ensure!(r.status == 200, "POST to {to}: {} {}", r.status, r.text());
     Ok(r)
 }
@@ -48,7 +49,7 @@ pub fn post_chat(to: SocketAddr, body: &[u8]) -> anyhow::Result<http::Response> 
 /// The keys the aggregator's linker has linked on `endpoint` (`/v1/pool`).
 pub fn linked_keys(agg: &LocalAggregator, endpoint: &str) -> anyhow::Result<u64> {
     Ok(
-        agg.get_json("/v1/pool")?["links"]["endpoints"][endpoint]["linked_keys"]
+        agg.get_json(POOL_PATH)?["links"]["endpoints"][endpoint]["linked_keys"]
             .as_u64()
             .unwrap_or(0),
     )
@@ -108,7 +109,7 @@ pub fn linked_conversation(
     // the shared log on its tick once it serves; before, on its first request). `GET
     // /v1/models` makes no routing decision, so the linker has nothing more to tell apart.
     for _ in 0..16 {
-        let r = http::send(proxy.listen, "GET", "/v1/models", &[], b"", TIMEOUT)?;
+        let r = http::send(proxy.listen, "GET", MODELS_PATH, &[], b"", TIMEOUT)?;
         anyhow::ensure!(r.status == 200, "GET /v1/models: {} {}", r.status, r.text());
     }
     let first = post_chat(proxy.listen, &long_turn(name, model, 0))?;

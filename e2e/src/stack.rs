@@ -224,8 +224,7 @@ pub struct Stack {
     lds: Option<Lds>,
 }
 
-/// The filter's report, on the response, of the endpoint that served the request.
-pub const SERVED_HEADER: &str = "x-gateway-destination-endpoint-served";
+pub use kvoy_shared::protocol::SERVED_HEADER;
 
 /// The backend that answered `r` through the proxy (its `x-served-by`), checked to be a member
 /// of `pool` and to be what the filter reported in [`SERVED_HEADER`]; panics, naming `test` and

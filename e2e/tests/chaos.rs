@@ -74,11 +74,8 @@ const AGGREGATOR_KILLED_IN: [usize; 2] = [10, 15];
 /// that start later than this must not.
 const SIM_GRACE: Duration = Duration::from_secs(3);
 
-fn splitmix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
+fn splitmix(x: u64) -> u64 {
+    kvoy_shared::Rng::new(x).next_u64()
 }
 
 /// What a client does with request `i` (decided by the seed alone).

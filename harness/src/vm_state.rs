@@ -18,23 +18,18 @@ use crate::types::LogLevel;
 /// At most this many warning-or-worse lines are kept per guest call for error messages.
 const CALL_LOG_LINES: usize = 40;
 
-/// A deterministic random source for WASI `random_get` (SplitMix64).
+/// A deterministic random source for WASI `random_get`.
 #[derive(Debug, Clone)]
-pub(crate) struct Rng(u64);
+pub(crate) struct Rng(kvoy_shared::Rng);
 
 impl Rng {
     pub fn new(seed: u64) -> Rng {
-        Rng(seed)
+        Rng(kvoy_shared::Rng::new(seed))
     }
 
     pub fn fill(&mut self, out: &mut [u8]) {
         for chunk in out.chunks_mut(8) {
-            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^= z >> 31;
-            chunk.copy_from_slice(&z.to_le_bytes()[..chunk.len()]);
+            chunk.copy_from_slice(&self.0.next_u64().to_le_bytes()[..chunk.len()]);
         }
     }
 }

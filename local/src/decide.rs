@@ -25,7 +25,7 @@ pub const PREFIX_AFFINITY: &str = "kvoy_prefix_affinity";
 /// The combined filter: its `prefix_affinity` section's scores are shown.
 pub const COMBINED: &str = "kvoy";
 /// The header the chain's routing decision is read from.
-pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+pub use kvoy_shared::protocol::DESTINATION_HEADER;
 /// The filter-state object that can carry the destination instead (Envoy's original-dst).
 pub const ORIGINAL_DST_STATE: &str = "envoy.network.transport_socket.original_dst_address";
 

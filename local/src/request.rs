@@ -9,6 +9,7 @@
 //! `method` defaults to `POST`, `path` to `/v1/chat/completions`; `body` is any JSON value
 //! (sent serialized) and `body_text` a raw body (e.g. malformed JSON); give at most one.
 
+use kvoy_shared::protocol::CHAT_COMPLETIONS_PATH;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -34,7 +35,7 @@ fn post() -> String {
 }
 
 fn chat() -> String {
-    "/v1/chat/completions".to_owned()
+    CHAT_COMPLETIONS_PATH.to_owned()
 }
 
 /// One request to run through the chain.

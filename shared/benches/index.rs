@@ -75,20 +75,11 @@ impl Index for PrefixIndex {
 }
 
 /// Fresh chains: keys nobody has seen.
-struct Fresh(u64);
+struct Fresh(kvoy_shared::Rng);
 
 impl Fresh {
     fn chain(&mut self) -> Vec<BlockKey> {
-        (0..KEYS)
-            .map(|_| {
-                // splitmix64
-                self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-                let mut z = self.0;
-                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-                BlockKey(z ^ (z >> 31))
-            })
-            .collect()
+        (0..KEYS).map(|_| BlockKey(self.0.next_u64())).collect()
     }
 }
 
@@ -105,7 +96,7 @@ fn filled<I: Index>(mut index: I, fresh: &mut Fresh, shared: &[BlockKey]) -> I {
 }
 
 fn bench_kind<I: Index>(c: &mut Criterion, name: &str, index: I) {
-    let mut fresh = Fresh(0x5EED);
+    let mut fresh = Fresh(kvoy_shared::Rng::new(0x5EED));
     let shared = fresh.chain();
     let mut index = filled(index, &mut fresh, &shared);
     let mut out = Vec::with_capacity(ENDPOINTS);

@@ -413,7 +413,7 @@ mod defaults {
         1024
     }
     pub fn snapshot_path() -> String {
-        "/v1/snapshot".to_owned()
+        crate::protocol::SNAPSHOT_PATH.to_owned()
     }
     pub fn poll_interval_ms() -> u64 {
         100

@@ -29,6 +29,7 @@ mod lru;
 mod once;
 mod outstanding;
 pub mod prefix;
+pub mod protocol;
 pub mod relay;
 pub mod replica;
 pub mod request;
@@ -55,17 +56,3 @@ pub use router::{
     BreakReason, Decision, DecisionKind, LogReplay, RouteError, Router, SessionOutcome,
 };
 pub use score::{least_loaded, pick, Candidate, EndpointScore};
-
-/// A JSON error body in OpenAI's shape:
-/// `{"error":{"message":..,"type":..,"param":..,"code":..}}`.
-pub fn openai_error_body(
-    message: &str,
-    kind: &str,
-    param: Option<&str>,
-    code: Option<&str>,
-) -> String {
-    serde_json::json!({
-        "error": {"message": message, "type": kind, "param": param, "code": code}
-    })
-    .to_string()
-}

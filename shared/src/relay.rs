@@ -50,7 +50,7 @@ use crate::replica::{decode_address, encode_address, ADDRESS_BYTES};
 /// The HTTP `Content-Type` of an encoded [`DecisionBatch`].
 pub const CONTENT_TYPE: &str = "application/x-kvoy-decisions";
 /// The aggregator's path for the exchange.
-pub const PATH: &str = "/v1/decisions";
+pub use crate::protocol::DECISIONS_PATH as PATH;
 
 const MAGIC: &[u8; 4] = b"KVDR";
 /// Decisions only.

@@ -128,7 +128,7 @@ impl RouteError {
             RouteError::UnknownModel(_) => ("invalid_request_error", Some("model")),
             RouteError::NoEndpoint => ("service_unavailable", None),
         };
-        crate::openai_error_body(&self.to_string(), kind, param, Some(self.code()))
+        crate::protocol::openai_error_body(&self.to_string(), kind, param, Some(self.code()))
     }
 }
 

@@ -225,17 +225,13 @@ const TAILS: [&str; 16] = [
     "without any trouble at all.",
 ];
 
-/// A small deterministic generator (SplitMix64) for the sentence combinations.
-struct Mix(u64);
+/// A small deterministic generator for the sentence combinations.
+struct Mix(kvoy_shared::Rng);
 
 impl Mix {
     fn pick<'a>(&mut self, words: &[&'a str]) -> &'a str {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        words[(z % words.len() as u64) as usize]
+        // A modulo, not `Rng::below`: the committed tokenizer was trained on these draws.
+        words[(self.0.next_u64() % words.len() as u64) as usize]
     }
 }
 
@@ -243,7 +239,7 @@ impl Mix {
 fn corpus() -> Vec<String> {
     let mut lines: Vec<String> = PROSE.lines().map(str::to_owned).collect();
     lines.extend(STRUCTURED.lines().map(str::to_owned));
-    let mut mix = Mix(7);
+    let mut mix = Mix(kvoy_shared::Rng::new(7));
     for i in 0..1500 {
         let mut s = String::new();
         let _ = write!(

@@ -1,5 +1,6 @@
 //! The calibration's HTTP/1.1 client: one connection per request, plain HTTP.
 
+use kvoy_shared::protocol::COMPLETIONS_PATH;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -194,7 +195,7 @@ pub async fn complete(
     prompt: &str,
 ) -> Result<Answer, CalibrateError> {
     let server = &options.server;
-    let path = server.path("/v1/completions");
+    let path = server.path(COMPLETIONS_PATH);
     let what = format!("POST {path}");
     let body = serde_json::json!({
         "model": options.model,

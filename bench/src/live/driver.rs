@@ -10,6 +10,7 @@
 //! text the server actually returned for the previous turn (the simulation renders the engine's
 //! tokens instead; kvoy-sim returns the same words either way).
 
+use kvoy_shared::protocol::CHAT_COMPLETIONS_PATH;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::mpsc;
@@ -163,7 +164,7 @@ fn run_session(session: &Session, drive: &Drive, start: Instant, tx: &mpsc::Send
         let timing = match serde_json::to_vec(&body) {
             Ok(bytes) => load::stream(
                 drive.proxy,
-                "/v1/chat/completions",
+                CHAT_COMPLETIONS_PATH,
                 &[],
                 &bytes,
                 drive.request_timeout,

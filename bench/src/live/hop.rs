@@ -3,6 +3,7 @@
 //! that both see the same machine at the same moment. Real milliseconds, not multiplied by the
 //! speedup (the run's reported TTFTs carry the hop multiplied by it).
 
+use kvoy_shared::protocol::CHAT_COMPLETIONS_PATH;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -83,7 +84,7 @@ pub fn probe(
         let bytes = serde_json::to_vec(&body).ok()?;
         match load::stream(
             addr,
-            "/v1/chat/completions",
+            CHAT_COMPLETIONS_PATH,
             &[],
             &bytes,
             Duration::from_secs(10),

@@ -34,8 +34,8 @@ use kvoy_e2e::{EchoConfig, EchoServer, PoolEndpoint, Stack, StackConfig};
 
 use crate::live::baseline_proxy;
 use crate::metrics::percentile;
-use crate::rng::Rng;
 use extproc::ExtProcProxy;
+use kvoy_shared::Rng;
 
 pub use report::{chart, summary};
 

@@ -1,7 +1,7 @@
 //! Policies that ignore the prompt.
 
 use super::{argmin_random, Policy, RouteRequest, View};
-use crate::rng::Rng;
+use kvoy_shared::Rng;
 
 /// Envoy's round-robin: endpoints in turn.
 #[derive(Debug, Default)]

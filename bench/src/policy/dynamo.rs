@@ -38,8 +38,8 @@ use kvoy_sim::engine::{KvEvent, Profile};
 
 use super::{Policy, RouteRequest, View};
 use crate::ideal::PassThrough;
-use crate::rng::Rng;
 use crate::sim::{block_hashes_into, CacheMirror};
+use kvoy_shared::Rng;
 
 type BlockCounts = HashMap<u64, u32, BuildHasherDefault<PassThrough>>;
 

@@ -41,8 +41,8 @@ use kvoy_sim::engine::tokenizer::BYTES_PER_TOKEN;
 use kvoy_sim::engine::{KvEvent, MEDIUM_GPU};
 
 use super::{argmin_random, Policy, Prefilled, RouteRequest, View};
-use crate::rng::Rng;
 use crate::sim::block_hashes;
+use kvoy_shared::Rng;
 
 /// The model name every simulated endpoint serves.
 pub const MODEL: &str = "sim";

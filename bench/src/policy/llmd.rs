@@ -18,7 +18,7 @@ use kvoy_shared::LruSet;
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::{argmax_random, Policy, RouteRequest, View};
-use crate::rng::Rng;
+use kvoy_shared::Rng;
 
 /// The reference's parameters.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -39,7 +39,7 @@ use kvoy_sim::engine::{Engine, EngineRequest, OutputKind, Profile};
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::{argmax_random, Policy, RouteRequest, View};
-use crate::rng::Rng;
+use kvoy_shared::Rng;
 
 /// Bytes per pseudo-token of the `estimate` token producer.
 const BYTES_PER_TOKEN: usize = 4;

@@ -23,7 +23,7 @@ use std::time::Duration;
 use kvoy_shared::ConfigError;
 use kvoy_sim::engine::{KvEvent, Profile};
 
-use crate::rng::Rng;
+use kvoy_shared::Rng;
 
 /// The request being routed.
 #[derive(Clone, Copy, Debug)]

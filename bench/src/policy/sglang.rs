@@ -26,7 +26,7 @@ use kvoy_sim::engine::Profile;
 
 use super::radix::RadixTree;
 use super::{argmin_random, Policy, RouteRequest, View};
-use crate::rng::Rng;
+use kvoy_shared::Rng;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SglangConfig {

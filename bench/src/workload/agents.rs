@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use super::text::{seed_of, Part};
 use super::{poisson_arrivals, Count, Plan, Session, Turn};
-use crate::rng::Rng;
+use kvoy_shared::Rng;
 
 const AGENT_APPS: u64 = 8;
 const AGENT_SYSTEM_TOKENS: u32 = 2000;

@@ -178,7 +178,7 @@ impl Workload {
 }
 
 /// Poisson arrival times at `rate` per second for `n` requests.
-pub(crate) fn poisson_arrivals(rng: &mut crate::rng::Rng, rate: f64, n: usize) -> Vec<Duration> {
+pub(crate) fn poisson_arrivals(rng: &mut kvoy_shared::Rng, rate: f64, n: usize) -> Vec<Duration> {
     let mut t = 0.0f64;
     (0..n)
         .map(|_| {

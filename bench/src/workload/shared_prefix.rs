@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use super::text::{seed_of, Part};
 use super::{poisson_arrivals, Count, Plan, Session, Turn};
-use crate::rng::Rng;
+use kvoy_shared::Rng;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct SharedPrefix {

@@ -49,7 +49,7 @@ pub fn render_all(parts: &[Part], out: &mut String) {
 
 /// `tokens` words of three lowercase letters and a space, from a SplitMix64 stream of `seed`.
 fn render_text(seed: u64, tokens: u32, out: &mut String) {
-    let mut rng = crate::rng::Rng::new(seed ^ 0x5EED_7E47_0000_0001);
+    let mut rng = kvoy_shared::Rng::new(seed ^ 0x5EED_7E47_0000_0001);
     out.reserve(tokens as usize * BYTES_PER_TOKEN);
     let mut buf = [b' '; 64 * BYTES_PER_TOKEN];
     let mut left = tokens as usize;

@@ -3,6 +3,7 @@
 //!
 //! Thread per connection (bounded), HTTP/1.1 keep-alive, `Content-Length` and chunked bodies.
 
+use kvoy_shared::protocol::{CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH, MODELS_PATH, RESPONSES_PATH};
 use std::io::{self, BufReader, BufWriter, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -20,7 +21,7 @@ pub use openai::error_body;
 use openai::{completion_body, models_body, stream_events, Api};
 
 /// The header a routing proxy sets to choose the endpoint; echoed back in the reply.
-pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+pub use kvoy_shared::protocol::DESTINATION_HEADER;
 /// kvoy's internal session-pin header, echoed back in the reply (`pin_header`) so that tests
 /// can check that it never reaches a model server.
 pub use kvoy_shared::session::PIN_HEADER;
@@ -270,16 +271,16 @@ fn handle<W: Write>(
                 keep_alive,
             )
         }
-        ("GET", "/v1/models") => {
+        ("GET", MODELS_PATH) => {
             let body = models_body(&shared.served_by, &shared.models);
             return write_response(w, 200, &served_by(shared), &body, keep_alive);
         }
-        ("POST", "/v1/chat/completions") => Api::Chat,
-        ("POST", "/v1/completions") => Api::Completions,
-        ("POST", "/v1/responses") => Api::Responses,
+        ("POST", CHAT_COMPLETIONS_PATH) => Api::Chat,
+        ("POST", COMPLETIONS_PATH) => Api::Completions,
+        ("POST", RESPONSES_PATH) => Api::Responses,
         (
             _,
-            "/health" | "/v1/models" | "/v1/chat/completions" | "/v1/completions" | "/v1/responses",
+            "/health" | MODELS_PATH | CHAT_COMPLETIONS_PATH | COMPLETIONS_PATH | RESPONSES_PATH,
         ) => {
             let body = error_body(
                 "method not allowed",

@@ -12,10 +12,9 @@ pub(super) enum Api {
     Responses,
 }
 
-/// OpenAI's error shape.
+/// OpenAI's error shape, without a `param`.
 pub fn error_body(message: &str, kind: &str, code: &str) -> Vec<u8> {
-    let v = json!({"error": {"message": message, "type": kind, "param": null, "code": code}});
-    serde_json::to_vec(&v).unwrap_or_default()
+    kvoy_shared::protocol::openai_error_body(message, kind, None, Some(code)).into_bytes()
 }
 
 fn now_secs() -> u64 {

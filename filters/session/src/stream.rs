@@ -16,7 +16,7 @@ use crate::SharedState;
 
 /// The endpoint that served the request, as the prefix-affinity filter reports it (it only
 /// ever names a pool member).
-const SERVED_HEADER: &str = "x-gateway-destination-endpoint-served";
+use kvoy_shared::protocol::SERVED_HEADER;
 
 pub(crate) struct SessionStream {
     state: SharedState,

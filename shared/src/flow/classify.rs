@@ -6,16 +6,6 @@ use super::config::AdmissionConfig;
 pub const DEFAULT_FLOW: &str = "default-flow";
 /// Longest fairness id kept, in bytes; longer ones are cut (at a character boundary).
 pub const MAX_FLOW_BYTES: usize = 128;
-/// Request headers naming the InferenceObjective, in the order the filter reads them.
-pub const OBJECTIVE_HEADERS: [&str; 2] = [
-    "x-gateway-inference-objective",
-    "x-llm-d-inference-objective",
-];
-/// Request headers carrying the fairness id, in the order the filter reads them.
-pub const FAIRNESS_HEADERS: [&str; 2] = [
-    "x-gateway-inference-fairness-id",
-    "x-llm-d-inference-fairness-id",
-];
 
 /// How one request is queued. It borrows the fairness id from the header value, so
 /// classifying allocates nothing; the queue copies the id only when it queues the request.
@@ -38,7 +28,7 @@ pub struct Class<'a> {
 }
 
 /// Classifies a request from its objective and fairness-id header values (the filter reads
-/// [`OBJECTIVE_HEADERS`] and [`FAIRNESS_HEADERS`], first present wins) and its
+/// [`crate::protocol::OBJECTIVE_HEADERS`] and [`crate::protocol::FAIRNESS_HEADERS`], first present wins) and its
 /// `content-length`. An unknown or absent objective gets `default_priority`; an absent or
 /// blank fairness id is [`DEFAULT_FLOW`]. Allocates nothing.
 ///

@@ -76,9 +76,7 @@ mod held;
 mod queue;
 mod saturation;
 
-pub use classify::{
-    classify, flow_id, Class, DEFAULT_FLOW, FAIRNESS_HEADERS, MAX_FLOW_BYTES, OBJECTIVE_HEADERS,
-};
+pub use classify::{classify, flow_id, Class, DEFAULT_FLOW, MAX_FLOW_BYTES};
 pub use config::{
     AdmissionConfig, AdmissionConfigError, Fairness, FlowOrdering, SaturationThresholds,
     MAX_OBJECTIVES, MAX_OBJECTIVE_NAME_BYTES, MAX_QUEUED,
@@ -86,7 +84,9 @@ pub use config::{
 pub use filter_config::AdmissionFilterConfig;
 pub use held::{HeldBoard, MAX_WORKERS};
 pub use queue::{BandStats, FlowQueue, Offer, RejectReason, EXPIRED_REASON};
-pub use saturation::{saturation, saturation_from_inflight, Saturation};
+pub use saturation::{
+    endpoint_fullness, pool_level, saturation, saturation_from_inflight, Saturation,
+};
 
 #[cfg(test)]
 mod props;

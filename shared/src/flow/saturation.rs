@@ -53,28 +53,41 @@ pub fn saturation(
     if endpoints.is_empty() {
         return empty_pool(t);
     }
+    let mut free = 0u64;
+    for e in endpoints.iter().filter(|e| e.ready) {
+        let (requests, tokens) = counts(inflight, inflight_tokens, usize::from(e.slot));
+        free = free.saturating_add(endpoint_free(t, requests, tokens));
+    }
+    finish(t, pool_level(t, endpoints), free)
+}
+
+/// The reference's saturation level of a pool from its servers' metrics alone: the mean over
+/// `endpoints` of [`endpoint_fullness`], 1.0 for an empty pool. The admission stage's
+/// [`saturation`] and the aggregator's pool gauge are both this.
+pub fn pool_level(t: &SaturationThresholds, endpoints: &[EndpointStatus]) -> f64 {
+    if endpoints.is_empty() {
+        return 1.0;
+    }
+    let sum: f64 = endpoints.iter().map(|e| endpoint_fullness(t, e)).sum();
+    sum / endpoints.len() as f64
+}
+
+/// How full one endpoint is (1.0 = at the thresholds):
+/// `max(waiting / queue_depth, kv_cache_usage / kv_threshold)`, and 1.0 for an endpoint that is
+/// stale or not ready. Not capped: one endpoint far over its thresholds can saturate a pool
+/// whose other endpoints are idle, as in the reference.
+pub fn endpoint_fullness(t: &SaturationThresholds, e: &EndpointStatus) -> f64 {
+    if !e.ready || e.stale {
+        return 1.0;
+    }
     // Usage arrives as f32: compare it with the threshold at f32 precision, so that a usage
     // equal to the threshold gives exactly 1.0.
     let kv_threshold = f64::from(t.kv_cache_usage as f32);
-    let mut sum = 0.0;
-    let mut free = 0u64;
-    for e in endpoints {
-        let slot = usize::from(e.slot);
-        sum += if e.ready && !e.stale {
-            let waiting = f64::from(e.waiting) / f64::from(t.queue_depth);
-            let kv = f64::from(e.kv_cache_usage);
-            // NaN usage (never from a decoded snapshot) counts as full
-            let kv = if kv.is_nan() { 1.0 } else { kv / kv_threshold };
-            waiting.max(kv)
-        } else {
-            1.0
-        };
-        if e.ready {
-            let (requests, tokens) = counts(inflight, inflight_tokens, slot);
-            free = free.saturating_add(endpoint_free(t, requests, tokens));
-        }
-    }
-    finish(t, sum / endpoints.len() as f64, free)
+    let waiting = f64::from(e.waiting) / f64::from(t.queue_depth);
+    let kv = f64::from(e.kv_cache_usage);
+    // NaN usage (never from a decoded snapshot) counts as full
+    let kv = if kv.is_nan() { 1.0 } else { kv / kv_threshold };
+    waiting.max(kv)
 }
 
 /// The saturation of a static pool (no snapshot, so no server metrics): one endpoint per

@@ -38,10 +38,11 @@ impl Api {
     }
 
     fn from_normal(path: &[u8]) -> Option<Api> {
+        use crate::protocol::{CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH, RESPONSES_PATH};
         match path {
-            b"/v1/chat/completions" => Some(Api::ChatCompletions),
-            b"/v1/completions" => Some(Api::Completions),
-            b"/v1/responses" => Some(Api::Responses),
+            p if p == CHAT_COMPLETIONS_PATH.as_bytes() => Some(Api::ChatCompletions),
+            p if p == COMPLETIONS_PATH.as_bytes() => Some(Api::Completions),
+            p if p == RESPONSES_PATH.as_bytes() => Some(Api::Responses),
             _ => None,
         }
     }

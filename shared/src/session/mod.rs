@@ -29,10 +29,7 @@ pub use table::{BindingTable, BINDINGS_PER_BUCKET};
 
 use std::net::SocketAddr;
 
-/// The internal request header by which `kvoy_session` hands the pinned endpoint (`ip:port`)
-/// to `kvoy_prefix_affinity`. Both filters remove any client-sent value; the prefix-affinity
-/// filter removes it before the request leaves the proxy.
-pub const PIN_HEADER: &str = "x-kvoy-session-endpoint";
+pub use crate::protocol::PIN_HEADER;
 
 const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
 

@@ -69,8 +69,13 @@ impl ApiError {
     }
 
     pub fn body(&self) -> Vec<u8> {
-        kvoy_shared::openai_error_body(&self.message, self.kind, self.param, Some(self.code))
-            .into_bytes()
+        kvoy_shared::protocol::openai_error_body(
+            &self.message,
+            self.kind,
+            self.param,
+            Some(self.code),
+        )
+        .into_bytes()
     }
 
     /// The error as a JSON value (for an event in a stream).

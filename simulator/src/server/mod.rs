@@ -15,6 +15,7 @@ pub mod responses;
 pub mod runtime;
 mod tokenize;
 
+use kvoy_shared::protocol::{CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH, MODELS_PATH, RESPONSES_PATH};
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -187,7 +188,7 @@ async fn handle(sim: Arc<Simulator>, req: Request<Incoming>) -> Response<HttpBod
     }
     let route = match (req.method(), path.as_str()) {
         (&Method::GET, "/health") => return full(StatusCode::OK, "text/plain", ""),
-        (&Method::GET, "/v1/models") => {
+        (&Method::GET, MODELS_PATH) => {
             return json(
                 StatusCode::OK,
                 &api::models_body(&sim.options.models, unix_now()),
@@ -211,9 +212,9 @@ async fn handle(sim: Arc<Simulator>, req: Request<Incoming>) -> Response<HttpBod
                 })
             };
         }
-        (&Method::POST, "/v1/chat/completions") => Route::Generate(Api::ChatCompletions),
-        (&Method::POST, "/v1/completions") => Route::Generate(Api::Completions),
-        (&Method::POST, "/v1/responses") => Route::Generate(Api::Responses),
+        (&Method::POST, CHAT_COMPLETIONS_PATH) => Route::Generate(Api::ChatCompletions),
+        (&Method::POST, COMPLETIONS_PATH) => Route::Generate(Api::Completions),
+        (&Method::POST, RESPONSES_PATH) => Route::Generate(Api::Responses),
         (&Method::POST, "/tokenize") => Route::Tokenize,
         (&Method::POST, "/v1/chat/completions/render") => Route::RenderChat,
         _ => {

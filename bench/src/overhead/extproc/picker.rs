@@ -20,8 +20,7 @@ use super::proto::{
     ProcessingRequest, ProcessingResponse, TrailersResponse, OVERWRITE_IF_EXISTS_OR_ADD,
 };
 
-/// The header the ORIGINAL_DST cluster routes by, as in `envoy/kvoy.yaml`.
-pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+pub use kvoy_shared::protocol::DESTINATION_HEADER;
 
 /// What one ext_proc stream (one HTTP request) has told the picker so far.
 #[derive(Debug, Default)]

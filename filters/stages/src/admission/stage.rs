@@ -4,14 +4,14 @@ use log::debug;
 use proxy_wasm::hostcalls;
 
 use kvoy_filter_common::{add, now_ms, Headers};
-use kvoy_shared::flow::{classify, Offer, FAIRNESS_HEADERS, OBJECTIVE_HEADERS};
-use kvoy_shared::openai_error_body;
+use kvoy_shared::flow::{classify, Offer};
+use kvoy_shared::protocol::openai_error_body;
+use kvoy_shared::protocol::{FAIRNESS_HEADERS, OBJECTIVE_HEADERS};
 use kvoy_shared::RouteError;
 
 use super::{AdmissionVm, Metrics, Room};
 
-/// Why a request was dropped, on its 429 (and 503).
-pub const DROPPED_REASON_HEADER: &str = "x-kvoy-dropped-reason";
+pub use kvoy_shared::protocol::DROPPED_REASON_HEADER;
 /// The reason on a 503 for a pool with no endpoint.
 pub const NO_ENDPOINT_REASON: &str = "no-endpoint";
 

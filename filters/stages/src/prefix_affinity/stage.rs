@@ -17,10 +17,7 @@ use kvoy_shared::{
 
 use super::{Metrics, PrefixVm as VmState};
 
-/// The destination the ORIGINAL_DST cluster routes by (Gateway API Inference Extension).
-pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
-/// The endpoint that actually served the request, on the response.
-pub const SERVED_HEADER: &str = "x-gateway-destination-endpoint-served";
+pub use kvoy_shared::protocol::{DESTINATION_HEADER, SERVED_HEADER};
 
 /// One answer in this many (of requests routed by their body) has its `usage` read: enough to
 /// learn a model's bytes per token within minutes, without scanning every answer.
