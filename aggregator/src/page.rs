@@ -8,7 +8,7 @@
 //! minutes at once: [`sample`] records the current [`PoolView`] into a [`Timeline`] every
 //! [`TIMELINE_INTERVAL`].
 
-use std::collections::HashMap;
+use fnv::FnvHashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -81,10 +81,10 @@ pub struct PoolPage {
     timeline: Mutex<Timeline>,
     /// Routing decisions the proxies relayed (`POST /v1/decisions`), per endpoint, since the
     /// aggregator started.
-    routed: Mutex<HashMap<SocketAddr, u64>>,
+    routed: Mutex<FnvHashMap<SocketAddr, u64>>,
     /// The requests each proxy's admission stage holds, as its last snapshot poll said
     /// (`&proxy=ID&held=N`), and when.
-    admission: Mutex<HashMap<u64, (u64, Instant)>>,
+    admission: Mutex<FnvHashMap<u64, (u64, Instant)>>,
 }
 
 /// A proxy's admission report counts this long after its last poll (polls come every poll
@@ -98,8 +98,8 @@ impl Default for PoolPage {
         PoolPage {
             started: Instant::now(),
             timeline: Mutex::new(Timeline::new(TIMELINE_SAMPLES)),
-            routed: Mutex::new(HashMap::new()),
-            admission: Mutex::new(HashMap::new()),
+            routed: Mutex::new(FnvHashMap::default()),
+            admission: Mutex::new(FnvHashMap::default()),
         }
     }
 }

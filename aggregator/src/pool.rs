@@ -4,6 +4,8 @@
 //! version when anything changed, and a [`PoolView`] that the HTTP API reads.
 
 use std::collections::{BTreeMap, HashMap};
+
+use fnv::FnvHashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -109,7 +111,7 @@ struct EndpointRuntime {
 /// removal and re-add); slots of removed endpoints are reused only when all are taken.
 #[derive(Default)]
 struct Slots {
-    by_address: HashMap<SocketAddr, u16>,
+    by_address: FnvHashMap<SocketAddr, u16>,
     retired: BTreeMap<u16, SocketAddr>,
     next: usize,
 }

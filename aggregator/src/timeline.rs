@@ -19,7 +19,9 @@
 //! assert_eq!(t.samples().last().unwrap().hit_rate, Some(0.6));
 //! ```
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use fnv::FnvHashMap;
 use std::net::SocketAddr;
 
 /// What the pool looks like at one instant.
@@ -61,7 +63,7 @@ pub struct Timeline {
     capacity: usize,
     samples: VecDeque<Sample>,
     /// The cumulative prefix-cache counters each endpoint had at the previous sample.
-    last_counters: HashMap<SocketAddr, (f64, f64)>,
+    last_counters: FnvHashMap<SocketAddr, (f64, f64)>,
 }
 
 impl Timeline {
@@ -71,14 +73,15 @@ impl Timeline {
         Timeline {
             capacity,
             samples: VecDeque::with_capacity(capacity),
-            last_counters: HashMap::new(),
+            last_counters: FnvHashMap::default(),
         }
     }
 
     /// Appends a sample of `reading` at `at_ms`, dropping the oldest past the capacity.
     pub fn record(&mut self, at_ms: u64, reading: &Reading) {
         let (mut hits, mut queries) = (0.0, 0.0);
-        let mut counters = HashMap::with_capacity(reading.endpoints.len());
+        let mut counters =
+            FnvHashMap::with_capacity_and_hasher(reading.endpoints.len(), Default::default());
         for e in &reading.endpoints {
             let Some((h, q)) = e.prefix_cache else {
                 continue;

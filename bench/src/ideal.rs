@@ -12,7 +12,10 @@ use std::hash::{BuildHasherDefault, Hasher};
 use kvoy_sim::engine::tokenizer::{generated_word, BYTES_PER_TOKEN};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-/// A hasher for keys that are already hashes: passes them through.
+/// A hasher for keys that are already hashes: passes them through. Not `fnv`: on these keys
+/// (xxh3 block hashes; 2M keys inserted, looked up and removed) FNV-1a took 1.6-2.2x the time
+/// of this pass-through, three runs side by side. The keys come from the benchmark's own
+/// workloads, so no seed is needed either.
 #[derive(Default)]
 pub struct PassThrough(u64);
 

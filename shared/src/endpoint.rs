@@ -1,6 +1,6 @@
 //! The configured pool: endpoints, their addresses and the models they serve.
 
-use std::collections::HashMap;
+use fnv::FnvHashMap;
 use std::fmt;
 use std::net::SocketAddr;
 
@@ -101,7 +101,7 @@ pub struct Pool {
     slots: Vec<Option<Endpoint>>,
     count: usize,
     /// Each member's id by address (outstanding work is shared by address).
-    ids: HashMap<SocketAddr, EndpointId>,
+    ids: FnvHashMap<SocketAddr, EndpointId>,
 }
 
 impl Pool {
@@ -111,7 +111,7 @@ impl Pool {
         Pool {
             slots: endpoints.into_iter().map(Some).collect(),
             count,
-            ids: HashMap::new(),
+            ids: FnvHashMap::default(),
         }
         .indexed()
     }
@@ -144,7 +144,7 @@ impl Pool {
         Pool {
             slots,
             count,
-            ids: HashMap::new(),
+            ids: FnvHashMap::default(),
         }
         .indexed()
     }

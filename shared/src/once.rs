@@ -8,14 +8,14 @@
 //! assert!(!once.first(&("refused", "10.0.0.1:22")));
 //! ```
 
-use std::collections::HashSet;
+use fnv::FnvHashSet;
 use std::hash::{BuildHasher, Hash};
 
 /// What was already logged, up to `capacity` distinct keys; past that every new key is
 /// reported as seen (the counters still count it).
 #[derive(Debug, Clone)]
 pub struct LogOnce {
-    seen: HashSet<u64>,
+    seen: FnvHashSet<u64>,
     capacity: usize,
     hasher: std::hash::RandomState,
 }
@@ -23,7 +23,7 @@ pub struct LogOnce {
 impl LogOnce {
     pub fn new(capacity: usize) -> Self {
         LogOnce {
-            seen: HashSet::new(),
+            seen: FnvHashSet::default(),
             capacity,
             hasher: std::hash::RandomState::new(),
         }

@@ -281,7 +281,8 @@ fn fold_mul(a: u64, b: u64) -> u64 {
 const MIX: u64 = 0x9e37_79b9_7f4a_7c15;
 
 /// Hashes keys that are hashes already: one folded multiply per word, from a per-map random
-/// seed (so that crafted prompts cannot aim keys at one bucket without knowing it).
+/// seed (so that crafted prompts cannot aim keys at one bucket without knowing it). Not `fnv`:
+/// its hash is unseeded, and these keys follow from clients' prompts.
 #[derive(Clone, Copy, Debug)]
 struct Mixer {
     seed: u64,

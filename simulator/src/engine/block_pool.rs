@@ -7,7 +7,9 @@
 //! At most one block holds a given hash; a second block computing the same content stays
 //! uncached (so a subscriber keeping a set of hashes stays exact).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use fnv::FnvHashMap;
 
 use super::events::{KvEvent, MEDIUM_GPU};
 
@@ -28,7 +30,7 @@ pub(crate) struct BlockPool {
     /// Free queue ordered by the time a block was freed: first entry = next to reuse.
     free: BTreeMap<u64, BlockId>,
     next_stamp: u64,
-    cached: HashMap<u64, BlockId>,
+    cached: FnvHashMap<u64, BlockId>,
 }
 
 impl BlockPool {
@@ -37,7 +39,7 @@ impl BlockPool {
             blocks: vec![Block::default(); num_blocks as usize],
             free: BTreeMap::new(),
             next_stamp: 0,
-            cached: HashMap::new(),
+            cached: FnvHashMap::default(),
         };
         for id in 0..num_blocks {
             pool.push_free(id);

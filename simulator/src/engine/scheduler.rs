@@ -19,6 +19,8 @@
 //! `max_tokens` tokens it finishes and frees its blocks (they stay cached until evicted).
 
 use std::collections::{HashMap, VecDeque};
+
+use fnv::FnvHashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -56,7 +58,7 @@ pub struct Engine {
     profile: Profile,
     max_model_len: u64,
     cache: KvCache,
-    seqs: HashMap<u64, Seq>,
+    seqs: FnvHashMap<u64, Seq>,
     waiting: VecDeque<u64>,
     running: Vec<u64>,
     prefix_cache_queries: u64,
@@ -84,7 +86,7 @@ impl Engine {
                 profile.cpu_offload_blocks,
             ),
             profile: profile.clone(),
-            seqs: HashMap::new(),
+            seqs: FnvHashMap::default(),
             waiting: VecDeque::new(),
             running: Vec::new(),
             prefix_cache_queries: 0,
