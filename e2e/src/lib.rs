@@ -49,7 +49,8 @@ pub use echo::{
     SERVED_BY_HEADER,
 };
 pub use envoy::{
-    envoy_binary, envoy_version, free_port, validate_config, wasm_failures, EnvoyProcess,
+    envoy_binary, envoy_version, free_port, validate_config, validate_config_in, wasm_failures,
+    EnvoyProcess,
 };
 pub use sim::{small_cache_flags, PublishingSim, SimFleet};
 pub use stack::{
