@@ -4,7 +4,8 @@
 #   make wasm       release-build every wasm filter for wasm32-wasip1
 #   make explain    the pool view's explain panel: kvoy-explain for wasm32-unknown-unknown, then
 #                   wasm-bindgen --target web into target/explain/ (kvoy-aggregator embeds it)
-#   make build      wasm filters + explain panel + native binaries
+#   make build      wasm filters + explain panel + every native binary, release: kvoy-stack,
+#                   kvoy-echo-backend, kvoy-sim, kvoy-aggregator, kvoy-local, kvoy-bench
 #   make run        a local demo: 3 kvoy-sim simulators behind Envoy with the filters (Ctrl-C stops
 #                   it); kvoy-stack flags go in RUN_ARGS, e.g. make run RUN_ARGS='--backend echo'
 #   make test       deps, wasm, explain, fmt check, clippy -D warnings (native, and the explain
@@ -33,8 +34,8 @@ WASM_CRATES := kvoy-filter kvoy-prefix-affinity kvoy-session kvoy-admission kvoy
 # kvoy-aggregator's build.rs from EXPLAIN_DIR.
 EXPLAIN_TARGET := wasm32-unknown-unknown
 EXPLAIN_DIR := target/explain
-# Crates with native binaries.
-BIN_CRATES := kvoy-e2e kvoy-sim
+# Every crate with a native binary (a [[bin]], src/main.rs or src/bin/).
+BIN_CRATES := kvoy-e2e kvoy-sim kvoy-aggregator kvoy-local kvoy-bench
 # Flags for kvoy-stack (`kvoy-stack --help`), e.g. RUN_ARGS='--backend echo --speedup 1'.
 RUN_ARGS ?=
 # Flags for `kvoy-bench live` and `kvoy-bench overhead` (`cargo run -p kvoy-bench -- --help`).

@@ -1,5 +1,7 @@
-//! Rendering `envoy/kvoy.yaml` (the combined `kvoy` filter) or `envoy/kvoy-separate.yaml` (the
-//! three separate filters): substitutes their `{{NAME}}` placeholders in one pass.
+//! Rendering the bootstrap templates `envoy/template/kvoy.yaml` (the combined `kvoy` filter) or
+//! `envoy/template/kvoy-separate.yaml` (the three separate filters): substitutes their `{{NAME}}`
+//! placeholders in one pass. The runnable `envoy/kvoy.yaml` and `envoy/kvoy-separate.yaml` are
+//! the templates rendered with [`runnable_params`] ([`runnable_bootstraps`]).
 //!
 //! String values land inside double-quoted YAML scalars in the template, so they are escaped as
 //! JSON string contents (YAML 1.2 double-quoted scalars accept every JSON escape).
@@ -42,6 +44,8 @@ pub enum RenderError {
     Missing(&'static str),
     #[error("wasm directory {0:?} is not valid UTF-8")]
     NonUtf8Path(PathBuf),
+    #[error("the bootstrap template has no paragraph opening with {0:?} for the runnable header to replace")]
+    NoTemplateParagraph(&'static str),
 }
 
 /// Escapes `s` as the contents of a double-quoted YAML (or JSON) string, without the quotes.
@@ -72,7 +76,7 @@ pub fn kvoy_config(session: &str, admission: &str, prefix_affinity: &str) -> Str
     )
 }
 
-/// Renders `template` (the text of `envoy/kvoy.yaml` or `envoy/kvoy-separate.yaml`). Every
+/// Renders `template` (the text of `envoy/template/kvoy.yaml` or `kvoy-separate.yaml`). Every
 /// placeholder must be known, and every placeholder of its layout must occur; substituted text
 /// is never scanned again.
 pub fn render_bootstrap(template: &str, params: &BootstrapParams) -> Result<String, RenderError> {
@@ -178,6 +182,166 @@ pub fn render_bootstrap_file(path: &Path, params: &BootstrapParams) -> anyhow::R
     Ok(render_bootstrap(&template, params)?)
 }
 
+/// One committed runnable bootstrap: a template rendered with [`runnable_params`].
+#[derive(Clone, Copy, Debug)]
+pub struct RunnableBootstrap {
+    /// The runnable file, relative to the repository root.
+    pub path: &'static str,
+    /// Its template, relative to the repository root.
+    pub template: &'static str,
+    /// The modules it loads (file names in the module directory), for its header.
+    pub modules: &'static str,
+}
+
+/// `envoy/kvoy.yaml` and `envoy/kvoy-separate.yaml`, from their templates.
+pub const RUNNABLE_BOOTSTRAPS: [RunnableBootstrap; 2] = [
+    RunnableBootstrap {
+        path: "envoy/kvoy.yaml",
+        template: "envoy/template/kvoy.yaml",
+        modules: "kvoy.wasm",
+    },
+    RunnableBootstrap {
+        path: "envoy/kvoy-separate.yaml",
+        template: "envoy/template/kvoy-separate.yaml",
+        modules: "{kvoy_session,kvoy_admission,kvoy_prefix_affinity}.wasm",
+    },
+];
+
+/// The runnable bootstraps' proxy listener port (on 127.0.0.1; `make run` takes 18000).
+pub const RUNNABLE_LISTEN_PORT: u16 = 10000;
+/// The runnable bootstraps' admin port (on 127.0.0.1; `make run` takes 18900).
+pub const RUNNABLE_ADMIN_PORT: u16 = 9901;
+/// The runnable bootstraps' `kvoy_aggregator` port: kvoy-aggregator's default listen address.
+pub const RUNNABLE_AGGREGATOR_PORT: u16 = 9090;
+/// The runnable bootstraps' module directory, relative to where Envoy starts (the repository
+/// root, where `make wasm` puts the modules).
+pub const RUNNABLE_WASM_DIR: &str = "target/wasm32-wasip1/release";
+/// The runnable bootstraps' static pool: the README's kvoy-sim demo
+/// (`kvoy-sim --listen 127.0.0.1:8001 --count 3 --model kvoy-demo`).
+pub const RUNNABLE_POOL: [&str; 3] = ["127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003"];
+/// The model the runnable bootstraps' pool serves.
+pub const RUNNABLE_MODEL: &str = "kvoy-demo";
+
+/// The line opening a template's own paragraph (what it is, its placeholders): the runnable
+/// rendering replaces that paragraph, up to the next bare `#` line, with its own header.
+const TEMPLATE_PARAGRAPH: &str = "# This is the template.";
+
+/// The defaults the runnable bootstraps are rendered with: the README's kvoy-sim demo as a
+/// static pool (loopback destinations only, as everywhere in this kit), session and admission
+/// at their defaults, no aggregator.
+pub fn runnable_params() -> BootstrapParams {
+    let pool: Vec<PoolEndpoint> = RUNNABLE_POOL
+        .iter()
+        .filter_map(|a| a.parse().ok())
+        .map(|a| PoolEndpoint::new(a, &[RUNNABLE_MODEL]))
+        .collect();
+    let extra = json!({"allowed_destinations": [{"cidr": "127.0.0.0/8"}]});
+    BootstrapParams {
+        listen_port: RUNNABLE_LISTEN_PORT,
+        admin_port: RUNNABLE_ADMIN_PORT,
+        wasm_dir: PathBuf::from(RUNNABLE_WASM_DIR),
+        prefix_affinity_config: prefix_affinity_config(&pool, None, Some(&extra)),
+        session_config: "{}".to_string(),
+        admission_config: json!({"endpoints": pool.len()}).to_string(),
+        aggregator_port: RUNNABLE_AGGREGATOR_PORT,
+    }
+}
+
+/// The header that replaces the template's own paragraph in `runnable`: where the file comes
+/// from, how to regenerate and run it, and the defaults it holds.
+fn runnable_header(runnable: &RunnableBootstrap) -> String {
+    let (path, template, modules) = (runnable.path, runnable.template, runnable.modules);
+    let [first, .., last] = RUNNABLE_POOL;
+    let last_port = last.rsplit(':').next().unwrap_or(last);
+    format!(
+        "\
+# Generated from {template} with the defaults below:
+# edit the template, not this file, then regenerate it with
+#   KVOY_UPDATE_BOOTSTRAPS=1 cargo test -p kvoy-e2e --test runnable_bootstraps
+# (that test fails while this file differs from the template's rendering).
+#
+# Run it from the repository root (module paths are relative to it), start the README's kvoy-sim
+# demo in another terminal, and send a request:
+#   make wasm && envoy -c {path}
+#   cargo run --release -p kvoy-sim -- --listen {first} --count 3 --model {model} --speedup 10
+#   curl -si http://127.0.0.1:{listen}/v1/chat/completions -H 'content-type: application/json' \\
+#     -d '{{\"model\":\"{model}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}]}}'
+# The reply's x-gateway-destination-endpoint-served names the simulator kvoy chose.
+#
+# Defaults:
+#   proxy listener   127.0.0.1:{listen}
+#   admin            127.0.0.1:{admin} (`curl -s 127.0.0.1:{admin}/stats | grep kvoy_`: the metrics)
+#   modules          {wasm_dir}/{modules}
+#   pool             static: {first}-{last_port} serving {model}, only loopback destinations
+#                    allowed; session and admission at their defaults (admission counts {count}
+#                    endpoints)
+#   kvoy_aggregator  127.0.0.1:{aggregator} (kvoy-aggregator's default address); unused, as the
+#                    configuration has no `aggregator` section (README.md, \"kvoy-aggregator: the
+#                    live pool\", says how to add one)
+#
+",
+        model = RUNNABLE_MODEL,
+        listen = RUNNABLE_LISTEN_PORT,
+        admin = RUNNABLE_ADMIN_PORT,
+        wasm_dir = RUNNABLE_WASM_DIR,
+        aggregator = RUNNABLE_AGGREGATOR_PORT,
+        count = RUNNABLE_POOL.len(),
+    )
+}
+
+/// Renders `template` as the runnable file `runnable`: [`runnable_params`], and the template's
+/// own paragraph swapped for a header saying how to regenerate and run the file.
+pub fn render_runnable(
+    template: &str,
+    runnable: &RunnableBootstrap,
+) -> Result<String, RenderError> {
+    let start = template
+        .find(TEMPLATE_PARAGRAPH)
+        .ok_or(RenderError::NoTemplateParagraph(TEMPLATE_PARAGRAPH))?;
+    let end = template[start..]
+        .find("\n#\n")
+        .map(|i| start + i + "\n#\n".len())
+        .ok_or(RenderError::NoTemplateParagraph(TEMPLATE_PARAGRAPH))?;
+    let swapped = format!(
+        "{}{}{}",
+        &template[..start],
+        runnable_header(runnable),
+        &template[end..]
+    );
+    render_bootstrap(&swapped, &runnable_params())
+}
+
+/// Each runnable bootstrap's path under `root` and the text its template renders to now.
+pub fn runnable_bootstraps(root: &Path) -> anyhow::Result<Vec<(PathBuf, String)>> {
+    RUNNABLE_BOOTSTRAPS
+        .iter()
+        .map(|r| {
+            let template_path = root.join(r.template);
+            let template = std::fs::read_to_string(&template_path).map_err(|e| {
+                anyhow::anyhow!(
+                    "reading bootstrap template {}: {e}",
+                    template_path.display()
+                )
+            })?;
+            Ok((root.join(r.path), render_runnable(&template, r)?))
+        })
+        .collect()
+}
+
+/// Rewrites the runnable bootstraps under `root` that differ from their templates' rendering;
+/// returns the paths it wrote.
+pub fn write_runnable_bootstraps(root: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let mut written = Vec::new();
+    for (path, text) in runnable_bootstraps(root)? {
+        if std::fs::read_to_string(&path).ok().as_deref() != Some(text.as_str()) {
+            std::fs::write(&path, &text)
+                .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
+            written.push(path);
+        }
+    }
+    Ok(written)
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -244,6 +408,40 @@ mod tests {
         assert_eq!(
             render_bootstrap("{{LISTEN_PORT}}", &p),
             Err(RenderError::Missing("ADMIN_PORT"))
+        );
+    }
+
+    #[test]
+    fn the_runnable_rendering_swaps_the_template_paragraph_for_its_header() {
+        let t = "# title\n#\n# This is the template. It has\n#   PLACEHOLDERS\n#\n# Kept.\n\
+                 l: {{LISTEN_PORT}}\na: {{ADMIN_PORT}}\nf: \"{{WASM_DIR}}/kvoy.wasm\"\n\
+                 g: {{AGGREGATOR_PORT}}\nk: \"{{KVOY_CONFIG}}\"\n";
+        let out = render_runnable(t, &RUNNABLE_BOOTSTRAPS[0]).unwrap();
+        assert!(out.starts_with("# title\n#\n# Generated from envoy/template/kvoy.yaml "));
+        assert!(!out.contains("This is the template") && !out.contains("PLACEHOLDERS"));
+        assert!(out.contains("#   make wasm && envoy -c envoy/kvoy.yaml\n"));
+        assert!(out.contains("--listen 127.0.0.1:8001 --count 3 --model kvoy-demo"));
+        assert!(out.contains("#\n# Kept.\nl: 10000\na: 9901\n"));
+        assert!(out.contains("f: \"target/wasm32-wasip1/release/kvoy.wasm\"\ng: 9090\n"));
+        let line = out.lines().find(|l| l.starts_with("k: ")).unwrap();
+        let decoded: String = serde_json::from_str(&line[3..]).unwrap();
+        let v: Value = serde_json::from_str(&decoded).unwrap();
+        let addresses: Vec<&str> = v["prefix_affinity"]["endpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["address"].as_str().unwrap())
+            .collect();
+        assert_eq!(addresses, RUNNABLE_POOL);
+        assert_eq!(
+            v["prefix_affinity"]["endpoints"][2]["models"],
+            json!(["kvoy-demo"])
+        );
+        assert!(v["prefix_affinity"].get("aggregator").is_none());
+        assert_eq!(v["admission"], json!({"endpoints": 3}));
+        assert_eq!(
+            render_runnable("l: {{LISTEN_PORT}}\n", &RUNNABLE_BOOTSTRAPS[0]),
+            Err(RenderError::NoTemplateParagraph(TEMPLATE_PARAGRAPH))
         );
     }
 

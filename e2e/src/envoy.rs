@@ -47,7 +47,17 @@ pub fn envoy_version() -> anyhow::Result<String> {
 /// `envoy --mode validate -c config`: Ok with the output, or an error holding it. Validation
 /// loads the wasm modules the config names, so they must exist.
 pub fn validate_config(config: &Path) -> anyhow::Result<String> {
-    let out = Command::new(envoy_binary())
+    validate_config_in(None, config)
+}
+
+/// [`validate_config`] run in `dir` (else this process's directory), for a config whose module
+/// paths are relative, as the runnable `envoy/kvoy.yaml`'s are.
+pub fn validate_config_in(dir: Option<&Path>, config: &Path) -> anyhow::Result<String> {
+    let mut command = Command::new(envoy_binary());
+    if let Some(dir) = dir {
+        command.current_dir(dir);
+    }
+    let out = command
         .arg("--mode")
         .arg("validate")
         .arg("-c")
@@ -88,11 +98,27 @@ impl EnvoyProcess {
         concurrency: u32,
         extra: &[&str],
     ) -> anyhow::Result<EnvoyProcess> {
+        Self::spawn_in(None, config, log_path, concurrency, extra)
+    }
+
+    /// [`EnvoyProcess::spawn`] in `dir` (else this process's directory), for a config whose
+    /// module paths are relative, as the runnable `envoy/kvoy.yaml`'s are.
+    pub fn spawn_in(
+        dir: Option<&Path>,
+        config: &Path,
+        log_path: &Path,
+        concurrency: u32,
+        extra: &[&str],
+    ) -> anyhow::Result<EnvoyProcess> {
         let stderr_path = log_path.with_extension("stderr");
         let stderr = File::create(&stderr_path)
             .with_context(|| format!("creating {}", stderr_path.display()))?;
         let stdout = stderr.try_clone()?;
-        let child = Command::new(envoy_binary())
+        let mut command = Command::new(envoy_binary());
+        if let Some(dir) = dir {
+            command.current_dir(dir);
+        }
+        let child = command
             .arg("-c")
             .arg(config)
             .arg("--concurrency")

@@ -7,7 +7,8 @@
 //! - [`LocalAggregator`]: kvoy-aggregator in-process, following the simulators.
 //! - [`EchoServer`]: an HTTP/1.1 backend that answers chat/completions/responses calls with a
 //!   reply naming the address that served it (header `x-served-by`).
-//! - [`render_bootstrap`]: fills in the `envoy/kvoy.yaml` template.
+//! - [`render_bootstrap`]: fills in the `envoy/template/kvoy.yaml` template;
+//!   [`runnable_bootstraps`]: the runnable `envoy/kvoy.yaml` it renders to with defaults.
 //! - [`Stack`]: renders the template for a pool, runs Envoy, waits until it is ready, and kills
 //!   it on drop.
 //! - [`http`]: a tiny client and codec for the tests.
@@ -42,14 +43,18 @@ pub mod webdriver;
 pub use aggregator::{aggregator_yaml, AggregatedEndpoint, FollowedPool, LocalAggregator};
 pub use bootstrap::{
     kvoy_config, prefix_affinity_config, quoted_contents, render_bootstrap, render_bootstrap_file,
-    BootstrapParams, PoolEndpoint, RenderError,
+    render_runnable, runnable_bootstraps, runnable_params, write_runnable_bootstraps,
+    BootstrapParams, PoolEndpoint, RenderError, RunnableBootstrap, RUNNABLE_ADMIN_PORT,
+    RUNNABLE_AGGREGATOR_PORT, RUNNABLE_BOOTSTRAPS, RUNNABLE_LISTEN_PORT, RUNNABLE_MODEL,
+    RUNNABLE_POOL, RUNNABLE_WASM_DIR,
 };
 pub use echo::{
     error_body, EchoConfig, EchoServer, DELAY_HEADER, DESTINATION_HEADER, MAX_DELAY, PIN_HEADER,
     SERVED_BY_HEADER,
 };
 pub use envoy::{
-    envoy_binary, envoy_version, free_port, validate_config, wasm_failures, EnvoyProcess,
+    envoy_binary, envoy_version, free_port, validate_config, validate_config_in, wasm_failures,
+    EnvoyProcess,
 };
 pub use sim::{small_cache_flags, PublishingSim, SimFleet};
 pub use stack::{

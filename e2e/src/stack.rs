@@ -1,4 +1,5 @@
-//! A kvoy stack: the rendered `envoy/kvoy.yaml` (or `envoy/kvoy-separate.yaml`) running in a real Envoy in front of a static pool.
+//! A kvoy stack: the bootstrap template `envoy/template/kvoy.yaml` (or `kvoy-separate.yaml`),
+//! rendered for a pool, running in a real Envoy in front of it.
 //! Used by `kvoy-stack` (`make run`) and by the end-to-end tests; the backends are started by
 //! the caller.
 
@@ -11,6 +12,7 @@ use serde_json::Value;
 
 use crate::bootstrap::{
     prefix_affinity_config, render_bootstrap_file, BootstrapParams, PoolEndpoint,
+    RunnableBootstrap, RUNNABLE_BOOTSTRAPS,
 };
 use crate::envoy::{free_port, EnvoyProcess};
 
@@ -38,14 +40,14 @@ pub fn workspace_root() -> PathBuf {
     manifest.parent().unwrap_or(manifest).to_path_buf()
 }
 
-/// `envoy/kvoy.yaml` in the repository (the combined `kvoy` filter).
+/// `envoy/template/kvoy.yaml` in the repository (the combined `kvoy` filter).
 pub fn bootstrap_template() -> PathBuf {
-    workspace_root().join("envoy").join("kvoy.yaml")
+    workspace_root().join(RUNNABLE_BOOTSTRAPS[0].template)
 }
 
-/// `envoy/kvoy-separate.yaml` in the repository (the three separate filters).
+/// `envoy/template/kvoy-separate.yaml` in the repository (the three separate filters).
 pub fn separate_bootstrap_template() -> PathBuf {
-    workspace_root().join("envoy").join("kvoy-separate.yaml")
+    workspace_root().join(RUNNABLE_BOOTSTRAPS[1].template)
 }
 
 /// Which filters run the stages.
@@ -64,6 +66,16 @@ impl FilterLayout {
         match self {
             FilterLayout::Combined => bootstrap_template(),
             FilterLayout::Separate => separate_bootstrap_template(),
+        }
+    }
+
+    /// The committed runnable bootstrap of this layout (`envoy/kvoy.yaml`, or
+    /// `envoy/kvoy-separate.yaml`): the template rendered with
+    /// [`crate::bootstrap::runnable_params`].
+    pub fn runnable(self) -> RunnableBootstrap {
+        match self {
+            FilterLayout::Combined => RUNNABLE_BOOTSTRAPS[0],
+            FilterLayout::Separate => RUNNABLE_BOOTSTRAPS[1],
         }
     }
 }
@@ -304,7 +316,7 @@ impl Stack {
         }
     }
 
-    /// Renders `envoy/kvoy.yaml` (or `envoy/kvoy-separate.yaml`, per `layout`) into
+    /// Renders the template `envoy/template/kvoy.yaml` (or `kvoy-separate.yaml`, per `layout`) into
     /// `run_dir/envoy.yaml`, starts Envoy and waits until it is ready.
     pub fn start(config: &StackConfig) -> anyhow::Result<Stack> {
         crate::envoy::envoy_version()?;

@@ -1,6 +1,6 @@
 //! kvoy-stack: a local kvoy demo (`make run`). Starts three kvoy-sim simulators in-process
 //! (vLLM-like servers with a prefix cache; `--backend echo` starts echo backends instead) and
-//! kvoy-aggregator following them, renders `envoy/kvoy.yaml` into `.run/envoy.yaml` with the
+//! kvoy-aggregator following them, renders `envoy/template/kvoy.yaml` into `.run/envoy.yaml` with the
 //! filter polling the aggregator (the simulators are also its static fallback pool), runs Envoy
 //! in front of them and stays up until Ctrl-C or SIGTERM.
 //!
