@@ -8,7 +8,8 @@
 //! callbacks too). On every tick and whenever a request of this proxy completes, the filter
 //! calls [`FlowQueue::release`] with [`Saturation::release_capacity`] and resumes the ids it
 //! names, answering 429 [`EXPIRED_REASON`] to those that expired; when a held client goes
-//! away it calls [`FlowQueue::remove`].
+//! away it calls [`FlowQueue::remove`]. [`AdmissionPolicy`] is that sequence as one type, with
+//! [`Room::measure`] for the pool's room: the filter measures and carries out its answers.
 //!
 //! ```
 //! use kvoy_shared::flow::{classify, saturation_from_inflight, AdmissionConfig, FlowQueue, Offer};
@@ -73,6 +74,7 @@ mod classify;
 mod config;
 mod filter_config;
 mod held;
+mod policy;
 mod queue;
 mod saturation;
 
@@ -83,6 +85,7 @@ pub use config::{
 };
 pub use filter_config::AdmissionFilterConfig;
 pub use held::{HeldBoard, MAX_WORKERS};
+pub use policy::{AdmissionPolicy, Arrival, PoolState, Release, Room, RoomScratch};
 pub use queue::{BandStats, FlowQueue, Offer, RejectReason, EXPIRED_REASON};
 pub use saturation::{
     endpoint_fullness, pool_level, saturation, saturation_from_inflight, Saturation,

@@ -21,7 +21,7 @@ use proxy_wasm::hostcalls;
 
 use kvoy_filter_common::{now_ms, HostStore, LiveSnapshot, PollStart};
 use kvoy_shared::flow::{
-    saturation, saturation_from_inflight, AdmissionFilterConfig, FlowQueue, HeldBoard,
+    AdmissionFilterConfig, AdmissionPolicy, HeldBoard, PoolState, Release, Room, RoomScratch,
     EXPIRED_REASON,
 };
 use kvoy_shared::live::PoolChoice;
@@ -42,7 +42,8 @@ const HOLDERS: EndpointId = EndpointId(1);
 /// What one VM keeps between requests.
 pub struct AdmissionVm {
     pub config: AdmissionFilterConfig,
-    pub queue: FlowQueue,
+    /// The decisions: this worker's held requests, what to admit, release and answer.
+    pub policy: AdmissionPolicy,
     /// This proxy's requests in flight (admitted, not finished), across workers: one count
     /// (slot 0) of a shared in-flight table, the filter running before the endpoint is known;
     /// slot 1 counts the workers on the held board ([`HOLDERS`]).
@@ -53,30 +54,17 @@ pub struct AdmissionVm {
     holder: bool,
     /// Requests of this VM counted in flight (admitted or released), by context id.
     pub acquired: HashSet<u32>,
-    /// When each held request was queued, for the wait histogram.
-    pub queued_at: std::collections::HashMap<u32, u64>,
     pub metrics: Metrics,
     /// The highest priority each worker holds: strict priority across workers.
     pub held: HeldBoard,
     /// The aggregator's snapshot, when configured.
     pub live: Option<LiveSnapshot>,
     tick: Duration,
-    scratch: Vec<u32>,
-    slots: Vec<u16>,
+    room_scratch: RoomScratch,
     /// The snapshot's endpoints inside `allowed_destinations`, and the snapshot they are of.
     allowed: Vec<kvoy_shared::snapshot::EndpointStatus>,
     allowed_of: Option<(u64, u64)>,
-    released: Vec<u64>,
-    expired: Vec<u64>,
-}
-
-/// What the pool has room for, at one moment.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Room {
-    /// The pool's saturation and how many held requests may be released into it.
-    Pool { saturated: bool, capacity: u32 },
-    /// The aggregator's pool is empty: answer 503.
-    NoEndpoint,
+    release: Release,
 }
 
 impl AdmissionVm {
@@ -109,6 +97,7 @@ impl AdmissionVm {
     pub fn room(&mut self) -> Room {
         self.inflight.read(&HostStore, &mut self.counts);
         let total = self.counts.first().copied().unwrap_or(0);
+        let mut pool = PoolState::Static;
         if let Some(live) = self.live.as_mut() {
             live.refresh();
             if let PoolChoice::Live { with_loads } = live.choose(now_ms(), true) {
@@ -118,27 +107,13 @@ impl AdmissionVm {
                     &mut self.allowed,
                     &mut self.allowed_of,
                 );
-                if endpoints.is_empty() {
-                    return Room::NoEndpoint;
-                }
-                if with_loads {
-                    self.slots.clear();
-                    self.slots.extend(endpoints.iter().map(|e| e.slot));
-                    AdmissionFilterConfig::spread_by_slot(total, &self.slots, &mut self.scratch);
-                    let sat = saturation(&self.config.flow, endpoints, &self.scratch, None);
-                    return Room::Pool {
-                        saturated: sat.saturated,
-                        capacity: sat.release_capacity(),
-                    };
-                }
+                pool = PoolState::Live {
+                    endpoints,
+                    with_loads,
+                };
             }
         }
-        self.config.spread(total, &mut self.scratch);
-        let sat = saturation_from_inflight(&self.config.flow, &self.scratch, None);
-        Room::Pool {
-            saturated: sat.saturated,
-            capacity: sat.release_capacity(),
-        }
+        Room::measure(&self.config, pool, total, &mut self.room_scratch)
     }
 
     /// Releases what the capacity allows and expires what waited too long. Resuming a held
@@ -153,38 +128,33 @@ impl AdmissionVm {
     /// resumed only when `on_release` returns `true` (the combined filter routes it first, and
     /// lets its body callback continue it when the body is still arriving).
     pub fn release_held_with(&mut self, on_release: &mut dyn FnMut(u32) -> bool) {
-        if self.queue.is_empty() {
+        if self.policy.is_empty() {
             return;
         }
         let now = now_ms();
         let room = self.room();
-        // No endpoint: every held request is answered 503 (it would only wait for its TTL).
-        let capacity = match room {
-            // Another worker holds a higher band: it releases first, at its next tick.
-            Room::Pool { .. } if self.outranked_by_others(now) => 0,
-            Room::Pool { capacity, .. } => capacity,
-            Room::NoEndpoint => u32::MAX,
-        };
-        let mut released = std::mem::take(&mut self.released);
-        let mut expired = std::mem::take(&mut self.expired);
-        released.clear();
-        expired.clear();
-        self.queue
-            .release(now, capacity, &mut released, &mut expired);
-        for &id in &released {
-            let Ok(context) = u32::try_from(id) else {
+        let mut release = std::mem::take(&mut self.release);
+        // Counts read by `room` tell whether the held board need be read at all.
+        let holders = self.holders_besides_me();
+        let board = &mut self.held;
+        self.policy.release(
+            now,
+            room,
+            |top| holders && board.outranked(&HostStore, top, now),
+            &mut release,
+        );
+        for context in release.no_endpoint.iter().filter_map(|&id| context_of(id)) {
+            if hostcalls::set_effective_context(context).is_ok() {
+                reject_no_endpoint(&self.metrics);
+            }
+        }
+        for &(id, waited) in &release.resume {
+            let Some(context) = context_of(id) else {
                 continue;
             };
-            if room == Room::NoEndpoint {
-                self.queued_at.remove(&context);
-                if hostcalls::set_effective_context(context).is_ok() {
-                    reject_no_endpoint(&self.metrics);
-                }
-                continue;
-            }
             self.acquire(context);
-            if let Some(at) = self.queued_at.remove(&context) {
-                kvoy_filter_common::record(self.metrics.wait_ms, now.saturating_sub(at));
+            if let Some(waited) = waited {
+                kvoy_filter_common::record(self.metrics.wait_ms, waited);
             }
             kvoy_filter_common::add(self.metrics.released, 1);
             if hostcalls::set_effective_context(context).is_ok() && on_release(context) {
@@ -193,34 +163,20 @@ impl AdmissionVm {
                 }
             }
         }
-        for &id in &expired {
-            let Ok(context) = u32::try_from(id) else {
-                continue;
-            };
-            self.queued_at.remove(&context);
+        for context in release.expired.iter().filter_map(|&id| context_of(id)) {
             if hostcalls::set_effective_context(context).is_ok() {
                 reject(&self.metrics, EXPIRED_REASON);
             }
         }
-        self.released = released;
-        self.expired = expired;
+        self.release = release;
         self.queue_changed();
     }
 
-    /// Whether another worker holds a request of a higher band than this one's highest.
-    fn outranked_by_others(&mut self, now: u64) -> bool {
-        match self.queue.highest_waiting_priority() {
-            Some(top) => self.outranked(top, || now),
-            None => false,
-        }
-    }
-
-    /// Whether another worker holds a request that outranks `priority`: the held board is read
-    /// only when, as of the last [`AdmissionVm::room`], another worker is on it.
-    /// `now` is asked for only then.
-    pub fn outranked(&mut self, priority: i32, now: impl FnOnce() -> u64) -> bool {
+    /// Whether, as of the last [`AdmissionVm::room`], a worker other than this one is on the
+    /// held board.
+    pub(crate) fn holders_besides_me(&self) -> bool {
         let holders = self.counts.get(HOLDERS.index()).copied().unwrap_or(0);
-        holders > u32::from(self.holder) && self.held.outranked(&HostStore, priority, now())
+        holders > u32::from(self.holder)
     }
 
     /// Publishes this worker's highest held band for the others (when it changed, and as a
@@ -228,8 +184,9 @@ impl AdmissionVm {
     pub fn publish_held(&mut self, now: u64) {
         // The highest band, and every request this worker holds (the proxy's queue depth is
         // the board's sum).
-        let held = u32::try_from(self.queue.len()).unwrap_or(u32::MAX);
-        let top = self.queue.bands().next().map(|b| (b.priority, held));
+        let queue = self.policy.queue();
+        let held = u32::try_from(queue.len()).unwrap_or(u32::MAX);
+        let top = queue.bands().next().map(|b| (b.priority, held));
         // Counted among the holders before the entry appears, uncounted once it is gone (see
         // HOLDERS); a count that cannot be changed leaves the others reading the board.
         if top.is_some() && !self.holder {
@@ -257,9 +214,10 @@ impl AdmissionVm {
     }
 
     pub fn update_gauges(&self) {
-        self.metrics.queue_depth.set(self.queue.len() as u64);
-        self.metrics.queue_bytes.set(self.queue.bytes());
-        self.metrics.set_bands(self.queue.bands());
+        let queue = self.policy.queue();
+        self.metrics.queue_depth.set(queue.len() as u64);
+        self.metrics.queue_bytes.set(queue.bytes());
+        self.metrics.set_bands(queue.bands());
     }
 }
 
@@ -293,23 +251,20 @@ impl AdmissionVm {
             (tick * 10).max(250),
         );
         Ok(AdmissionVm {
-            queue: FlowQueue::new(&config.flow),
+            policy: AdmissionPolicy::new(&config.flow),
             config,
             inflight: InflightTable::new(&namespace, 2),
             counts: Vec::with_capacity(2),
             holder: false,
             acquired: HashSet::new(),
-            queued_at: std::collections::HashMap::new(),
             metrics,
             live,
             held,
             tick: Duration::from_millis(tick),
-            scratch: Vec::new(),
-            slots: Vec::new(),
+            room_scratch: RoomScratch::default(),
             allowed: Vec::new(),
             allowed_of: None,
-            released: Vec::new(),
-            expired: Vec::new(),
+            release: Release::default(),
         })
     }
 
@@ -370,4 +325,9 @@ impl AdmissionVm {
             None => {}
         }
     }
+}
+
+/// The context id a policy id stands for (the policy's ids are the contexts').
+fn context_of(id: u64) -> Option<u32> {
+    u32::try_from(id).ok()
 }

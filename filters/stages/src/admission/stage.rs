@@ -3,13 +3,13 @@
 use log::debug;
 use proxy_wasm::hostcalls;
 
-use kvoy_filter_common::{add, now_ms, Headers};
-use kvoy_shared::flow::{classify, Offer};
+use kvoy_filter_common::{add, now_ms, Headers, HostStore};
+use kvoy_shared::flow::{classify, Arrival, Room};
 use kvoy_shared::protocol::openai_error_body;
 use kvoy_shared::protocol::{FAIRNESS_HEADERS, OBJECTIVE_HEADERS};
 use kvoy_shared::RouteError;
 
-use super::{AdmissionVm, Metrics, Room};
+use super::{AdmissionVm, Metrics};
 
 pub use kvoy_shared::protocol::DROPPED_REASON_HEADER;
 /// The reason on a 503 for a pool with no endpoint.
@@ -92,13 +92,11 @@ impl AdmissionStage {
             .get("content-length")
             .filter(|v| !v.trim().is_empty())
             .and_then(|v| v.trim().parse().ok());
-        let saturated = match vm.room() {
-            Room::Pool { saturated, .. } => saturated,
-            Room::NoEndpoint => {
-                reject_no_endpoint(&vm.metrics);
-                return Verdict::Replied;
-            }
-        };
+        let room = vm.room();
+        if room == Room::NoEndpoint {
+            reject_no_endpoint(&vm.metrics);
+            return Verdict::Replied;
+        }
         let class = classify(
             &vm.config.flow,
             objective.as_deref(),
@@ -109,32 +107,38 @@ impl AdmissionStage {
         // empty queue, with no other worker on the held board, needs none.
         let mut clock = None;
         let mut now = || *clock.get_or_insert_with(now_ms);
-        // Room in the pool, but another worker holds a higher band: that one goes first.
-        let saturated = saturated || vm.outranked(class.priority, &mut now);
-        let offer = if vm.queue.admits_at_once(saturated) {
-            Offer::Admit
-        } else {
-            vm.queue.offer(u64::from(self.id), &class, now(), saturated)
-        };
-        match offer {
-            Offer::Admit => {
+        // The held board is read (and the clock with it) only when another worker is on it.
+        let holders = vm.holders_besides_me();
+        let board = &mut vm.held;
+        let arrival = vm.policy.arrive(
+            u64::from(self.id),
+            &class,
+            room,
+            &mut now,
+            |priority, now| holders && board.outranked(&HostStore, priority, now()),
+        );
+        match arrival {
+            Arrival::Admit => {
                 vm.acquire(self.id);
                 add(vm.metrics.admitted, 1);
                 Verdict::Admit
             }
-            Offer::Queued => {
+            Arrival::Queued => {
                 debug!(
                     "kvoy_admission: queued request {} (priority {}, flow {})",
                     self.id, class.priority, class.flow
                 );
                 self.held = true;
-                vm.queued_at.insert(self.id, now());
                 add(vm.metrics.queued, 1);
                 vm.queue_changed();
                 Verdict::Hold
             }
-            Offer::Reject(reason) => {
+            Arrival::Reject(reason) => {
                 reject(&vm.metrics, reason.as_str());
+                Verdict::Replied
+            }
+            Arrival::NoEndpoint => {
+                reject_no_endpoint(&vm.metrics);
                 Verdict::Replied
             }
         }
@@ -146,7 +150,7 @@ impl AdmissionStage {
         if !self.held {
             return false;
         }
-        if vm.is_some_and(|vm| vm.queue.contains(u64::from(self.id))) {
+        if vm.is_some_and(|vm| vm.policy.holds(u64::from(self.id))) {
             true
         } else {
             self.held = false;
@@ -163,9 +167,8 @@ impl AdmissionStage {
             return;
         }
         self.finished = true;
-        if self.held && vm.queue.remove(u64::from(self.id)) {
+        if self.held && vm.policy.remove(u64::from(self.id)) {
             // The client went away while held.
-            vm.queued_at.remove(&self.id);
             add(vm.metrics.removed, 1);
             vm.queue_changed();
         }
