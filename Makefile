@@ -38,7 +38,8 @@ EXPLAIN_DIR := target/explain
 BIN_CRATES := kvoy-e2e kvoy-sim kvoy-aggregator kvoy-local kvoy-bench
 # Flags for kvoy-stack (`kvoy-stack --help`), e.g. RUN_ARGS='--backend echo --speedup 1'.
 RUN_ARGS ?=
-# Flags for `kvoy-bench live` and `kvoy-bench overhead` (`cargo run -p kvoy-bench -- --help`).
+# Flags for `kvoy-bench live` and `kvoy-bench overhead` (`cargo run -p kvoy-bench -- live --help`,
+# `-- overhead --help`).
 BENCH_ARGS ?=
 OVERHEAD_ARGS ?=
 # Seconds each fuzz target runs in `make test` and in `make fuzz`; FUZZ_TARGETS empty = all.

@@ -1,7 +1,11 @@
-//! The command line, parsed by hand: `kvoy-bench sim [options]`.
+//! The command line (clap derive): `kvoy-bench sim|live|overhead|report [options]`.
 
 use std::path::PathBuf;
 use std::sync::Arc;
+
+use clap::builder::RangedU64ValueParser;
+use clap::error::{ContextKind, ContextValue, ErrorKind};
+use clap::{Args, Parser, Subcommand};
 
 use kvoy_sim::engine::Profile;
 
@@ -10,80 +14,16 @@ use crate::policy::PolicyKind;
 use crate::runner::{Grid, Rate};
 use crate::workload::{Agents, Count, NoSharing, SharedPrefix, Trace, TraceError, Workload};
 
-pub const USAGE: &str = "\
-kvoy-bench: routing policies on a simulated fleet of kvoy-sim engines (virtual time)
-
-usage: kvoy-bench sim [options]      (this page)
-       kvoy-bench live [options]     (below)
-       kvoy-bench overhead [options] (below)
-       kvoy-bench report --from results.json [--out DIR]
-       kvoy-bench report --from FILE [--out DIR]   summary.md and plots again from a results.json
-
-  --workload NAME       shared-prefix, agents, mooncake or no-sharing; repeat or separate
-                        with commas (default shared-prefix)
-  --all                 every workload (mooncake needs --trace)
-  --policies LIST       comma-separated among round-robin, least-request, random, kvoy,
-                        kvoy-aggregator, llm-d, sglang, llm-d-1.0, llm-d-1.0-calibrated,
-                        dynamo (default: all)
-  --replicas N          engines in the fleet, 1-4096 (default 16)
-  --profile NAME        llama-8b-h100 (default) or qwen-32b-h100-tp2
-  --cpu-offload-blocks N  every replica offloads its KV cache to a CPU tier of N blocks
-                        (kvoy-sim's --cpu-offload-blocks; default 0: none)
-  --fleet KIND          uniform (default): every replica runs the profile; half-slow: the
-                        odd-indexed replicas (1, 3, 5, ...) run it --slow-factor times slower
-                        (every step-time duration multiplied, same KV geometry); loads in `x`
-                        are multiples of that fleet's own saturation estimate
-  --slow-factor F       half-slow: how much slower the slow replicas are, at least 1
-                        (default 2)
-  --rates LIST          comma-separated offered loads: `1.5x` is a multiple of the workload's
-                        estimated saturation rate, `2t` a multiple of the trace's own rate
-                        (mooncake), a plain number is requests/s
-                        (default 0.5x,1x,2x,3x)
-  --scale F             shared-prefix: multiply prompt and output lengths (default 1)
-  --duration S          shared-prefix, agents, no-sharing: load stages of S seconds of
-                        arrivals, rate x S requests (defaults 180, 60 and 60 s)
-  --requests N          shared-prefix, agents, no-sharing: exactly N requests per run instead
-  --trace PATH          the Mooncake conversation trace (JSONL) for the mooncake workload
-  --limit N             mooncake: replay only the first N requests
-  --seed N              seed of every random draw (default 1)
-  --threads N           runs in parallel (default 2)
-  --sglang-tree-chars N sglang: per-worker tree bound in characters (default: the replica's
-                        KV capacity in characters)
-  --out DIR             output directory (default bench/results/sim)
-  --quiet               no progress lines on stderr
-  -h, --help
-";
-
 /// A command-line mistake, or an input that cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum CliError {
     #[error("expected a command: `sim`, `live`, `overhead` or `report` (try --help)")]
     NoCommand,
-    #[error("unknown command `{0}` (the commands are `sim`, `live`, `overhead` and `report`)")]
-    UnknownCommand(String),
-    #[error("`report` needs --from FILE (a results.json)")]
-    MissingFrom,
-    #[error("unknown option `{0}` (try --help)")]
-    UnknownFlag(String),
-    #[error("`{0}` needs a value")]
-    MissingValue(&'static str),
-    #[error("`{flag}` {value:?}: expected {expected}")]
-    BadValue {
-        flag: &'static str,
-        value: String,
-        expected: &'static str,
-    },
+    /// What clap refused, in one line that names the flag (the binary prints clap's own message).
+    #[error("{}", usage_message(.0))]
+    Usage(clap::Error),
     #[error("unknown workload `{0}`; expected shared-prefix, agents, mooncake or no-sharing")]
     UnknownWorkload(String),
-    #[error(
-        "unknown policy `{0}`; expected round-robin, least-request, random, kvoy, \
-         kvoy-aggregator, llm-d or sglang"
-    )]
-    UnknownPolicy(String),
-    #[error("unknown profile `{0}`; expected llama-8b-h100 or qwen-32b-h100-tp2")]
-    UnknownProfile(String),
-    #[error("unknown fleet `{0}`; expected uniform or half-slow")]
-    UnknownFleet(String),
     #[error("`--slow-factor` applies to `--fleet half-slow` only")]
     SlowFactorWithoutSlowReplicas,
     #[error(
@@ -94,6 +34,233 @@ pub enum CliError {
     MissingTrace,
     #[error(transparent)]
     Trace(#[from] TraceError),
+}
+
+/// One line for a clap error, in the words this crate's callers (and tests) read: the flag, and
+/// what is wrong with it.
+fn usage_message(e: &clap::Error) -> String {
+    let context = |kind| match e.get(kind) {
+        Some(ContextValue::String(s)) => s.as_str(),
+        _ => "",
+    };
+    // "--rates <LIST>" -> "--rates".
+    let flag = context(ContextKind::InvalidArg)
+        .split([' ', '='])
+        .next()
+        .unwrap_or_default();
+    match e.kind() {
+        ErrorKind::UnknownArgument => match context(ContextKind::SuggestedArg) {
+            "" => format!("unknown option `{flag}` (try --help)"),
+            similar => format!("unknown option `{flag}`; did you mean `{similar}`?"),
+        },
+        ErrorKind::InvalidSubcommand => format!(
+            "unknown command `{}` (the commands are `sim`, `live`, `overhead` and `report`)",
+            context(ContextKind::InvalidSubcommand)
+        ),
+        ErrorKind::InvalidValue if context(ContextKind::InvalidValue).is_empty() => {
+            format!("`{flag}` needs a value")
+        }
+        // clap's own first paragraph ("invalid value 'x' for '--flag <V>': why").
+        _ => {
+            let text = e.render().to_string();
+            let text = text.strip_prefix("error: ").unwrap_or(&text);
+            text.split("\n\n")
+                .next()
+                .unwrap_or_default()
+                .trim()
+                .to_owned()
+        }
+    }
+}
+
+/// A clap error as a [`CliError`]; `--help` has no `Command::Help` below the top level, so it
+/// is an error there too.
+pub(crate) fn usage(e: clap::Error) -> CliError {
+    match e.kind() {
+        ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand | ErrorKind::MissingSubcommand => {
+            CliError::NoCommand
+        }
+        _ => CliError::Usage(e),
+    }
+}
+
+/// A whole number at least 1, for counts.
+pub(crate) fn positive_usize() -> RangedU64ValueParser<usize> {
+    RangedU64ValueParser::<usize>::new().range(1..)
+}
+
+/// kvoy-bench: routing policies on a simulated fleet of kvoy-sim engines (virtual time), live
+/// through Envoy, and the filters' added latency
+#[derive(Debug, Parser)]
+#[command(name = "kvoy-bench", arg_required_else_help = true)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: CliCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum CliCommand {
+    /// Routing policies on a simulated fleet of kvoy-sim engines (virtual time)
+    Sim(SimCli),
+    /// Real Envoy, kvoy-sim simulators and kvoy-aggregator on 127.0.0.1: the same plan
+    /// through every router
+    Live(crate::live::cli::LiveCli),
+    /// The latency the kvoy filters add, against plain Envoy
+    Overhead(crate::overhead::cli::OverheadCli),
+    /// summary.md and the plots again from a results.json
+    Report {
+        /// A results.json
+        #[arg(long, value_name = "FILE")]
+        from: PathBuf,
+        /// Output directory (default: the file's directory)
+        #[arg(long, value_name = "DIR")]
+        out: Option<PathBuf>,
+    },
+}
+
+impl CliCommand {
+    /// The checks clap cannot make (flags that go together, files the grid needs).
+    pub fn into_command(self) -> Result<Command, CliError> {
+        Ok(match self {
+            CliCommand::Sim(a) => Command::Sim(Box::new(a.into_args()?)),
+            CliCommand::Live(a) => Command::Live(Box::new(a.into_args()?)),
+            CliCommand::Overhead(a) => Command::Overhead(Box::new(a.into_args())),
+            CliCommand::Report { from, out } => Command::Report { from, out },
+        })
+    }
+}
+
+/// `kvoy-bench sim`'s flags.
+#[derive(Debug, Args)]
+#[command(
+    // Negative numbers reach the value parsers, whose errors name the flag.
+    allow_negative_numbers = true,
+    after_help = "Fleets (--fleet KIND): uniform: every replica runs the profile; half-slow: the \
+                  odd-indexed replicas (1, 3, 5, ...) run it --slow-factor times slower (every \
+                  step-time duration multiplied, same KV geometry). Loads in `x` are multiples \
+                  of that fleet's own saturation estimate."
+)]
+pub struct SimCli {
+    /// shared-prefix, agents, mooncake or no-sharing; repeat or separate with commas
+    /// [default: shared-prefix]
+    #[arg(long, visible_alias = "workloads", value_name = "NAME", value_delimiter = ',',
+          value_parser = workload)]
+    pub workload: Vec<String>,
+    /// Every workload (mooncake needs --trace)
+    #[arg(long)]
+    pub all: bool,
+    /// Comma-separated among round-robin, least-request, random, kvoy, kvoy-aggregator, llm-d,
+    /// sglang, llm-d-1.0, llm-d-1.0-calibrated, dynamo [default: all]
+    #[arg(long, value_name = "LIST", value_delimiter = ',', value_parser = policy)]
+    pub policies: Vec<PolicyKind>,
+    /// Engines in the fleet
+    #[arg(long, value_name = "N", default_value_t = 16,
+          value_parser = RangedU64ValueParser::<usize>::new()
+              .range(1..=kvoy_shared::MAX_ENDPOINTS as u64))]
+    pub replicas: usize,
+    /// llama-8b-h100 or qwen-32b-h100-tp2
+    #[arg(long, value_name = "NAME", default_value = "llama-8b-h100",
+          value_parser = kvoy_sim::cli::profile)]
+    pub profile: Profile,
+    /// Every replica offloads its KV cache to a CPU tier of N blocks (kvoy-sim's
+    /// --cpu-offload-blocks; default 0: none)
+    #[arg(long, value_name = "N")]
+    pub cpu_offload_blocks: Option<u32>,
+    /// uniform or half-slow (see below)
+    #[arg(long, value_name = "KIND", default_value = "uniform", value_parser = fleet)]
+    pub fleet: FleetKind,
+    /// half-slow: how much slower the slow replicas are, at least 1 [default: 2]
+    #[arg(long, value_name = "F", value_parser = at_least_one)]
+    pub slow_factor: Option<f64>,
+    /// Comma-separated offered loads: `1.5x` is a multiple of the workload's estimated
+    /// saturation rate, `2t` a multiple of the trace's own rate (mooncake), a plain number is
+    /// requests/s
+    #[arg(long, value_name = "LIST", value_delimiter = ',', value_parser = sim_rate,
+          default_values = ["0.5x", "1x", "2x", "3x"])]
+    pub rates: Vec<Rate>,
+    /// shared-prefix: multiply prompt and output lengths
+    #[arg(long, value_name = "F", default_value_t = 1.0,
+          value_parser = kvoy_sim::cli::positive_f64)]
+    pub scale: f64,
+    /// shared-prefix, agents, no-sharing: load stages of S seconds of arrivals, rate x S
+    /// requests (defaults 180, 60 and 60 s)
+    #[arg(long, value_name = "S", value_parser = kvoy_sim::cli::positive_f64)]
+    pub duration: Option<f64>,
+    /// shared-prefix, agents, no-sharing: exactly N requests per run instead
+    #[arg(long, value_name = "N", conflicts_with = "duration", value_parser = positive_usize())]
+    pub requests: Option<usize>,
+    /// The Mooncake conversation trace (JSONL) for the mooncake workload
+    #[arg(long, value_name = "PATH")]
+    pub trace: Option<PathBuf>,
+    /// mooncake: replay only the first N requests
+    #[arg(long, value_name = "N", value_parser = positive_usize())]
+    pub limit: Option<usize>,
+    /// Seed of every random draw
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub seed: u64,
+    /// Runs in parallel
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = positive_usize())]
+    pub threads: usize,
+    /// sglang: per-worker tree bound in characters (default: the replica's KV capacity in
+    /// characters)
+    #[arg(long, value_name = "N", value_parser = positive_usize())]
+    pub sglang_tree_chars: Option<usize>,
+    /// Output directory
+    #[arg(long, value_name = "DIR", default_value = "bench/results/sim")]
+    pub out: PathBuf,
+    /// No progress lines on stderr
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+fn workload(name: &str) -> Result<String, CliError> {
+    let name = name.trim();
+    if Workload::NAMES.contains(&name) {
+        Ok(name.to_owned())
+    } else {
+        Err(CliError::UnknownWorkload(name.to_owned()))
+    }
+}
+
+fn policy(name: &str) -> Result<PolicyKind, String> {
+    PolicyKind::from_name(name.trim()).ok_or_else(|| {
+        format!(
+            "unknown policy `{}`; expected round-robin, least-request, random, kvoy, \
+             kvoy-aggregator, llm-d, sglang, llm-d-1.0, llm-d-1.0-calibrated or dynamo",
+            name.trim()
+        )
+    })
+}
+
+fn fleet(name: &str) -> Result<FleetKind, String> {
+    let name = name.trim();
+    FleetKind::by_name(name, FleetKind::DEFAULT_SLOW_FACTOR)
+        .ok_or_else(|| format!("unknown fleet `{name}`; expected uniform or half-slow"))
+}
+
+fn at_least_one(v: &str) -> Result<f64, String> {
+    match v.trim().parse::<f64>() {
+        Ok(f) if f.is_finite() && f >= 1.0 => Ok(f),
+        _ => Err("expected a number at least 1".to_owned()),
+    }
+}
+
+fn sim_rate(item: &str) -> Result<Rate, String> {
+    let item = item.trim();
+    let (number, kind): (&str, fn(f64) -> Rate) = if let Some(n) = item.strip_suffix('x') {
+        (n, Rate::Saturation)
+    } else if let Some(n) = item.strip_suffix('t') {
+        (n, Rate::Trace)
+    } else {
+        (item, Rate::Absolute)
+    };
+    match number.parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(kind(x)),
+        _ => Err(
+            "expected rates like 1.5x (x saturation), 2t (x the trace's rate) or 12 (req/s)"
+                .to_owned(),
+        ),
+    }
 }
 
 /// `kvoy-bench sim` options.
@@ -119,29 +286,58 @@ pub struct SimArgs {
     pub quiet: bool,
 }
 
-impl Default for SimArgs {
-    fn default() -> Self {
-        SimArgs {
-            workloads: Vec::new(),
-            policies: PolicyKind::ALL.to_vec(),
-            replicas: 16,
-            profile: Profile::llama_8b_h100(),
-            cpu_offload_blocks: None,
-            fleet: FleetKind::Uniform,
-            rates: [0.5, 1.0, 2.0, 3.0]
-                .into_iter()
-                .map(Rate::Saturation)
-                .collect(),
-            scale: 1.0,
-            count: None,
-            trace: None,
-            limit: None,
-            seed: 1,
-            threads: 2,
-            sglang_tree_chars: None,
-            out: PathBuf::from("bench/results/sim"),
-            quiet: false,
+impl SimCli {
+    /// The options, with the flags that go together checked.
+    pub fn into_args(self) -> Result<SimArgs, CliError> {
+        let mut workloads = if self.all {
+            Workload::NAMES.iter().map(|w| (*w).to_owned()).collect()
+        } else if self.workload.is_empty() {
+            vec!["shared-prefix".to_owned()]
+        } else {
+            self.workload
+        };
+        workloads.dedup();
+        let mut fleet = self.fleet;
+        match &mut fleet {
+            FleetKind::Uniform if self.slow_factor.is_some() => {
+                return Err(CliError::SlowFactorWithoutSlowReplicas)
+            }
+            FleetKind::Uniform => {}
+            FleetKind::HalfSlow { .. } if self.replicas < 2 => {
+                return Err(CliError::HalfSlowReplicas(self.replicas))
+            }
+            FleetKind::HalfSlow { slow_factor: f } => *f = self.slow_factor.unwrap_or(*f),
         }
+        if workloads.iter().any(|w| w == "mooncake") && self.trace.is_none() {
+            return Err(CliError::MissingTrace);
+        }
+        let count = match (self.requests, self.duration) {
+            (Some(n), _) => Some(Count::Fixed(n)),
+            (None, Some(s)) => Some(Count::Duration(s)),
+            (None, None) => None,
+        };
+        Ok(SimArgs {
+            workloads,
+            policies: if self.policies.is_empty() {
+                PolicyKind::ALL.to_vec()
+            } else {
+                self.policies
+            },
+            replicas: self.replicas,
+            profile: self.profile,
+            cpu_offload_blocks: self.cpu_offload_blocks,
+            fleet,
+            rates: self.rates,
+            scale: self.scale,
+            count,
+            trace: self.trace,
+            limit: self.limit,
+            seed: self.seed,
+            threads: self.threads,
+            sglang_tree_chars: self.sglang_tree_chars,
+            out: self.out,
+            quiet: self.quiet,
+        })
     }
 }
 
@@ -162,212 +358,17 @@ pub enum Command {
     },
 }
 
-fn bad(flag: &'static str, value: &str, expected: &'static str) -> CliError {
-    CliError::BadValue {
-        flag,
-        value: value.to_owned(),
-        expected,
-    }
-}
-
-fn number<T: std::str::FromStr>(
-    flag: &'static str,
-    v: &str,
-    expected: &'static str,
-) -> Result<T, CliError> {
-    v.trim().parse().map_err(|_| bad(flag, v, expected))
-}
-
-fn positive_f64(flag: &'static str, v: &str) -> Result<f64, CliError> {
-    let x: f64 = number(flag, v, "a number above 0")?;
-    if x.is_finite() && x > 0.0 {
-        Ok(x)
-    } else {
-        Err(bad(flag, v, "a number above 0"))
-    }
-}
-
-fn positive_usize(flag: &'static str, v: &str) -> Result<usize, CliError> {
-    match number::<usize>(flag, v, "a whole number above 0")? {
-        0 => Err(bad(flag, v, "a whole number above 0")),
-        n => Ok(n),
-    }
-}
-
-fn parse_rate(item: &str) -> Result<Rate, CliError> {
-    const EXPECTED: &str = "rates like 1.5x (x saturation), 2t (x the trace's rate) or 12 (req/s)";
-    let item = item.trim();
-    let (number, kind): (&str, fn(f64) -> Rate) = if let Some(n) = item.strip_suffix('x') {
-        (n, Rate::Saturation)
-    } else if let Some(n) = item.strip_suffix('t') {
-        (n, Rate::Trace)
-    } else {
-        (item, Rate::Absolute)
-    };
-    match number.parse::<f64>() {
-        Ok(x) if x.is_finite() && x > 0.0 => Ok(kind(x)),
-        _ => Err(bad("--rates", item, EXPECTED)),
-    }
-}
-
-/// Parses the arguments after the program name.
+/// Parses the arguments after the program name; `--help` (of any command) is
+/// [`Command::Help`], which the caller prints with clap.
 pub fn parse(args: &[String]) -> Result<Command, CliError> {
-    let mut it = args.iter();
-    let Some(cmd) = it.next() else {
-        return Err(CliError::NoCommand);
-    };
-    match cmd.as_str() {
-        "-h" | "--help" | "help" => return Ok(Command::Help),
-        "sim" => {}
-        "report" => return parse_report(it),
-        "overhead" => {
-            let rest: Vec<String> = it.cloned().collect();
-            if rest.iter().any(|a| a == "-h" || a == "--help") {
-                return Ok(Command::Help);
-            }
-            return crate::overhead::cli::parse(&rest).map(|a| Command::Overhead(Box::new(a)));
+    let argv = std::iter::once("kvoy-bench").chain(args.iter().map(String::as_str));
+    match Cli::try_parse_from(argv) {
+        Ok(cli) => cli.command.into_command(),
+        Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) => {
+            Ok(Command::Help)
         }
-        "live" => {
-            let rest: Vec<String> = it.cloned().collect();
-            if rest.iter().any(|a| a == "-h" || a == "--help") {
-                return Ok(Command::Help);
-            }
-            return crate::live::cli::parse(&rest).map(|a| Command::Live(Box::new(a)));
-        }
-        other => return Err(CliError::UnknownCommand(other.to_owned())),
+        Err(e) => Err(usage(e)),
     }
-    let mut a = SimArgs::default();
-    let mut all = false;
-    let mut slow_factor = None;
-    while let Some(flag) = it.next() {
-        let mut value = |name: &'static str| -> Result<&String, CliError> {
-            it.next().ok_or(CliError::MissingValue(name))
-        };
-        match flag.as_str() {
-            "-h" | "--help" => return Ok(Command::Help),
-            "--all" => all = true,
-            "--quiet" => a.quiet = true,
-            "--workload" => {
-                for w in value("--workload")?.split(',') {
-                    let w = w.trim();
-                    if !Workload::NAMES.contains(&w) {
-                        return Err(CliError::UnknownWorkload(w.to_owned()));
-                    }
-                    a.workloads.push(w.to_owned());
-                }
-            }
-            "--policies" => {
-                a.policies = value("--policies")?
-                    .split(',')
-                    .map(|p| {
-                        PolicyKind::from_name(p.trim())
-                            .ok_or_else(|| CliError::UnknownPolicy(p.trim().to_owned()))
-                    })
-                    .collect::<Result<_, _>>()?;
-            }
-            "--replicas" => {
-                let v = value("--replicas")?;
-                a.replicas = positive_usize("--replicas", v)?;
-                if a.replicas > kvoy_shared::MAX_ENDPOINTS {
-                    return Err(bad("--replicas", v, "at most 4096"));
-                }
-            }
-            "--profile" => {
-                let v = value("--profile")?;
-                a.profile =
-                    Profile::by_name(v).ok_or_else(|| CliError::UnknownProfile(v.to_owned()))?;
-            }
-            "--cpu-offload-blocks" => {
-                let v = value("--cpu-offload-blocks")?;
-                a.cpu_offload_blocks = Some(number("--cpu-offload-blocks", v, "a block count")?);
-            }
-            "--fleet" => {
-                let v = value("--fleet")?.trim();
-                a.fleet = FleetKind::by_name(v, FleetKind::DEFAULT_SLOW_FACTOR)
-                    .ok_or_else(|| CliError::UnknownFleet(v.to_owned()))?;
-            }
-            "--slow-factor" => {
-                let v = value("--slow-factor")?;
-                match number::<f64>("--slow-factor", v, "a number at least 1")? {
-                    f if f.is_finite() && f >= 1.0 => slow_factor = Some(f),
-                    _ => return Err(bad("--slow-factor", v, "a number at least 1")),
-                }
-            }
-            "--rates" => {
-                a.rates = value("--rates")?
-                    .split(',')
-                    .map(parse_rate)
-                    .collect::<Result<_, _>>()?;
-            }
-            "--scale" => a.scale = positive_f64("--scale", value("--scale")?)?,
-            "--requests" => {
-                a.count = Some(Count::Fixed(positive_usize(
-                    "--requests",
-                    value("--requests")?,
-                )?))
-            }
-            "--duration" => {
-                a.count = Some(Count::Duration(positive_f64(
-                    "--duration",
-                    value("--duration")?,
-                )?))
-            }
-            "--trace" => a.trace = Some(PathBuf::from(value("--trace")?)),
-            "--limit" => a.limit = Some(positive_usize("--limit", value("--limit")?)?),
-            "--seed" => a.seed = number("--seed", value("--seed")?, "a whole number")?,
-            "--threads" => a.threads = positive_usize("--threads", value("--threads")?)?,
-            "--sglang-tree-chars" => {
-                a.sglang_tree_chars = Some(positive_usize(
-                    "--sglang-tree-chars",
-                    value("--sglang-tree-chars")?,
-                )?)
-            }
-            "--out" => a.out = PathBuf::from(value("--out")?),
-            other => return Err(CliError::UnknownFlag(other.to_owned())),
-        }
-    }
-    if all {
-        a.workloads = Workload::NAMES.iter().map(|w| (*w).to_owned()).collect();
-    } else if a.workloads.is_empty() {
-        a.workloads.push("shared-prefix".into());
-    }
-    a.workloads.dedup();
-    match &mut a.fleet {
-        FleetKind::Uniform if slow_factor.is_some() => {
-            return Err(CliError::SlowFactorWithoutSlowReplicas)
-        }
-        FleetKind::Uniform => {}
-        FleetKind::HalfSlow { .. } if a.replicas < 2 => {
-            return Err(CliError::HalfSlowReplicas(a.replicas))
-        }
-        FleetKind::HalfSlow { slow_factor: f } => *f = slow_factor.unwrap_or(*f),
-    }
-    if a.workloads.iter().any(|w| w == "mooncake") && a.trace.is_none() {
-        return Err(CliError::MissingTrace);
-    }
-    Ok(Command::Sim(Box::new(a)))
-}
-
-fn parse_report<'a>(mut it: impl Iterator<Item = &'a String>) -> Result<Command, CliError> {
-    let (mut from, mut out) = (None, None);
-    while let Some(flag) = it.next() {
-        match flag.as_str() {
-            "-h" | "--help" => return Ok(Command::Help),
-            "--from" => {
-                from = Some(PathBuf::from(
-                    it.next().ok_or(CliError::MissingValue("--from"))?,
-                ))
-            }
-            "--out" => {
-                out = Some(PathBuf::from(
-                    it.next().ok_or(CliError::MissingValue("--out"))?,
-                ))
-            }
-            other => return Err(CliError::UnknownFlag(other.to_owned())),
-        }
-    }
-    let from = from.ok_or(CliError::MissingFrom)?;
-    Ok(Command::Report { from, out })
 }
 
 impl SimArgs {

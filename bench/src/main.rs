@@ -1,16 +1,19 @@
-//! `kvoy-bench sim`: runs the routing simulation grid and writes its report. See `--help`.
+//! `kvoy-bench sim|live|overhead|report`: runs the routing simulation grid (or the live and
+//! overhead benches) and writes its report. See `--help`.
 
 use std::io::Write;
 use std::path::Path;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use kvoy_bench::cli::{self, Command};
+use clap::Parser;
+use kvoy_bench::cli::{Cli, CliCommand, Command};
 use kvoy_bench::runner::{self, Progress};
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    match run(&args) {
+    // clap prints --help and usage errors itself (exit 0 and 2).
+    let command = Cli::parse().command;
+    match run(command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("kvoy-bench: {e}");
@@ -19,17 +22,10 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
-    let options = match cli::parse(args)? {
-        Command::Help => {
-            print!(
-                "{}\n{}\n{}",
-                cli::USAGE,
-                kvoy_bench::live::cli::USAGE,
-                kvoy_bench::overhead::cli::USAGE
-            );
-            return Ok(());
-        }
+fn run(command: CliCommand) -> Result<(), Box<dyn std::error::Error>> {
+    let options = match command.into_command()? {
+        // Only `cli::parse` answers --help with this; clap has printed the help already.
+        Command::Help => return Ok(()),
         Command::Sim(options) => options,
         Command::Live(options) => return run_live(*options),
         Command::Overhead(options) => return run_overhead(*options),

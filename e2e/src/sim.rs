@@ -23,8 +23,16 @@ impl SimFleet {
     /// events on port `P + i`, as `kvoy-sim --count` does.
     pub fn start(listen: &[SocketAddr], args: &[&str]) -> anyhow::Result<SimFleet> {
         let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
-        if args.iter().any(|a| a == "--listen" || a == "--count") {
-            bail!("SimFleet::start takes the addresses itself: no --listen or --count in {args:?}");
+        // clap also takes `--flag=value`.
+        let flag = |a: &String| a.split('=').next().unwrap_or_default().to_owned();
+        if args
+            .iter()
+            .any(|a| ["--listen", "--count", "--replicas"].contains(&flag(a).as_str()))
+        {
+            bail!(
+                "SimFleet::start takes the addresses itself: no --listen or --count (--replicas) \
+                 in {args:?}"
+            );
         }
         let options = kvoy_sim::cli::parse(&args)
             .context("kvoy-sim options")?

@@ -8,7 +8,9 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use anyhow::{bail, Context as _};
+use anyhow::Context as _;
+use clap::error::{ContextKind, ContextValue, ErrorKind};
+use clap::{Parser, Subcommand};
 
 use kvoy_local::config::Config;
 use kvoy_local::decide::{decide, DecideOptions};
@@ -16,110 +18,86 @@ use kvoy_local::report;
 use kvoy_local::request::Request;
 use kvoy_local::serve::{ServeOptions, Server};
 
-const USAGE: &str = "\
-kvoy-local: run kvoy's wasm filters under wasmtime, without Envoy
-
-usage:
-  kvoy-local decide --config FILE --request FILE [--snapshot FILE] [--json] [--no-response]
-      Runs each request of FILE (one JSON request or a list) through the filter chain and
-      prints the endpoint chosen (or the local reply), every scorer's score per endpoint and
-      the time spent in each filter. --snapshot answers the filters' aggregator polls with
-      FILE (the body of kvoy-aggregator's GET /v1/snapshot). --no-response skips the simulated
-      upstream 200 that otherwise runs the response callbacks.
-
-  kvoy-local serve --config FILE --listen ADDR [--admin ADDR]
-      An HTTP/1.1 proxy on ADDR that runs the filter chain and forwards each request to the
-      endpoint it chose. --admin serves GET /stats (the filters' metrics) and GET /ready.
-
-The configuration file (YAML, or JSON when it ends in .json) lists the filters and their plugin
-configurations; see local/README.md. KVOY_HARNESS_LOG=1 prints the filters' log lines.
-";
-
-enum Cli {
-    Decide {
-        config: PathBuf,
-        request: PathBuf,
-        snapshot: Option<PathBuf>,
-        json: bool,
-        no_response: bool,
-    },
-    Serve {
-        config: PathBuf,
-        listen: SocketAddr,
-        admin: Option<SocketAddr>,
-    },
-    Help,
+/// kvoy-local: run kvoy's wasm filters under wasmtime, without Envoy
+#[derive(Parser)]
+#[command(
+    name = "kvoy-local",
+    arg_required_else_help = true,
+    after_help = "The configuration file (YAML, or JSON when it ends in .json) lists the filters \
+                  and their plugin configurations; see local/README.md. KVOY_HARNESS_LOG=1 \
+                  prints the filters' log lines."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
 }
 
-fn parse(args: &[String]) -> anyhow::Result<Cli> {
-    let Some((command, rest)) = args.split_first() else {
-        return Ok(Cli::Help);
+#[derive(Subcommand)]
+enum Command {
+    /// Runs each request of FILE through the filter chain and prints the decisions
+    ///
+    /// Runs each request of FILE (one JSON request or a list) through the filter chain and
+    /// prints the endpoint chosen (or the local reply), every scorer's score per endpoint and
+    /// the time spent in each filter.
+    Decide {
+        /// The filters and their plugin configurations
+        #[arg(long, value_name = "FILE")]
+        config: PathBuf,
+        /// One JSON request or a list
+        #[arg(long, value_name = "FILE")]
+        request: PathBuf,
+        /// Answers the filters' aggregator polls with FILE (the body of kvoy-aggregator's GET
+        /// /v1/snapshot)
+        #[arg(long, value_name = "FILE")]
+        snapshot: Option<PathBuf>,
+        /// Print the reports as JSON
+        #[arg(long)]
+        json: bool,
+        /// Skip the simulated upstream 200 that otherwise runs the response callbacks
+        #[arg(long)]
+        no_response: bool,
+    },
+    /// An HTTP/1.1 proxy that runs the filter chain and forwards each request
+    ///
+    /// An HTTP/1.1 proxy on ADDR that runs the filter chain and forwards each request to the
+    /// endpoint it chose.
+    Serve {
+        /// The filters and their plugin configurations
+        #[arg(long, value_name = "FILE")]
+        config: PathBuf,
+        /// The proxy's address
+        #[arg(long, value_name = "ADDR")]
+        listen: SocketAddr,
+        /// Serves GET /stats (the filters' metrics) and GET /ready
+        #[arg(long, value_name = "ADDR")]
+        admin: Option<SocketAddr>,
+    },
+}
+
+/// Flags of one command given to the other: clap only says "unexpected argument", so add which
+/// command they belong to.
+fn with_tip(mut e: clap::Error) -> clap::Error {
+    const DECIDE: [&str; 4] = ["--request", "--snapshot", "--json", "--no-response"];
+    const SERVE: [&str; 2] = ["--listen", "--admin"];
+    if e.kind() != ErrorKind::UnknownArgument {
+        return e;
+    }
+    let Some(ContextValue::String(arg)) = e.get(ContextKind::InvalidArg) else {
+        return e;
     };
-    let mut config = None;
-    let mut request = None;
-    let mut snapshot = None;
-    let mut listen = None;
-    let mut admin = None;
-    let mut json = false;
-    let mut no_response = false;
-    let mut it = rest.iter();
-    while let Some(flag) = it.next() {
-        let mut value = |name: &str| -> anyhow::Result<String> {
-            it.next()
-                .cloned()
-                .with_context(|| format!("{name} needs a value"))
-        };
-        match flag.as_str() {
-            "--config" => config = Some(PathBuf::from(value("--config")?)),
-            "--request" => request = Some(PathBuf::from(value("--request")?)),
-            "--snapshot" => snapshot = Some(PathBuf::from(value("--snapshot")?)),
-            "--listen" => {
-                let v = value("--listen")?;
-                listen = Some(
-                    v.parse()
-                        .with_context(|| format!("--listen {v}: not an ip:port"))?,
-                );
-            }
-            "--admin" => {
-                let v = value("--admin")?;
-                admin = Some(
-                    v.parse()
-                        .with_context(|| format!("--admin {v}: not an ip:port"))?,
-                );
-            }
-            "--json" => json = true,
-            "--no-response" => no_response = true,
-            "-h" | "--help" => return Ok(Cli::Help),
-            other => bail!("unknown option {other:?} (see kvoy-local --help)"),
-        }
-    }
-    let config = config.context("--config FILE is required")?;
-    match command.as_str() {
-        "decide" => {
-            if listen.is_some() || admin.is_some() {
-                bail!("--listen and --admin are options of `serve`");
-            }
-            Ok(Cli::Decide {
-                config,
-                request: request.context("decide: --request FILE is required")?,
-                snapshot,
-                json,
-                no_response,
-            })
-        }
-        "serve" => {
-            if request.is_some() || snapshot.is_some() || json || no_response {
-                bail!("--request, --snapshot, --json and --no-response are options of `decide`");
-            }
-            Ok(Cli::Serve {
-                config,
-                listen: listen.context("serve: --listen ADDR is required")?,
-                admin,
-            })
-        }
-        "-h" | "--help" | "help" => Ok(Cli::Help),
-        other => bail!("unknown command {other:?}: decide or serve (see kvoy-local --help)"),
-    }
+    let flag = arg.split('=').next().unwrap_or_default();
+    let tip = if DECIDE.contains(&flag) {
+        "--request, --snapshot, --json and --no-response are options of `decide`"
+    } else if SERVE.contains(&flag) {
+        "--listen and --admin are options of `serve`"
+    } else {
+        return e;
+    };
+    e.insert(
+        ContextKind::Suggested,
+        ContextValue::StyledStrs(vec![tip.into()]),
+    );
+    e
 }
 
 /// Log lines (kvoy-local's own; the filters' go through the harness) to stderr; the level from
@@ -153,17 +131,17 @@ fn main() {
     if log::set_logger(&LOGGER).is_ok() {
         log::set_max_level(level);
     }
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if let Err(e) = run(&args) {
+    // clap prints --help and usage errors itself (exit 0 and 2).
+    let cli = Cli::try_parse().unwrap_or_else(|e| with_tip(e).exit());
+    if let Err(e) = run(cli.command) {
         eprintln!("kvoy-local: {e:#}");
         std::process::exit(2);
     }
 }
 
-fn run(args: &[String]) -> anyhow::Result<()> {
-    match parse(args)? {
-        Cli::Help => print!("{USAGE}"),
-        Cli::Decide {
+fn run(command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::Decide {
             config,
             request,
             snapshot,
@@ -189,7 +167,7 @@ fn run(args: &[String]) -> anyhow::Result<()> {
                 print!("{}", report::text(&reports));
             }
         }
-        Cli::Serve {
+        Command::Serve {
             config,
             listen,
             admin,

@@ -333,11 +333,17 @@ fn config() -> serde_json::Value {
     })
 }
 
+/// Trains the small test tokenizer and writes tokenizer.json and tokenizer_config.json
+#[derive(clap::Parser)]
+struct Args {
+    /// Output directory [default: testdata/tokenizer]
+    out_dir: Option<PathBuf>,
+}
+
 fn main() -> Result<()> {
-    let dir = match std::env::args().nth(1) {
-        Some(d) => PathBuf::from(d),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../testdata/tokenizer"),
-    };
+    let dir = <Args as clap::Parser>::parse()
+        .out_dir
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../testdata/tokenizer"));
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let tokenizer = train()?;
     let path = dir.join("tokenizer.json");

@@ -1,55 +1,18 @@
-//! Command-line options of `kvoy-sim`: one flag per knob, parsed without a framework.
+//! Command-line options of `kvoy-sim`: one flag per knob (clap derive). [`Cli`] is what clap
+//! parses; [`Cli::into_options`] checks what clap cannot (the profile, the tokenizer files) and
+//! gives the [`Options`] the servers run with.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
+use clap::error::ErrorKind;
+use clap::{Args, Parser, ValueEnum};
 
 use crate::engine::Profile;
 use crate::server::HttpOptions;
 use crate::tokenizer::Tokenizer;
-
-pub const USAGE: &str = "\
-kvoy-sim: a vLLM-compatible model-server simulator
-
-usage: kvoy-sim [options]
-
-  --listen ADDR                 HTTP address (default 127.0.0.1:8000)
-  --count N                     start N simulators on consecutive ports from --listen (and
-                                consecutive KV-event ports) in this process (default 1)
-  --model NAME                  served model name; repeat for several (default kvoy-sim)
-  --profile NAME                llama-8b-h100 (default) or qwen-32b-h100-tp2
-  --speedup F                   divide every simulated duration by F (default 1)
-  --seed N                      seed for fault injection (default 1)
-  --default-max-tokens N        when a request sets none (default 16)
-  --max-body-bytes N            larger bodies get 413 (default 33554432)
-  --error-rate F                answer this fraction of completions 500 (default 0)
-  --added-latency-ms N          simulated latency before a completion starts (default 0)
-  --max-stored-responses N      /v1/responses kept for previous_response_id, least recently
-                                used dropped first (default 10000)
-  --max-stored-response-bytes N  ... and at most N bytes of their context (default 268435456)
-  --kv-events-endpoint EP       ZMQ PUB endpoint for KV events, e.g. tcp://127.0.0.1:5557
-  --kv-events-replay-endpoint EP  ZMQ ROUTER endpoint answering replay requests
-  --kv-events-topic T           topic frame of every message (default empty, as vLLM's;
-                                llm-d's convention is kv@<pod ip:port>@<model>)
-  --kv-events-format F          map (default, vLLM >= mid-2026) or array (older vLLM)
-  --tokenizer PATH              a Hugging Face tokenizer.json: prompts are tokenized as vLLM
-                                does with it (chat messages through the model's chat template)
-                                and answers are words of its vocabulary (default: a stand-in
-                                of about 4 bytes per token)
-  --chat-template PATH          a jinja chat template file, instead of the model's
-                                (chat_template.jinja or tokenizer_config.json beside the
-                                tokenizer); needs --tokenizer
- profile overrides:
-  --block-size N --num-gpu-blocks N --max-num-seqs N --max-num-batched-tokens N
-  --max-model-len N --prefill-tokens-per-s F --prefill-attention-s-per-token-pair F
-  --step-base-s F --step-per-seq-s F --step-per-context-token-s F
-  --cpu-offload-blocks N        blocks of a CPU offload tier, as vLLM's --kv-offloading-size
-                                (default 0: none)
-  --offload-load-tokens-per-s F  CPU-to-GPU load rate of that tier (default 200000)
-  -h, --help
-";
 
 /// KV-event publishing options.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -69,120 +32,243 @@ pub struct Options {
     pub kv_events: KvEventOptions,
 }
 
-fn num<T: std::str::FromStr>(flag: &str, v: &str) -> Result<T> {
-    v.parse()
-        .map_err(|_| anyhow::anyhow!("{flag}: {v:?} is not a valid number"))
+/// kvoy-sim: a vLLM-compatible model-server simulator
+#[derive(Debug, Parser)]
+// Negative numbers reach the value parsers, whose errors name the flag.
+#[command(name = "kvoy-sim", allow_negative_numbers = true)]
+pub struct Cli {
+    /// HTTP address
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8000")]
+    pub listen: SocketAddr,
+    /// Start N simulators on consecutive ports from --listen (and consecutive KV-event ports)
+    /// in this process
+    #[arg(long, value_name = "N", visible_alias = "replicas", default_value_t = 1,
+          value_parser = clap::value_parser!(u16).range(1..))]
+    pub count: u16,
+    /// Served model name; repeat or separate with commas for several
+    #[arg(
+        long = "model",
+        value_name = "NAME",
+        value_delimiter = ',',
+        default_value = "kvoy-sim"
+    )]
+    pub models: Vec<String>,
+    /// The engine profile: llama-8b-h100 or qwen-32b-h100-tp2
+    #[arg(long, value_name = "NAME", default_value = "llama-8b-h100", value_parser = profile)]
+    pub profile: Profile,
+    /// Divide every simulated duration by F
+    #[arg(long, value_name = "F", default_value_t = 1.0, value_parser = positive_f64)]
+    pub speedup: f64,
+    /// Seed for fault injection
+    #[arg(long, value_name = "N", default_value_t = HttpOptions::default().seed)]
+    pub seed: u64,
+    /// max_tokens of a request that sets none
+    #[arg(long, value_name = "N", default_value_t = HttpOptions::default().default_max_tokens)]
+    pub default_max_tokens: u32,
+    /// Larger bodies get 413
+    #[arg(long, value_name = "N", default_value_t = HttpOptions::default().max_body_bytes)]
+    pub max_body_bytes: usize,
+    /// Answer this fraction of completions 500
+    #[arg(long, value_name = "F", default_value_t = 0.0, value_parser = fraction)]
+    pub error_rate: f64,
+    /// Simulated latency before a completion starts
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub added_latency_ms: u64,
+    /// /v1/responses kept for previous_response_id, least recently used dropped first
+    #[arg(long, value_name = "N", default_value_t = HttpOptions::default().max_stored_responses)]
+    pub max_stored_responses: usize,
+    /// ... and at most N bytes of their context
+    #[arg(long, value_name = "N",
+          default_value_t = HttpOptions::default().max_stored_response_bytes)]
+    pub max_stored_response_bytes: usize,
+    /// ZMQ PUB endpoint for KV events, e.g. tcp://127.0.0.1:5557
+    #[arg(long, value_name = "EP")]
+    pub kv_events_endpoint: Option<String>,
+    /// ZMQ ROUTER endpoint answering replay requests
+    #[arg(long, value_name = "EP")]
+    pub kv_events_replay_endpoint: Option<String>,
+    /// Topic frame of every message (default empty, as vLLM's; llm-d's convention is
+    /// kv@<pod ip:port>@<model>)
+    #[arg(long, value_name = "T")]
+    pub kv_events_topic: Option<String>,
+    /// The events' wire form
+    #[arg(long, value_name = "F", value_enum, default_value_t = KvEventsFormat::Map)]
+    pub kv_events_format: KvEventsFormat,
+    /// A Hugging Face tokenizer.json: prompts are tokenized as vLLM does with it (chat
+    /// messages through the model's chat template) and answers are words of its vocabulary
+    /// (default: a stand-in of about 4 bytes per token)
+    #[arg(long, value_name = "PATH")]
+    pub tokenizer: Option<PathBuf>,
+    /// A jinja chat template file, instead of the model's (chat_template.jinja or
+    /// tokenizer_config.json beside the tokenizer); needs --tokenizer
+    #[arg(long, value_name = "PATH")]
+    pub chat_template: Option<PathBuf>,
+    #[command(flatten)]
+    pub overrides: ProfileOverrides,
 }
 
-/// Parses the arguments after the program name. `Ok(None)` means help was asked for.
-pub fn parse(args: &[String]) -> Result<Option<Options>> {
-    let mut listen: SocketAddr = "127.0.0.1:8000".parse()?;
-    let mut count = 1u16;
-    let mut models = Vec::new();
-    let mut profile_name = "llama-8b-h100".to_owned();
-    let mut overrides: Vec<(String, String)> = Vec::new();
-    let mut http = HttpOptions {
-        models: Vec::new(),
-        ..HttpOptions::default()
-    };
-    let mut kv = KvEventOptions::default();
-    let mut tokenizer: Option<PathBuf> = None;
-    let mut chat_template: Option<PathBuf> = None;
-    let mut it = args.iter();
-    while let Some(flag) = it.next() {
-        if flag == "-h" || flag == "--help" {
-            return Ok(None);
-        }
-        let value = it
-            .next()
-            .with_context(|| format!("{flag} needs a value\n\n{USAGE}"))?;
-        match flag.as_str() {
-            "--listen" => {
-                listen = value
-                    .parse()
-                    .with_context(|| format!("--listen: {value:?} is not an ip:port address"))?
+/// The KV events' wire form (`--kv-events-format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum KvEventsFormat {
+    /// vLLM >= mid-2026
+    Map,
+    /// Older vLLM
+    Array,
+}
+
+/// Fields of the profile that a flag replaces.
+#[derive(Debug, Default, Args)]
+#[command(next_help_heading = "Profile overrides")]
+pub struct ProfileOverrides {
+    /// Tokens per KV block
+    #[arg(long, value_name = "N")]
+    pub block_size: Option<u32>,
+    /// KV blocks on the GPU
+    #[arg(long, value_name = "N")]
+    pub num_gpu_blocks: Option<u32>,
+    /// Most sequences running at once
+    #[arg(long, value_name = "N")]
+    pub max_num_seqs: Option<u32>,
+    /// Token budget per step
+    #[arg(long, value_name = "N")]
+    pub max_num_batched_tokens: Option<u32>,
+    /// Longest prompt + output accepted
+    #[arg(long, value_name = "N")]
+    pub max_model_len: Option<u32>,
+    /// Prefill throughput of the linear layers, tokens per second
+    #[arg(long, value_name = "F")]
+    pub prefill_tokens_per_s: Option<f64>,
+    /// Prefill attention cost per (new token, attended token) pair, seconds
+    #[arg(long, value_name = "F")]
+    pub prefill_attention_s_per_token_pair: Option<f64>,
+    /// Fixed cost of one step, seconds
+    #[arg(long, value_name = "F")]
+    pub step_base_s: Option<f64>,
+    /// Cost per scheduled sequence, seconds
+    #[arg(long, value_name = "F")]
+    pub step_per_seq_s: Option<f64>,
+    /// Decode cost per context token of each decoding sequence, seconds
+    #[arg(long, value_name = "F")]
+    pub step_per_context_token_s: Option<f64>,
+    /// Blocks of a CPU offload tier, as vLLM's --kv-offloading-size (default 0: none)
+    #[arg(long, value_name = "N")]
+    pub cpu_offload_blocks: Option<u32>,
+    /// CPU-to-GPU load rate of that tier (default 200000)
+    #[arg(long, value_name = "F")]
+    pub offload_load_tokens_per_s: Option<f64>,
+}
+
+impl ProfileOverrides {
+    fn apply(&self, p: &mut Profile) {
+        fn set<T: Copy>(field: &mut T, v: Option<T>) {
+            if let Some(v) = v {
+                *field = v;
             }
-            "--count" => count = num(flag, value)?,
-            "--model" => models.push(value.clone()),
-            "--profile" => profile_name = value.clone(),
-            "--speedup" => http.speedup = num(flag, value)?,
-            "--seed" => http.seed = num(flag, value)?,
-            "--default-max-tokens" => http.default_max_tokens = num(flag, value)?,
-            "--max-body-bytes" => http.max_body_bytes = num(flag, value)?,
-            "--error-rate" => http.error_rate = num(flag, value)?,
-            "--added-latency-ms" => http.added_latency = Duration::from_millis(num(flag, value)?),
-            "--max-stored-responses" => http.max_stored_responses = num(flag, value)?,
-            "--max-stored-response-bytes" => http.max_stored_response_bytes = num(flag, value)?,
-            "--kv-events-endpoint" => kv.endpoint = Some(value.clone()),
-            "--kv-events-replay-endpoint" => kv.replay_endpoint = Some(value.clone()),
-            "--kv-events-topic" => kv.topic = Some(value.clone()),
-            "--tokenizer" => tokenizer = Some(PathBuf::from(value)),
-            "--chat-template" => chat_template = Some(PathBuf::from(value)),
-            "--kv-events-format" => {
-                kv.array_form = match value.as_str() {
-                    "map" => false,
-                    "array" => true,
-                    other => bail!("--kv-events-format: {other:?} is not `map` or `array`"),
-                }
-            }
-            f if f.starts_with("--") => overrides.push((f.to_owned(), value.clone())),
-            other => bail!("unexpected argument {other:?}\n\n{USAGE}"),
         }
+        set(&mut p.block_size, self.block_size);
+        set(&mut p.num_gpu_blocks, self.num_gpu_blocks);
+        set(&mut p.max_num_seqs, self.max_num_seqs);
+        set(&mut p.max_num_batched_tokens, self.max_num_batched_tokens);
+        set(&mut p.max_model_len, self.max_model_len);
+        set(&mut p.prefill_tokens_per_s, self.prefill_tokens_per_s);
+        set(
+            &mut p.prefill_attention_s_per_token_pair,
+            self.prefill_attention_s_per_token_pair,
+        );
+        set(&mut p.step_base_s, self.step_base_s);
+        set(&mut p.step_per_seq_s, self.step_per_seq_s);
+        set(
+            &mut p.step_per_context_token_s,
+            self.step_per_context_token_s,
+        );
+        set(&mut p.cpu_offload_blocks, self.cpu_offload_blocks);
+        set(
+            &mut p.offload_load_tokens_per_s,
+            self.offload_load_tokens_per_s,
+        );
     }
-    let mut profile = Profile::by_name(&profile_name).with_context(|| {
+}
+
+/// `--profile`'s value parser, shared with kvoy-bench: a built-in profile by name.
+pub fn profile(name: &str) -> Result<Profile, String> {
+    Profile::by_name(name).ok_or_else(|| {
         format!(
-            "--profile: unknown profile {profile_name:?}; known: {}",
-            Profile::NAMES.join(", ")
+            "unknown profile `{name}`; expected {}",
+            Profile::NAMES.join(" or ")
         )
-    })?;
-    for (flag, v) in &overrides {
-        match flag.as_str() {
-            "--block-size" => profile.block_size = num(flag, v)?,
-            "--num-gpu-blocks" => profile.num_gpu_blocks = num(flag, v)?,
-            "--max-num-seqs" => profile.max_num_seqs = num(flag, v)?,
-            "--max-num-batched-tokens" => profile.max_num_batched_tokens = num(flag, v)?,
-            "--max-model-len" => profile.max_model_len = num(flag, v)?,
-            "--prefill-tokens-per-s" => profile.prefill_tokens_per_s = num(flag, v)?,
-            "--prefill-attention-s-per-token-pair" => {
-                profile.prefill_attention_s_per_token_pair = num(flag, v)?
-            }
-            "--step-base-s" => profile.step_base_s = num(flag, v)?,
-            "--step-per-seq-s" => profile.step_per_seq_s = num(flag, v)?,
-            "--step-per-context-token-s" => profile.step_per_context_token_s = num(flag, v)?,
-            "--cpu-offload-blocks" => profile.cpu_offload_blocks = num(flag, v)?,
-            "--offload-load-tokens-per-s" => profile.offload_load_tokens_per_s = num(flag, v)?,
-            other => bail!("unknown option {other}\n\n{USAGE}"),
+    })
+}
+
+/// A value parser for factors and durations, shared with kvoy-bench: a finite number above 0.
+pub fn positive_f64(v: &str) -> Result<f64, String> {
+    match v.trim().parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        _ => Err("expected a number above 0".to_owned()),
+    }
+}
+
+fn fraction(v: &str) -> Result<f64, String> {
+    match v.trim().parse::<f64>() {
+        Ok(x) if (0.0..=1.0).contains(&x) => Ok(x),
+        _ => Err("expected a number within 0..=1".to_owned()),
+    }
+}
+
+impl Cli {
+    /// The options the servers run with: the profile with its overrides (validated) and the
+    /// tokenizer loaded.
+    pub fn into_options(self) -> Result<Options> {
+        let mut profile = self.profile;
+        self.overrides.apply(&mut profile);
+        profile
+            .validate()
+            .map_err(|e| anyhow::anyhow!("invalid profile: {e}"))?;
+        let tokenizer = match (&self.tokenizer, &self.chat_template) {
+            (Some(path), template) => Tokenizer::load(path, template.as_deref())
+                .map_err(|e| anyhow::anyhow!("--tokenizer: {e}"))?,
+            // Not clap's `requires`: this message names both flags the way the README does.
+            (None, Some(_)) => bail!("--chat-template needs --tokenizer"),
+            (None, None) => Tokenizer::StandIn,
+        };
+        let http = HttpOptions {
+            models: self.models,
+            speedup: self.speedup,
+            default_max_tokens: self.default_max_tokens,
+            max_body_bytes: self.max_body_bytes,
+            error_rate: self.error_rate,
+            added_latency: Duration::from_millis(self.added_latency_ms),
+            seed: self.seed,
+            max_stored_responses: self.max_stored_responses,
+            max_stored_response_bytes: self.max_stored_response_bytes,
+            tokenizer,
+        };
+        Ok(Options {
+            listen: self.listen,
+            count: self.count,
+            profile,
+            http,
+            kv_events: KvEventOptions {
+                endpoint: self.kv_events_endpoint,
+                replay_endpoint: self.kv_events_replay_endpoint,
+                topic: self.kv_events_topic,
+                array_form: self.kv_events_format == KvEventsFormat::Array,
+            },
+        })
+    }
+}
+
+/// Parses the arguments after the program name, for callers that start simulators in-process
+/// from `kvoy-sim` flags. `Ok(None)` means help was asked for; a usage error is clap's, with
+/// the flag it is about.
+pub fn parse(args: &[String]) -> Result<Option<Options>> {
+    let argv = std::iter::once("kvoy-sim").chain(args.iter().map(String::as_str));
+    match Cli::try_parse_from(argv) {
+        Ok(cli) => cli.into_options().map(Some),
+        Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) => {
+            Ok(None)
         }
+        Err(e) => Err(e.into()),
     }
-    profile
-        .validate()
-        .map_err(|e| anyhow::anyhow!("invalid profile: {e}"))?;
-    if !(http.speedup.is_finite() && http.speedup > 0.0) {
-        bail!("--speedup must be a positive number");
-    }
-    if !(0.0..=1.0).contains(&http.error_rate) {
-        bail!("--error-rate must be within 0..=1");
-    }
-    if count == 0 {
-        bail!("--count must be at least 1");
-    }
-    if models.is_empty() {
-        models.push("kvoy-sim".to_owned());
-    }
-    http.models = models;
-    http.tokenizer = match (&tokenizer, &chat_template) {
-        (Some(path), template) => Tokenizer::load(path, template.as_deref())
-            .map_err(|e| anyhow::anyhow!("--tokenizer: {e}"))?,
-        (None, Some(_)) => bail!("--chat-template needs --tokenizer"),
-        (None, None) => Tokenizer::StandIn,
-    };
-    Ok(Some(Options {
-        listen,
-        count,
-        profile,
-        http,
-        kv_events: kv,
-    }))
 }
 
 #[cfg(test)]

@@ -1,39 +1,67 @@
-//! `kvoy-bench overhead [options]`, parsed by hand like `sim` and `live`.
+//! `kvoy-bench overhead [options]` (clap derive, like `sim` and `live`).
 
 use std::path::PathBuf;
 
+use clap::Parser;
+
 use super::{OverheadGrid, Stages};
-use crate::cli::CliError;
-use crate::live::cli::value;
+use crate::cli::{usage, CliError};
 
-pub const USAGE: &str = "\
-kvoy-bench overhead [options]
-
-The latency the kvoy filters add: Envoy with the filters against plain Envoy (ROUND_ROBIN, no
-filter) in front of the same echo backends on 127.0.0.1, alternating in one run; keep-alive
-clients, non-streamed completions, one-token replies. Also the external picker's architecture:
-the same picker behind Envoy's ext_proc filter (gRPC, body BUFFERED).
-
-  --prompts LIST        prompt sizes in tokens, `8k` = 8000 (default 1k,8k,32k,100k)
-  --concurrency LIST    clients in flight (default 1,32,150)
-  --requests N          requests per row and proxy, at least 8 per client (default 400)
-  --rounds N            alternations of the proxies per row (default 2)
-  --backends N          echo backends (default 4)
-  --no-direct           skip the no-proxy baseline
-  --stages LIST         the kvoy filter's stages, among session, admission, prefix-affinity
-                        (default all three; prefix-affinity must be in it): a stage's cost is
-                        the difference between two runs
-  --no-floor            skip the wasm floor (kvoy's bootstrap with the minimal filter
-                        kvoy_floor.wasm: buffer, copy, hash, set the destination)
-  --no-ext-proc         skip the external picker (Envoy's ext_proc filter and kvoy's picker
-                        as a gRPC server on 127.0.0.1)
-  --host-calls N        also run the floor making N more host calls per request (clock
-                        reads, and shared-data reads) and report what one costs (default:
-                        not run)
-  --seed N              (default 1)
-  --out DIR             output directory (default bench/results/overhead)
-  --quiet               no progress lines
-";
+/// The latency the kvoy filters add
+///
+/// The latency the kvoy filters add: Envoy with the filters against plain Envoy (ROUND_ROBIN,
+/// no filter) in front of the same echo backends on 127.0.0.1, alternating in one run;
+/// keep-alive clients, non-streamed completions, one-token replies. Also the external
+/// picker's architecture: the same picker behind Envoy's ext_proc filter (gRPC, body BUFFERED).
+#[derive(Debug, Parser)]
+// Negative numbers reach the value parsers, whose errors name the flag.
+#[command(name = "kvoy-bench overhead", allow_negative_numbers = true)]
+pub struct OverheadCli {
+    /// Prompt sizes in tokens, `8k` = 8000 [default: 1k,8k,32k,100k]
+    #[arg(long, value_name = "LIST", value_delimiter = ',', value_parser = count(1, 2_000_000))]
+    pub prompts: Vec<usize>,
+    /// Clients in flight [default: 1,32,150]
+    #[arg(long, value_name = "LIST", value_delimiter = ',', value_parser = count(1, 1000))]
+    pub concurrency: Vec<usize>,
+    /// Requests per row and proxy, at least 8 per client [default: 400]
+    #[arg(long, value_name = "N", value_parser = count(1, 1_000_000))]
+    pub requests: Option<usize>,
+    /// Alternations of the proxies per row [default: 2]
+    #[arg(long, value_name = "N", value_parser = count(1, 100))]
+    pub rounds: Option<usize>,
+    /// Echo backends [default: 4]
+    // kvoy-sim and the other benches count their servers with `--replicas`.
+    #[arg(long, visible_alias = "replicas", value_name = "N", value_parser = count(1, 64))]
+    pub backends: Option<usize>,
+    /// Skip the no-proxy baseline
+    #[arg(long)]
+    pub no_direct: bool,
+    /// The kvoy filter's stages, among session, admission, prefix-affinity (default all three;
+    /// prefix-affinity must be in it): a stage's cost is the difference between two runs
+    #[arg(long, value_name = "LIST", value_parser = stages)]
+    pub stages: Option<Stages>,
+    /// Skip the wasm floor (kvoy's bootstrap with the minimal filter kvoy_floor.wasm: buffer,
+    /// copy, hash, set the destination)
+    #[arg(long)]
+    pub no_floor: bool,
+    /// Skip the external picker (Envoy's ext_proc filter and kvoy's picker as a gRPC server on
+    /// 127.0.0.1)
+    #[arg(long)]
+    pub no_ext_proc: bool,
+    /// Also run the floor making N more host calls per request (clock reads, and shared-data
+    /// reads) and report what one costs (default: not run)
+    #[arg(long, value_name = "N", value_parser = count(1, 10_000))]
+    pub host_calls: Option<usize>,
+    /// Seed of every random draw [default: 1]
+    #[arg(long, value_name = "N")]
+    pub seed: Option<u64>,
+    /// Output directory
+    #[arg(long, value_name = "DIR", default_value = "bench/results/overhead")]
+    pub out: PathBuf,
+    /// No progress lines
+    #[arg(long)]
+    pub quiet: bool,
+}
 
 /// `kvoy-bench overhead` options.
 #[derive(Clone, Debug, PartialEq)]
@@ -43,90 +71,66 @@ pub struct OverheadArgs {
     pub quiet: bool,
 }
 
-fn count(v: &str, flag: &'static str, lo: usize, hi: usize) -> Result<usize, CliError> {
-    let bad = || CliError::BadValue {
-        flag,
-        value: v.to_owned(),
-        expected: "a whole number in range",
-    };
-    let (digits, factor) = match v.strip_suffix(['k', 'K']) {
-        Some(d) => (d, 1000),
-        None => (v, 1),
-    };
-    let n = digits
-        .parse::<usize>()
-        .ok()
-        .and_then(|n| n.checked_mul(factor))
-        .ok_or_else(bad)?;
-    if (lo..=hi).contains(&n) {
-        Ok(n)
-    } else {
-        Err(bad())
+/// A value parser for a count in `lo..=hi`, `k` meaning thousands.
+fn count(lo: usize, hi: usize) -> impl Fn(&str) -> Result<usize, String> + Clone {
+    move |v: &str| {
+        let v = v.trim();
+        let (digits, factor) = match v.strip_suffix(['k', 'K']) {
+            Some(d) => (d, 1000),
+            None => (v, 1),
+        };
+        digits
+            .parse::<usize>()
+            .ok()
+            .and_then(|n| n.checked_mul(factor))
+            .filter(|n| (lo..=hi).contains(n))
+            .ok_or_else(|| format!("expected a whole number in {lo}..={hi} (`k` = 1000)"))
     }
 }
 
-fn list(v: &str, flag: &'static str, lo: usize, hi: usize) -> Result<Vec<usize>, CliError> {
-    v.split(',')
-        .map(|x| count(x.trim(), flag, lo, hi))
-        .collect()
+fn stages(v: &str) -> Result<Stages, String> {
+    Stages::parse(v).ok_or_else(|| {
+        "expected a comma-separated list among session, admission, prefix-affinity (which must \
+         be in it)"
+            .to_owned()
+    })
+}
+
+impl OverheadCli {
+    /// The grid: the standard one with the flags' changes.
+    pub fn into_args(self) -> OverheadArgs {
+        let run_dir =
+            std::env::temp_dir().join(format!("kvoy-bench-overhead-{}", std::process::id()));
+        let mut grid = OverheadGrid::standard(run_dir);
+        if !self.prompts.is_empty() {
+            grid.prompt_tokens = self.prompts.iter().map(|&n| n as u32).collect();
+        }
+        if !self.concurrency.is_empty() {
+            grid.concurrency = self.concurrency;
+        }
+        grid.requests = self.requests.unwrap_or(grid.requests);
+        grid.rounds = self.rounds.unwrap_or(grid.rounds);
+        grid.backends = self.backends.unwrap_or(grid.backends);
+        grid.direct = !self.no_direct;
+        grid.ext_proc = !self.no_ext_proc;
+        grid.floor = !self.no_floor;
+        grid.host_calls = self.host_calls.map_or(grid.host_calls, |n| n as u32);
+        grid.stages = self.stages.unwrap_or(grid.stages);
+        grid.seed = self.seed.unwrap_or(grid.seed);
+        OverheadArgs {
+            grid,
+            out: self.out,
+            quiet: self.quiet,
+        }
+    }
 }
 
 /// Parses the options after `overhead`.
 pub fn parse(args: &[String]) -> Result<OverheadArgs, CliError> {
-    let run_dir = std::env::temp_dir().join(format!("kvoy-bench-overhead-{}", std::process::id()));
-    let mut grid = OverheadGrid::standard(run_dir);
-    let mut out = PathBuf::from("bench/results/overhead");
-    let mut quiet = false;
-    let mut it = args.iter();
-    while let Some(flag) = it.next() {
-        match flag.as_str() {
-            "--prompts" => {
-                grid.prompt_tokens = list(value(&mut it, "--prompts")?, "--prompts", 1, 2_000_000)?
-                    .into_iter()
-                    .map(|n| n as u32)
-                    .collect();
-            }
-            "--concurrency" => {
-                grid.concurrency =
-                    list(value(&mut it, "--concurrency")?, "--concurrency", 1, 1000)?;
-            }
-            "--requests" => {
-                grid.requests = count(value(&mut it, "--requests")?, "--requests", 1, 1_000_000)?;
-            }
-            "--rounds" => grid.rounds = count(value(&mut it, "--rounds")?, "--rounds", 1, 100)?,
-            "--backends" => {
-                grid.backends = count(value(&mut it, "--backends")?, "--backends", 1, 64)?;
-            }
-            "--no-direct" => grid.direct = false,
-            "--no-ext-proc" => grid.ext_proc = false,
-            "--no-floor" => grid.floor = false,
-            "--host-calls" => {
-                grid.host_calls =
-                    count(value(&mut it, "--host-calls")?, "--host-calls", 1, 10_000)? as u32;
-            }
-            "--stages" => {
-                let v = value(&mut it, "--stages")?;
-                grid.stages = Stages::parse(v).ok_or_else(|| CliError::BadValue {
-                    flag: "--stages",
-                    value: v.to_owned(),
-                    expected: "a comma-separated list among session, admission, prefix-affinity \
-                               (which must be in it)",
-                })?;
-            }
-            "--seed" => {
-                let v = value(&mut it, "--seed")?;
-                grid.seed = v.parse().map_err(|_| CliError::BadValue {
-                    flag: "--seed",
-                    value: v.to_owned(),
-                    expected: "an integer",
-                })?;
-            }
-            "--out" => out = PathBuf::from(value(&mut it, "--out")?),
-            "--quiet" => quiet = true,
-            other => return Err(CliError::UnknownFlag(other.to_owned())),
-        }
-    }
-    Ok(OverheadArgs { grid, out, quiet })
+    let argv = std::iter::once("kvoy-bench overhead").chain(args.iter().map(String::as_str));
+    Ok(OverheadCli::try_parse_from(argv)
+        .map_err(usage)?
+        .into_args())
 }
 
 #[cfg(test)]

@@ -23,14 +23,11 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use anyhow::{bail, Context as _};
+use clap::{Parser, ValueEnum};
 use kvoy_e2e::{
     aggregator_yaml, AggregatedEndpoint, EchoConfig, EchoServer, LocalAggregator, PoolEndpoint,
     SimFleet, Stack, StackConfig,
 };
-
-const USAGE: &str = "usage: kvoy-stack [--backend sim|echo] [--backends ip:port,...] \
-    [--model NAME] [--speedup F] [--kv-events-port N] [--aggregator-port N] [--listen-port N] \
-    [--admin-port N] [--run-dir DIR] [--wasm-dir DIR] [--concurrency N]";
 
 /// Offset of the simulators' replay sockets from their KV-event ports.
 const REPLAY_PORT_OFFSET: u16 = 10;
@@ -44,106 +41,61 @@ const DEMO_SYSTEM_PROMPT: &str = "You are a helpful assistant for the kvoy demo.
 /// How long the simulators may take to answer `/health`.
 const HEALTH_TIMEOUT: Duration = Duration::from_secs(15);
 
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Backend {
+    /// kvoy-sim simulators, followed by kvoy-aggregator
     Sim,
+    /// Echo backends (no metrics, so no aggregator)
     Echo,
 }
 
+/// kvoy-stack: a local kvoy demo: simulators (or echo backends), kvoy-aggregator and Envoy
+/// with the filters, until Ctrl-C
+#[derive(Parser)]
+#[command(name = "kvoy-stack")]
 struct Args {
+    /// The pool's backends
+    #[arg(long, value_enum, default_value_t = Backend::Sim)]
     backend: Backend,
+    /// The backends' addresses, comma-separated
+    #[arg(long, value_name = "ADDRS", value_delimiter = ',',
+          default_values = ["127.0.0.1:18001", "127.0.0.1:18002", "127.0.0.1:18003"])]
     backends: Vec<SocketAddr>,
-    speedup: String,
-    kv_events_port: u16,
-    aggregator_port: u16,
+    /// The served model name
+    #[arg(long, value_name = "NAME", default_value = "kvoy-demo")]
     model: String,
+    /// The simulators run this much faster than the modelled GPU (kvoy-sim --speedup)
+    #[arg(long, value_name = "F", default_value_t = 10.0,
+          value_parser = kvoy_sim::cli::positive_f64)]
+    speedup: f64,
+    /// Simulator i publishes its KV events on tcp://127.0.0.1:<N + i> and replays missed ones
+    /// on port N + 10 + i; 0 turns them off
+    #[arg(long, value_name = "N", default_value_t = 5557)]
+    kv_events_port: u16,
+    /// kvoy-aggregator's port; 0 runs without it (the filter uses the static pool)
+    #[arg(long, value_name = "N", default_value_t = 18090)]
+    aggregator_port: u16,
+    /// Envoy's listener port
+    #[arg(long, value_name = "N", default_value_t = 18000)]
     listen_port: u16,
+    /// Envoy's admin port
+    #[arg(long, value_name = "N", default_value_t = 18900)]
     admin_port: u16,
+    /// Where the rendered configurations and logs go
+    #[arg(long, value_name = "DIR", default_value = ".run")]
     run_dir: PathBuf,
+    /// Where the filters' .wasm files are (default: $KVOY_WASM_DIR, else the release build's
+    /// wasm32-wasip1 directory)
+    #[arg(long, value_name = "DIR")]
     wasm_dir: Option<PathBuf>,
+    /// Envoy's worker threads (its --concurrency)
+    #[arg(long, value_name = "N", default_value_t = 2)]
     concurrency: u32,
 }
 
-fn parse_args(args: &[String]) -> anyhow::Result<Args> {
-    let mut parsed = Args {
-        backend: Backend::Sim,
-        speedup: "10".into(),
-        kv_events_port: 5557,
-        aggregator_port: 18090,
-        backends: ["127.0.0.1:18001", "127.0.0.1:18002", "127.0.0.1:18003"]
-            .iter()
-            .map(|a| a.parse())
-            .collect::<Result<_, _>>()?,
-        model: "kvoy-demo".into(),
-        listen_port: 18000,
-        admin_port: 18900,
-        run_dir: PathBuf::from(".run"),
-        wasm_dir: None,
-        concurrency: 2,
-    };
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        let mut value = |name: &str| {
-            it.next()
-                .cloned()
-                .with_context(|| format!("{name} needs a value\n{USAGE}"))
-        };
-        match arg.as_str() {
-            "--backend" => {
-                parsed.backend = match value("--backend")?.as_str() {
-                    "sim" => Backend::Sim,
-                    "echo" => Backend::Echo,
-                    other => bail!("--backend: {other:?} is not `sim` or `echo`\n{USAGE}"),
-                }
-            }
-            "--speedup" => parsed.speedup = value("--speedup")?,
-            "--kv-events-port" => {
-                parsed.kv_events_port = value("--kv-events-port")?
-                    .parse()
-                    .context("--kv-events-port")?
-            }
-            "--aggregator-port" => {
-                parsed.aggregator_port = value("--aggregator-port")?
-                    .parse()
-                    .context("--aggregator-port")?
-            }
-            "--backends" => {
-                parsed.backends = value("--backends")?
-                    .split(',')
-                    .map(|a| {
-                        a.trim()
-                            .parse()
-                            .with_context(|| format!("--backends: {a} is not ip:port"))
-                    })
-                    .collect::<anyhow::Result<_>>()?;
-            }
-            "--model" => parsed.model = value("--model")?,
-            "--listen-port" => {
-                parsed.listen_port = value("--listen-port")?.parse().context("--listen-port")?
-            }
-            "--admin-port" => {
-                parsed.admin_port = value("--admin-port")?.parse().context("--admin-port")?
-            }
-            "--run-dir" => parsed.run_dir = PathBuf::from(value("--run-dir")?),
-            "--wasm-dir" => parsed.wasm_dir = Some(PathBuf::from(value("--wasm-dir")?)),
-            "--concurrency" => {
-                parsed.concurrency = value("--concurrency")?.parse().context("--concurrency")?
-            }
-            "-h" | "--help" => {
-                println!("{USAGE}");
-                std::process::exit(0);
-            }
-            other => bail!("unknown argument {other}\n{USAGE}"),
-        }
-    }
-    if parsed.backends.is_empty() {
-        bail!("--backends needs at least one address");
-    }
-    Ok(parsed)
-}
-
 fn main() -> anyhow::Result<()> {
-    let args = parse_args(&std::env::args().skip(1).collect::<Vec<_>>())?;
+    // clap prints --help and usage errors itself (exit 0 and 2).
+    let args = Args::parse();
     let (stop_tx, stop_rx) = mpsc::channel::<()>();
     ctrlc::set_handler(move || {
         let _ = stop_tx.send(());
@@ -283,7 +235,8 @@ fn start_backends(args: &Args) -> anyhow::Result<Backends> {
                 "tcp://127.0.0.1:{}",
                 args.kv_events_port.saturating_add(REPLAY_PORT_OFFSET)
             );
-            let mut sim_args = vec!["--model", args.model.as_str(), "--speedup", &args.speedup];
+            let speedup = args.speedup.to_string();
+            let mut sim_args = vec!["--model", args.model.as_str(), "--speedup", &speedup];
             if args.kv_events_port != 0 {
                 sim_args.extend([
                     "--kv-events-endpoint",

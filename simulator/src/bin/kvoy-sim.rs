@@ -3,18 +3,16 @@
 use std::net::SocketAddr;
 
 use anyhow::{Context, Result};
+use clap::Parser;
 use tokio::net::TcpListener;
 
-use kvoy_sim::cli::{self, Options};
+use kvoy_sim::cli::{Cli, Options};
 use kvoy_sim::server::runtime::{EngineHandle, EventSink};
 use kvoy_sim::server::{self, Simulator};
 
 fn main() -> Result<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let Some(options) = cli::parse(&args)? else {
-        print!("{}", cli::USAGE);
-        return Ok(());
-    };
+    // clap prints --help and usage errors itself (exit 0 and 2).
+    let options = Cli::parse().into_options()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
