@@ -266,7 +266,7 @@ fn query_u64(query: &str, name: &str) -> Option<u64> {
 }
 
 /// A poll's admission report, `proxy=<16 hex digits>&held=N` (the filters'
-/// `kvoy_shared::live::PollReport`); `None` unless both parse. The held count is bounded by
+/// `kvoy_shared::snapshot_board::PollReport`); `None` unless both parse. The held count is bounded by
 /// what one proxy could hold (a garbage figure must not swamp the sum).
 fn admission_report(query: &str) -> Option<(u64, u64)> {
     let proxy = query_value(query, "proxy").and_then(|v| {

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvoy_shared::flow::{pool_level, SaturationThresholds};
+use kvoy_shared::admission::{pool_level, SaturationThresholds};
 use kvoy_shared::snapshot::EndpointStatus;
 
 use crate::config::EndpointSpec;
@@ -114,7 +114,7 @@ pub struct PoolGauges {
     /// Mean KV-cache use over ready, fresh endpoints (0 when there is none).
     pub kv_cache_usage: f64,
     /// The flow-control reference's saturation, as admission computes it
-    /// ([`kvoy_shared::flow::pool_level`] at the default thresholds): mean over endpoints of
+    /// ([`kvoy_shared::admission::pool_level`] at the default thresholds): mean over endpoints of
     /// `max(waiting / 5, kv / 0.8)`, an endpoint that is stale or not ready counting as 1.
     /// 1 when the pool is empty.
     pub saturation: f64,
@@ -328,8 +328,8 @@ mod tests {
             endpoint_status(0, &spec(), &scrape, None, t0, T),
             endpoint_status(1, &spec(), &ScrapeState::default(), None, t0, T),
         ];
-        let admission = kvoy_shared::flow::AdmissionConfig::from_json(b"{}").unwrap();
-        let level = kvoy_shared::flow::saturation(&admission, &statuses, &[], None).level;
+        let admission = kvoy_shared::admission::AdmissionConfig::from_json(b"{}").unwrap();
+        let level = kvoy_shared::admission::saturation(&admission, &statuses, &[], None).level;
         assert_eq!(pool_gauges(&statuses).saturation, level);
     }
 }

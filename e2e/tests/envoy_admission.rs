@@ -1,5 +1,5 @@
 //! End to end with admission control: a real Envoy (`--concurrency 1`: the queue order holds
-//! within one worker; see `kvoy_shared::flow` for what holds across workers) with the three kvoy
+//! within one worker; see `kvoy_shared::admission` for what holds across workers) with the three kvoy
 //! filters in front of one kvoy-sim simulator at real speed, the admission filter limiting
 //! this proxy to 2 requests in flight. Held requests are resumed by Envoy when capacity frees
 //! (a request completes), interactive ones before batch ones; a request held past the queue

@@ -1,5 +1,5 @@
 //! Interactive traffic keeps its latency while an agent flow floods the pool at 3x capacity:
-//! a real Envoy (two workers: strict priority holds across them, see `kvoy_shared::flow`) with
+//! a real Envoy (two workers: strict priority holds across them, see `kvoy_shared::admission`) with
 //! the kvoy filters in front of two kvoy-sim simulators at real speed, each running at most
 //! `SERVER_SEQS` sequences (the rest wait in its FIFO queue, as in vLLM).
 //!

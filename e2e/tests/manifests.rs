@@ -649,7 +649,7 @@ fn plugin_and_aggregator_configurations_parse() {
                         .aggregator
                 }
                 "kvoy_admission" => {
-                    kvoy_shared::flow::AdmissionFilterConfig::from_json(bytes)
+                    kvoy_shared::admission::AdmissionFilterConfig::from_json(bytes)
                         .unwrap_or_else(|e| panic!("{variant} {root_id}: {e}"))
                         .aggregator
                 }
@@ -678,8 +678,9 @@ fn plugin_and_aggregator_configurations_parse() {
                             .unwrap_or_else(|e| panic!("{variant} {root_id} session: {e}"));
                     }
                     if let Some(a) = section("admission") {
-                        let a = kvoy_shared::flow::AdmissionFilterConfig::from_json(a.as_bytes())
-                            .unwrap_or_else(|e| panic!("{variant} {root_id} admission: {e}"));
+                        let a =
+                            kvoy_shared::admission::AdmissionFilterConfig::from_json(a.as_bytes())
+                                .unwrap_or_else(|e| panic!("{variant} {root_id} admission: {e}"));
                         assert_eq!(
                             a.aggregator, pa.aggregator,
                             "{variant}: both stages follow the same aggregator"

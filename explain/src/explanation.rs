@@ -6,11 +6,11 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use thiserror::Error;
 
-use kvoy_shared::live::{self, PollError};
 use kvoy_shared::relay::{self, DecisionBatch, RelayedDecision};
 use kvoy_shared::request::{classify_path, PathClass, RequestError};
 use kvoy_shared::session::decode_token;
 use kvoy_shared::snapshot::Snapshot;
+use kvoy_shared::snapshot_board::{self, PollError};
 use kvoy_shared::{
     BreakReason, ConfigError, DecisionKind, Health, Outstanding, PluginConfig, RouteError, Router,
     Scorer, SessionOutcome,
@@ -68,7 +68,8 @@ impl Explainer {
     /// poller reads it.
     pub fn set_snapshot(&mut self, body: &[u8]) -> Result<(), ExplainError> {
         let mut snapshot = Snapshot::default();
-        live::apply_poll(&mut snapshot, Some(200), body).map_err(ExplainError::Snapshot)?;
+        snapshot_board::apply_poll(&mut snapshot, Some(200), body)
+            .map_err(ExplainError::Snapshot)?;
         self.snapshot = Some(snapshot);
         Ok(())
     }
@@ -108,7 +109,7 @@ impl Explainer {
         };
         let mut router = Router::new(self.config.clone(), SEED);
         // As the filter's poller: the live pool with its loads (just fetched).
-        let pool = live::live_pool(snapshot, true);
+        let pool = snapshot_board::live_pool(snapshot, true);
         let refused_endpoints: Vec<Value> = router
             .set_pool(pool.clone())
             .iter()

@@ -185,7 +185,7 @@ fn two_flows_get_equal_service() -> TestResult {
 /// Across two workers, with both flows' requests spread over both (as Envoy spreads
 /// connections), each worker's round-robin gives each flow half: equal service overall. A
 /// flow whose requests all land on one worker only gets that worker's share (documented in
-/// `kvoy_shared::flow`), which the second case shows.
+/// `kvoy_shared::admission`), which the second case shows.
 #[test]
 fn fairness_across_two_workers() -> TestResult {
     let served = fair_share(2, |i, _| i % 2)?;

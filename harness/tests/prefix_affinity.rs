@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 
 use kvoy_harness::{testing, Action, Error, HttpStream, Plugin};
-use kvoy_shared::replica;
+use kvoy_shared::shared_data;
 
 type TestResult = Result<(), Error>;
 
@@ -105,12 +105,12 @@ fn destination(stream: &HttpStream) -> String {
 }
 
 /// The shared outstanding table: (requests, prefilling, prefill tokens) per pool endpoint, in
-/// `POOL` order. The table is keyed by address (`kvoy_shared::replica::OutstandingTable`:
+/// `POOL` order. The table is keyed by address (`kvoy_shared::shared_data::OutstandingTable`:
 /// family, 16 address bytes, port, three counts per entry) and holds only live work.
 fn outstanding(plugin: &Plugin, config: &str) -> Vec<(u32, u32, u32)> {
     let key = format!(
         "{}.outstanding",
-        replica::pool_namespace(
+        shared_data::pool_namespace(
             "kvoy.pa",
             &kvoy_shared::PluginConfig::from_json(config.as_bytes()).unwrap()
         )
@@ -118,7 +118,7 @@ fn outstanding(plugin: &Plugin, config: &str) -> Vec<(u32, u32, u32)> {
     let word = |c: &[u8], i: usize| u32::from_le_bytes([c[i], c[i + 1], c[i + 2], c[i + 3]]);
     let mut out = vec![(0, 0, 0); POOL.len()];
     if let Some((b, _)) = plugin.shared_data(&key) {
-        for c in b.chunks_exact(replica::OUTSTANDING_ENTRY_BYTES) {
+        for c in b.chunks_exact(shared_data::OUTSTANDING_ENTRY_BYTES) {
             let ip = std::net::Ipv6Addr::from(<[u8; 16]>::try_from(&c[1..17]).unwrap());
             let ip: std::net::IpAddr = match c[0] {
                 4 => ip.to_ipv4_mapped().unwrap().into(),

@@ -4,7 +4,7 @@
 //! and `kvoy-local` does not change the filters. So the scores are recomputed natively with the
 //! filter's own core, [`kvoy_shared::Router`], from the filter's own state: the plugin
 //! configuration bytes it was given, the pool it routes over (the aggregator's snapshot from its
-//! shared-data board, per [`kvoy_shared::live::choose`], or the static endpoints), the prefix
+//! shared-data board, per [`kvoy_shared::snapshot_board::choose`], or the static endpoints), the prefix
 //! index rebuilt from the cross-worker decision log it keeps in shared data, and the in-flight
 //! counts from its shared in-flight table. The state is read (never written) just before the
 //! request enters the chain, and the request is then scored against it. The wasm filter's
@@ -12,9 +12,11 @@
 //! random by the filter).
 
 use kvoy_harness::Plugin;
-use kvoy_shared::live::{self, PoolChoice, SnapshotBoard};
-use kvoy_shared::replica::{self, DecisionLog, Logged, OutstandingTable, SharedStore, StoreError};
 use kvoy_shared::request::Api;
+use kvoy_shared::shared_data::{
+    self, DecisionLog, Logged, OutstandingTable, SharedStore, StoreError,
+};
+use kvoy_shared::snapshot_board::{self, PoolChoice, SnapshotBoard};
 use kvoy_shared::{
     DecisionKind, EndpointId, Outstanding, PluginConfig, RouteError, Router, Scorer, Weights,
 };
@@ -128,7 +130,7 @@ impl Mirror {
     pub fn new(raw: &[u8]) -> Result<Mirror, kvoy_shared::ConfigError> {
         let config = PluginConfig::from_json(raw)?;
         Ok(Mirror {
-            namespace: replica::pool_namespace("kvoy.pa", &config),
+            namespace: shared_data::pool_namespace("kvoy.pa", &config),
             config,
         })
     }
@@ -148,7 +150,7 @@ impl Mirror {
             let meta = board.read_meta(&store);
             let snapshot = board.read_snapshot(&store);
             let now_ms = u64::try_from(now.as_millis()).unwrap_or(u64::MAX);
-            let choice = live::choose(
+            let choice = snapshot_board::choose(
                 meta,
                 snapshot.is_some(),
                 now_ms,
@@ -156,7 +158,7 @@ impl Mirror {
                 self.config.pool.is_empty(),
             );
             if let (PoolChoice::Live { with_loads }, Some(snapshot)) = (choice, snapshot) {
-                router.set_pool(live::live_pool(&snapshot, with_loads));
+                router.set_pool(snapshot_board::live_pool(&snapshot, with_loads));
                 pool_live = true;
             }
         }

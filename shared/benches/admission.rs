@@ -8,7 +8,7 @@
 use criterion::{criterion_group, criterion_main, Criterion};
 use std::hint::black_box;
 
-use kvoy_shared::flow::{classify, saturation, AdmissionConfig, FlowQueue, Offer};
+use kvoy_shared::admission::{classify, saturation, AdmissionConfig, FlowQueue, Offer};
 use kvoy_shared::snapshot::EndpointStatus;
 
 fn endpoints(n: u16) -> Vec<EndpointStatus> {

@@ -30,7 +30,7 @@
 //!
 //! - *Pending prefill tokens* are the uncached-token estimates of the requests this proxy sent
 //!   to `e` that have not yet produced a first response byte, across all worker threads
-//!   ([`crate::replica::OutstandingTable`]); with the aggregator's figures, the server's own
+//!   ([`crate::shared_data::OutstandingTable`]); with the aggregator's figures, the server's own
 //!   queue (other proxies' requests included) stands in when it is larger.
 //! - The *decode term* is what running sequences add: every engine step that carries this
 //!   request's prefill (one per `step_tokens`, vLLM's `max_num_batched_tokens`) also runs one

@@ -17,27 +17,27 @@
 //! assert!(address.starts_with("10.0.0."));
 //! ```
 
+pub mod admission;
 pub mod allow;
 mod config;
 pub mod cost;
 mod endpoint;
-pub mod flow;
 pub mod header_map;
 mod index;
-pub mod live;
 mod lru;
 mod once;
 mod outstanding;
 pub mod prefix;
 pub mod protocol;
 pub mod relay;
-pub mod replica;
 pub mod request;
 mod rng;
 mod router;
 mod score;
 pub mod session;
+pub mod shared_data;
 pub mod snapshot;
+pub mod snapshot_board;
 pub mod usage;
 
 pub use config::{

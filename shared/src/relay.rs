@@ -45,7 +45,7 @@ use thiserror::Error;
 
 use crate::index::Tier;
 use crate::prefix::{BlockKey, KeySchedule};
-use crate::replica::{decode_address, encode_address, ADDRESS_BYTES};
+use crate::shared_data::{decode_address, encode_address, ADDRESS_BYTES};
 
 /// The HTTP `Content-Type` of an encoded [`DecisionBatch`].
 pub const CONTENT_TYPE: &str = "application/x-kvoy-decisions";

@@ -635,7 +635,7 @@ fn tokens(estimate: f64) -> u32 {
     estimate.round().clamp(0.0, f64::from(u32::MAX)) as u32
 }
 
-/// Applies the decision log's records ([`crate::replica::Logged`]) to a router in log order,
+/// Applies the decision log's records ([`crate::shared_data::Logged`]) to a router in log order,
 /// gathering each endpoint's removals and offloads so that one walk of its holdings applies
 /// them all; a decision for an endpoint with some waiting applies after them, as logged.
 /// (Among themselves their order does not matter: a key removed stays removed, whether it was
@@ -653,8 +653,8 @@ pub struct LogReplay {
 }
 
 impl LogReplay {
-    pub fn apply(&mut self, router: &mut Router, logged: crate::replica::Logged<'_>) {
-        use crate::replica::Logged;
+    pub fn apply(&mut self, router: &mut Router, logged: crate::shared_data::Logged<'_>) {
+        use crate::shared_data::Logged;
         let (endpoint, fate, keys) = match logged {
             Logged::Routed(endpoint, keys, _) => {
                 self.flush(router, Some(endpoint));
@@ -1020,7 +1020,7 @@ mod tests {
 
     #[test]
     fn a_replay_applies_removals_in_log_order_one_walk_per_endpoint() {
-        use crate::replica::Logged;
+        use crate::shared_data::Logged;
         let mut r = router("");
         let k = |v: &[u64]| v.iter().copied().map(BlockKey).collect::<Vec<_>>();
         let (a, b) = (EndpointId(0), EndpointId(1));
@@ -1162,8 +1162,8 @@ mod tests {
 
     #[test]
     fn a_prefix_offloaded_to_the_cpu_tier_still_attracts_its_requests() {
-        use crate::live::live_pool;
         use crate::snapshot::{EndpointStatus, SnapshotHistory};
+        use crate::snapshot_board::live_pool;
         let mut r = router("");
         let system = "y".repeat(4000);
         let outstanding = [Outstanding::default(); 3];

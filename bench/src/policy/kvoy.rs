@@ -6,7 +6,7 @@
 //! - `kvoy-aggregator`: the same router fed what kvoy-aggregator gives the filter. Every scrape
 //!   (50 ms of virtual time, the aggregator's scrape interval) the servers' figures become a
 //!   [`Snapshot`] of [`EndpointStatus`]es, turned into the live pool by
-//!   [`kvoy_shared::live::live_pool`] and installed with [`Router::set_pool`], as the filter does
+//!   [`kvoy_shared::snapshot_board::live_pool`] and installed with [`Router::set_pool`], as the filter does
 //!   on a new snapshot version: queue length and KV usage then count (queue 2, KV 2), and a
 //!   changed cache generation drops what the index believed of an endpoint. The snapshot carries
 //!   no block identities, so the index is fed the engines' real cached blocks through the
@@ -33,8 +33,8 @@ use kvoy_shared::prefix::BlockKey;
 use kvoy_shared::request::Api;
 use kvoy_shared::snapshot::{EndpointStatus, Snapshot};
 use kvoy_shared::{
-    live, Charge, ConfigError, EndpointId, Outstanding, OutstandingDelta, PluginConfig, Router,
-    Scorer, Tier,
+    snapshot_board, Charge, ConfigError, EndpointId, Outstanding, OutstandingDelta, PluginConfig,
+    Router, Scorer, Tier,
 };
 
 use kvoy_sim::engine::tokenizer::BYTES_PER_TOKEN;
@@ -298,7 +298,8 @@ impl Policy for Kvoy {
             return;
         }
         let snapshot = self.snapshot(view);
-        self.router.set_pool(live::live_pool(&snapshot, true));
+        self.router
+            .set_pool(snapshot_board::live_pool(&snapshot, true));
         for p in prefilled {
             if let Some(pending) = self.pending.remove(&p.request) {
                 let id = EndpointId(p.endpoint as u16);

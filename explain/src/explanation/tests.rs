@@ -76,7 +76,7 @@ fn proxy(endpoints: u16) -> Router {
     );
     let mut history = SnapshotHistory::new(3);
     history.update((0..endpoints).map(status).collect());
-    r.set_pool(live::live_pool(&history.snapshot(), true));
+    r.set_pool(snapshot_board::live_pool(&history.snapshot(), true));
     r
 }
 

@@ -3,13 +3,13 @@
 //! holds them in priority bands with fair share between flows.
 //!
 //! A thin adapter over the admission stage ([`kvoy_filter_stages::admission`], logic in
-//! [`kvoy_shared::flow`]): admit (continue), queue (pause, also at the body callbacks), or
+//! [`kvoy_shared::admission`]): admit (continue), queue (pause, also at the body callbacks), or
 //! reject (429 with `x-kvoy-dropped-reason`). Held requests are released by the VM that holds
 //! them, in the queue's order, when one of its requests completes and on every tick; those past
 //! the queue TTL get 429 `ttl-expired`; a client that leaves while held is removed. The combined
 //! `kvoy` filter runs the same stage with the other two in one pass.
 //!
-//! Plugin configuration: the JSON of [`kvoy_shared::flow::AdmissionFilterConfig`].
+//! Plugin configuration: the JSON of [`kvoy_shared::admission::AdmissionFilterConfig`].
 
 mod stream;
 

@@ -1,18 +1,18 @@
 //! What every kvoy filter needs from the proxy-wasm host, in one place: Envoy shared data as
-//! a [`kvoy_shared::replica::SharedStore`] ([`HostStore`]), the host clock in milliseconds
+//! a [`kvoy_shared::shared_data::SharedStore`] ([`HostStore`]), the host clock in milliseconds
 //! ([`now_ms`]), and metrics that fail soft ([`counter`], [`gauge`], [`add`], [`set`], and
 //! [`SharedGauge`] for a figure every worker holds a part of: a metric that cannot be defined
 //! is skipped, never fatal; [`defer_metrics`] keeps changes in the VM until flushed), and the
 //! aggregator's snapshot as a filter follows it ([`LiveSnapshot`]).
 
-mod live;
+mod snapshot_poll;
 
-pub use live::{call_aggregator, call_response, CallBody, LiveSnapshot, PollStart};
+pub use snapshot_poll::{call_aggregator, call_response, CallBody, LiveSnapshot, PollStart};
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{MapType, MetricType, Status};
 
-use kvoy_shared::replica::{SharedStore, StoreError};
+use kvoy_shared::shared_data::{SharedStore, StoreError};
 
 /// Envoy shared data (process-wide per `vm_id`, compare-and-swap, no delete).
 pub struct HostStore;

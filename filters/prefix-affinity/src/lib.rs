@@ -5,7 +5,7 @@
 //! logic in [`kvoy_shared::Router`]): it pauses at request headers (Envoy needs
 //! `allow_on_headers_stop_iteration: true`), buffers the body, asks the router, and writes
 //! `x-gateway-destination-endpoint` for an `ORIGINAL_DST` cluster. Cross-worker state lives in
-//! Envoy shared data (see [`kvoy_shared::replica`]): outstanding work per endpoint (requests,
+//! Envoy shared data (see [`kvoy_shared::shared_data`]): outstanding work per endpoint (requests,
 //! and the prefill tokens of those whose answer has not begun, for the cost model) and a
 //! bounded log of decisions that each worker replays into its own prefix index. It honours the
 //! session pin `kvoy_session` hands over in an internal header. The combined `kvoy` filter runs

@@ -8,7 +8,7 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
-use crate::replica::{SharedStore, StoreError};
+use crate::shared_data::{SharedStore, StoreError};
 
 /// Entries per bucket.
 pub const BINDINGS_PER_BUCKET: usize = 8;

@@ -3,7 +3,7 @@ use std::net::SocketAddr;
 use proptest::prelude::*;
 
 use super::*;
-use crate::replica::MemoryStore;
+use crate::shared_data::MemoryStore;
 
 fn addr(s: &str) -> SocketAddr {
     s.parse().unwrap()
@@ -99,7 +99,7 @@ fn store_size(store: &MemoryStore) -> (usize, usize) {
     let mut keys = 0;
     let mut bytes = 0;
     for b in 0..100 {
-        if let Some((v, _)) = crate::replica::SharedStore::get(store, &format!("ns.bind.{b}")) {
+        if let Some((v, _)) = crate::shared_data::SharedStore::get(store, &format!("ns.bind.{b}")) {
             keys += 1;
             bytes += v.len();
         }
@@ -111,7 +111,7 @@ fn store_size(store: &MemoryStore) -> (usize, usize) {
 fn corrupt_buckets_are_ignored() {
     let store = MemoryStore::default();
     let t = BindingTable::new("ns", 8, 300_000);
-    crate::replica::SharedStore::set(&store, "ns.bind.0", &[0xff; 100], 0).unwrap();
+    crate::shared_data::SharedStore::set(&store, "ns.bind.0", &[0xff; 100], 0).unwrap();
     assert_eq!(t.lookup(&store, "header:x", 0), None);
     t.bind(&store, "header:x", addr("10.0.0.1:80"), 0).unwrap();
     assert_eq!(t.lookup(&store, "header:x", 1), Some(addr("10.0.0.1:80")));

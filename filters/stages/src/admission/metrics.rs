@@ -1,7 +1,7 @@
 //! The filter's Envoy metrics (`kvoy_admission_*`).
 
 use kvoy_filter_common::{counter, histogram, SharedGauge};
-use kvoy_shared::flow::{AdmissionConfig, BandStats, RejectReason};
+use kvoy_shared::admission::{AdmissionConfig, BandStats, RejectReason};
 
 /// The queue gauges of one priority band (each worker adds its own queue's part).
 pub struct BandGauges {

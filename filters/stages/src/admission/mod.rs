@@ -1,4 +1,4 @@
-//! The admission stage ([`kvoy_shared::flow`]): admits requests at once while the pool has
+//! The admission stage ([`kvoy_shared::admission`]): admits requests at once while the pool has
 //! room and otherwise holds them in priority bands with fair share between flows.
 //!
 //! At the request headers it classifies the request (objective -> priority, fairness id ->
@@ -8,7 +8,7 @@
 //! queue's order, when one of its requests completes and on every tick; those past the queue
 //! TTL get 429 `ttl-expired`; a client that leaves while held is removed.
 //!
-//! Configuration: the JSON of [`kvoy_shared::flow::AdmissionFilterConfig`].
+//! Configuration: the JSON of [`kvoy_shared::admission::AdmissionFilterConfig`].
 
 mod metrics;
 mod stage;
@@ -20,12 +20,12 @@ use log::{info, warn};
 use proxy_wasm::hostcalls;
 
 use kvoy_filter_common::{now_ms, HostStore, LiveSnapshot, PollStart};
-use kvoy_shared::flow::{
+use kvoy_shared::admission::{
     AdmissionFilterConfig, AdmissionPolicy, HeldBoard, PoolState, Release, Room, RoomScratch,
     EXPIRED_REASON,
 };
-use kvoy_shared::live::PoolChoice;
-use kvoy_shared::replica::{self, InflightTable};
+use kvoy_shared::shared_data::{self, InflightTable};
+use kvoy_shared::snapshot_board::PoolChoice;
 use kvoy_shared::EndpointId;
 
 pub use metrics::Metrics;
@@ -227,7 +227,7 @@ impl AdmissionVm {
     /// every [`AdmissionVm::tick_period`].
     pub fn configure(raw: &[u8], context_id: u32) -> Result<AdmissionVm, String> {
         let config = AdmissionFilterConfig::from_json(raw).map_err(|e| e.to_string())?;
-        let namespace = replica::namespace("kvoy.adm", raw);
+        let namespace = shared_data::namespace("kvoy.adm", raw);
         let live = config
             .aggregator
             .clone()

@@ -2,15 +2,15 @@
 //! router for the pool endpoint most likely to hold its prompt prefix (weighed against load,
 //! honouring a session pin for a healthy pool member) and writes
 //! `x-gateway-destination-endpoint` for an `ORIGINAL_DST` cluster. Cross-worker state lives in
-//! Envoy shared data (see [`kvoy_shared::replica`]): outstanding work per endpoint (requests,
+//! Envoy shared data (see [`kvoy_shared::shared_data`]): outstanding work per endpoint (requests,
 //! and the prefill tokens of those whose answer has not begun, for the cost model) and a
 //! bounded log of decisions that each worker replays into its own prefix index.
 //!
 //! Configuration: the JSON of [`kvoy_shared::PluginConfig`], e.g.
 //! `{"endpoints":[{"address":"10.0.0.1:8000","models":["llama"]}]}`.
 
-mod live;
 mod metrics;
+mod pool;
 mod relay;
 mod stage;
 
@@ -19,7 +19,7 @@ use std::time::Duration;
 use log::{info, warn};
 
 use kvoy_filter_common::HostStore;
-use kvoy_shared::replica::{self, DecisionLog, Logged, OutstandingTable};
+use kvoy_shared::shared_data::{self, DecisionLog, Logged, OutstandingTable};
 use kvoy_shared::{LogOnce, LogReplay, Outstanding, PluginConfig, Router};
 
 pub use metrics::Metrics;
@@ -37,7 +37,7 @@ pub struct PrefixVm {
     /// Scratch for the outstanding work read per request.
     pub counts: Vec<Outstanding>,
     /// The aggregator's pool, when configured.
-    pub live: Option<live::LivePool>,
+    pub live: Option<pool::LivePool>,
     /// Decisions shared with the pool's other proxies through the aggregator (with `live`).
     pub relay: Option<relay::Relay>,
     /// Requests routed by their body; every [`USAGE_SAMPLE_EVERY`]th has its answer's
@@ -60,7 +60,7 @@ impl PrefixVm {
         // Shared-data keys are namespaced by the pool, not by the whole configuration: a new
         // configuration of the same pool keeps the outstanding work and the decision log (and
         // replays the log below); a new pool (other endpoints or order) starts apart.
-        let namespace = replica::pool_namespace("kvoy.pa", &config);
+        let namespace = shared_data::pool_namespace("kvoy.pa", &config);
         let seed = kvoy_filter_common::vm_seed(context_id);
         let endpoints = config.pool.id_bound();
         let metrics = Metrics::define();
@@ -82,7 +82,7 @@ impl PrefixVm {
         let live = config
             .aggregator
             .clone()
-            .map(|a| live::LivePool::new(a, &namespace, seed));
+            .map(|a| pool::LivePool::new(a, &namespace, seed));
         if let Some(l) = &live {
             info!(
                 "kvoy_prefix_affinity: live pool from the aggregator cluster {:?} every {} ms",
@@ -134,7 +134,7 @@ impl PrefixVm {
     /// stage holds, asked only then).
     pub fn on_tick_with(&mut self, catch_up: bool, held: impl FnOnce() -> Option<u64>) {
         if self.live.is_some() {
-            live::on_tick(self, held);
+            pool::on_tick(self, held);
         }
         if catch_up {
             self.catch_up(usize::MAX);
@@ -150,7 +150,7 @@ impl PrefixVm {
     /// The answer to an HTTP call (the aggregator's snapshot, if `token` is this stage's poll).
     pub fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize) {
         if self.relay.as_ref().is_some_and(|r| r.owns(token)) {
-            live::on_relay_response(self, num_headers, body_size);
+            pool::on_relay_response(self, num_headers, body_size);
             return;
         }
         let Some(l) = self.live.as_ref() else {
@@ -161,7 +161,7 @@ impl PrefixVm {
         }
         let limit = l.snapshot.settings().max_snapshot_bytes;
         let (status, body) = kvoy_filter_common::call_response(num_headers, body_size, limit);
-        live::on_poll_response(self, token, status, &body);
+        pool::on_poll_response(self, token, status, &body);
     }
 
     /// Replays other workers' decisions and the aggregator's confirmed removals into this VM's

@@ -17,7 +17,7 @@ use log::{debug, warn};
 
 use kvoy_filter_common::{call_aggregator, CallBody, HostStore};
 use kvoy_shared::relay::{self, DecisionBatch, RelayedDecision, Removals};
-use kvoy_shared::replica::{DecisionLog, Logged, SharedStore};
+use kvoy_shared::shared_data::{DecisionLog, Logged, SharedStore};
 use kvoy_shared::{AggregatorSettings, Router};
 
 /// The origin of the records the relay appends: every worker replays them (their origins are

@@ -123,7 +123,7 @@ fn reply_error(vm: &mut VmState, err: &RouteError) {
 fn refresh(vm: &mut VmState, now: Duration) {
     if vm.live.is_some() {
         let now_ms = u64::try_from(now.as_millis()).unwrap_or(u64::MAX);
-        super::live::refresh(vm, now_ms);
+        super::pool::refresh(vm, now_ms);
     }
     // One read gives the outstanding work and the decision log's head (one value): the
     // replay goes up to that head without reading it again.

@@ -12,8 +12,8 @@ mod stage;
 
 use log::info;
 
-use kvoy_shared::replica;
 use kvoy_shared::session::{BindingTable, SessionConfig};
+use kvoy_shared::shared_data;
 
 pub use metrics::Metrics;
 pub use stage::SessionStage;
@@ -35,7 +35,7 @@ impl SessionVm {
             raw
         };
         let config = SessionConfig::from_json(raw).map_err(|e| e.to_string())?;
-        let namespace = replica::namespace("kvoy.session", raw);
+        let namespace = shared_data::namespace("kvoy.session", raw);
         let table = BindingTable::new(&namespace, config.max_bindings, config.ttl_ms);
         info!(
             "kvoy_session: sources {:?}, TTL {} ms, {} bindings at most",

@@ -12,7 +12,7 @@
 //! [`Room::measure`] for the pool's room: the filter measures and carries out its answers.
 //!
 //! ```
-//! use kvoy_shared::flow::{classify, saturation_from_inflight, AdmissionConfig, FlowQueue, Offer};
+//! use kvoy_shared::admission::{classify, saturation_from_inflight, AdmissionConfig, FlowQueue, Offer};
 //! let cfg = AdmissionConfig::from_json(br#"{
 //!     "objectives": {"interactive": 10, "batch": -1},
 //!     "saturation": {"max_inflight_per_endpoint": 1},

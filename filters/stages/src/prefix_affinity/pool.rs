@@ -1,10 +1,10 @@
 //! The live pool from kvoy-aggregator: the router's pool follows the snapshot
-//! ([`LiveSnapshot`]) or the static endpoints, per [`kvoy_shared::live::choose`].
+//! ([`LiveSnapshot`]) or the static endpoints, per [`kvoy_shared::snapshot_board::choose`].
 
 use log::{debug, warn};
 
 use kvoy_filter_common::{now_ms, CallBody, LiveSnapshot, PollStart};
-use kvoy_shared::live::{self, PoolChoice};
+use kvoy_shared::snapshot_board::{self, PoolChoice};
 use kvoy_shared::AggregatorSettings;
 
 use super::Metrics;
@@ -43,7 +43,7 @@ pub fn refresh(vm: &mut VmState, now_ms: u64) {
     }
     let pool = match choice {
         PoolChoice::Static => vm.router.config().pool.clone(),
-        PoolChoice::Live { with_loads } => live::live_pool(snap, with_loads),
+        PoolChoice::Live { with_loads } => snapshot_board::live_pool(snap, with_loads),
     };
     debug!(
         "kvoy_prefix_affinity: pool {choice:?} epoch {} version {}: {} endpoints",

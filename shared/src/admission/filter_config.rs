@@ -2,7 +2,7 @@
 //! itself needs (the pool size it admits into, its release tick).
 //!
 //! ```
-//! let cfg = kvoy_shared::flow::AdmissionFilterConfig::from_json(br#"{
+//! let cfg = kvoy_shared::admission::AdmissionFilterConfig::from_json(br#"{
 //!     "endpoints": 3,
 //!     "flow": {"saturation": {"max_inflight_per_endpoint": 8}}
 //! }"#).unwrap();

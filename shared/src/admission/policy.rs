@@ -229,7 +229,7 @@ impl AdmissionPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::flow::classify;
+    use crate::admission::classify;
 
     fn config(json: &str) -> AdmissionConfig {
         AdmissionConfig::from_json(json.as_bytes()).unwrap()

@@ -10,7 +10,7 @@
 
 use crate::config::AggregatorSettings;
 use crate::endpoint::{Endpoint, EndpointId, EndpointLoad, Health, Pool};
-use crate::replica::{SharedStore, StoreError};
+use crate::shared_data::{SharedStore, StoreError};
 use crate::snapshot::{Snapshot, SnapshotDelta, SnapshotError, SnapshotFormat};
 
 /// What the board says about the published snapshot.
@@ -307,7 +307,7 @@ pub fn apply_poll(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::replica::MemoryStore;
+    use crate::shared_data::MemoryStore;
     use crate::snapshot::{EndpointStatus, SnapshotHistory};
 
     fn settings() -> AggregatorSettings {

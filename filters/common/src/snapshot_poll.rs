@@ -1,4 +1,4 @@
-//! Following kvoy-aggregator's snapshot from a filter (see [`kvoy_shared::live`]): every VM
+//! Following kvoy-aggregator's snapshot from a filter (see [`kvoy_shared::snapshot_board`]): every VM
 //! reads the snapshot from the shared-data board; the VM holding the lease polls the
 //! aggregator with `dispatch_http_call` from its root context's tick and publishes the answer.
 
@@ -7,11 +7,11 @@ use std::time::Duration;
 use log::{debug, warn};
 use proxy_wasm::hostcalls;
 
-use kvoy_shared::live::{self, BoardMeta, PollError, PoolChoice, SnapshotBoard};
 use kvoy_shared::snapshot::Snapshot;
+use kvoy_shared::snapshot_board::{self, BoardMeta, PollError, PoolChoice, SnapshotBoard};
 use kvoy_shared::{AggregatorSettings, LogOnce};
 
-use kvoy_shared::replica::SharedStore;
+use kvoy_shared::shared_data::SharedStore;
 
 use crate::HostStore;
 
@@ -98,9 +98,9 @@ impl LiveSnapshot {
         }
     }
 
-    /// Live or static pool at `now_ms` (see [`live::choose`]), as of the last refresh.
+    /// Live or static pool at `now_ms` (see [`snapshot_board::choose`]), as of the last refresh.
     pub fn choose(&self, now_ms: u64, static_pool_empty: bool) -> PoolChoice {
-        live::choose(
+        snapshot_board::choose(
             self.meta,
             self.snapshot.epoch != 0,
             now_ms,
@@ -132,11 +132,12 @@ impl LiveSnapshot {
         if !self.board.try_lease(&HostStore, now_ms, ttl) {
             return PollStart::Skipped;
         }
-        let report = held().map(|held| live::PollReport {
+        let report = held().map(|held| snapshot_board::PollReport {
             proxy: self.proxy(),
             held,
         });
-        let path = live::poll_path(&self.settings, &self.snapshot, self.want_full, report);
+        let path =
+            snapshot_board::poll_path(&self.settings, &self.snapshot, self.want_full, report);
         match call_aggregator(
             &self.settings,
             self.authorization.as_deref(),
@@ -197,12 +198,12 @@ impl LiveSnapshot {
         self.poll = None;
         let mut next = self.snapshot.clone();
         let applied = match body {
-            CallBody::Read(body) => live::apply_poll(&mut next, status, body),
+            CallBody::Read(body) => snapshot_board::apply_poll(&mut next, status, body),
             CallBody::TooLarge(size) if status == Some(200) => Err(PollError::TooLarge {
                 size: *size,
                 limit: self.settings.max_snapshot_bytes,
             }),
-            CallBody::TooLarge(_) => live::apply_poll(&mut next, status, b""),
+            CallBody::TooLarge(_) => snapshot_board::apply_poll(&mut next, status, b""),
         };
         let result = match applied {
             Ok(changed) => {

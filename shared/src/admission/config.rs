@@ -1,7 +1,7 @@
 //! The `kvoy_admission` filter's configuration (JSON, unknown fields rejected).
 //!
 //! ```
-//! use kvoy_shared::flow::{AdmissionConfig, Fairness};
+//! use kvoy_shared::admission::{AdmissionConfig, Fairness};
 //! let cfg = AdmissionConfig::from_json(br#"{
 //!     "objectives": {"interactive": 10, "batch": -1},
 //!     "saturation": {"max_inflight_per_endpoint": 32}

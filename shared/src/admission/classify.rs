@@ -33,7 +33,7 @@ pub struct Class<'a> {
 /// blank fairness id is [`DEFAULT_FLOW`]. Allocates nothing.
 ///
 /// ```
-/// use kvoy_shared::flow::{classify, AdmissionConfig};
+/// use kvoy_shared::admission::{classify, AdmissionConfig};
 /// let cfg = AdmissionConfig::from_json(br#"{"objectives":{"batch":-1}}"#).unwrap();
 /// let c = classify(&cfg, Some("batch"), Some(" tenant-a "), Some(512));
 /// assert_eq!((c.priority, c.flow, c.bytes, c.sheddable), (-1, "tenant-a", 512, true));

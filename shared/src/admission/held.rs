@@ -7,7 +7,7 @@
 //! Entries not refreshed within `max_age_ms` are ignored and dropped: a worker that stopped
 //! publishing cannot block the others.
 
-use crate::replica::{SharedStore, StoreError};
+use crate::shared_data::{SharedStore, StoreError};
 
 /// Workers one board tracks; more are ignored (never blocked on).
 pub const MAX_WORKERS: usize = 256;
@@ -175,7 +175,7 @@ impl HeldBoard {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use crate::replica::MemoryStore;
+    use crate::shared_data::MemoryStore;
 
     #[test]
     fn a_worker_sees_what_the_others_hold() {
