@@ -2,6 +2,9 @@
 //! and metrics (`/metrics`), and serves what the filters need as a small, versioned,
 //! incremental snapshot.
 //!
+//! It depends on kvoy-shared (the snapshot and relay formats it serves) and kvoy-kvevents; never on
+//! the filters, the harness or a test crate.
+//!
 //! - [`config`]: the configuration file; [`source`]: where endpoints come from (a file,
 //!   reloaded when it changes, or [`k8s`]: an InferencePool's Ready pods from the Kubernetes
 //!   API server).

@@ -2,6 +2,8 @@
 //! in Envoy, so that the benchmark can say how much of kvoy's added latency and lost throughput
 //! is wasm and Envoy's plumbing and how much is kvoy's own work.
 //!
+//! It depends on no kvoy crate: it is the floor, so it must not share kvoy's code.
+//!
 //! Per request: hold the headers, let Envoy buffer the whole body, copy it into the VM in one
 //! call, hash it (xxh3, one pass), and set `x-gateway-destination-endpoint` to the pool address
 //! the hash picks. No parsing, no index, no shared data, no metrics. It reads the combined

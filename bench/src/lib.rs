@@ -1,5 +1,8 @@
 //! kvoy-bench: a deterministic fleet-scale simulation of LLM request routing.
 //!
+//! Nothing depends on it: it is the top of the tree (it uses kvoy-sim's engine, kvoy-shared's
+//! router, the aggregator's estimators and kvoy-e2e's stack).
+//!
 //! N [`kvoy_sim`] engines (paged KV cache with prefix caching, continuous batching, the
 //! calibrated step-time model) run in one discrete-event loop in virtual time, behind one proxy
 //! that routes every request with a [`policy::Policy`]: round-robin, least-request, random,

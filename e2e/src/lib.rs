@@ -2,6 +2,9 @@
 //! backends (kvoy-sim simulators or echo servers) on 127.0.0.1. The `kvoy-stack` binary
 //! (`make run`) and the tests in `tests/` use it.
 //!
+//! It is a test kit: only tests, benchmarks and `kvoy-stack` depend on it, never a component kvoy
+//! ships.
+//!
 //! - [`SimFleet`]: kvoy-sim simulators (vLLM-like: prefix cache, `cached_tokens`) run
 //!   in-process on a tokio runtime of their own.
 //! - [`LocalAggregator`]: kvoy-aggregator in-process, following the simulators.

@@ -8,6 +8,9 @@
 //! the page cannot know (a proxy's requests in flight, its decisions not relayed yet, the
 //! random tie-break) the answer says.
 //!
+//! It depends on kvoy-shared only (and wasm-bindgen for the browser): no I/O, so the page runs the
+//! proxies' own router.
+//!
 //! Built for `wasm32-unknown-unknown` by `make explain` (then `wasm-bindgen --target web`),
 //! embedded in the aggregator binary; natively it is a plain library, for its tests.
 //!

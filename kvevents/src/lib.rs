@@ -1,6 +1,9 @@
 //! KV-cache events as vLLM and SGLang publish them: typed values, the msgpack wire forms, and
 //! the ZMQ transport.
 //!
+//! It depends on no other kvoy crate, and only its transport on ZMQ: the decoders are plain
+//! functions over bytes.
+//!
 //! The aggregator decodes every payload at its edge with [`decode_batch`] (total: any bytes
 //! give a batch or a [`DecodeError`], never a panic) and subscribes with [`Subscriber`] /
 //! [`ReplayClient`], following sequence numbers with [`SeqTracker`]. The simulator encodes with

@@ -3,6 +3,10 @@
 //! and the plugin configuration. The wasm filters are thin adapters over this crate; the
 //! harness, simulator and benchmarks use it natively.
 //!
+//! It must not depend on proxy-wasm, on anything that does I/O (tokio, hyper, ZMQ) or on another
+//! kvoy crate: it runs inside the wasm filters, the browser's explain panel and the native tools
+//! alike.
+//!
 //! ```
 //! use kvoy_shared::{request::Api, PluginConfig, Router};
 //! let cfg = PluginConfig::from_json(br#"{"endpoints":[

@@ -1,5 +1,8 @@
 //! kvoy-sim: a simulated vLLM server for kvoy's tests and benchmarks.
 //!
+//! It depends on kvoy-shared (the OpenAI request forms and wire names) and kvoy-kvevents (the
+//! events it publishes); never on the filters, the aggregator or a test crate.
+//!
 //! The [`engine`] is pure (time passed in): a paged KV cache with prefix caching, a
 //! continuous-batching scheduler and a calibrated timing model. The [`server`] runs it in real
 //! time (durations divided by `--speedup`) behind an OpenAI-compatible HTTP API with vLLM's

@@ -2,6 +2,9 @@
 //! `kvoy_prefix_affinity`, that admits requests at once while the pool has room and otherwise
 //! holds them in priority bands with fair share between flows.
 //!
+//! It depends only on kvoy-shared, kvoy-filter-common, kvoy-filter-stages and proxy-wasm: nothing
+//! native and no test crate.
+//!
 //! A thin adapter over the admission stage ([`kvoy_filter_stages::admission`], logic in
 //! [`kvoy_shared::admission`]): admit (continue), queue (pause, also at the body callbacks), or
 //! reject (429 with `x-kvoy-dropped-reason`). Held requests are released by the VM that holds

@@ -4,6 +4,8 @@
 //! [`SharedGauge`] for a figure every worker holds a part of: a metric that cannot be defined
 //! is skipped, never fatal; [`defer_metrics`] keeps changes in the VM until flushed), and the
 //! aggregator's snapshot as a filter follows it ([`LiveSnapshot`]).
+//!
+//! It depends only on kvoy-shared and proxy-wasm, and never on the stages or a filter crate.
 
 mod snapshot_poll;
 

@@ -5,6 +5,9 @@
 //! and parsed once (the Responses API's session keys come from the same parse as the route), and
 //! the session pin and the served endpoint pass between the stages as values, not headers.
 //!
+//! Like every filter crate it depends only on kvoy-shared, kvoy-filter-common, kvoy-filter-stages
+//! and proxy-wasm: nothing native (no tokio, hyper, wasmtime) and no test crate.
+//!
 //! Per request, in order (the three-filter chain's order, so the decisions are the same): the
 //! session stage finds the pin (at the headers, or at the end of the body for a Responses API
 //! request); the admission stage admits, holds or sheds the request at its headers; the

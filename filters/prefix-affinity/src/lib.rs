@@ -1,6 +1,9 @@
 //! `kvoy_prefix_affinity`: a proxy-wasm HTTP filter that sends each OpenAI request to the pool
 //! endpoint most likely to hold its prompt prefix in KV cache, weighed against load.
 //!
+//! It depends only on kvoy-shared, kvoy-filter-common, kvoy-filter-stages and proxy-wasm: nothing
+//! native and no test crate.
+//!
 //! A thin adapter over the prefix-affinity stage ([`kvoy_filter_stages::prefix_affinity`],
 //! logic in [`kvoy_shared::Router`]): it pauses at request headers (Envoy needs
 //! `allow_on_headers_stop_iteration: true`), buffers the body, asks the router, and writes

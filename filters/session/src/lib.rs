@@ -1,6 +1,9 @@
 //! `kvoy_session`: a proxy-wasm HTTP filter, placed before `kvoy_prefix_affinity`, that keeps
 //! a session on the endpoint that served it.
 //!
+//! It depends only on kvoy-shared, kvoy-filter-common, kvoy-filter-stages and proxy-wasm: nothing
+//! native and no test crate.
+//!
 //! A thin adapter over the session stage ([`kvoy_filter_stages::session`], logic in
 //! [`kvoy_shared::session`]): on the request it finds the session key and hands the endpoint it
 //! is bound to over to the prefix-affinity filter in an internal header

@@ -1,5 +1,8 @@
 //! The three request stages of kvoy's filters, as plain types a proxy-wasm adapter drives:
 //!
+//! It depends only on kvoy-shared, kvoy-filter-common and proxy-wasm; the decisions themselves live
+//! in kvoy-shared, and no filter crate is a dependency.
+//!
 //! - [`session`]: finds a request's session key and the endpoint it is bound to (the pin), and
 //!   binds the keys to the endpoint that served it;
 //! - [`admission`]: admits a request, holds it in priority bands while the pool is saturated,
