@@ -7,7 +7,7 @@ use clap::builder::RangedU64ValueParser;
 use clap::error::{ContextKind, ContextValue, ErrorKind};
 use clap::{Args, Parser, Subcommand};
 
-use kvoy_sim::engine::Profile;
+use kvoy_sim_engine::Profile;
 
 use crate::fleet::FleetKind;
 use crate::policy::PolicyKind;

@@ -10,7 +10,7 @@
 //!
 //! ```
 //! use kvoy_bench::fleet::FleetKind;
-//! use kvoy_sim::engine::Profile;
+//! use kvoy_sim_engine::Profile;
 //!
 //! let fleet = FleetKind::HalfSlow { slow_factor: 2.0 };
 //! assert_eq!(fleet.slowdowns(4), [1.0, 2.0, 1.0, 2.0]);
@@ -21,7 +21,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use kvoy_sim::engine::Profile;
+use kvoy_sim_engine::Profile;
 
 /// Which replicas run slower than the base profile (in `results.json`:
 /// `{"kind": "uniform"}` or `{"kind": "half-slow", "slow_factor": 2.0}`).
@@ -113,7 +113,7 @@ pub fn slowed(profile: &Profile, factor: f64) -> Profile {
 
 #[cfg(test)]
 mod tests {
-    use kvoy_sim::engine::BatchItem;
+    use kvoy_sim_engine::BatchItem;
 
     use super::*;
 

@@ -9,7 +9,7 @@
 use std::collections::HashSet;
 use std::hash::{BuildHasherDefault, Hasher};
 
-use kvoy_sim::engine::tokenizer::{generated_word, BYTES_PER_TOKEN};
+use kvoy_sim_engine::tokenizer::{generated_word, BYTES_PER_TOKEN};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// A hasher for keys that are already hashes: passes them through. Not `fnv`: on these keys

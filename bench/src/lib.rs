@@ -17,7 +17,7 @@
 //! use kvoy_bench::policy::{PolicyKind, PolicyOptions};
 //! use kvoy_bench::sim::{self, SimConfig};
 //! use kvoy_bench::workload::{Count, SharedPrefix};
-//! use kvoy_sim::engine::Profile;
+//! use kvoy_sim_engine::Profile;
 //!
 //! let plan = SharedPrefix::new(0.02, Count::Fixed(10)).plan(5.0, 1);
 //! let options = PolicyOptions {

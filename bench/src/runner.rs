@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
-use kvoy_sim::engine::Profile;
+use kvoy_sim_engine::Profile;
 
 use crate::fleet::FleetKind;
 use crate::metrics::RunFigures;

@@ -24,7 +24,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use kvoy_sim::engine::{BatchItem, Profile};
+use kvoy_sim_engine::{BatchItem, Profile};
 
 use crate::ideal::IdealCache;
 use crate::workload::text::render_all;

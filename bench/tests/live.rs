@@ -10,7 +10,7 @@ use std::time::Duration;
 use kvoy_bench::live::{self, Arrivals, LiveGrid, LivePolicy};
 use kvoy_bench::runner::Rate;
 use kvoy_bench::workload::{Count, SharedPrefix, Workload};
-use kvoy_sim::engine::Profile;
+use kvoy_sim_engine::Profile;
 
 #[test]
 fn kvoy_hits_the_cache_more_than_round_robin_live() {

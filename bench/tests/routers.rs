@@ -15,7 +15,7 @@ use kvoy_bench::live::routers::{ensure_installed, InstallError, RouterKind};
 use kvoy_bench::live::{self, Arrivals, LiveGrid, LivePolicy};
 use kvoy_bench::runner::Rate;
 use kvoy_bench::workload::{Count, SharedPrefix, Workload};
-use kvoy_sim::engine::Profile;
+use kvoy_sim_engine::Profile;
 
 const REQUESTS: u64 = 40;
 

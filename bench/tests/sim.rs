@@ -13,7 +13,7 @@ use kvoy_bench::sim::{self, SimConfig};
 use kvoy_bench::workload::{
     Agents, Count, NoSharing, Part, Plan, Session, SharedPrefix, Trace, Turn, Workload, TURN_SLOTS,
 };
-use kvoy_sim::engine::{KvEvent, Profile};
+use kvoy_sim_engine::{KvEvent, Profile};
 
 fn options(replicas: usize) -> PolicyOptions {
     PolicyOptions {

@@ -11,7 +11,8 @@
 //! template (`--tokenizer`). The binary is `kvoy-sim` (see [`cli`]).
 
 pub mod cli;
-pub mod engine;
+/// The engine, its own crate so that the fleet simulation links no I/O.
+pub use kvoy_sim_engine as engine;
 pub mod events;
 pub mod server;
 pub mod tokenizer;

@@ -7,7 +7,7 @@ use clap::builder::RangedU64ValueParser;
 use clap::Parser;
 
 use kvoy_sim::cli::positive_f64;
-use kvoy_sim::engine::Profile;
+use kvoy_sim_engine::Profile;
 
 use super::{Arrivals, LiveGrid, LivePolicy};
 use crate::cli::{positive_usize, usage, CliError};

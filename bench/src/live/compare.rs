@@ -314,7 +314,7 @@ mod tests {
 
     use crate::live::{Arrivals, LivePolicy};
     use crate::workload::{Count, SharedPrefix, Workload};
-    use kvoy_sim::engine::Profile;
+    use kvoy_sim_engine::Profile;
 
     fn tiny_grid() -> LiveGrid {
         LiveGrid {

@@ -101,7 +101,7 @@ impl Fleet {
     /// render answers carry the same token ids; else the stand-in tokenizer.
     pub fn start(
         replicas: usize,
-        profile: &kvoy_sim::engine::Profile,
+        profile: &kvoy_sim_engine::Profile,
         speedup: f64,
         tokenizer: Option<&Path>,
         run_dir: &Path,

@@ -30,7 +30,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kvoy_sim::engine::Profile;
+use kvoy_sim_engine::Profile;
 
 pub use driver::{Arrivals, Outcome};
 pub use fleet::{baseline_proxy, Fleet, Proxy, ProxyKind};

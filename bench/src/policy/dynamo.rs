@@ -33,8 +33,8 @@ use std::collections::{HashMap, VecDeque};
 use std::hash::BuildHasherDefault;
 use std::time::Duration;
 
-use kvoy_sim::engine::tokenizer::{chunk_token, BYTES_PER_TOKEN};
-use kvoy_sim::engine::{KvEvent, Profile};
+use kvoy_sim_engine::tokenizer::{chunk_token, BYTES_PER_TOKEN};
+use kvoy_sim_engine::{KvEvent, Profile};
 
 use super::{Policy, RouteRequest, View};
 use crate::ideal::PassThrough;
@@ -351,7 +351,7 @@ mod tests {
     use super::*;
     use crate::policy::EndpointMetrics;
     use crate::sim::block_hashes;
-    use kvoy_sim::engine::{tokenizer, Engine, EngineRequest, MEDIUM_GPU};
+    use kvoy_sim_engine::{tokenizer, Engine, EngineRequest, MEDIUM_GPU};
 
     fn policy(n: usize) -> Dynamo {
         Dynamo::new(

@@ -37,8 +37,8 @@ use kvoy_shared::{
     Router, Scorer, Tier,
 };
 
-use kvoy_sim::engine::tokenizer::BYTES_PER_TOKEN;
-use kvoy_sim::engine::{KvEvent, MEDIUM_GPU};
+use kvoy_sim_engine::tokenizer::BYTES_PER_TOKEN;
+use kvoy_sim_engine::{KvEvent, MEDIUM_GPU};
 
 use super::{argmin_random, Policy, Prefilled, RouteRequest, View};
 use crate::sim::block_hashes;
@@ -240,7 +240,7 @@ impl Policy for Kvoy {
                 if self.aggregator {
                     let block_size = view.metrics.first().map_or(16, |m| m.block_size) as usize;
                     let mut blocks = Vec::new();
-                    let tokens = kvoy_sim::engine::tokenizer::tokenize(request.text);
+                    let tokens = kvoy_sim_engine::tokenizer::tokenize(request.text);
                     block_hashes(&tokens, block_size.max(1), usize::MAX, &mut blocks);
                     self.pending.insert(
                         request.id,
@@ -505,7 +505,7 @@ mod tests {
         let keys = p.router().last_keys().to_vec();
         let mut blocks = Vec::new();
         block_hashes(
-            &kvoy_sim::engine::tokenizer::tokenize(&text),
+            &kvoy_sim_engine::tokenizer::tokenize(&text),
             16,
             usize::MAX,
             &mut blocks,
@@ -559,7 +559,7 @@ mod tests {
         // The engine evicts the block holding the 11th key's last token (block 10).
         let removed = KvEvent::BlockRemoved {
             block_hashes: vec![blocks[10]],
-            medium: kvoy_sim::engine::MEDIUM_GPU,
+            medium: kvoy_sim_engine::MEDIUM_GPU,
         };
         p.on_kv_events(e, &[removed], Duration::from_millis(60));
         scrape(&mut p, Duration::from_millis(100));
@@ -571,7 +571,7 @@ mod tests {
 
     #[test]
     fn a_block_offloaded_to_the_cpu_tier_keeps_its_keys_at_the_cpu_tier() {
-        use kvoy_sim::engine::MEDIUM_CPU;
+        use kvoy_sim_engine::MEDIUM_CPU;
         let (mut p, e, keys, blocks) = one_prompt_prefilled();
         let scrape = |p: &mut Kvoy, now| p.on_scrape(&sixteen_token_blocks(now).view(), &[]);
         let id = EndpointId(e as u16);

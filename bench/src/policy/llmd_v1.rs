@@ -35,7 +35,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use kvoy_shared::LruSet;
-use kvoy_sim::engine::{Engine, EngineRequest, OutputKind, Profile};
+use kvoy_sim_engine::{Engine, EngineRequest, OutputKind, Profile};
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::{argmax_random, Policy, RouteRequest, View};
@@ -396,7 +396,7 @@ impl Policy for LlmDV1 {
 mod tests {
     use super::*;
     use crate::policy::EndpointMetrics;
-    use kvoy_sim::engine::BatchItem;
+    use kvoy_sim_engine::BatchItem;
 
     fn req(id: u64, text: &str) -> RouteRequest<'_> {
         RouteRequest {

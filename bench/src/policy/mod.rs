@@ -21,7 +21,7 @@ pub mod sglang;
 use std::time::Duration;
 
 use kvoy_shared::ConfigError;
-use kvoy_sim::engine::{KvEvent, Profile};
+use kvoy_sim_engine::{KvEvent, Profile};
 
 use kvoy_shared::Rng;
 

@@ -21,8 +21,8 @@
 
 use std::time::Duration;
 
-use kvoy_sim::engine::tokenizer::BYTES_PER_TOKEN;
-use kvoy_sim::engine::Profile;
+use kvoy_sim_engine::tokenizer::BYTES_PER_TOKEN;
+use kvoy_sim_engine::Profile;
 
 use super::radix::RadixTree;
 use super::{argmin_random, Policy, RouteRequest, View};

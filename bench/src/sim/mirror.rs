@@ -1,14 +1,14 @@
 //! A mirror of each engine's prefix cache, kept from its KV events (what kvoy-aggregator sees),
 //! to tell how much of a prompt an engine holds when the request arrives.
 //!
-//! Block hashes follow the engine's documented chain (`kvoy_sim::engine` KV cache, the hashes
+//! Block hashes follow the engine's documented chain (`kvoy_sim_engine` KV cache, the hashes
 //! its `BlockStored` events carry): `h_0 = xxh3(0x00 ‖ tokens_0)`,
 //! `h_i = xxh3(0x01 ‖ le64(h_{i-1}) ‖ tokens_i)`, token ids as little-endian u32.
 
 use std::collections::HashSet;
 use std::hash::BuildHasherDefault;
 
-use kvoy_sim::engine::{KvEvent, MEDIUM_GPU};
+use kvoy_sim_engine::{KvEvent, MEDIUM_GPU};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::ideal::PassThrough;
@@ -119,7 +119,7 @@ impl CacheMirror {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvoy_sim::engine::{tokenizer, Engine, EngineRequest, Profile};
+    use kvoy_sim_engine::{tokenizer, Engine, EngineRequest, Profile};
     use std::time::Duration;
 
     #[test]

@@ -16,7 +16,7 @@ mod queue;
 
 use std::time::Duration;
 
-use kvoy_sim::engine::{tokenizer, Engine, EngineRequest, OutputKind, Profile, ProfileError};
+use kvoy_sim_engine::{tokenizer, Engine, EngineRequest, OutputKind, Profile, ProfileError};
 
 use crate::ideal::IdealCache;
 use crate::metrics::Recorder;
@@ -103,7 +103,7 @@ struct Sim<'a> {
     engines: Vec<Engine>,
     busy: Vec<bool>,
     /// Outputs of each engine's step in progress.
-    pending: Vec<Vec<kvoy_sim::engine::Output>>,
+    pending: Vec<Vec<kvoy_sim_engine::Output>>,
     inflight: Vec<u32>,
     metrics: Vec<EndpointMetrics>,
     /// Per engine, what its prefill metrics have counted.

@@ -1,12 +1,12 @@
 //! Prompt text, rendered on demand from compact [`Part`]s.
 //!
 //! Every part renders to a multiple of 4 bytes, the simulator tokenizer's chunk size
-//! (`kvoy_sim::engine::tokenizer`), so that a prompt made of parts tokenizes part by part:
+//! (`kvoy_sim_engine::tokenizer`), so that a prompt made of parts tokenizes part by part:
 //! equal leading parts give equal leading tokens, and a turn's output appended to the next prompt
 //! tokenizes back to the very ids the engine generated. The filters' 64-byte text blocks then
 //! line up with the engine's 16-token KV blocks.
 
-use kvoy_sim::engine::tokenizer::{generated_word, BYTES_PER_TOKEN};
+use kvoy_sim_engine::tokenizer::{generated_word, BYTES_PER_TOKEN};
 
 /// One piece of a prompt.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -81,7 +81,7 @@ pub fn seed_of(kind: &str, a: u64, b: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvoy_sim::engine::tokenizer::{generated_token, tokenize};
+    use kvoy_sim_engine::tokenizer::{generated_token, tokenize};
 
     #[test]
     fn parts_render_whole_tokens_and_prefixes() {

@@ -9,9 +9,12 @@
 //! how long the step takes and the caller advances its clock, so the same engine serves a
 //! real-time HTTP server and a discrete-event simulation.
 //!
+//! It must not depend on anything that does I/O (tokio, hyper, ZMQ, tokenizers): kvoy-bench's
+//! fleet simulation runs it in virtual time, and kvoy-sim (`kvoy_sim::engine`) serves it.
+//!
 //! ```
 //! use std::time::Duration;
-//! use kvoy_sim::engine::{tokenizer, Engine, EngineRequest, OutputKind, Profile};
+//! use kvoy_sim_engine::{tokenizer, Engine, EngineRequest, OutputKind, Profile};
 //!
 //! let profile = Profile::by_name("llama-8b-h100").unwrap();
 //! let mut engine = Engine::new(&profile).unwrap();

@@ -9,8 +9,8 @@
 //! of an answer, which follows the chat template's generation prompt (`The`, not ` the`).
 //!
 //! ```
-//! use kvoy_sim::engine::tokenizer::{generated_token, generated_word};
-//! use kvoy_sim::engine::OutputVocab;
+//! use kvoy_sim_engine::tokenizer::{generated_token, generated_word};
+//! use kvoy_sim_engine::OutputVocab;
 //!
 //! let vocab = OutputVocab::stand_in();
 //! let word = vocab.pick(7, 3);
@@ -95,7 +95,7 @@ impl OutputVocab {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use crate::engine::tokenizer::{generated_token, generated_word};
+    use crate::tokenizer::{generated_token, generated_word};
 
     #[test]
     fn the_stand_in_vocabulary_is_the_stand_in_tokenizers() {
