@@ -192,6 +192,18 @@ impl Request {
         self
     }
 
+    /// Headers written as text, one `name: value` line each (CRLF or LF ended), as tests that
+    /// spell their headers out do; lines without a colon are skipped.
+    pub fn header_lines(mut self, lines: &str) -> Request {
+        for line in lines.lines() {
+            if let Some((name, value)) = line.split_once(':') {
+                self.headers
+                    .push((name.trim().to_owned(), value.trim().to_owned()));
+            }
+        }
+        self
+    }
+
     pub fn host(mut self, host: &str) -> Request {
         self.host = Some(host.to_owned());
         self
