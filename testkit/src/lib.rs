@@ -1,12 +1,12 @@
 //! kvoy's test kit: the helpers that tests, benches and the local launchers share, each in one
 //! place.
 //!
-//! - [`http`]: a blocking HTTP/1.1 client on hyper (one-shot requests, streamed responses,
+//! - [`http`] holds a blocking HTTP/1.1 client on hyper (one-shot requests, streamed responses,
 //!   kept-alive connections), its async core ([`http::aio`]) and a small server
 //!   ([`http::server`]) for fake upstreams.
-//! - [`net`]: [`free_port`].
-//! - [`wait`]: [`wait_for`], polling a condition with a deadline.
-//! - [`wasm`]: [`wasm_dir`], the one way to find the built wasm filters.
+//! - [`net`] holds [`free_port`].
+//! - [`wait`] holds [`wait_for`], polling a condition with a deadline.
+//! - [`wasm`] holds [`wasm_dir`], the one way to find the built wasm filters.
 //!
 //! It must not depend on any kvoy crate that depends on it: it stays below the harness,
 //! kvoy-e2e and kvoy-bench, so that each of them can use it.
