@@ -4,8 +4,7 @@
 //! simulator going not-ready.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use kvoy_aggregator::config::{AggregatorConfig, EndpointSpec, KvEventsSource};
@@ -15,14 +14,8 @@ use kvoy_aggregator::Aggregator;
 use kvoy_shared::snapshot::{Snapshot, SnapshotDelta, CONTENT_TYPE};
 use kvoy_sim::server::runtime::EngineHandle;
 use kvoy_sim::server::{self, Simulator};
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+use kvoy_testkit::http::Request;
+use kvoy_testkit::{free_port, wait_for};
 
 /// One simulator with its own runtime, so that dropping it kills just this one.
 struct Sim {
@@ -75,9 +68,9 @@ impl Sim {
     }
 
     fn new_on_free_ports() -> Sim {
-        let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
-        let kv = format!("tcp://127.0.0.1:{}", free_port());
-        let replay = format!("tcp://127.0.0.1:{}", free_port());
+        let addr = SocketAddr::from(([127, 0, 0, 1], free_port().unwrap()));
+        let kv = format!("tcp://127.0.0.1:{}", free_port().unwrap());
+        let replay = format!("tcp://127.0.0.1:{}", free_port().unwrap());
         Sim::start(addr, &kv, &replay)
     }
 
@@ -107,42 +100,16 @@ impl Drop for Sim {
     }
 }
 
-/// A minimal HTTP/1.1 exchange (`Connection: close`): status, headers, body.
+/// One request (`Connection: close`) on the test kit's client: status, head, body.
 fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String, Vec<u8>) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nhost: t\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).unwrap();
-    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
-    let head = String::from_utf8_lossy(&raw[..split]).to_string();
-    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
-    let mut body = raw[split + 4..].to_vec();
-    if head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked")
-    {
-        body = dechunk(&body);
-    }
-    (status, head, body)
-}
-
-fn dechunk(mut b: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    loop {
-        let eol = b.windows(2).position(|w| w == b"\r\n").unwrap();
-        let n = usize::from_str_radix(std::str::from_utf8(&b[..eol]).unwrap().trim(), 16).unwrap();
-        if n == 0 {
-            return out;
-        }
-        out.extend_from_slice(&b[eol + 2..eol + 2 + n]);
-        b = &b[eol + 4 + n..];
-    }
+    let request = Request::new(method, path)
+        .host("t")
+        .header("content-type", "application/json")
+        .header("content-length", &body.len().to_string())
+        .body(body.to_owned())
+        .timeout(Duration::from_secs(10));
+    let r = kvoy_testkit::http::request(addr, &request).unwrap();
+    (r.status, r.head_text(), r.body)
 }
 
 fn snapshot(agg: SocketAddr, query: &str) -> (SnapshotDelta, usize) {
@@ -156,18 +123,6 @@ fn current(agg: SocketAddr) -> Snapshot {
     let mut s = Snapshot::default();
     s.apply(snapshot(agg, "").0).unwrap();
     s
-}
-
-fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) -> Duration {
-    let start = Instant::now();
-    while !f() {
-        assert!(
-            start.elapsed() < timeout,
-            "timed out after {timeout:?} waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    start.elapsed()
 }
 
 fn complete(sim: SocketAddr, prompt: &str) {

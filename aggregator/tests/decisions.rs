@@ -5,8 +5,7 @@
 //! linked to KV events (`/v1/pool`'s `links`, `/v1/removals`). On 127.0.0.1, every wait bounded.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use kvoy_aggregator::config::AggregatorConfig;
@@ -14,18 +13,13 @@ use kvoy_aggregator::source::StaticSource;
 use kvoy_aggregator::Aggregator;
 use kvoy_shared::prefix::BlockKey;
 use kvoy_shared::relay::{DecisionBatch, RelayedDecision, CONTENT_TYPE, PATH};
+use kvoy_testkit::free_port;
+use kvoy_testkit::http::Request;
 
 const WAIT: Duration = Duration::from_secs(10);
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// One HTTP/1.1 request with a binary body: status, lowercased head, body.
+/// One HTTP/1.1 request with a binary body, on the test kit's client: status, lowercased
+/// head, body.
 fn request(
     addr: SocketAddr,
     method: &str,
@@ -33,21 +27,14 @@ fn request(
     headers: &str,
     body: &[u8],
 ) -> (u16, String, Vec<u8>) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(WAIT)).unwrap();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nhost: t\r\nconnection: close\r\n{headers}content-length: {}\r\n\r\n",
-        body.len()
-    )
-    .unwrap();
-    s.write_all(body).unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).unwrap();
-    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
-    let head = String::from_utf8_lossy(&raw[..split]).to_ascii_lowercase();
-    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
-    (status, head, raw[split + 4..].to_vec())
+    let request = Request::new(method, path)
+        .host("t")
+        .header_lines(headers)
+        .header("content-length", &body.len().to_string())
+        .body(body.to_vec())
+        .timeout(WAIT);
+    let r = kvoy_testkit::http::request(addr, &request).unwrap();
+    (r.status, r.head_text().to_ascii_lowercase(), r.body)
 }
 
 fn exchange(api: SocketAddr, since: u64, batch: &DecisionBatch, headers: &str) -> DecisionBatch {
@@ -102,7 +89,7 @@ fn start(yaml: &str) -> (tokio::runtime::Runtime, Aggregator) {
 
 #[test]
 fn decisions_travel_between_proxies_for_pool_members_only() {
-    let (a, b) = (free_port(), free_port());
+    let (a, b) = (free_port().unwrap(), free_port().unwrap());
     let yaml = format!(
         "endpoints: [{{address: '127.0.0.1:{a}', models: [m]}}, {{address: '127.0.0.1:{b}', models: [m]}}]\n"
     );
@@ -253,7 +240,7 @@ fn the_exchange_requires_the_token_when_one_is_configured() {
     std::fs::create_dir_all(&dir).unwrap();
     let token_file = dir.join("token");
     std::fs::write(&token_file, "relay-token-0123456789\n").unwrap();
-    let port = free_port();
+    let port = free_port().unwrap();
     let yaml = format!(
         "api_token_file: {}\nendpoints: [{{address: '127.0.0.1:{port}', models: [m]}}]\n",
         token_file.display()
@@ -298,7 +285,7 @@ fn the_exchange_requires_the_token_when_one_is_configured() {
 /// `/v1/pool` shows them pending, `/v1/removals` has nothing yet, `/metrics` counts nothing.
 #[test]
 fn relayed_decisions_wait_for_kv_events_to_link() {
-    let a = free_port();
+    let a = free_port().unwrap();
     let yaml = format!(
         "links: {{enabled: true, window_ms: 60000}}\nendpoints: [{{address: '127.0.0.1:{a}', models: [m]}}]\n"
     );
@@ -344,7 +331,7 @@ fn relayed_decisions_wait_for_kv_events_to_link() {
 
 #[test]
 fn a_proxy_keying_with_another_schedule_is_relayed_not_linked() {
-    let a = free_port();
+    let a = free_port().unwrap();
     let (_rt, agg) = start(&format!(
         "endpoints: [{{address: '127.0.0.1:{a}', models: [m]}}]\n"
     ));

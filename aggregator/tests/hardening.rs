@@ -26,6 +26,8 @@ use kvoy_aggregator::Aggregator;
 use kvoy_kvevents::{BlockHash, EventBatch, KvEvent, Medium, Publisher, PublisherConfig, WireForm};
 use kvoy_sim::server::runtime::EngineHandle;
 use kvoy_sim::server::{self, Simulator};
+use kvoy_testkit::free_port;
+use kvoy_testkit::http::Request;
 use serde_json::Value;
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -38,32 +40,15 @@ fn runtime() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// One HTTP/1.1 request (`Connection: close`) with extra header lines: status, head, body.
+/// One GET (`Connection: close`) with extra header lines, on the test kit's client: status,
+/// lowercased head, body.
 fn get(addr: SocketAddr, path: &str, headers: &str) -> (u16, String, Vec<u8>) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(WAIT)).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nhost: t\r\nconnection: close\r\n{headers}\r\n"
-    )
-    .unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).unwrap();
-    let split = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .unwrap_or_else(|| panic!("no response head: {:?}", String::from_utf8_lossy(&raw)));
-    let head = String::from_utf8_lossy(&raw[..split]).to_string();
-    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
-    (status, head.to_ascii_lowercase(), raw[split + 4..].to_vec())
+    let request = Request::get(path)
+        .host("t")
+        .header_lines(headers)
+        .timeout(WAIT);
+    let r = kvoy_testkit::http::request(addr, &request).unwrap();
+    (r.status, r.head_text().to_ascii_lowercase(), r.body)
 }
 
 fn json(addr: SocketAddr, path: &str, headers: &str) -> Value {
@@ -78,12 +63,8 @@ fn metrics(addr: SocketAddr) -> String {
     String::from_utf8(body).unwrap()
 }
 
-fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !f() {
-        assert!(start.elapsed() < WAIT, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+fn wait_for(what: &str, f: impl FnMut() -> bool) {
+    kvoy_testkit::wait_for(what, WAIT, f);
 }
 
 /// A TCP listener that accepts connections, reads what they send and never answers.
@@ -190,7 +171,7 @@ fn spec(address: SocketAddr, kv: Option<String>) -> EndpointSpec {
 fn the_first_successful_discovery_makes_it_ready_even_with_no_endpoint_up() {
     let rt = runtime();
     let open = Arc::new(AtomicBool::new(false));
-    let dead = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let dead = SocketAddr::from(([127, 0, 0, 1], free_port().unwrap()));
     let source = Gate {
         open: open.clone(),
         endpoints: Some(vec![spec(dead, None)]),
@@ -235,7 +216,7 @@ fn the_snapshot_requires_the_token_when_one_is_configured() {
     let yaml = format!(
         "api_token_file: {}\nendpoints: [{{address: '127.0.0.1:{}', models: [m]}}]\n",
         token_file.display(),
-        free_port()
+        free_port().unwrap()
     );
     let cfg = AggregatorConfig::from_yaml(&yaml).unwrap();
     let source = kvoy_aggregator::source::StaticSource::new(cfg.endpoints.clone());
@@ -361,7 +342,7 @@ struct MetricsSim {
 }
 
 fn metrics_sim(num_gpu_blocks: u32) -> MetricsSim {
-    let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let addr = SocketAddr::from(([127, 0, 0, 1], free_port().unwrap()));
     let args: Vec<String> = [
         "--model",
         "m",

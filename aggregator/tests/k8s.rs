@@ -542,16 +542,11 @@ kubernetes:
     });
     let api = agg.local_addr();
     let get = |path: &str| -> String {
-        use std::io::{Read, Write};
-        let mut s = std::net::TcpStream::connect(api).unwrap();
-        write!(
-            s,
-            "GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
-        )
-        .unwrap();
-        let mut out = String::new();
-        s.read_to_string(&mut out).unwrap();
-        out
+        let request = kvoy_testkit::http::Request::get(path)
+            .host("x")
+            .timeout(Duration::from_secs(10));
+        let r = kvoy_testkit::http::request(api, &request).unwrap();
+        format!("{}\r\n\r\n{}", r.head_text(), r.text())
     };
     let start = std::time::Instant::now();
     while !get("/v1/endpoints").contains("127.0.1.10:8000") {

@@ -4,8 +4,7 @@
 //! snapshot, within 15% of the simulator's configured rate.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -97,21 +96,14 @@ impl Drop for Stack {
 }
 
 fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, Vec<u8>) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    s.set_nodelay(true).unwrap();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nhost: t\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).unwrap();
-    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
-    let head = String::from_utf8_lossy(&raw[..split]).to_string();
-    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
-    (status, raw[split + 4..].to_vec())
+    let request = kvoy_testkit::http::Request::new(method, path)
+        .host("t")
+        .header("content-type", "application/json")
+        .header("content-length", &body.len().to_string())
+        .body(body.to_owned())
+        .timeout(Duration::from_secs(10));
+    let r = kvoy_testkit::http::request(addr, &request).unwrap();
+    (r.status, r.body)
 }
 
 /// Cold prompts (4 bytes a token, a unique first block each) from `clients` closed loops for

@@ -2,7 +2,7 @@
 //! kills Envoy on drop, readiness polling and log inspection.
 
 use std::fs::{self, File};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::thread;
@@ -77,10 +77,7 @@ pub fn validate_config_in(dir: Option<&Path>, config: &Path) -> anyhow::Result<S
     Ok(text)
 }
 
-/// A free TCP port on 127.0.0.1 (bound and released; a small race remains).
-pub fn free_port() -> std::io::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
+pub use kvoy_testkit::free_port;
 
 /// A running Envoy; killed when dropped.
 pub struct EnvoyProcess {

@@ -14,7 +14,7 @@
 //!   [`runnable_bootstraps`]: the runnable `envoy/kvoy.yaml` it renders to with defaults.
 //! - [`Stack`]: renders the template for a pool, runs Envoy, waits until it is ready, and kills
 //!   it on drop.
-//! - [`http`]: a tiny client and codec for the tests.
+//! - [`http`]: the test kit's HTTP/1.1 client, under the names the tests use.
 //! - [`load`]: a streaming client that times each completion (TTFT, inter-token gaps).
 //! - [`webdriver`]: a headless Chromium driven through chromedriver, for the browser tests.
 //!
@@ -67,17 +67,8 @@ pub use stack::{
     SESSION_WASM,
 };
 
-/// Polls `check` every 20 ms until it holds; panics naming `what` after `timeout`.
-pub fn wait_for(what: &str, timeout: std::time::Duration, mut check: impl FnMut() -> bool) {
-    let start = std::time::Instant::now();
-    while !check() {
-        assert!(
-            start.elapsed() < timeout,
-            "timed out after {timeout:?} waiting for {what}"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-}
+/// Polls `check` until it holds; panics naming `what` after `timeout` (the kit's).
+pub use kvoy_testkit::wait_for;
 
 /// Turn `t` of conversation `i` as a chat completion body for `model`: a long system brief
 /// naming the conversation, the history of turns `0..t`, then a new question. The multi-turn

@@ -1,19 +1,19 @@
 //! A load client for streamed OpenAI completions: one request per connection, timed as it
 //! streams (time to first token, inter-token gaps, end to end), with the usage the server
-//! reports (`cached_tokens` for the prefix-cache hit rate). Blocking `std::net`, one thread per
-//! request in flight: simple, and cheap enough for the few hundred requests per second the
-//! tests and benchmarks here offer.
+//! reports (`cached_tokens` for the prefix-cache hit rate). Blocking, one thread per request in
+//! flight, on the test kit's client: simple, and cheap enough for the few hundred requests per
+//! second the tests and benchmarks here offer.
 //!
-//! Bounded like [`crate::http`]: heads by [`MAX_HEAD_BYTES`](crate::http::MAX_HEAD_BYTES), the
-//! body by [`MAX_CLIENT_BODY`](crate::http::MAX_CLIENT_BODY), each read by the timeout.
+//! Bounded like [`crate::http`]: the body by [`MAX_CLIENT_BODY`](crate::http::MAX_CLIENT_BODY),
+//! each read by the timeout.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
+use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::http::{read_body, read_head, Headers, HttpError, Unframed, MAX_CLIENT_BODY};
+use crate::http::{Headers, HttpError, Part, Request};
 
 /// How one request went, as its client saw it.
 #[derive(Clone, Debug, Default)]
@@ -56,114 +56,29 @@ pub fn stream(
     timeout: Duration,
 ) -> Result<Timing, HttpError> {
     let start = Instant::now();
-    let conn = TcpStream::connect_timeout(&addr, timeout)?;
-    conn.set_read_timeout(Some(timeout))?;
-    conn.set_write_timeout(Some(timeout))?;
-    conn.set_nodelay(true)?;
-    let mut head = format!(
-        "POST {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n\
-         content-type: application/json\r\ncontent-length: {}\r\n",
-        body.len()
-    );
-    for (name, value) in headers {
-        head.push_str(&format!("{name}: {value}\r\n"));
-    }
-    head.push_str("\r\n");
-    let mut writer = &conn;
-    writer.write_all(head.as_bytes())?;
-    writer.write_all(body)?;
-    writer.flush()?;
-    let mut reader = BufReader::new(&conn);
-    let response = read_head(&mut reader)?.ok_or(HttpError::UnexpectedEof)?;
-    let status = response
-        .start_line
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse::<u16>().ok())
-        .ok_or(HttpError::Malformed("status code is not a number"))?;
-    let mut timing = Timing {
-        status,
-        ..Timing::default()
-    };
-    let is_sse = response
-        .headers
-        .get("content-type")
-        .is_some_and(|t| t.starts_with("text/event-stream"));
-    if !is_sse {
-        timing.body = read_body(
-            &mut reader,
-            &response.headers,
-            MAX_CLIENT_BODY,
-            Unframed::UntilClose,
-        )?;
-        timing.headers = response.headers;
-        timing.total = start.elapsed();
-        return Ok(timing);
-    }
-    let chunked = response
-        .headers
-        .get("transfer-encoding")
-        .is_some_and(|t| t.to_ascii_lowercase().contains("chunked"));
-    timing.headers = response.headers;
+    let request = Request::post_json(path, body.to_vec())
+        .headers(headers)
+        .timeout(timeout);
+    let mut timing = Timing::default();
     let mut events = EventReader::new(start);
-    if chunked {
-        read_chunks(&mut reader, |data| events.feed(data, &mut timing))?;
-    } else {
-        let mut buf = [0u8; 8192];
-        let mut total = 0usize;
-        loop {
-            let n = reader.read(&mut buf)?;
-            if n == 0 {
-                break;
+    let mut is_sse = false;
+    let head = crate::http::stream(addr, &request, |part| {
+        match part {
+            Part::Head(head) => {
+                is_sse = head
+                    .headers
+                    .get("content-type")
+                    .is_some_and(|t| t.starts_with("text/event-stream"));
             }
-            total += n;
-            if total > MAX_CLIENT_BODY {
-                return Err(HttpError::TooLarge {
-                    what: "body",
-                    limit: MAX_CLIENT_BODY,
-                });
-            }
-            events.feed(&buf[..n], &mut timing);
+            Part::Data(data) if is_sse => events.feed(data, &mut timing),
+            Part::Data(data) => timing.body.extend_from_slice(data),
         }
-    }
+        ControlFlow::Continue(())
+    })?;
+    timing.status = head.status;
+    timing.headers = head.headers;
     timing.total = start.elapsed();
     Ok(timing)
-}
-
-/// Calls `on_data` with each chunk's data as it arrives (a chunked body, bounded in total).
-fn read_chunks<R: BufRead>(r: &mut R, mut on_data: impl FnMut(&[u8])) -> Result<(), HttpError> {
-    let mut line = String::new();
-    let mut data = Vec::new();
-    let mut total = 0usize;
-    loop {
-        line.clear();
-        let n = r.by_ref().take(1024).read_line(&mut line)?;
-        if n == 0 {
-            return Err(HttpError::UnexpectedEof);
-        }
-        let size_text = line.trim_end().split(';').next().unwrap_or("").trim();
-        let size = usize::from_str_radix(size_text, 16)
-            .map_err(|_| HttpError::Malformed("chunk size is not hexadecimal"))?;
-        if size == 0 {
-            // Trailers are not expected; the final CRLF may be missing when the peer closes.
-            return Ok(());
-        }
-        total = total.saturating_add(size);
-        if total > MAX_CLIENT_BODY {
-            return Err(HttpError::TooLarge {
-                what: "body",
-                limit: MAX_CLIENT_BODY,
-            });
-        }
-        data.resize(size, 0);
-        r.read_exact(&mut data).map_err(|e| match e.kind() {
-            std::io::ErrorKind::UnexpectedEof => HttpError::UnexpectedEof,
-            _ => HttpError::Io(e),
-        })?;
-        on_data(&data);
-        let mut crlf = [0u8; 2];
-        r.read_exact(&mut crlf)?;
-    }
 }
 
 /// Splits an event stream into `data:` payloads, whatever the chunking, and times them.

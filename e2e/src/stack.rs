@@ -35,10 +35,7 @@ pub const SESSION_WASM: &str = "kvoy_session.wasm";
 pub const PREFIX_AFFINITY_WASM: &str = "kvoy_prefix_affinity.wasm";
 
 /// The repository root (this crate's parent directory, as built).
-pub fn workspace_root() -> PathBuf {
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    manifest.parent().unwrap_or(manifest).to_path_buf()
-}
+pub use kvoy_testkit::workspace_root;
 
 /// `envoy/template/kvoy.yaml` in the repository (the combined `kvoy` filter).
 pub fn bootstrap_template() -> PathBuf {
@@ -85,16 +82,9 @@ impl FilterLayout {
 pub const METRICS_TICK_WAIT: std::time::Duration = std::time::Duration::from_millis(400);
 
 /// Where the release wasm filters are: `$KVOY_WASM_DIR`, else
-/// `$CARGO_TARGET_DIR/wasm32-wasip1/release`, else `<root>/target/wasm32-wasip1/release`.
-pub fn default_wasm_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("KVOY_WASM_DIR") {
-        return PathBuf::from(dir);
-    }
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join("target"));
-    target.join("wasm32-wasip1").join("release")
-}
+/// `$CARGO_TARGET_DIR/wasm32-wasip1/release`, else `<root>/target/wasm32-wasip1/release` (the
+/// kit's one finder).
+pub use kvoy_testkit::wasm_dir as default_wasm_dir;
 
 /// The combined module in `wasm_dir` (the separate ones checked too), or an error that says how
 /// to build them.

@@ -33,8 +33,9 @@
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
-use std::io::{BufReader, Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::io::Write;
+use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -48,11 +49,12 @@ use hyper::Request;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::json;
 
-use kvoy_e2e::http::{self, Unframed};
+use kvoy_e2e::http::{self, HttpError, Part};
 use kvoy_e2e::{
     aggregator_yaml, free_port, wait_for, AggregatedEndpoint, LocalAggregator, PoolEndpoint,
     SimFleet, Stack, StackConfig, SERVED_BY_HEADER, SERVED_HEADER,
 };
+use kvoy_testkit::http::server::{self, Server};
 
 const NAME: &str = "chaos";
 const MODEL: &str = "kvoy-demo";
@@ -250,27 +252,37 @@ fn classify(
     }
 }
 
-fn h1_head(path: &str, p: &Plan, len: usize, extra: &[(String, String)]) -> String {
-    let mut head = format!(
-        "POST {path} HTTP/1.1\r\nhost: gw\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {len}\r\n"
-    );
+/// The headers of a plan's HTTP/1.1 request, after `host` and `connection: close`.
+fn h1_headers(p: &Plan, extra: &[(String, String)]) -> Vec<(String, String)> {
+    let mut headers = vec![("content-type".to_owned(), "application/json".to_owned())];
     if let Some(o) = p.objective {
-        head.push_str(&format!("x-gateway-inference-objective: {o}\r\n"));
+        headers.push(("x-gateway-inference-objective".into(), o.into()));
     }
-    head.push_str("x-gateway-inference-fairness-id: tenant-");
-    head.push_str(if p.objective == Some("interactive") {
+    let tenant = if p.objective == Some("interactive") {
         "a"
     } else {
         "b"
-    });
-    head.push_str("\r\n");
+    };
+    headers.push((
+        "x-gateway-inference-fairness-id".into(),
+        format!("tenant-{tenant}"),
+    ));
     if let Some(s) = &p.session {
-        head.push_str(&format!("x-session-id: {s}\r\n"));
+        headers.push(("x-session-id".into(), s.clone()));
     }
     if let Some(c) = &p.cookie {
-        head.push_str(&format!("cookie: {c}\r\n"));
+        headers.push(("cookie".into(), c.clone()));
     }
-    for (k, v) in extra {
+    headers.extend_from_slice(extra);
+    headers
+}
+
+/// The head as raw bytes, for the client that goes away half way through its body.
+fn h1_head(path: &str, p: &Plan, len: usize, extra: &[(String, String)]) -> String {
+    let mut head = format!(
+        "POST {path} HTTP/1.1\r\nhost: gw\r\nconnection: close\r\ncontent-length: {len}\r\n"
+    );
+    for (k, v) in h1_headers(p, extra) {
         head.push_str(&format!("{k}: {v}\r\n"));
     }
     head.push_str("\r\n");
@@ -311,16 +323,17 @@ fn h1(t: &Target, i: usize, p: &Plan) -> Outcome {
             kvoy_shared::session::encode_token(target),
         ));
     }
-    let head = h1_head("/v1/chat/completions", p, body.len(), &extra);
-    let mut s = match connect(t.envoy) {
-        Ok(s) => s,
-        Err(e) => {
-            return Outcome::Bad {
-                what: format!("connect: {e}"),
-            }
-        }
-    };
     if p.kind == Kind::ResetInBody {
+        // Raw bytes on purpose: a client that leaves half way through its body.
+        let head = h1_head("/v1/chat/completions", p, body.len(), &extra);
+        let mut s = match connect(t.envoy) {
+            Ok(s) => s,
+            Err(e) => {
+                return Outcome::Bad {
+                    what: format!("connect: {e}"),
+                }
+            }
+        };
         let _ = s.write_all(head.as_bytes());
         let _ = s.write_all(&body[..body.len() / 2]);
         // A pause, so the proxy has the headers and half the body when the client goes.
@@ -328,20 +341,36 @@ fn h1(t: &Target, i: usize, p: &Plan) -> Outcome {
         let _ = s.shutdown(Shutdown::Both);
         return Outcome::ClientReset;
     }
-    if let Err(e) = s
-        .write_all(head.as_bytes())
-        .and_then(|()| s.write_all(&body))
-    {
-        return Outcome::Bad {
-            what: format!("write: {e}"),
-        };
-    }
-    let mut reader = BufReader::new(&s);
-    let head = match http::read_head(&mut reader) {
-        Ok(Some(h)) => h,
-        Ok(None) => {
+    let mut request = http::Request::post("/v1/chat/completions")
+        .host("gw")
+        .body(body)
+        .timeout(TIMEOUT);
+    request.headers = h1_headers(p, &extra);
+    let mut reset = false;
+    let mut answer = Vec::new();
+    let head = http::stream(t.envoy, &request, |part| match part {
+        // The first bytes of the stream, then gone (unread data left: the close is a reset).
+        Part::Head(head) if p.kind == Kind::ResetInAnswer && head.status == 200 => {
+            reset = true;
+            ControlFlow::Continue(())
+        }
+        Part::Head(_) => ControlFlow::Continue(()),
+        Part::Data(_) if reset => ControlFlow::Break(()),
+        Part::Data(data) => {
+            answer.extend_from_slice(data);
+            ControlFlow::Continue(())
+        }
+    });
+    let head = match head {
+        Ok(head) => head,
+        Err(e @ (HttpError::Connect { .. } | HttpError::Invalid(_) | HttpError::Io(_))) => {
+            return Outcome::Bad {
+                what: format!("connect: {e}"),
+            }
+        }
+        Err(e) if e.after_head() => {
             return Outcome::Upstream {
-                what: "closed before an answer".into(),
+                what: format!("answer cut off: {e}"),
             }
         }
         Err(e) => {
@@ -350,34 +379,15 @@ fn h1(t: &Target, i: usize, p: &Plan) -> Outcome {
             }
         }
     };
-    let status: u16 = head
-        .start_line
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    if p.kind == Kind::ResetInAnswer && status == 200 {
-        // The first bytes of the stream, then gone (unread data left: the close is a reset).
-        let mut first = [0u8; 16];
-        let _ = reader.read(&mut first);
-        drop(reader);
-        drop(s);
+    if reset {
         return Outcome::ClientReset;
     }
-    let body = match http::read_body(&mut reader, &head.headers, 1 << 24, Unframed::UntilClose) {
-        Ok(b) => b,
-        Err(e) => {
-            return Outcome::Upstream {
-                what: format!("{status} answer cut off: {e}"),
-            }
-        }
-    };
     classify(
-        status,
+        head.status,
         head.headers.get(REASON),
         head.headers.get(SERVED_BY_HEADER),
         head.headers.get(SERVED_HEADER),
-        &body,
+        &answer,
         stream,
         &t.pool,
     )
@@ -565,7 +575,7 @@ fn run_one(t: &Target, rt: &tokio::runtime::Runtime, i: usize, p: &Plan) -> Outc
 /// path but the API, so no proxied request has it) and records anything else as a breach.
 struct Canary {
     addr: SocketAddr,
-    connections: Arc<AtomicUsize>,
+    server: Server,
     scrapes: Arc<AtomicUsize>,
     breaches: Arc<Mutex<Vec<String>>>,
 }
@@ -578,55 +588,39 @@ vllm:num_requests_running{model_name=\"kvoy-demo\"} 0\n\
 vllm:kv_cache_usage_perc{model_name=\"kvoy-demo\"} 0\n";
 
 fn canary(answers_metrics: bool) -> Canary {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let connections = Arc::new(AtomicUsize::new(0));
     let scrapes = Arc::new(AtomicUsize::new(0));
     let breaches = Arc::new(Mutex::new(Vec::new()));
-    let (c, sc, b) = (connections.clone(), scrapes.clone(), breaches.clone());
-    std::thread::spawn(move || {
-        for stream in listener.incoming().take(10_000) {
-            let Ok(stream) = stream else { break };
-            c.fetch_add(1, Ordering::SeqCst);
+    let (sc, b) = (scrapes.clone(), breaches.clone());
+    // Keep-alive: the aggregator scrapes over one connection.
+    let server = Server::start(
+        "127.0.0.1:0".parse().unwrap(),
+        server::Options::default(),
+        move |request| {
             let (sc, b) = (sc.clone(), b.clone());
-            std::thread::spawn(move || serve_canary(stream, answers_metrics, &sc, &b));
-        }
-    });
+            async move {
+                if answers_metrics
+                    && request.method() == hyper::Method::GET
+                    && request.uri().path() == "/metrics"
+                {
+                    sc.fetch_add(1, Ordering::SeqCst);
+                    return server::response(200, "text/plain", DECOY_METRICS);
+                }
+                b.lock().unwrap().push(format!(
+                    "{} {} {:?}",
+                    request.method(),
+                    request.uri(),
+                    request.version()
+                ));
+                server::response(500, "text/plain", "a breach")
+            }
+        },
+    )
+    .unwrap();
     Canary {
-        addr,
-        connections,
+        addr: server.addr(),
+        server,
         scrapes,
         breaches,
-    }
-}
-
-fn serve_canary(
-    stream: TcpStream,
-    answers_metrics: bool,
-    scrapes: &AtomicUsize,
-    breaches: &Mutex<Vec<String>>,
-) {
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
-    let mut reader = BufReader::new(&stream);
-    // Keep-alive: the aggregator scrapes over one connection.
-    for _ in 0..100_000 {
-        let head = match http::read_head(&mut reader) {
-            Ok(Some(h)) => h,
-            Ok(None) | Err(_) => return,
-        };
-        if answers_metrics && head.start_line.starts_with("GET /metrics ") {
-            scrapes.fetch_add(1, Ordering::SeqCst);
-            let reply = format!(
-                "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: {}\r\n\r\n{DECOY_METRICS}",
-                DECOY_METRICS.len()
-            );
-            if (&stream).write_all(reply.as_bytes()).is_err() {
-                return;
-            }
-            continue;
-        }
-        breaches.lock().unwrap().push(head.start_line.clone());
-        return;
     }
 }
 
@@ -1103,7 +1097,7 @@ fn ten_thousand_requests_through_resets_kills_and_restarts() {
         }
     }
     let answered: usize = by_status.values().sum();
-    let hidden_connections = hidden.connections.load(Ordering::SeqCst);
+    let hidden_connections = hidden.server.accepted();
     let decoy_breaches = decoy.breaches.lock().unwrap().clone();
     let c = |n: &str| counter(&stats, n);
     let attacks = records.iter().filter(|r| r.kind == Kind::Attack).count();

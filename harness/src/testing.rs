@@ -1,34 +1,22 @@
 //! Helpers for tests and benchmarks that load the workspace's own filters.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock, PoisonError};
 
 use crate::error::{Error, Result};
 use crate::host::Host;
 
-/// Overrides the directory the built filters are looked up in.
-pub const WASM_DIR_ENV: &str = "KVOY_WASM_DIR";
-
-/// The workspace's target directory: `CARGO_TARGET_DIR` if set, else `<workspace>/target`.
-pub fn target_dir() -> PathBuf {
-    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    match std::env::var_os("CARGO_TARGET_DIR") {
-        Some(dir) => workspace.join(dir),
-        None => workspace.join("target"),
-    }
-}
+/// Overrides the directory the built filters are looked up in; the workspace's target
+/// directory (the kit's one finder for both).
+pub use kvoy_testkit::{target_dir, WASM_DIR_ENV};
 
 /// The path of a filter built with `cargo build --release --target wasm32-wasip1`, e.g.
 /// `filter_wasm_path("kvoy_prefix_affinity")` (dashes are accepted too). Fails with a message
 /// telling to run `make wasm` when the file is missing; it never builds anything itself.
 pub fn filter_wasm_path(name: &str) -> Result<PathBuf> {
     let file = format!("{}.wasm", name.replace('-', "_"));
-    let dir = match std::env::var_os(WASM_DIR_ENV) {
-        Some(dir) => PathBuf::from(dir),
-        None => target_dir().join("wasm32-wasip1").join("release"),
-    };
-    let path = dir.join(file);
+    let path = kvoy_testkit::wasm_dir().join(file);
     if !path.is_file() {
         return Err(Error::WasmNotBuilt {
             name: name.to_owned(),

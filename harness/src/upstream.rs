@@ -9,20 +9,19 @@
 //! ("upstream request timeout"); only a connection lost after the headers is a failed call
 //! (no headers; `proxy_get_status` says `BrokenConnection` / "reset").
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::sync::mpsc::Sender;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use kvoy_testkit::http::{aio, block_on, HttpError, Request};
 
 use crate::callouts::{HttpCall, HttpResponse};
 use crate::headers::HeaderMap;
 
-/// Largest response head accepted.
-const MAX_HEAD: usize = 64 * 1024;
-/// Largest response body buffered (Envoy's async client also buffers the whole body).
-const MAX_BODY: usize = 64 << 20;
 /// Connect timeout when the call has none (Envoy: the cluster's `connect_timeout`).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// The bound on a call without a timeout of its own (Envoy would wait on; a test should not).
+const NO_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// A finished real callout: the call and its response (`None`: reset).
 pub(crate) type Finished = (HttpCall, Option<HttpResponse>);
@@ -44,29 +43,64 @@ pub(crate) fn spawn(call: HttpCall, addr: SocketAddr, done: Sender<Finished>) {
     }
 }
 
-/// Why a call stopped.
-enum Failure {
-    /// Before the response headers: Envoy answers 503 itself.
-    BeforeHeaders(String),
-    /// The timeout ran out: Envoy answers 504.
-    Timeout,
-    /// After the headers: a reset.
-    Reset,
-}
-
-/// One request/response exchange, mapped to what the filter sees.
+/// One request/response exchange on the test kit's client, mapped to what the filter sees.
 pub(crate) fn send(call: &HttpCall, addr: SocketAddr) -> Option<HttpResponse> {
-    let deadline = (!call.timeout.is_zero()).then(|| Instant::now() + call.timeout);
-    match exchange(call, addr, deadline) {
-        Ok(response) => Some(response),
-        Err(Failure::Reset) => None,
-        Err(Failure::Timeout) => Some(local_reply(504, "upstream request timeout")),
-        Err(Failure::BeforeHeaders(reason)) => Some(local_reply(
+    let total = if call.timeout.is_zero() {
+        NO_TIMEOUT
+    } else {
+        call.timeout
+    };
+    let request = request(call).timeout(total);
+    let exchange = async {
+        let stream = aio::connect(addr, total.min(CONNECT_TIMEOUT)).await?;
+        aio::Connection::handshake(stream)
+            .await?
+            .request(&request)
+            .await
+    };
+    let outcome = block_on(async { tokio::time::timeout(total, exchange).await });
+    let reply = match outcome {
+        Ok(Ok(reply)) => reply,
+        Ok(Err(_elapsed)) => return Some(local_reply(504, "upstream request timeout")),
+        // No runtime for the call: as if the connection could not be made.
+        Err(e) => Err(e),
+    };
+    match reply {
+        Ok(reply) => {
+            let mut headers = HeaderMap::new();
+            headers.add(":status", &reply.status.to_string());
+            for (name, value) in &reply.headers.0 {
+                headers.add(name, value);
+            }
+            Some(HttpResponse {
+                headers,
+                body: reply.body,
+                trailers: HeaderMap::new(),
+            })
+        }
+        Err(HttpError::Timeout { .. }) => Some(local_reply(504, "upstream request timeout")),
+        Err(e) if e.after_head() => None,
+        Err(e) => Some(local_reply(
             503,
             &format!(
-                "upstream connect error or disconnect/reset before headers. reset reason: {reason}"
+                "upstream connect error or disconnect/reset before headers. reset reason: {}",
+                reset_reason(&e)
             ),
         )),
+    }
+}
+
+/// Envoy's words for a failure before the response headers.
+fn reset_reason(error: &HttpError) -> &'static str {
+    match error {
+        HttpError::Connect { source, .. }
+            if source.kind() == std::io::ErrorKind::ConnectionRefused =>
+        {
+            "remote connection failure, transport failure reason: delayed connect error: Connection refused"
+        }
+        HttpError::Request(e) if e.is_parse() => "protocol error",
+        HttpError::Invalid(_) => "protocol error",
+        _ => "connection termination",
     }
 }
 
@@ -78,217 +112,33 @@ fn local_reply(status: u16, body: &str) -> HttpResponse {
         .body(body.as_bytes())
 }
 
-fn remaining(deadline: Option<Instant>) -> Result<Option<Duration>, Failure> {
-    match deadline {
-        None => Ok(None),
-        Some(d) => match d.checked_duration_since(Instant::now()) {
-            Some(left) if !left.is_zero() => Ok(Some(left)),
-            _ => Err(Failure::Timeout),
-        },
-    }
-}
-
-fn io_failure(error: &std::io::Error, before_headers: bool) -> Failure {
-    use std::io::ErrorKind::{TimedOut, WouldBlock};
-    if matches!(error.kind(), TimedOut | WouldBlock) {
-        return Failure::Timeout;
-    }
-    if before_headers {
-        Failure::BeforeHeaders(match error.kind() {
-            std::io::ErrorKind::ConnectionRefused => {
-                "remote connection failure, transport failure reason: delayed connect error: Connection refused".to_owned()
-            }
-            _ => "connection termination".to_owned(),
-        })
-    } else {
-        Failure::Reset
-    }
-}
-
-fn request_bytes(call: &HttpCall) -> Vec<u8> {
+/// The call's pseudo-headers as the request line and `host`; its other headers as they are,
+/// but for the framing ones the client sets itself.
+fn request(call: &HttpCall) -> Request {
     let headers = &call.headers;
-    let method = headers.get(":method").unwrap_or("GET");
-    let path = headers.get(":path").unwrap_or("/");
-    let authority = headers.get(":authority").unwrap_or_default();
-    let mut out = format!("{method} {path} HTTP/1.1\r\nhost: {authority}\r\n");
+    let mut request = Request::new(
+        headers.get(":method").unwrap_or("GET"),
+        headers.get(":path").unwrap_or("/"),
+    )
+    .host(headers.get(":authority").unwrap_or_default())
+    .body(call.body.clone());
     for (name, value) in headers.iter() {
         if name.starts_with(':')
             || ["host", "content-length", "connection", "transfer-encoding"].contains(&name)
         {
             continue;
         }
-        out.push_str(&format!("{name}: {value}\r\n"));
+        request = request.header(name, value);
     }
-    if !call.body.is_empty() || method.eq_ignore_ascii_case("POST") {
-        out.push_str(&format!("content-length: {}\r\n", call.body.len()));
-    }
-    out.push_str("connection: close\r\n\r\n");
-    let mut bytes = out.into_bytes();
-    bytes.extend_from_slice(&call.body);
-    bytes
-}
-
-fn exchange(
-    call: &HttpCall,
-    addr: SocketAddr,
-    deadline: Option<Instant>,
-) -> Result<HttpResponse, Failure> {
-    let connect = remaining(deadline)?.map_or(CONNECT_TIMEOUT, |d| d.min(CONNECT_TIMEOUT));
-    let stream = TcpStream::connect_timeout(&addr, connect).map_err(|e| io_failure(&e, true))?;
-    let _ = stream.set_nodelay(true);
-    stream
-        .set_write_timeout(remaining(deadline)?)
-        .map_err(|e| io_failure(&e, true))?;
-    (&stream)
-        .write_all(&request_bytes(call))
-        .map_err(|e| io_failure(&e, true))?;
-    let mut reader = BufReader::new(&stream);
-    let set_timeout = |stream: &TcpStream| -> Result<(), Failure> {
-        stream
-            .set_read_timeout(remaining(deadline)?)
-            .map_err(|e| io_failure(&e, true))
-    };
-    set_timeout(&stream)?;
-    let mut budget = MAX_HEAD;
-    let status_line = read_line(&mut reader, &mut budget).map_err(|e| io_failure(&e, true))?;
-    let status = parse_status(&status_line)
-        .ok_or_else(|| Failure::BeforeHeaders("protocol error".to_owned()))?;
-    let mut headers = HeaderMap::new();
-    headers.add(":status", &status.to_string());
-    loop {
-        set_timeout(&stream)?;
-        let line = read_line(&mut reader, &mut budget).map_err(|e| io_failure(&e, true))?;
-        if line.is_empty() {
-            break;
-        }
-        let Some((name, value)) = line.split_once(':') else {
-            return Err(Failure::BeforeHeaders("protocol error".to_owned()));
-        };
-        headers.add(name.trim(), value.trim());
-    }
-    let body = read_body(&stream, &mut reader, &headers, status, deadline)?;
-    Ok(HttpResponse {
-        headers,
-        body,
-        trailers: HeaderMap::new(),
-    })
-}
-
-fn parse_status(line: &str) -> Option<u16> {
-    let mut parts = line.split_whitespace();
-    let version = parts.next()?;
-    if !version.starts_with("HTTP/1.") {
-        return None;
-    }
-    parts
-        .next()?
-        .parse()
-        .ok()
-        .filter(|s| (100..1000).contains(s))
-}
-
-/// A CRLF- or LF-terminated line without its terminator; EOF before the end is an error.
-fn read_line(reader: &mut impl BufRead, budget: &mut usize) -> std::io::Result<String> {
-    let mut buf = Vec::new();
-    let limit = u64::try_from(*budget).unwrap_or(u64::MAX).saturating_add(1);
-    let n = reader.by_ref().take(limit).read_until(b'\n', &mut buf)?;
-    if n > *budget {
-        return Err(std::io::Error::other("response head too large"));
-    }
-    *budget -= n;
-    if buf.last() != Some(&b'\n') {
-        return Err(std::io::ErrorKind::UnexpectedEof.into());
-    }
-    buf.pop();
-    if buf.last() == Some(&b'\r') {
-        buf.pop();
-    }
-    Ok(String::from_utf8_lossy(&buf).into_owned())
-}
-
-fn read_body(
-    stream: &TcpStream,
-    reader: &mut BufReader<&TcpStream>,
-    headers: &HeaderMap,
-    status: u16,
-    deadline: Option<Instant>,
-) -> Result<Vec<u8>, Failure> {
-    let mut body = Vec::new();
-    if status == 204 || status == 304 || (100..200).contains(&status) {
-        return Ok(body);
-    }
-    let chunked = headers
-        .get("transfer-encoding")
-        .is_some_and(|v| v.to_ascii_lowercase().contains("chunked"));
-    let length = headers
-        .get("content-length")
-        .and_then(|v| v.trim().parse::<usize>().ok());
-    let refresh = || -> Result<(), Failure> {
-        stream
-            .set_read_timeout(remaining(deadline)?)
-            .map_err(|e| io_failure(&e, false))
-    };
-    if chunked {
-        loop {
-            refresh()?;
-            let mut budget = MAX_HEAD;
-            let size_line = read_line(reader, &mut budget).map_err(|e| io_failure(&e, false))?;
-            let size_text = size_line.split(';').next().unwrap_or_default().trim();
-            let size = usize::from_str_radix(size_text, 16).map_err(|_| Failure::Reset)?;
-            if size == 0 {
-                // Trailers (ignored) up to the empty line.
-                loop {
-                    let line = read_line(reader, &mut budget).map_err(|e| io_failure(&e, false))?;
-                    if line.is_empty() {
-                        return Ok(body);
-                    }
-                }
-            }
-            if body.len().saturating_add(size) > MAX_BODY {
-                return Err(Failure::Reset);
-            }
-            let start = body.len();
-            body.resize(start + size, 0);
-            reader
-                .read_exact(&mut body[start..])
-                .map_err(|e| io_failure(&e, false))?;
-            let mut crlf = [0u8; 2];
-            reader
-                .read_exact(&mut crlf)
-                .map_err(|e| io_failure(&e, false))?;
-        }
-    }
-    match length {
-        Some(n) if n > MAX_BODY => Err(Failure::Reset),
-        Some(n) => {
-            refresh()?;
-            body.resize(n, 0);
-            reader
-                .read_exact(&mut body)
-                .map_err(|e| io_failure(&e, false))?;
-            Ok(body)
-        }
-        None => {
-            let mut chunk = [0u8; 16 * 1024];
-            loop {
-                refresh()?;
-                let n = reader.read(&mut chunk).map_err(|e| io_failure(&e, false))?;
-                if n == 0 {
-                    return Ok(body);
-                }
-                if body.len() + n > MAX_BODY {
-                    return Err(Failure::Reset);
-                }
-                body.extend_from_slice(&chunk[..n]);
-            }
-        }
-    }
+    request
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::{Read, Write};
     use std::net::TcpListener;
+    use std::time::Instant;
 
     fn call(timeout_ms: u64) -> HttpCall {
         HttpCall {

@@ -3,8 +3,8 @@
 //! filters call out to (`dispatch_http_call`) live.
 //!
 //! ```yaml
-//! wasm_dir: filters/                      # default: $KVOY_WASM_DIR, else
-//!                                          # target/wasm32-wasip1/release (current directory)
+//! wasm_dir: filters/                      # default: $KVOY_WASM_DIR, else wasm32-wasip1/release
+//!                                          # in $CARGO_TARGET_DIR or the workspace's target/
 //! workers: 1                               # VMs per filter, as Envoy's --concurrency
 //! seed: 7                                  # WASI randomness (tie-breaks): same seed, same run
 //! filters:                                 # Envoy's http_filters, in order
@@ -226,15 +226,9 @@ impl Config {
     }
 }
 
-/// `$KVOY_WASM_DIR`, else `./target/wasm32-wasip1/release`.
-pub fn default_wasm_dir() -> PathBuf {
-    match std::env::var_os("KVOY_WASM_DIR") {
-        Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from("target")
-            .join("wasm32-wasip1")
-            .join("release"),
-    }
-}
+/// `$KVOY_WASM_DIR`, else `wasm32-wasip1/release` in `$CARGO_TARGET_DIR` or the workspace's
+/// `target/`: where `make wasm` put the filters (the test kit's one finder).
+pub use kvoy_testkit::wasm_dir as default_wasm_dir;
 
 #[cfg(test)]
 mod tests {

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
-use common::{dechunk, options, request};
+use common::{options, request};
 use kvoy_sim::engine::{KvEvent, Profile};
 use kvoy_sim::server::runtime::EngineHandle;
 use kvoy_sim::server::{self, Simulator};
@@ -246,7 +246,7 @@ async fn streamed_text_is_the_decoded_answer() {
     assert_eq!(r.status, 200);
     let mut text = String::new();
     let mut deltas = 0;
-    for line in dechunk(&r.body).lines() {
+    for line in r.body.lines() {
         let Some(data) = line.strip_prefix("data: ") else {
             continue;
         };

@@ -11,7 +11,7 @@ use std::net::SocketAddr;
 
 use serde_json::{json, Value};
 
-use common::{dechunk, options, request, start, start_with};
+use common::{options, request, start, start_with};
 use kvoy_sim::engine::Profile;
 use kvoy_sim::server::HttpOptions;
 
@@ -114,7 +114,7 @@ async fn streamed_events() {
     assert!(r.head.contains("text/event-stream"));
     assert!(r.head.contains(&format!("x-served-by: {addr}")));
     assert!(r.head.contains("transfer-encoding: chunked"));
-    let body = dechunk(&r.body);
+    let body = r.body.clone();
     assert!(!body.contains("[DONE]"));
     let events = sse_events(&body);
     let kinds: Vec<&str> = events.iter().map(|(e, _)| e.as_str()).collect();

@@ -15,6 +15,8 @@ use kvoy_sim::engine::tokenizer::tokenize_bytes;
 use kvoy_sim::engine::{Engine, EngineRequest, OutputKind, Profile};
 use kvoy_sim::server::runtime::EngineHandle;
 use kvoy_sim::server::{self, Simulator};
+use kvoy_testkit::free_port;
+use kvoy_testkit::http::{aio, Request};
 
 /// The tests measure real time on a 2-core machine: one at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -339,7 +341,7 @@ async fn two_hundred_concurrent_streams_keep_time() {
 async fn kv_events_reach_a_zmq_subscriber() {
     use kvoy_kvevents::{decode_batch, KvEvent as Wire, ZmqContext};
     let _serial = SERIAL.lock().await;
-    let port = free_port();
+    let port = free_port().unwrap();
     let addr = start_with_flags(&format!(
         "--kv-events-endpoint tcp://127.0.0.1:{port} --model m --speedup 50"
     ))
@@ -406,7 +408,7 @@ async fn kv_events_reach_a_zmq_subscriber() {
 async fn cpu_offload_by_flag() {
     use kvoy_kvevents::{decode_batch, KvEvent as Wire, Medium, ZmqContext};
     let _serial = SERIAL.lock().await;
-    let port = free_port();
+    let port = free_port().unwrap();
     let addr = start_with_flags(&format!(
         "--kv-events-endpoint tcp://127.0.0.1:{port} --model m --speedup 50 \
          --num-gpu-blocks 64 --cpu-offload-blocks 1000"
@@ -469,11 +471,6 @@ async fn cpu_offload_by_flag() {
     assert_eq!(cpu_stored, 200);
     assert_eq!(gpu_stored, 250);
     assert!(gpu_removed >= 50, "{gpu_removed}");
-}
-
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
 }
 
 /// Starts a simulator from command-line flags, as the binary does.
@@ -540,7 +537,7 @@ async fn kv_events_array_form_and_replay() {
         decode_batch, encode_batch, KvEvent as Wire, ReplayClient, WireForm, ZmqContext,
     };
     let _serial = SERIAL.lock().await;
-    let (pub_port, replay_port) = (free_port(), free_port());
+    let (pub_port, replay_port) = (free_port().unwrap(), free_port().unwrap());
     let addr = start_with_flags(&format!(
         "--model m --speedup 50 --kv-events-format array --kv-events-endpoint tcp://127.0.0.1:{pub_port} --kv-events-replay-endpoint tcp://127.0.0.1:{replay_port}"
     ))
@@ -642,25 +639,14 @@ async fn tokenize_and_render_give_the_prompt_tokens() {
 }
 
 /// One streamed request on a kept-alive connection; returns when its last chunk is in.
-async fn stream_on(s: &mut TcpStream, body: &str) -> Duration {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let req = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: sim\r\ncontent-type: application/json\r\n\
-         content-length: {}\r\n\r\n{body}",
-        body.len()
-    );
+async fn stream_on(c: &mut aio::Connection, body: &str) -> Duration {
+    let request = Request::post_json("/v1/chat/completions", body.to_owned())
+        .host("sim")
+        .close(false)
+        .timeout(Duration::from_secs(10));
     let sent = Instant::now();
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut raw = Vec::new();
-    let mut buf = vec![0u8; 16 * 1024];
-    while !raw.ends_with(b"0\r\n\r\n") {
-        let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
-            .await
-            .unwrap()
-            .unwrap();
-        assert!(n > 0, "connection closed early");
-        raw.extend_from_slice(&buf[..n]);
-    }
+    let r = c.request(&request).await.unwrap();
+    assert!(r.text().ends_with("data: [DONE]\n\n"), "{}", r.text());
     sent.elapsed()
 }
 
@@ -671,12 +657,13 @@ async fn stream_on(s: &mut TcpStream, body: &str) -> Duration {
 async fn streams_on_kept_alive_connections_do_not_wait_for_acks() {
     let _serial = SERIAL.lock().await;
     let (addr, _) = start(Profile::llama_8b_h100(), 100.0).await;
-    let mut s = TcpStream::connect(addr).await.unwrap();
+    let s = TcpStream::connect(addr).await.unwrap();
     s.set_nodelay(true).unwrap();
+    let mut c = aio::Connection::handshake(s).await.unwrap();
     let body = chat("short", "q", 3, true);
     let mut took = Vec::new();
     for _ in 0..7 {
-        took.push(stream_on(&mut s, &body).await);
+        took.push(stream_on(&mut c, &body).await);
     }
     // Three tokens at speedup 100 take well under a millisecond of model time.
     let m = median(took.clone());

@@ -1,15 +1,16 @@
 //! A closed-loop client on keep-alive connections: `concurrency` threads, each with one
-//! HTTP/1.1 connection, send non-streamed completions back to back and time each from the first
-//! byte written to the last byte of the reply read. Keep-alive keeps connection setup out of the
-//! figure, so what is left is the proxy's own per-request work.
+//! HTTP/1.1 connection (the test kit's, a `hyper::client::conn::http1` connection driven by a
+//! current-thread runtime on that thread, so a request costs no thread hop), send non-streamed
+//! completions back to back and time each from sending the request to the last byte of the
+//! reply read. Keep-alive keeps connection setup out of the figure, so what is left is the
+//! proxy's own per-request work.
 
-use std::io::{BufReader, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use kvoy_e2e::http::{read_body, read_head, HttpError, Unframed, MAX_CLIENT_BODY};
+use kvoy_testkit::http::{Connection, HttpError, Request};
 
 /// One load of `requests` requests at `concurrency`.
 pub struct Load<'a> {
@@ -36,51 +37,13 @@ pub struct Measured {
     pub wall: f64,
 }
 
-struct Connection {
-    reader: BufReader<TcpStream>,
-}
-
-impl Connection {
-    fn open(target: SocketAddr, timeout: Duration) -> Result<Connection, HttpError> {
-        let stream = TcpStream::connect_timeout(&target, timeout)?;
-        stream.set_read_timeout(Some(timeout))?;
-        stream.set_write_timeout(Some(timeout))?;
-        stream.set_nodelay(true)?;
-        Ok(Connection {
-            reader: BufReader::new(stream),
-        })
-    }
-
-    /// One request; returns the status and whether the connection may be reused.
-    fn exchange(&mut self, target: SocketAddr, body: &[u8]) -> Result<(u16, bool), HttpError> {
-        let head = format!(
-            "POST /v1/completions HTTP/1.1\r\nhost: {target}\r\n\
-             content-type: application/json\r\ncontent-length: {}\r\n\r\n",
-            body.len()
-        );
-        let mut stream = self.reader.get_ref();
-        stream.write_all(head.as_bytes())?;
-        stream.write_all(body)?;
-        stream.flush()?;
-        let reply = read_head(&mut self.reader)?.ok_or(HttpError::UnexpectedEof)?;
-        let status = reply
-            .start_line
-            .split(' ')
-            .nth(1)
-            .and_then(|s| s.parse::<u16>().ok())
-            .ok_or(HttpError::Malformed("status code is not a number"))?;
-        read_body(
-            &mut self.reader,
-            &reply.headers,
-            MAX_CLIENT_BODY,
-            Unframed::UntilClose,
-        )?;
-        let closes = reply
-            .headers
-            .get("connection")
-            .is_some_and(|v| v.eq_ignore_ascii_case("close"));
-        Ok((status, !closes))
-    }
+/// One request on `conn`; returns the status and whether the connection may be reused.
+fn exchange(conn: &mut Connection, request: &Request) -> Result<(u16, bool), HttpError> {
+    let reply = conn.request(request)?;
+    let closes = reply
+        .header("connection")
+        .is_some_and(|v| v.eq_ignore_ascii_case("close"));
+    Ok((reply.status, !closes && !conn.is_closed()))
 }
 
 /// Runs `load`; `progress(done)` is called after each request.
@@ -96,12 +59,16 @@ pub fn run(load: &Load<'_>, progress: &(dyn Fn(usize) + Sync)) -> Measured {
                 let mut errors = 0usize;
                 let mut first_error = None;
                 let mut conn: Option<Connection> = None;
+                let mut request = Request::post_json("/v1/completions", Vec::new())
+                    .host(&load.target.to_string())
+                    .close(false)
+                    .timeout(load.timeout);
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
                     if i >= load.requests || Instant::now() > load.deadline {
                         break;
                     }
-                    let body = (load.body)(i);
+                    request.body = (load.body)(i).into();
                     if conn.is_none() {
                         match Connection::open(load.target, load.timeout) {
                             Ok(c) => conn = Some(c),
@@ -115,7 +82,7 @@ pub fn run(load: &Load<'_>, progress: &(dyn Fn(usize) + Sync)) -> Measured {
                     }
                     let Some(c) = conn.as_mut() else { continue };
                     let t0 = Instant::now();
-                    let result = c.exchange(load.target, &body);
+                    let result = exchange(c, &request);
                     let elapsed = t0.elapsed().as_secs_f64();
                     match result {
                         Ok((status, reusable)) => {

@@ -2,6 +2,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 use super::*;
 use crate::http::{post_json, send};
+use std::io::Write;
+use std::net::TcpStream;
 
 const T: Duration = Duration::from_secs(5);
 

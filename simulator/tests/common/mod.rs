@@ -1,5 +1,5 @@
-//! Shared by the black-box server tests: simulators on 127.0.0.1 and a minimal HTTP/1.1
-//! client that also notes when each SSE event arrived.
+//! Shared by the black-box server tests: simulators on 127.0.0.1 and the test kit's HTTP/1.1
+//! client, noting when each SSE event arrived.
 
 #![allow(dead_code)] // each test binary uses its part
 
@@ -7,7 +7,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use std::ops::ControlFlow;
+
+use kvoy_testkit::http::{aio, Part, Request, Response};
 use tokio::net::{TcpListener, TcpStream};
 
 use kvoy_sim::engine::Profile;
@@ -40,7 +42,9 @@ pub async fn start_with(profile: Profile, options: HttpOptions) -> (SocketAddr, 
 /// A response and the arrival time of each SSE `data:` event (relative to the send).
 pub struct Reply {
     pub status: u16,
+    /// The status line and headers, lower case.
     pub head: String,
+    /// The body, its chunked framing removed.
     pub body: String,
     pub events: Vec<Duration>,
 }
@@ -51,55 +55,39 @@ pub async fn request(addr: SocketAddr, method: &str, path: &str, body: &str) -> 
 }
 
 /// Sends a request on an open connection (so that a test can connect many clients first).
-pub async fn request_on(mut s: TcpStream, method: &str, path: &str, body: &str) -> Reply {
+pub async fn request_on(s: TcpStream, method: &str, path: &str, body: &str) -> Reply {
     s.set_nodelay(true).unwrap();
-    let req = format!(
-        "{method} {path} HTTP/1.1\r\nhost: sim\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    );
+    let request = Request::new(method, path)
+        .host("sim")
+        .header("content-type", "application/json")
+        .header("content-length", &body.len().to_string())
+        .body(body.to_owned())
+        .timeout(Duration::from_secs(60));
+    let mut conn = aio::Connection::handshake(s).await.unwrap();
     let sent = Instant::now();
-    s.write_all(req.as_bytes()).await.unwrap();
     let mut raw = Vec::new();
     let mut events = Vec::new();
-    let mut buf = vec![0u8; 64 * 1024];
-    loop {
-        let n = tokio::time::timeout(Duration::from_secs(60), s.read(&mut buf))
-            .await
-            .unwrap()
-            .unwrap();
-        if n == 0 {
-            break;
-        }
-        let at = sent.elapsed();
-        let new = String::from_utf8_lossy(&buf[..n]);
-        events.extend(std::iter::repeat_n(at, new.matches("data: ").count()));
-        raw.extend_from_slice(&buf[..n]);
-    }
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
+    let head = conn
+        .stream(&request, |part| {
+            if let Part::Data(data) = part {
+                let at = sent.elapsed();
+                let new = String::from_utf8_lossy(data);
+                events.extend(std::iter::repeat_n(at, new.matches("data: ").count()));
+                raw.extend_from_slice(data);
+            }
+            ControlFlow::Continue(())
+        })
+        .await
+        .unwrap();
+    let response = Response {
+        status: head.status,
+        headers: head.headers,
+        body: raw,
+    };
     Reply {
-        status,
-        head: head.to_lowercase(),
-        body: body.to_owned(),
+        status: response.status,
+        head: response.head_text().to_lowercase(),
+        body: response.text(),
         events,
     }
-}
-
-/// The payload of a body sent with `transfer-encoding: chunked` (how streams arrive).
-pub fn dechunk(mut body: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = body.split_once("\r\n") {
-        let size = usize::from_str_radix(size.trim(), 16).unwrap();
-        if size == 0 {
-            break;
-        }
-        out.push_str(&rest[..size]);
-        body = rest[size..].strip_prefix("\r\n").unwrap();
-    }
-    out
 }
