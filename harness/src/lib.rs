@@ -1,8 +1,9 @@
 //! A proxy-wasm ABI 0.2.1 host on wasmtime, for testing and benchmarking kvoy's filters without
 //! Envoy.
 //!
-//! It depends on wasmtime and kvoy-shared only: it loads the filters as `.wasm` files, never as
-//! crates. Only tests, benchmarks and kvoy-local depend on it.
+//! It depends on wasmtime, kvoy-shared and kvoy-testkit (its real callouts' HTTP client) only:
+//! it loads the filters as `.wasm` files, never as crates. Only tests, benchmarks and kvoy-local
+//! depend on it.
 //!
 //! It loads a filter built for `wasm32-wasip1`, starts a [`Plugin`] of N VMs the way Envoy
 //! starts one per worker thread, and drives HTTP streams (or TCP connections through a network
