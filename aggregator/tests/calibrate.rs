@@ -82,7 +82,8 @@ async fn recovers_the_configured_rate() {
         .unwrap_or_else(|| panic!("no per-model line: {report}"));
     let mut cfg: serde_json::Value = serde_json::from_str(per_model.trim()).unwrap();
     cfg["endpoints"] = serde_json::json!([{"address": addr.to_string(), "models": ["m"]}]);
-    let parsed = kvoy_shared::PluginConfig::from_json(cfg.to_string().as_bytes()).unwrap();
+    let parsed =
+        kvoy_shared::prefix_affinity::PluginConfig::from_json(cfg.to_string().as_bytes()).unwrap();
     assert_eq!(parsed.cost.model_rate("m"), c.configured_rate());
     assert!(
         report.contains(&format!("\"address\":\"{addr}\"")),

@@ -6,7 +6,7 @@
 //! N [`kvoy_sim`] engines (paged KV cache with prefix caching, continuous batching, the
 //! calibrated step-time model) run in one discrete-event loop in virtual time, behind one proxy
 //! that routes every request with a [`policy::Policy`]: round-robin, least-request, random,
-//! kvoy's own [`kvoy_shared::Router`] (alone or fed the aggregator's view), the Gateway API
+//! kvoy's own [`kvoy_shared::prefix_affinity::Router`] (alone or fed the aggregator's view), the Gateway API
 //! Inference Extension's default scorers (llm-d) and SGLang's cache-aware policy. The replicas
 //! all run one engine profile or, on a [`fleet::FleetKind::HalfSlow`] fleet, half of them a slower
 //! version of it. The [`workload`]s are seeded generators; the [`runner`] sweeps (workload,

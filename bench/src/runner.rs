@@ -76,7 +76,7 @@ pub enum RunError {
     #[error("cannot build the {policy} policy: {source}")]
     Policy {
         policy: &'static str,
-        source: kvoy_shared::ConfigError,
+        source: kvoy_shared::prefix_affinity::ConfigError,
     },
     #[error("a worker thread panicked")]
     Panicked,

@@ -644,7 +644,7 @@ fn plugin_and_aggregator_configurations_parse() {
             let bytes = json.as_bytes();
             let aggregator = match root_id.as_str() {
                 "kvoy_prefix_affinity" => {
-                    kvoy_shared::PluginConfig::from_json(bytes)
+                    kvoy_shared::prefix_affinity::PluginConfig::from_json(bytes)
                         .unwrap_or_else(|e| panic!("{variant} {root_id}: {e}"))
                         .aggregator
                 }
@@ -671,7 +671,7 @@ fn plugin_and_aggregator_configurations_parse() {
                     let section = |k: &str| sections.get(k).map(|v| v.to_string());
                     let pa = section("prefix_affinity")
                         .unwrap_or_else(|| panic!("{variant} {root_id}: no prefix_affinity"));
-                    let pa = kvoy_shared::PluginConfig::from_json(pa.as_bytes())
+                    let pa = kvoy_shared::prefix_affinity::PluginConfig::from_json(pa.as_bytes())
                         .unwrap_or_else(|e| panic!("{variant} {root_id} prefix_affinity: {e}"));
                     if let Some(s) = section("session") {
                         kvoy_shared::session::SessionConfig::from_json(s.as_bytes())

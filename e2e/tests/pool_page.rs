@@ -39,8 +39,9 @@ use kvoy_e2e::{
     aggregator_yaml, free_port, wait_for, workspace_root, AggregatedEndpoint, LocalAggregator,
     PoolEndpoint, PublishingSim, Stack, StackConfig,
 };
+use kvoy_shared::prefix_affinity::{PluginConfig, Router};
 use kvoy_shared::request::Api;
-use kvoy_shared::{Outstanding, PluginConfig, Router};
+use kvoy_shared::Outstanding;
 
 const NAME: &str = "pool-page";
 const MODEL: &str = "kvoy-demo";

@@ -6,15 +6,16 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use thiserror::Error;
 
+use kvoy_shared::prefix_affinity::{
+    BreakReason, ConfigError, DecisionKind, PluginConfig, RouteError, Router, Scorer,
+    SessionOutcome,
+};
 use kvoy_shared::relay::{self, DecisionBatch, RelayedDecision};
 use kvoy_shared::request::{classify_path, PathClass, RequestError};
 use kvoy_shared::session::decode_token;
 use kvoy_shared::snapshot::Snapshot;
 use kvoy_shared::snapshot_board::{self, PollError};
-use kvoy_shared::{
-    BreakReason, ConfigError, DecisionKind, Health, Outstanding, PluginConfig, RouteError, Router,
-    Scorer, SessionOutcome,
-};
+use kvoy_shared::{Health, Outstanding};
 
 /// The filter configuration the panel scores with when the operator gives none: kvoy's
 /// defaults, with the pool from the aggregator (and no address refused: the aggregator's

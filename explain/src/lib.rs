@@ -2,7 +2,7 @@
 //! this crate what the proxies route with — the aggregator's snapshot (`GET /v1/snapshot`,
 //! the bytes the filters poll) and the decisions the proxies relayed to each other (`GET
 //! /v1/decisions`) — and an OpenAI request body; it answers, as JSON, each candidate's cost
-//! terms and the endpoint kvoy's [`kvoy_shared::Router`] picks, or the error the proxy would
+//! terms and the endpoint kvoy's [`kvoy_shared::prefix_affinity::Router`] picks, or the error the proxy would
 //! answer. Nothing here scores: the router, the snapshot codec, the relay codec and the live
 //! pool are kvoy-shared's own, so the page and the proxy cannot disagree about the rules; what
 //! the page cannot know (a proxy's requests in flight, its decisions not relayed yet, the

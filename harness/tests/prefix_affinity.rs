@@ -112,7 +112,7 @@ fn outstanding(plugin: &Plugin, config: &str) -> Vec<(u32, u32, u32)> {
         "{}.outstanding",
         shared_data::pool_namespace(
             "kvoy.pa",
-            &kvoy_shared::PluginConfig::from_json(config.as_bytes()).unwrap()
+            &kvoy_shared::prefix_affinity::PluginConfig::from_json(config.as_bytes()).unwrap()
         )
     );
     let word = |c: &[u8], i: usize| u32::from_le_bytes([c[i], c[i + 1], c[i + 2], c[i + 3]]);

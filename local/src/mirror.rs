@@ -2,7 +2,7 @@
 //!
 //! The `kvoy_prefix_affinity` filter does not report its scores (it only sets the destination),
 //! and `kvoy-local` does not change the filters. So the scores are recomputed natively with the
-//! filter's own core, [`kvoy_shared::Router`], from the filter's own state: the plugin
+//! filter's own core, [`kvoy_shared::prefix_affinity::Router`], from the filter's own state: the plugin
 //! configuration bytes it was given, the pool it routes over (the aggregator's snapshot from its
 //! shared-data board, per [`kvoy_shared::snapshot_board::choose`], or the static endpoints), the prefix
 //! index rebuilt from the cross-worker decision log it keeps in shared data, and the in-flight
@@ -12,14 +12,15 @@
 //! random by the filter).
 
 use kvoy_harness::Plugin;
+use kvoy_shared::prefix_affinity::{
+    DecisionKind, PluginConfig, RouteError, Router, Scorer, Weights,
+};
 use kvoy_shared::request::Api;
 use kvoy_shared::shared_data::{
     self, DecisionLog, Logged, OutstandingTable, SharedStore, StoreError,
 };
 use kvoy_shared::snapshot_board::{self, PoolChoice, SnapshotBoard};
-use kvoy_shared::{
-    DecisionKind, EndpointId, Outstanding, PluginConfig, RouteError, Router, Scorer, Weights,
-};
+use kvoy_shared::{EndpointId, Outstanding};
 
 /// Read-only shared data of a plugin.
 struct PluginStore<'a>(&'a Plugin);
@@ -73,7 +74,7 @@ pub struct ScoreRow {
     pub total: f64,
     /// The hot-spot guard removed the prefix score.
     pub hot: bool,
-    /// The cost model's terms (see `kvoy_shared::cost`): prompt tokens the endpoint would
+    /// The cost model's terms (see `kvoy_shared::prefix_affinity::cost`): prompt tokens the endpoint would
     /// compute, prefill tokens queued there, sequences decoding, seconds.
     pub uncached_tokens: f64,
     pub queued_tokens: f64,
@@ -127,7 +128,7 @@ impl From<&Weights> for WeightsOut {
 
 impl Mirror {
     /// From the plugin configuration bytes the filter was given.
-    pub fn new(raw: &[u8]) -> Result<Mirror, kvoy_shared::ConfigError> {
+    pub fn new(raw: &[u8]) -> Result<Mirror, kvoy_shared::prefix_affinity::ConfigError> {
         let config = PluginConfig::from_json(raw)?;
         Ok(Mirror {
             namespace: shared_data::pool_namespace("kvoy.pa", &config),

@@ -5,7 +5,7 @@ use std::fmt;
 use std::net::SocketAddr;
 
 use crate::allow::{Allowlist, Refusal};
-use crate::config::RefusedEndpoint;
+use crate::prefix_affinity::config::RefusedEndpoint;
 
 /// Index of an endpoint in the configured pool. Every VM of a proxy loads the same
 /// configuration, so an id means the same endpoint on every worker thread.

@@ -8,7 +8,8 @@
 //! alike.
 //!
 //! ```
-//! use kvoy_shared::{request::Api, PluginConfig, Router};
+//! use kvoy_shared::prefix_affinity::{PluginConfig, Router};
+//! use kvoy_shared::request::Api;
 //! let cfg = PluginConfig::from_json(br#"{"endpoints":[
 //!     {"address":"10.0.0.1:8000","models":["m"]},
 //!     {"address":"10.0.0.2:8000","models":["m"]}]}"#).unwrap();
@@ -23,8 +24,6 @@
 
 pub mod admission;
 pub mod allow;
-mod config;
-pub mod cost;
 mod endpoint;
 pub mod header_map;
 mod index;
@@ -32,23 +31,19 @@ mod lru;
 mod once;
 mod outstanding;
 pub mod prefix;
+pub mod prefix_affinity;
 pub mod protocol;
 pub mod relay;
 pub mod request;
 mod rng;
-mod router;
-mod score;
 pub mod session;
 pub mod shared_data;
 pub mod snapshot;
 pub mod snapshot_board;
 pub mod usage;
 
-pub use config::{
-    AggregatorSettings, BearerToken, ConfigError, HotspotGuard, InvalidBodyPolicy, PluginConfig,
-    RefusedEndpoint, Scorer, SessionPin, Weights, INDEX_MEMORY_LIMIT, MAX_ENDPOINTS,
-};
-pub use cost::{CostParams, CostTerms};
+// Settings every stage shares (the aggregator connection) and the pool's size limit.
+pub use prefix_affinity::{AggregatorSettings, BearerToken, MAX_ENDPOINTS};
 pub use endpoint::{Endpoint, EndpointId, EndpointLoad, Health, Pool};
 pub use index::{Match, PrefixIndex, Tier};
 pub use lru::LruSet;
@@ -56,7 +51,3 @@ pub use once::LogOnce;
 pub use outstanding::{Charge, Outstanding, OutstandingDelta};
 pub use request::RequestError;
 pub use rng::Rng;
-pub use router::{
-    BreakReason, Decision, DecisionKind, LogReplay, RouteError, Router, SessionOutcome,
-};
-pub use score::{least_loaded, pick, Candidate, EndpointScore};

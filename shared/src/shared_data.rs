@@ -69,7 +69,7 @@ pub fn namespace(prefix: &str, config: &[u8]) -> String {
 /// that changes any other field (scorer, cost, block size, admission...) keeps the namespace, so
 /// its VMs find the outstanding work and replay the decisions of the configuration before;
 /// a changed pool (new endpoint, other order) starts apart, as it must.
-pub fn pool_namespace(prefix: &str, config: &crate::PluginConfig) -> String {
+pub fn pool_namespace(prefix: &str, config: &crate::prefix_affinity::PluginConfig) -> String {
     let mut h = xxhash_rust::xxh3::Xxh3::new();
     // v2: the decision log's head moved into the outstanding value ([`state_key`]).
     h.update(b"kvoy-pool-v2");
@@ -469,7 +469,7 @@ pub enum RecordKind {
 
 const RECORD_HEADER: usize = 8 + 8 + 2 + 4 + 8;
 /// Set in a record's endpoint field for a removal or an offload: endpoint ids stay below
-/// [`crate::config::MAX_ENDPOINTS`], far under this bit and [`TIER_BITS`].
+/// [`crate::prefix_affinity::config::MAX_ENDPOINTS`], far under this bit and [`TIER_BITS`].
 const REMOVAL_BIT: u16 = 0x8000;
 /// With [`REMOVAL_BIT`]: 0 a removal, else the tier offloaded to (1 CPU, 2 storage).
 const TIER_SHIFT: u16 = 13;
@@ -905,7 +905,7 @@ mod tests {
 
     #[test]
     fn the_pool_namespace_follows_the_pool_and_nothing_else() {
-        let parse = |json: &str| crate::PluginConfig::from_json(json.as_bytes()).unwrap();
+        let parse = |json: &str| crate::prefix_affinity::PluginConfig::from_json(json.as_bytes()).unwrap();
         let base = parse(
             r#"{"endpoints":[{"address":"10.0.0.1:80","models":["m"]},{"address":"10.0.0.2:80","models":["m"]}]}"#,
         );
@@ -921,7 +921,7 @@ mod tests {
         let ring = parse(
             r#"{"endpoints":[{"address":"10.0.0.1:80","models":["m"]},{"address":"10.0.0.2:80","models":["m"]}],"decision_log_slots":8}"#,
         );
-        let ns = |c: &crate::PluginConfig| pool_namespace("kvoy.pa", c);
+        let ns = |c: &crate::prefix_affinity::PluginConfig| pool_namespace("kvoy.pa", c);
         assert_eq!(ns(&base), ns(&tuned));
         for other in [&reordered, &bigger, &ring] {
             assert_ne!(ns(&base), ns(other));

@@ -8,7 +8,7 @@
 //! version changed, then routes with [`live_pool`] or falls back per [`choose`]. Nothing on
 //! the request path ever waits for the aggregator.
 
-use crate::config::AggregatorSettings;
+use crate::prefix_affinity::config::AggregatorSettings;
 use crate::endpoint::{Endpoint, EndpointId, EndpointLoad, Health, Pool};
 use crate::shared_data::{SharedStore, StoreError};
 use crate::snapshot::{Snapshot, SnapshotDelta, SnapshotError, SnapshotFormat};
@@ -311,7 +311,7 @@ mod tests {
     use crate::snapshot::{EndpointStatus, SnapshotHistory};
 
     fn settings() -> AggregatorSettings {
-        crate::PluginConfig::from_json(
+        crate::prefix_affinity::PluginConfig::from_json(
             br#"{"aggregator":{"cluster":"agg"},"allowed_destinations":[{"cidr":"10.0.0.0/8"}]}"#,
         )
         .unwrap()

@@ -1,5 +1,5 @@
 //! The server's own prompt-token count, found in a response body as it streams by: what the
-//! cost model learns each model's bytes per token from ([`crate::Router::observe_usage`]).
+//! cost model learns each model's bytes per token from ([`crate::prefix_affinity::Router::observe_usage`]).
 //!
 //! OpenAI answers end with `"usage":{"prompt_tokens":N,...}` (the Responses API says
 //! `"input_tokens"`); a streamed answer carries it in its last event when the client asked

@@ -30,12 +30,10 @@ use std::time::{Duration, Instant};
 use kvoy_aggregator::prefill::{PrefillEstimator, PrefillSample};
 
 use kvoy_shared::prefix::BlockKey;
+use kvoy_shared::prefix_affinity::{ConfigError, PluginConfig, Router, Scorer};
 use kvoy_shared::request::Api;
 use kvoy_shared::snapshot::{EndpointStatus, Snapshot};
-use kvoy_shared::{
-    snapshot_board, Charge, ConfigError, EndpointId, Outstanding, OutstandingDelta, PluginConfig,
-    Router, Scorer, Tier,
-};
+use kvoy_shared::{snapshot_board, Charge, EndpointId, Outstanding, OutstandingDelta, Tier};
 
 use kvoy_sim_engine::tokenizer::BYTES_PER_TOKEN;
 use kvoy_sim_engine::{KvEvent, MEDIUM_GPU};

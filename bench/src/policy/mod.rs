@@ -2,7 +2,7 @@
 //! can observe of the fleet.
 //!
 //! - [`basic`]: `round-robin`, `random`, `least-request` (fewest in flight at this proxy).
-//! - [`kvoy`]: kvoy-shared's [`Router`](kvoy_shared::Router), alone (`kvoy`) or fed the
+//! - [`kvoy`]: kvoy-shared's [`Router`](kvoy_shared::prefix_affinity::Router), alone (`kvoy`) or fed the
 //!   aggregator's view (`kvoy-aggregator`).
 //! - [`llmd`]: llm-d's pre-1.0 default scorers, still its config-less default (`llm-d`).
 //! - [`llmd_v1`]: llm-d 1.0's guide default, "sticky until saturated" (`llm-d-1.0`, and
@@ -20,7 +20,7 @@ pub mod sglang;
 
 use std::time::Duration;
 
-use kvoy_shared::ConfigError;
+use kvoy_shared::prefix_affinity::ConfigError;
 use kvoy_sim_engine::{KvEvent, Profile};
 
 use kvoy_shared::Rng;
@@ -198,9 +198,9 @@ impl PolicyKind {
                 let options = kvoy::KvoyOptions {
                     aggregator: self == PolicyKind::KvoyAggregator,
                     scorer: if self == PolicyKind::KvoyWeighted {
-                        kvoy_shared::Scorer::Weighted
+                        kvoy_shared::prefix_affinity::Scorer::Weighted
                     } else {
-                        kvoy_shared::Scorer::Cost
+                        kvoy_shared::prefix_affinity::Scorer::Cost
                     },
                     prefill_tokens_per_s: o.profile.prefill_tokens_per_s,
                     kv_capacity_tokens: o

@@ -15,9 +15,9 @@ use kvoy_filter_stages::prefix_affinity::{
     request_body, BodyVerdict, HeadersVerdict, PrefixStage, PrefixVm, DESTINATION_HEADER,
 };
 use kvoy_filter_stages::session::SessionStage;
+use kvoy_shared::prefix_affinity::RouteError;
 use kvoy_shared::request::Api;
 use kvoy_shared::session::PIN_HEADER;
-use kvoy_shared::RouteError;
 
 use crate::Vm;
 

@@ -5,7 +5,7 @@
 //! native and no test crate.
 //!
 //! A thin adapter over the prefix-affinity stage ([`kvoy_filter_stages::prefix_affinity`],
-//! logic in [`kvoy_shared::Router`]): it pauses at request headers (Envoy needs
+//! logic in [`kvoy_shared::prefix_affinity::Router`]): it pauses at request headers (Envoy needs
 //! `allow_on_headers_stop_iteration: true`), buffers the body, asks the router, and writes
 //! `x-gateway-destination-endpoint` for an `ORIGINAL_DST` cluster. Cross-worker state lives in
 //! Envoy shared data (see [`kvoy_shared::shared_data`]): outstanding work per endpoint (requests,
@@ -14,7 +14,7 @@
 //! session pin `kvoy_session` hands over in an internal header. The combined `kvoy` filter runs
 //! the same stage with the other two in one pass.
 //!
-//! Plugin configuration: the JSON of [`kvoy_shared::PluginConfig`], e.g.
+//! Plugin configuration: the JSON of [`kvoy_shared::prefix_affinity::PluginConfig`], e.g.
 //! `{"endpoints":[{"address":"10.0.0.1:8000","models":["llama"]}]}`.
 
 mod stream;

@@ -38,9 +38,9 @@ pub fn bench_route(
 ) {
     use kvoy_shared::request::Api;
     use std::hint::black_box;
-    let config =
-        kvoy_shared::PluginConfig::from_json(config_json().as_bytes()).expect("valid config");
-    let mut router = kvoy_shared::Router::new(config, 1);
+    let config = kvoy_shared::prefix_affinity::PluginConfig::from_json(config_json().as_bytes())
+        .expect("valid config");
+    let mut router = kvoy_shared::prefix_affinity::Router::new(config, 1);
     let inflight = [kvoy_shared::Outstanding::default(); 8];
     router
         .route_body(

@@ -14,7 +14,7 @@ use serde_json::value::RawValue;
 
 use super::{AdmissionConfig, AdmissionConfigError};
 use crate::allow::{Allowlist, RawAllowlist};
-use crate::config::AggregatorSettings;
+use crate::prefix_affinity::config::AggregatorSettings;
 use crate::snapshot::{EndpointStatus, Snapshot};
 
 #[derive(Deserialize)]
@@ -72,7 +72,7 @@ impl AdmissionFilterConfig {
             None => AdmissionConfig::default(),
         };
         if let Some(a) = &raw.aggregator {
-            crate::config::check_aggregator(a)
+            crate::prefix_affinity::config::check_aggregator(a)
                 .map_err(|e| AdmissionConfigError::Json(e.to_string()))?;
         }
         let allowed_destinations = match raw.allowed_destinations {

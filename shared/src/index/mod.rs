@@ -259,7 +259,7 @@ impl PrefixIndex {
     }
 
     /// The most memory an index of `endpoints` endpoints of `capacity_per_endpoint` blocks
-    /// holds; checked against [`crate::INDEX_MEMORY_LIMIT`] when the configuration is read.
+    /// holds; checked against [`crate::prefix_affinity::INDEX_MEMORY_LIMIT`] when the configuration is read.
     ///
     /// Every endpoint full, plus one record's keys before its evictions, is at most `n` held
     /// keys; then there are at most `n` nodes (each has a holder), `n` holdings and `n` stored

@@ -53,7 +53,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use thiserror::Error;
 
-use crate::config::MAX_ENDPOINTS;
+use crate::prefix_affinity::config::MAX_ENDPOINTS;
 use crate::endpoint::EndpointId;
 
 /// The HTTP `Content-Type` of an encoded [`SnapshotDelta`].

@@ -6,11 +6,9 @@ use std::net::SocketAddr;
 use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
+use kvoy_shared::prefix_affinity::{ConfigError, PluginConfig, RouteError, Router};
 use kvoy_shared::request::{Api, RequestError};
-use kvoy_shared::{
-    Charge, ConfigError, EndpointId, Outstanding, OutstandingDelta, PluginConfig, RouteError,
-    Router,
-};
+use kvoy_shared::{Charge, EndpointId, Outstanding, OutstandingDelta};
 use prost::Message as _;
 
 use super::grpc::{Code, Status};

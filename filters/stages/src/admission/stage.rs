@@ -5,9 +5,9 @@ use proxy_wasm::hostcalls;
 
 use kvoy_filter_common::{add, now_ms, Headers, HostStore};
 use kvoy_shared::admission::{classify, Arrival, Room};
+use kvoy_shared::prefix_affinity::RouteError;
 use kvoy_shared::protocol::openai_error_body;
 use kvoy_shared::protocol::{FAIRNESS_HEADERS, OBJECTIVE_HEADERS};
-use kvoy_shared::RouteError;
 
 use super::{AdmissionVm, Metrics};
 

@@ -3,7 +3,7 @@
 
 use kvoy_filter_common::{counter, gauge, SharedGauge};
 
-use kvoy_shared::BreakReason;
+use kvoy_shared::prefix_affinity::BreakReason;
 
 const BREAKS: [BreakReason; 5] = [
     BreakReason::NotInPool,

@@ -1,4 +1,4 @@
-//! The prefix-affinity stage over [`kvoy_shared::Router`]: reads the OpenAI request, asks the
+//! The prefix-affinity stage over [`kvoy_shared::prefix_affinity::Router`]: reads the OpenAI request, asks the
 //! router for the pool endpoint most likely to hold its prompt prefix (weighed against load,
 //! honouring a session pin for a healthy pool member) and writes
 //! `x-gateway-destination-endpoint` for an `ORIGINAL_DST` cluster. Cross-worker state lives in
@@ -6,7 +6,7 @@
 //! and the prefill tokens of those whose answer has not begun, for the cost model) and a
 //! bounded log of decisions that each worker replays into its own prefix index.
 //!
-//! Configuration: the JSON of [`kvoy_shared::PluginConfig`], e.g.
+//! Configuration: the JSON of [`kvoy_shared::prefix_affinity::PluginConfig`], e.g.
 //! `{"endpoints":[{"address":"10.0.0.1:8000","models":["llama"]}]}`.
 
 mod metrics;
@@ -19,8 +19,9 @@ use std::time::Duration;
 use log::{info, warn};
 
 use kvoy_filter_common::HostStore;
+use kvoy_shared::prefix_affinity::{LogReplay, PluginConfig, Router};
 use kvoy_shared::shared_data::{self, DecisionLog, Logged, OutstandingTable};
-use kvoy_shared::{LogOnce, LogReplay, Outstanding, PluginConfig, Router};
+use kvoy_shared::{LogOnce, Outstanding};
 
 pub use metrics::Metrics;
 pub use stage::{

@@ -9,16 +9,17 @@
 //! The same exchange brings the confirmed removals (`removals_since`, format 2): keys whose
 //! server blocks an endpoint evicted, as the aggregator's KV-event linker saw it. They go into
 //! the decision log after the answer's decisions, and every worker's replay forgets them for
-//! that endpoint ([`kvoy_shared::Router::apply_removal`]). With `tiers=1` (format 3) it also
+//! that endpoint ([`kvoy_shared::prefix_affinity::Router::apply_removal`]). With `tiers=1` (format 3) it also
 //! brings the confirmed offloads, keys whose blocks left the endpoint's GPU for a slower tier,
-//! which the replay moves down a tier there ([`kvoy_shared::Router::apply_demotion`]).
+//! which the replay moves down a tier there ([`kvoy_shared::prefix_affinity::Router::apply_demotion`]).
 
 use log::{debug, warn};
 
 use kvoy_filter_common::{call_aggregator, CallBody, HostStore};
+use kvoy_shared::prefix_affinity::Router;
 use kvoy_shared::relay::{self, DecisionBatch, RelayedDecision, Removals};
 use kvoy_shared::shared_data::{DecisionLog, Logged, SharedStore};
-use kvoy_shared::{AggregatorSettings, Router};
+use kvoy_shared::AggregatorSettings;
 
 /// The origin of the records the relay appends: every worker replays them (their origins are
 /// random seeds), and the relay's own reader skips them, so that nothing echoes back.

@@ -8,12 +8,10 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType};
 
 use kvoy_filter_common::{now, Headers, HostStore};
+use kvoy_shared::prefix_affinity::{Decision, DecisionKind, RouteError, SessionOutcome};
 use kvoy_shared::request::{classify_path, Api, ParsedRequest, PathClass};
 use kvoy_shared::usage::UsageScanner;
-use kvoy_shared::{
-    Charge, Decision, DecisionKind, EndpointId, OutstandingDelta, RequestError, RouteError,
-    SessionOutcome,
-};
+use kvoy_shared::{Charge, EndpointId, OutstandingDelta, RequestError};
 
 use super::{Metrics, PrefixVm as VmState};
 
@@ -261,7 +259,7 @@ impl PrefixStage {
         self.route_parsed(vm, api, parsed, pin)
     }
 
-    /// [`PrefixStage::route_body`] for a body parsed with [`kvoy_shared::Router::parse`].
+    /// [`PrefixStage::route_body`] for a body parsed with [`kvoy_shared::prefix_affinity::Router::parse`].
     pub fn route_parsed(
         &mut self,
         vm: &mut VmState,

@@ -19,7 +19,7 @@
 //! which then holds the prefix too. Defaults: `abs` 8, `rel` 1.5 (SGLang uses 64 / 1.5 on
 //! server queues; kvoy's in-flight counts react sooner, so a smaller margin suffices).
 
-use crate::config::{HotspotGuard, Weights};
+use crate::prefix_affinity::config::{HotspotGuard, Weights};
 use crate::endpoint::{EndpointId, EndpointLoad};
 use crate::rng::Rng;
 
@@ -44,7 +44,7 @@ pub struct Candidate {
     pub prompt_tokens: u64,
     /// The endpoint's KV cache in tokens, when known (configured, or the aggregator's).
     pub kv_capacity_tokens: Option<u32>,
-    /// The endpoint's prefill rate, tokens/s (see [`crate::cost`]).
+    /// The endpoint's prefill rate, tokens/s (see [`crate::prefix_affinity::cost`]).
     pub prefill_rate: f64,
     pub load: EndpointLoad,
     /// The request's session is pinned here (scored with `weights.session`).

@@ -1,7 +1,7 @@
 //! Plugin configuration: a raw serde shape (unknown fields rejected) checked into [`PluginConfig`].
 //!
 //! ```
-//! let cfg = kvoy_shared::PluginConfig::from_json(br#"{
+//! let cfg = kvoy_shared::prefix_affinity::PluginConfig::from_json(br#"{
 //!     "endpoints": [{"address": "10.0.0.1:8000", "models": ["llama"]}]
 //! }"#).unwrap();
 //! assert_eq!(cfg.block_size, 64);
@@ -14,7 +14,7 @@ use serde::Deserialize;
 use thiserror::Error;
 
 use crate::allow::{Allowlist, AllowlistError, RawAllowlist, Refusal};
-use crate::cost::{CostParams, ModelCost};
+use crate::prefix_affinity::cost::{CostParams, ModelCost};
 use crate::endpoint::{Endpoint, EndpointLoad, Pool};
 use crate::index::PrefixIndex;
 
@@ -32,7 +32,7 @@ pub enum InvalidBodyPolicy {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Scorer {
-    /// The token cost model ([`crate::cost`]): predicted time to first token, lowest wins.
+    /// The token cost model ([`crate::prefix_affinity::cost`]): predicted time to first token, lowest wins.
     #[default]
     Cost,
     /// The weighted sum of normalised scores (prefix, in-flight, queue, KV) with the hot-spot

@@ -2,8 +2,8 @@
 
 use thiserror::Error;
 
-use crate::config::{InvalidBodyPolicy, PluginConfig, RefusedEndpoint, Scorer};
-use crate::cost::{self, CostTerms, Pressure, RequestSize, TokenRatio};
+use crate::prefix_affinity::config::{InvalidBodyPolicy, PluginConfig, RefusedEndpoint, Scorer};
+use crate::prefix_affinity::cost::{self, CostTerms, Pressure, RequestSize, TokenRatio};
 use std::time::Duration;
 
 use crate::endpoint::{EndpointId, Pool};
@@ -12,7 +12,7 @@ use crate::outstanding::{Charge, Outstanding};
 use crate::prefix::{BlockKey, KeySchedule, PrefixHasher};
 use crate::request::{self, Api, ParsedRequest, RequestError};
 use crate::rng::Rng;
-use crate::score::{self, Candidate, EndpointScore};
+use crate::prefix_affinity::score::{self, Candidate, EndpointScore};
 
 /// Where a request goes and why.
 #[derive(Clone, Copy, Debug, PartialEq)]

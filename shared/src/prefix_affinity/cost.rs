@@ -52,7 +52,7 @@
 //! holder, so a hot prefix gets a second replica instead of flip-flopping.
 
 use crate::rng::Rng;
-use crate::score::Candidate;
+use crate::prefix_affinity::score::Candidate;
 
 /// The cost model's parameters (checked; see `cost` in the plugin configuration).
 #[derive(Clone, Debug, PartialEq)]
