@@ -65,7 +65,8 @@ explain:
 build: wasm explain
 	$(CARGO) build --release -j $(JOBS) $(addprefix -p ,$(BIN_CRATES)) --bins
 
-run: deps build
+# Only what the demo runs (the simulators run in kvoy-stack's process): `make build` builds every binary.
+run: deps wasm explain
 	$(CARGO) run --release -j $(JOBS) -p kvoy-e2e --bin kvoy-stack -- $(RUN_ARGS)
 
 test: deps wasm explain
