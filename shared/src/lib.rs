@@ -43,11 +43,11 @@ pub mod snapshot_board;
 pub mod usage;
 
 // Settings every stage shares (the aggregator connection) and the pool's size limit.
-pub use prefix_affinity::{AggregatorSettings, BearerToken, MAX_ENDPOINTS};
 pub use endpoint::{Endpoint, EndpointId, EndpointLoad, Health, Pool};
 pub use index::{Match, PrefixIndex, Tier};
 pub use lru::LruSet;
 pub use once::LogOnce;
 pub use outstanding::{Charge, Outstanding, OutstandingDelta};
+pub use prefix_affinity::{AggregatorSettings, BearerToken, MAX_ENDPOINTS};
 pub use request::RequestError;
 pub use rng::Rng;

@@ -905,7 +905,8 @@ mod tests {
 
     #[test]
     fn the_pool_namespace_follows_the_pool_and_nothing_else() {
-        let parse = |json: &str| crate::prefix_affinity::PluginConfig::from_json(json.as_bytes()).unwrap();
+        let parse =
+            |json: &str| crate::prefix_affinity::PluginConfig::from_json(json.as_bytes()).unwrap();
         let base = parse(
             r#"{"endpoints":[{"address":"10.0.0.1:80","models":["m"]},{"address":"10.0.0.2:80","models":["m"]}]}"#,
         );

@@ -8,8 +8,8 @@
 //! version changed, then routes with [`live_pool`] or falls back per [`choose`]. Nothing on
 //! the request path ever waits for the aggregator.
 
-use crate::prefix_affinity::config::AggregatorSettings;
 use crate::endpoint::{Endpoint, EndpointId, EndpointLoad, Health, Pool};
+use crate::prefix_affinity::config::AggregatorSettings;
 use crate::shared_data::{SharedStore, StoreError};
 use crate::snapshot::{Snapshot, SnapshotDelta, SnapshotError, SnapshotFormat};
 

@@ -320,10 +320,15 @@ fn clearing_every_endpoint_returns_the_memory() {
 #[test]
 fn max_bytes_bounds_the_default_and_grows_with_size() {
     let default = PrefixIndex::max_bytes(256, 31_250);
-    assert!(default < crate::prefix_affinity::INDEX_MEMORY_LIMIT, "{default}");
+    assert!(
+        default < crate::prefix_affinity::INDEX_MEMORY_LIMIT,
+        "{default}"
+    );
     assert!(PrefixIndex::max_bytes(4096, 31_250) > crate::prefix_affinity::INDEX_MEMORY_LIMIT);
     assert!(PrefixIndex::max_bytes(16, 100) < PrefixIndex::max_bytes(16, 200));
-    assert!(PrefixIndex::max_bytes(usize::MAX, usize::MAX) > crate::prefix_affinity::INDEX_MEMORY_LIMIT);
+    assert!(
+        PrefixIndex::max_bytes(usize::MAX, usize::MAX) > crate::prefix_affinity::INDEX_MEMORY_LIMIT
+    );
 }
 
 #[test]

@@ -14,9 +14,9 @@ use serde::Deserialize;
 use thiserror::Error;
 
 use crate::allow::{Allowlist, AllowlistError, RawAllowlist, Refusal};
-use crate::prefix_affinity::cost::{CostParams, ModelCost};
 use crate::endpoint::{Endpoint, EndpointLoad, Pool};
 use crate::index::PrefixIndex;
+use crate::prefix_affinity::cost::{CostParams, ModelCost};
 
 /// What to do with a body that is not a valid OpenAI request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]

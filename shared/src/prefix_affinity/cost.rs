@@ -51,8 +51,8 @@
 //! there outweighs recomputing the prefix elsewhere, and the index then records the second
 //! holder, so a hot prefix gets a second replica instead of flip-flopping.
 
-use crate::rng::Rng;
 use crate::prefix_affinity::score::Candidate;
+use crate::rng::Rng;
 
 /// The cost model's parameters (checked; see `cost` in the plugin configuration).
 #[derive(Clone, Debug, PartialEq)]

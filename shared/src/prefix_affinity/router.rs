@@ -10,9 +10,9 @@ use crate::endpoint::{EndpointId, Pool};
 use crate::index::{Match, PrefixIndex, Tier};
 use crate::outstanding::{Charge, Outstanding};
 use crate::prefix::{BlockKey, KeySchedule, PrefixHasher};
+use crate::prefix_affinity::score::{self, Candidate, EndpointScore};
 use crate::request::{self, Api, ParsedRequest, RequestError};
 use crate::rng::Rng;
-use crate::prefix_affinity::score::{self, Candidate, EndpointScore};
 
 /// Where a request goes and why.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -19,8 +19,8 @@
 //! which then holds the prefix too. Defaults: `abs` 8, `rel` 1.5 (SGLang uses 64 / 1.5 on
 //! server queues; kvoy's in-flight counts react sooner, so a smaller margin suffices).
 
-use crate::prefix_affinity::config::{HotspotGuard, Weights};
 use crate::endpoint::{EndpointId, EndpointLoad};
+use crate::prefix_affinity::config::{HotspotGuard, Weights};
 use crate::rng::Rng;
 
 /// What the picker knows of one candidate endpoint.

@@ -53,8 +53,8 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use thiserror::Error;
 
-use crate::prefix_affinity::config::MAX_ENDPOINTS;
 use crate::endpoint::EndpointId;
+use crate::prefix_affinity::config::MAX_ENDPOINTS;
 
 /// The HTTP `Content-Type` of an encoded [`SnapshotDelta`].
 pub const CONTENT_TYPE: &str = "application/x-kvoy-snapshot";
