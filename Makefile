@@ -33,7 +33,9 @@ WASM_CRATES := kvoy-filter kvoy-prefix-affinity kvoy-session kvoy-admission kvoy
 # version is the crate's, pinned in explain/Cargo.toml; make deps installs it), embedded by
 # kvoy-aggregator's build.rs from EXPLAIN_DIR.
 EXPLAIN_TARGET := wasm32-unknown-unknown
-EXPLAIN_DIR := target/explain
+# Cargo's target dir: CARGO_TARGET_DIR when set, as cargo itself and kvoy-aggregator's build.rs read it.
+TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
+EXPLAIN_DIR := $(TARGET_DIR)/explain
 # Every crate with a native binary (a [[bin]], src/main.rs or src/bin/).
 BIN_CRATES := kvoy-e2e kvoy-sim kvoy-aggregator kvoy-local kvoy-bench
 # Flags for kvoy-stack (`kvoy-stack --help`), e.g. RUN_ARGS='--backend echo --speedup 1'.
@@ -59,7 +61,7 @@ explain:
 	$(CARGO) build --release --target $(EXPLAIN_TARGET) -j $(JOBS) -p kvoy-explain
 	@command -v wasm-bindgen >/dev/null || { echo "wasm-bindgen is not installed: make deps installs the pinned CLI"; exit 1; }
 	wasm-bindgen --target web --no-typescript --out-dir $(EXPLAIN_DIR) \
-		target/$(EXPLAIN_TARGET)/release/kvoy_explain.wasm
+		$(TARGET_DIR)/$(EXPLAIN_TARGET)/release/kvoy_explain.wasm
 	@ls -l $(EXPLAIN_DIR)/kvoy_explain_bg.wasm $(EXPLAIN_DIR)/kvoy_explain.js
 
 build: wasm explain
