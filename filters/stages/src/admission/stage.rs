@@ -4,7 +4,7 @@ use log::debug;
 use proxy_wasm::hostcalls;
 
 use kvoy_filter_common::{add, now_ms, Headers, HostStore};
-use kvoy_shared::admission::{classify, Arrival, Room};
+use kvoy_shared::admission::{classify, Arrival};
 use kvoy_shared::prefix_affinity::RouteError;
 use kvoy_shared::protocol::openai_error_body;
 use kvoy_shared::protocol::{FAIRNESS_HEADERS, OBJECTIVE_HEADERS};
@@ -92,11 +92,8 @@ impl AdmissionStage {
             .get("content-length")
             .filter(|v| !v.trim().is_empty())
             .and_then(|v| v.trim().parse().ok());
+        // A pool with no endpoint is the policy's to answer (Arrival::NoEndpoint).
         let room = vm.room();
-        if room == Room::NoEndpoint {
-            reject_no_endpoint(&vm.metrics);
-            return Verdict::Replied;
-        }
         let class = classify(
             &vm.config.flow,
             objective.as_deref(),
