@@ -24,6 +24,7 @@
 
 pub mod admission;
 pub mod allow;
+pub mod config;
 mod endpoint;
 pub mod header_map;
 mod index;

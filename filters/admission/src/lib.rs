@@ -16,85 +16,21 @@
 
 mod stream;
 
-use std::cell::RefCell;
-use std::rc::Rc;
-
-use log::error;
-use proxy_wasm::hostcalls;
-use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{ContextType, LogLevel};
+use proxy_wasm::traits::RootContext;
+use proxy_wasm::types::LogLevel;
 
 use kvoy_filter_stages::admission::AdmissionVm;
+use kvoy_filter_stages::root::{SharedVm, StageRoot};
 
 use crate::stream::AdmissionStream;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
     proxy_wasm::set_root_context(|context_id| -> Box<dyn RootContext> {
-        Box::new(AdmissionRoot { context_id, state: Rc::new(RefCell::new(None)) })
+        Box::new(StageRoot::<AdmissionVm>::new(context_id, |vm, id| {
+            Box::new(AdmissionStream::new(vm, id))
+        }))
     });
 }}
 
-pub(crate) type SharedState = Rc<RefCell<Option<AdmissionVm>>>;
-
-/// Every released request is resumed at once (the filters after this one route it).
-pub(crate) fn resume(_context: u32) -> bool {
-    true
-}
-
-struct AdmissionRoot {
-    context_id: u32,
-    state: SharedState,
-}
-
-impl Context for AdmissionRoot {
-    fn on_http_call_response(
-        &mut self,
-        token_id: u32,
-        num_headers: usize,
-        body_size: usize,
-        _num_trailers: usize,
-    ) {
-        if let Some(vm) = self.state.borrow_mut().as_mut() {
-            vm.on_http_call_response(token_id, num_headers, body_size);
-        }
-    }
-}
-
-impl RootContext for AdmissionRoot {
-    fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
-        let Some(raw) = self.get_plugin_configuration() else {
-            error!("kvoy_admission: no plugin configuration; `endpoints` is required");
-            return false;
-        };
-        let vm = match AdmissionVm::configure(&raw, self.context_id) {
-            Ok(vm) => vm,
-            Err(e) => {
-                error!("kvoy_admission: bad configuration: {e}");
-                return false;
-            }
-        };
-        if hostcalls::set_tick_period(vm.tick_period()).is_err() {
-            error!("kvoy_admission: cannot set the tick period");
-        }
-        *self.state.borrow_mut() = Some(vm);
-        true
-    }
-
-    fn on_tick(&mut self) {
-        if let Some(vm) = self.state.borrow_mut().as_mut() {
-            vm.on_tick(&mut resume);
-        }
-    }
-
-    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(AdmissionStream::new(
-            self.state.clone(),
-            context_id,
-        )))
-    }
-
-    fn get_type(&self) -> Option<ContextType> {
-        Some(ContextType::HttpContext)
-    }
-}
+pub(crate) type SharedState = SharedVm<AdmissionVm>;

@@ -36,7 +36,8 @@ impl AdmissionStream {
         let state = self.state.clone();
         let mut guard = state.borrow_mut();
         if let Some(vm) = guard.as_mut() {
-            self.stage.finish(vm, &mut crate::resume);
+            self.stage
+                .finish(vm, &mut kvoy_filter_stages::admission::resume_at_once);
         }
     }
 }

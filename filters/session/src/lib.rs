@@ -18,52 +18,21 @@
 
 mod stream;
 
-use std::cell::RefCell;
-use std::rc::Rc;
+use proxy_wasm::traits::RootContext;
+use proxy_wasm::types::LogLevel;
 
-use log::error;
-use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{ContextType, LogLevel};
-
+use kvoy_filter_stages::root::{SharedVm, StageRoot};
 use kvoy_filter_stages::session::SessionVm;
 
 use crate::stream::SessionStream;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
-    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
-        Box::new(SessionRoot { state: Rc::new(RefCell::new(None)) })
+    proxy_wasm::set_root_context(|context_id| -> Box<dyn RootContext> {
+        Box::new(StageRoot::<SessionVm>::new(context_id, |vm, _| {
+            Box::new(SessionStream::new(vm))
+        }))
     });
 }}
 
-pub(crate) type SharedState = Rc<RefCell<Option<SessionVm>>>;
-
-struct SessionRoot {
-    state: SharedState,
-}
-
-impl Context for SessionRoot {}
-
-impl RootContext for SessionRoot {
-    fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
-        let raw = self.get_plugin_configuration().unwrap_or_default();
-        match SessionVm::configure(&raw) {
-            Ok(vm) => {
-                *self.state.borrow_mut() = Some(vm);
-                true
-            }
-            Err(e) => {
-                error!("kvoy_session: bad configuration: {e}");
-                false
-            }
-        }
-    }
-
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(SessionStream::new(self.state.clone())))
-    }
-
-    fn get_type(&self) -> Option<ContextType> {
-        Some(ContextType::HttpContext)
-    }
-}
+pub(crate) type SharedState = SharedVm<SessionVm>;

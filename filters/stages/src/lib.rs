@@ -32,4 +32,5 @@
 
 pub mod admission;
 pub mod prefix_affinity;
+pub mod root;
 pub mod session;

@@ -19,6 +19,8 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 use thiserror::Error;
 
+use crate::config::{out_of_range, OutOfRange};
+
 /// How a band shares its releases among flows (fairness ids).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -172,24 +174,8 @@ pub enum AdmissionConfigError {
         name: String,
         expected: &'static str,
     },
-    #[error("`{field}` must be {expected}, got {value}")]
-    OutOfRange {
-        field: &'static str,
-        expected: &'static str,
-        value: String,
-    },
-}
-
-fn out_of_range(
-    field: &'static str,
-    expected: &'static str,
-    value: impl ToString,
-) -> AdmissionConfigError {
-    AdmissionConfigError::OutOfRange {
-        field,
-        expected,
-        value: value.to_string(),
-    }
+    #[error(transparent)]
+    OutOfRange(#[from] OutOfRange),
 }
 
 impl AdmissionConfig {

@@ -13,6 +13,8 @@ use std::net::SocketAddr;
 use serde::Deserialize;
 use thiserror::Error;
 
+use crate::config::{out_of_range, OutOfRange};
+
 use crate::allow::{Allowlist, AllowlistError, RawAllowlist, Refusal};
 use crate::endpoint::{Endpoint, EndpointLoad, Pool};
 use crate::index::PrefixIndex;
@@ -537,12 +539,8 @@ pub enum ConfigError {
     },
     #[error("`endpoints` lists {count} endpoints, more than `max_endpoints` ({max})")]
     OverMaxEndpoints { count: usize, max: usize },
-    #[error("`{field}` must be {expected}, got {value}")]
-    OutOfRange {
-        field: &'static str,
-        expected: &'static str,
-        value: String,
-    },
+    #[error(transparent)]
+    OutOfRange(#[from] OutOfRange),
 }
 
 impl PluginConfig {
@@ -552,14 +550,6 @@ impl PluginConfig {
         let raw: RawConfig =
             serde_json::from_slice(bytes).map_err(|e| ConfigError::Json(e.to_string()))?;
         Self::try_from(raw)
-    }
-}
-
-fn out_of_range(field: &'static str, expected: &'static str, value: impl ToString) -> ConfigError {
-    ConfigError::OutOfRange {
-        field,
-        expected,
-        value: value.to_string(),
     }
 }
 

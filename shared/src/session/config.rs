@@ -9,6 +9,8 @@
 use serde::Deserialize;
 use thiserror::Error;
 
+use crate::config::{out_of_range, OutOfRange};
+
 /// Where a session key comes from, in the order of [`SessionConfig::key_sources`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -124,24 +126,8 @@ pub struct SessionConfig {
 pub enum SessionConfigError {
     #[error("invalid session configuration JSON: {0}")]
     Json(String),
-    #[error("`{field}` must be {expected}, got {value}")]
-    OutOfRange {
-        field: &'static str,
-        expected: &'static str,
-        value: String,
-    },
-}
-
-fn out_of_range(
-    field: &'static str,
-    expected: &'static str,
-    value: impl ToString,
-) -> SessionConfigError {
-    SessionConfigError::OutOfRange {
-        field,
-        expected,
-        value: value.to_string(),
-    }
+    #[error(transparent)]
+    OutOfRange(#[from] OutOfRange),
 }
 
 fn header_name(field: &'static str, v: String) -> Result<String, SessionConfigError> {

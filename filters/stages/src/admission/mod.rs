@@ -331,3 +331,30 @@ impl AdmissionVm {
 fn context_of(id: u64) -> Option<u32> {
     u32::try_from(id).ok()
 }
+
+/// The separate filter's answer to a release: every released request is resumed at once (the
+/// filters after it route it).
+pub fn resume_at_once(_context: u32) -> bool {
+    true
+}
+
+impl crate::root::StageVm for AdmissionVm {
+    const FILTER: &'static str = "kvoy_admission";
+    const REQUIRED: Option<&'static str> = Some("`endpoints` is required");
+
+    fn configure(raw: &[u8], context_id: u32) -> Result<AdmissionVm, String> {
+        AdmissionVm::configure(raw, context_id)
+    }
+
+    fn tick_period(&self) -> Option<Duration> {
+        Some(AdmissionVm::tick_period(self))
+    }
+
+    fn on_tick(&mut self) {
+        AdmissionVm::on_tick(self, &mut resume_at_once);
+    }
+
+    fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize) {
+        AdmissionVm::on_http_call_response(self, token, num_headers, body_size);
+    }
+}

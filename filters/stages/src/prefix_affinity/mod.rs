@@ -214,3 +214,26 @@ impl PrefixVm {
         }
     }
 }
+
+impl crate::root::StageVm for PrefixVm {
+    const FILTER: &'static str = "kvoy_prefix_affinity";
+    const REQUIRED: Option<&'static str> = Some("an endpoint list is required");
+    const WITHOUT_TICKS: &'static str =
+        "; idle workers catch up on requests only, and an aggregator is not polled";
+
+    fn configure(raw: &[u8], context_id: u32) -> Result<PrefixVm, String> {
+        PrefixVm::configure(raw, context_id)
+    }
+
+    fn tick_period(&self) -> Option<Duration> {
+        Some(PrefixVm::tick_period(self))
+    }
+
+    fn on_tick(&mut self) {
+        PrefixVm::on_tick(self);
+    }
+
+    fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize) {
+        PrefixVm::on_http_call_response(self, token, num_headers, body_size);
+    }
+}

@@ -54,3 +54,11 @@ impl SessionVm {
         })
     }
 }
+
+impl crate::root::StageVm for SessionVm {
+    const FILTER: &'static str = "kvoy_session";
+
+    fn configure(raw: &[u8], _context_id: u32) -> Result<SessionVm, String> {
+        SessionVm::configure(raw)
+    }
+}
