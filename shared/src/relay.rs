@@ -490,6 +490,20 @@ mod tests {
     /// Magic, format, proxy, cursor, count.
     const HEADER_BYTES: usize = 4 + 1 + 8 + 8 + 4;
 
+    /// `batch`'s bytes, checked to decode back to it and to fail cleanly cut anywhere.
+    fn encoded(batch: &DecisionBatch) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        batch.encode(&mut bytes);
+        assert_eq!(DecisionBatch::decode(&bytes).as_ref(), Ok(batch));
+        for cut in 0..bytes.len() {
+            assert!(
+                DecisionBatch::decode(&bytes[..cut]).is_err(),
+                "cut at {cut}"
+            );
+        }
+        bytes
+    }
+
     fn decision(port: u16, keys: &[u64]) -> RelayedDecision {
         RelayedDecision {
             endpoint: SocketAddr::from(([10, 0, 0, 1], port)),
@@ -513,20 +527,12 @@ mod tests {
             ],
             removals: None,
         };
-        let mut bytes = Vec::new();
-        batch.encode(&mut bytes);
+        let bytes = encoded(&batch);
         assert_eq!(bytes[4], 0x11);
         assert_eq!(
             bytes.len(),
             HEADER_BYTES + 2 * DECISION_HEADER_BYTES + 3 * 8 + 2 * 8
         );
-        assert_eq!(DecisionBatch::decode(&bytes), Ok(batch.clone()));
-        for cut in 0..bytes.len() {
-            assert!(
-                DecisionBatch::decode(&bytes[..cut]).is_err(),
-                "cut at {cut}"
-            );
-        }
         // One decision without a time: none travel (the format 1 bytes).
         let mut partial = batch.clone();
         partial.decisions[1].routed_at_ms = None;
@@ -570,19 +576,11 @@ mod tests {
             ],
             removals: None,
         };
-        let mut bytes = Vec::new();
-        batch.encode(&mut bytes);
+        let bytes = encoded(&batch);
         assert_eq!(
             bytes.len(),
             HEADER_BYTES + 2 * DECISION_HEADER_BYTES + 3 * 8
         );
-        assert_eq!(DecisionBatch::decode(&bytes), Ok(batch));
-        for cut in 0..bytes.len() {
-            assert!(
-                DecisionBatch::decode(&bytes[..cut]).is_err(),
-                "cut at {cut}"
-            );
-        }
         let mut longer = bytes.clone();
         longer.push(0);
         assert_eq!(
@@ -602,20 +600,12 @@ mod tests {
                 removals: vec![removal(8001, &[2, 3], None), removal(8000, &[9], None)],
             }),
         };
-        let mut bytes = Vec::new();
-        batch.encode(&mut bytes);
+        let bytes = encoded(&batch);
         assert_eq!(bytes[4], 2);
         assert_eq!(
             bytes.len(),
             HEADER_BYTES + 8 + 4 + 3 * DECISION_HEADER_BYTES + 4 * 8
         );
-        assert_eq!(DecisionBatch::decode(&bytes), Ok(batch.clone()));
-        for cut in 0..bytes.len() {
-            assert!(
-                DecisionBatch::decode(&bytes[..cut]).is_err(),
-                "cut at {cut}"
-            );
-        }
         // No removals asked for: format 1, and nothing after the decisions.
         let mut plain = Vec::new();
         DecisionBatch {
@@ -653,8 +643,7 @@ mod tests {
                 ],
             }),
         };
-        let mut bytes = Vec::new();
-        batch.encode(&mut bytes);
+        let bytes = encoded(&batch);
         assert_eq!(bytes[4], 3);
         // Format 2's bytes, then one fate byte per record.
         assert_eq!(
@@ -662,13 +651,6 @@ mod tests {
             HEADER_BYTES + 8 + 4 + 4 * DECISION_HEADER_BYTES + 5 * 8 + 3
         );
         assert_eq!(&bytes[bytes.len() - 3..], &[1, 0, 2]);
-        assert_eq!(DecisionBatch::decode(&bytes), Ok(batch.clone()));
-        for cut in 0..bytes.len() {
-            assert!(
-                DecisionBatch::decode(&bytes[..cut]).is_err(),
-                "cut at {cut}"
-            );
-        }
         let mut bad = bytes.clone();
         let last = bad.len() - 1;
         bad[last] = 7;

@@ -716,6 +716,23 @@ mod tests {
         .into_bytes()
     }
 
+    /// A chat completion routed at time zero with nothing outstanding.
+    fn idle_route(r: &mut Router, body: &[u8]) -> Decision {
+        r.route_body(
+            Api::ChatCompletions,
+            body,
+            &[Outstanding::default(); 3],
+            Duration::ZERO,
+        )
+        .unwrap()
+    }
+
+    /// A chat completion routed at time zero with the session pin `pin`.
+    fn pinned(r: &mut Router, body: &[u8], loads: &[Outstanding], pin: Option<&str>) -> Decision {
+        r.route_pinned(Api::ChatCompletions, body, loads, pin, Duration::ZERO)
+            .unwrap()
+    }
+
     #[test]
     fn shared_prefix_sticks() {
         let mut r = router("");
@@ -876,24 +893,10 @@ mod tests {
         let mut a = router("");
         let mut b = router("");
         let body = chat("a", &"x".repeat(2000), "u");
-        let d = a
-            .route_body(
-                Api::ChatCompletions,
-                &body,
-                &[Outstanding::default(); 3],
-                Duration::ZERO,
-            )
-            .unwrap();
+        let d = idle_route(&mut a, &body);
         b.apply_remote(d.endpoint, a.last_keys());
         for _ in 0..5 {
-            let e = b
-                .route_body(
-                    Api::ChatCompletions,
-                    &body,
-                    &[Outstanding::default(); 3],
-                    Duration::ZERO,
-                )
-                .unwrap();
+            let e = idle_route(&mut b, &body);
             assert_eq!(e.endpoint, d.endpoint);
             assert_eq!(e.matched_blocks, e.request_blocks);
         }
@@ -904,56 +907,29 @@ mod tests {
         let mut r = router("");
         let system = "A long shared system prompt. ".repeat(40);
         let body = chat("a", &system, "q");
-        let holder = r
-            .route_body(
-                Api::ChatCompletions,
-                &body,
-                &[Outstanding::default(); 3],
-                Duration::ZERO,
-            )
-            .unwrap()
-            .endpoint;
+        let holder = idle_route(&mut r, &body).endpoint;
         let other = if holder == EndpointId(0) {
             "10.0.0.2:8000"
         } else {
             "10.0.0.1:8000"
         };
         // A soft pin beats the prefix holder.
-        let d = r
-            .route_pinned(
-                Api::ChatCompletions,
-                &body,
-                &[Outstanding::default(); 3],
-                Some(other),
-                Duration::ZERO,
-            )
-            .unwrap();
+        let d = pinned(&mut r, &body, &[Outstanding::default(); 3], Some(other));
         assert_eq!(r.pool().get(d.endpoint).unwrap().address_text, other);
         assert_eq!(d.session, SessionOutcome::Honoured);
         // Outside the pool: ignored, routed as usual.
-        let d = r
-            .route_pinned(
-                Api::ChatCompletions,
-                &body,
-                &[Outstanding::default(); 3],
-                Some("10.9.9.9:1"),
-                Duration::ZERO,
-            )
-            .unwrap();
+        let d = pinned(
+            &mut r,
+            &body,
+            &[Outstanding::default(); 3],
+            Some("10.9.9.9:1"),
+        );
         assert_eq!(d.session, SessionOutcome::Broken(BreakReason::NotInPool));
         assert_eq!(
             d.matched_blocks, d.request_blocks,
             "to a prefix holder, as without a pin"
         );
-        let d = r
-            .route_pinned(
-                Api::ChatCompletions,
-                &body,
-                &[Outstanding::default(); 3],
-                Some("garbage"),
-                Duration::ZERO,
-            )
-            .unwrap();
+        let d = pinned(&mut r, &body, &[Outstanding::default(); 3], Some("garbage"));
         assert_eq!(d.session, SessionOutcome::Broken(BreakReason::NotInPool));
         // Model b is only on endpoint 1.
         let d = r
@@ -967,35 +943,29 @@ mod tests {
             .unwrap();
         assert_eq!(d.session, SessionOutcome::Broken(BreakReason::NotServing));
         // Overloaded (20 in flight vs 0): broken, unless hard.
-        let d = r
-            .route_pinned(
-                Api::ChatCompletions,
-                &body,
-                &[
-                    Outstanding::requests(20),
-                    Outstanding::default(),
-                    Outstanding::default(),
-                ],
-                Some("10.0.0.1:8000"),
-                Duration::ZERO,
-            )
-            .unwrap();
+        let d = pinned(
+            &mut r,
+            &body,
+            &[
+                Outstanding::requests(20),
+                Outstanding::default(),
+                Outstanding::default(),
+            ],
+            Some("10.0.0.1:8000"),
+        );
         assert_eq!(d.session, SessionOutcome::Broken(BreakReason::Overloaded));
         assert_ne!(d.endpoint, EndpointId(0));
         let mut hard = router(r#","session":{"hard":true}"#);
-        let d = hard
-            .route_pinned(
-                Api::ChatCompletions,
-                &body,
-                &[
-                    Outstanding::requests(20),
-                    Outstanding::default(),
-                    Outstanding::default(),
-                ],
-                Some("10.0.0.1:8000"),
-                Duration::ZERO,
-            )
-            .unwrap();
+        let d = pinned(
+            &mut hard,
+            &body,
+            &[
+                Outstanding::requests(20),
+                Outstanding::default(),
+                Outstanding::default(),
+            ],
+            Some("10.0.0.1:8000"),
+        );
         assert_eq!(
             (d.endpoint, d.session),
             (EndpointId(0), SessionOutcome::Honoured)
@@ -1005,15 +975,12 @@ mod tests {
             r.pool().iter().map(|(id, e)| (id, e.clone())).collect();
         pool[0].1.health = crate::Health::Stale;
         r.set_pool(Pool::with_ids(pool));
-        let d = r
-            .route_pinned(
-                Api::ChatCompletions,
-                &body,
-                &[Outstanding::default(); 3],
-                Some("10.0.0.1:8000"),
-                Duration::ZERO,
-            )
-            .unwrap();
+        let d = pinned(
+            &mut r,
+            &body,
+            &[Outstanding::default(); 3],
+            Some("10.0.0.1:8000"),
+        );
         assert_eq!(d.session, SessionOutcome::Broken(BreakReason::Unhealthy));
         assert_ne!(d.endpoint, EndpointId(0));
     }
@@ -1044,14 +1011,7 @@ mod tests {
     fn a_new_cache_generation_forgets_the_endpoint() {
         let mut r = router("");
         let body = chat("a", &"x".repeat(2000), "u");
-        let d = r
-            .route_body(
-                Api::ChatCompletions,
-                &body,
-                &[Outstanding::default(); 3],
-                Duration::ZERO,
-            )
-            .unwrap();
+        let d = idle_route(&mut r, &body);
         assert!(r.index().blocks(d.endpoint) > 0);
         let same: Vec<_> = r.pool().iter().map(|(id, e)| (id, e.clone())).collect();
         r.set_pool(Pool::with_ids(same.clone()));
@@ -1071,13 +1031,7 @@ mod tests {
         let mut r = router("");
         let route = |r: &mut Router, user: &str| {
             let body = chat("a", &user.repeat(2000), "u");
-            r.route_body(
-                Api::ChatCompletions,
-                &body,
-                &[Outstanding::default(); 3],
-                Duration::ZERO,
-            )
-            .unwrap()
+            idle_route(r, &body)
         };
         let old = route(&mut r, "x");
         let same: Vec<_> = r.pool().iter().map(|(id, e)| (id, e.clone())).collect();

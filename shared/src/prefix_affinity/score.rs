@@ -227,17 +227,22 @@ mod tests {
         }
     }
 
-    fn choose(c: &[Candidate], blocks: u64, seed: u64) -> usize {
+    /// The default policy's pick for a prompt of `blocks` blocks, and every candidate's score.
+    fn scored(c: &[Candidate], blocks: u64, seed: u64) -> (Option<usize>, Vec<EndpointScore>) {
         let mut scores = Vec::new();
-        pick(
+        let picked = pick(
             c,
             blocks * 64,
             &Weights::default(),
             &HotspotGuard::default(),
             &mut Rng::new(seed),
             &mut scores,
-        )
-        .unwrap()
+        );
+        (picked, scores)
+    }
+
+    fn choose(c: &[Candidate], blocks: u64, seed: u64) -> usize {
+        scored(c, blocks, seed).0.unwrap()
     }
 
     #[test]
@@ -259,15 +264,7 @@ mod tests {
         // Endpoint 1 holds the prefix but carries 8 more requests than endpoint 0.
         let c = [cand(0, 0, 0), cand(1, 10, 8), cand(2, 0, 4)];
         assert_eq!(choose(&c, 10, 1), 0);
-        let mut scores = Vec::new();
-        pick(
-            &c,
-            640,
-            &Weights::default(),
-            &HotspotGuard::default(),
-            &mut Rng::new(1),
-            &mut scores,
-        );
+        let (_, scores) = scored(&c, 10, 1);
         assert!(scores[1].hot && !scores[0].hot && !scores[2].hot);
         // One request less and affinity still wins.
         let c = [cand(0, 0, 0), cand(1, 10, 7)];
@@ -278,15 +275,7 @@ mod tests {
     fn guard_needs_the_relative_margin_too() {
         // 40 vs 30: 10 above the least loaded but only 1.33x: not hot.
         let c = [cand(0, 0, 30), cand(1, 10, 40)];
-        let mut scores = Vec::new();
-        pick(
-            &c,
-            640,
-            &Weights::default(),
-            &HotspotGuard::default(),
-            &mut Rng::new(1),
-            &mut scores,
-        );
+        let (_, scores) = scored(&c, 10, 1);
         assert!(!scores[1].hot);
     }
 
