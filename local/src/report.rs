@@ -88,25 +88,19 @@ fn scores_text(out: &mut String, t: &ScoreTable) {
         out,
         "  {} ({} pool; {} request blocks; weights prefix {}, inflight {}, queue {}, kv_cache {}, session {}){}",
         t.kind,
-        if t.pool_live { "aggregator" } else { "static" },
+        pool_kind(t),
         t.request_blocks,
         w.prefix,
         w.inflight,
         w.queue,
         w.kv_cache,
         w.session,
-        t.error.as_ref().map_or(String::new(), |e| format!(": {e}")),
+        error_suffix(t),
     );
     if t.rows.is_empty() {
         return;
     }
-    let width = t
-        .rows
-        .iter()
-        .map(|r| r.endpoint.len())
-        .max()
-        .unwrap_or(8)
-        .max(8);
+    let width = endpoint_width(t);
     let _ = writeln!(
         out,
         "    {:width$}  {:>7}  {:>8}  {:>7}  {:>6}  {:>8}  {:>6}  {:>8}  {:>7}  {:>7}",
@@ -141,26 +135,43 @@ fn scores_text(out: &mut String, t: &ScoreTable) {
     }
 }
 
+/// The endpoint column's width: the longest address, at least the header's.
+fn endpoint_width(t: &ScoreTable) -> usize {
+    t.rows
+        .iter()
+        .map(|r| r.endpoint.len())
+        .max()
+        .unwrap_or(8)
+        .max(8)
+}
+
+fn pool_kind(t: &ScoreTable) -> &'static str {
+    if t.pool_live {
+        "aggregator"
+    } else {
+        "static"
+    }
+}
+
+/// `: <why>` after a table's title when its request was refused.
+fn error_suffix(t: &ScoreTable) -> String {
+    t.error.as_ref().map_or(String::new(), |e| format!(": {e}"))
+}
+
 /// The cost scorer's table: each endpoint's predicted time to first token and its terms.
 fn costs_text(out: &mut String, t: &ScoreTable) {
     let _ = writeln!(
         out,
         "  {} ({} pool; {} request blocks; cost scorer: predicted time to first token){}",
         t.kind,
-        if t.pool_live { "aggregator" } else { "static" },
+        pool_kind(t),
         t.request_blocks,
-        t.error.as_ref().map_or(String::new(), |e| format!(": {e}")),
+        error_suffix(t),
     );
     if t.rows.is_empty() {
         return;
     }
-    let width = t
-        .rows
-        .iter()
-        .map(|r| r.endpoint.len())
-        .max()
-        .unwrap_or(8)
-        .max(8);
+    let width = endpoint_width(t);
     let _ = writeln!(
         out,
         "    {:width$}  {:>7}  {:>8}  {:>7}  {:>8}  {:>8}  {:>7}  {:>10}  {:>9}  {:>7}",

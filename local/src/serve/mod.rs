@@ -251,20 +251,29 @@ pub fn stats_text(metrics: &[(String, Metric)]) -> String {
     text
 }
 
+/// The next connection on `listener`, or `None` once `stop` changes. A failed accept (out of
+/// file descriptors, say) is retried after a pause rather than spun on.
+async fn next_connection(
+    listener: &tokio::net::TcpListener,
+    stop: &mut tokio::sync::watch::Receiver<bool>,
+) -> Option<(tokio::net::TcpStream, std::net::SocketAddr)> {
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(connection) => return Some(connection),
+                Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+            },
+            _ = stop.changed() => return None,
+        }
+    }
+}
+
 async fn accept(
     listener: tokio::net::TcpListener,
     shared: Arc<Shared>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
-    loop {
-        let accepted = tokio::select! {
-            a = listener.accept() => a,
-            _ = stop.changed() => return,
-        };
-        let Ok((tcp, peer)) = accepted else {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-            continue;
-        };
+    while let Some((tcp, peer)) = next_connection(&listener, &mut stop).await {
         let _ = tcp.set_nodelay(true);
         let local = tcp.local_addr().unwrap_or(peer);
         let worker = shared.next_worker.fetch_add(1, Ordering::Relaxed) % shared.workers.max(1);
@@ -491,14 +500,7 @@ async fn admin_accept(
     shared: Arc<Shared>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
-    loop {
-        let accepted = tokio::select! {
-            a = listener.accept() => a,
-            _ = stop.changed() => return,
-        };
-        let Ok((tcp, _)) = accepted else {
-            continue;
-        };
+    while let Some((tcp, _)) = next_connection(&listener, &mut stop).await {
         let shared = shared.clone();
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req: Request<Incoming>| {
