@@ -45,8 +45,11 @@ pub(crate) struct KvCache {
     scratch: Vec<u8>,
 }
 
-/// Hash of one full block chained to its parent.
-fn block_hash(scratch: &mut Vec<u8>, parent: Option<u64>, tokens: &[u32]) -> u64 {
+/// Hash of one full block of `tokens` chained to its parent block's hash (`None` for the first
+/// block), the chain in this module's doc; `scratch` is reused across calls. The hashes the
+/// engine's `BlockStored` events carry, so kvoy-bench's mirror of an engine's cache computes a
+/// prompt's hashes with it.
+pub fn block_hash(scratch: &mut Vec<u8>, parent: Option<u64>, tokens: &[u32]) -> u64 {
     scratch.clear();
     match parent {
         None => scratch.push(0),
