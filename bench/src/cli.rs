@@ -84,6 +84,33 @@ pub(crate) fn usage(e: clap::Error) -> CliError {
     }
 }
 
+/// `args` (the arguments after `program`, itself one or more words) as `C`'s flags.
+pub(crate) fn parse_as<C: Parser>(program: &str, args: &[String]) -> Result<C, clap::Error> {
+    C::try_parse_from(std::iter::once(program).chain(args.iter().map(String::as_str)))
+}
+
+/// The words of a command line, for the tests.
+#[cfg(test)]
+pub(crate) fn words(line: &str) -> Vec<String> {
+    line.split_whitespace().map(str::to_owned).collect()
+}
+
+/// For the tests: each command line of `cases` is refused by `parse` with a message that
+/// contains its needle (the flag or value at fault).
+#[cfg(test)]
+pub(crate) fn assert_refused<T: std::fmt::Debug>(
+    parse: impl Fn(&[String]) -> Result<T, CliError>,
+    cases: &[(&str, &str)],
+) {
+    for (line, needle) in cases {
+        let Err(e) = parse(&words(line)) else {
+            panic!("{line}: accepted");
+        };
+        let e = e.to_string();
+        assert!(e.contains(needle), "{line}: {e}");
+    }
+}
+
 /// A whole number at least 1, for counts.
 pub(crate) fn positive_usize() -> RangedU64ValueParser<usize> {
     RangedU64ValueParser::<usize>::new().range(1..)
@@ -361,8 +388,7 @@ pub enum Command {
 /// Parses the arguments after the program name; `--help` (of any command) is
 /// [`Command::Help`], which the caller prints with clap.
 pub fn parse(args: &[String]) -> Result<Command, CliError> {
-    let argv = std::iter::once("kvoy-bench").chain(args.iter().map(String::as_str));
-    match Cli::try_parse_from(argv) {
+    match parse_as::<Cli>("kvoy-bench", args) {
         Ok(cli) => cli.command.into_command(),
         Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) => {
             Ok(Command::Help)
@@ -421,12 +447,8 @@ impl SimArgs {
 mod tests {
     use super::*;
 
-    fn args(s: &str) -> Vec<String> {
-        s.split_whitespace().map(String::from).collect()
-    }
-
     fn sim(s: &str) -> SimArgs {
-        match parse(&args(s)) {
+        match parse(&words(s)) {
             Ok(Command::Sim(a)) => *a,
             other => panic!("{other:?}"),
         }
@@ -454,7 +476,7 @@ mod tests {
             (8, Some(Count::Fixed(40)), 0.1)
         );
         assert_eq!(sim("sim --duration 30").count, Some(Count::Duration(30.0)));
-        assert_eq!(parse(&args("--help")).unwrap(), Command::Help);
+        assert_eq!(parse(&words("--help")).unwrap(), Command::Help);
         let a = sim("sim --all --trace /t.jsonl");
         assert_eq!(a.workloads.len(), 4);
         assert_eq!(a.fleet, FleetKind::Uniform);
@@ -467,7 +489,7 @@ mod tests {
 
     #[test]
     fn mistakes_are_named() {
-        let err = |s: &str| parse(&args(s)).unwrap_err().to_string();
+        let err = |s: &str| parse(&words(s)).unwrap_err().to_string();
         assert!(err("sim --replicas 0").contains("--replicas"));
         assert!(err("sim --replicas x").contains("--replicas"));
         assert!(err("sim --rates 1x,-2").contains("--rates"));
@@ -490,7 +512,7 @@ mod tests {
         assert!(err("bench").contains("unknown command"));
         assert!(err("report").contains("--from"));
         assert_eq!(
-            parse(&args("report --from r/results.json")).unwrap(),
+            parse(&words("report --from r/results.json")).unwrap(),
             Command::Report {
                 from: "r/results.json".into(),
                 out: None

@@ -4,7 +4,8 @@
 //! request once it is over, and a bad body gets the router's refusal through Envoy.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::PathBuf;
+mod common;
+
 use std::time::Duration;
 
 use kvoy_bench::overhead::extproc::ExtProcProxy;
@@ -19,9 +20,7 @@ fn requests_arrive_at_the_endpoint_the_picker_chose() {
         .iter()
         .map(|b| PoolEndpoint::new(b.addr(), &["m"]))
         .collect();
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("kvoy-bench-extproc")
-        .join(std::process::id().to_string());
+    let dir = common::run_dir("kvoy-bench-extproc");
     let proxy = ExtProcProxy::start(&pool, 2, 1, &dir).unwrap();
     let timeout = Duration::from_secs(10);
     let system = "you are a helpful assistant ".repeat(200);

@@ -4,35 +4,20 @@
 //! complete.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::PathBuf;
-use std::time::Duration;
+mod common;
 
-use kvoy_bench::live::{self, Arrivals, LiveGrid, LivePolicy};
-use kvoy_bench::runner::Rate;
-use kvoy_bench::workload::{Count, SharedPrefix, Workload};
-use kvoy_sim_engine::Profile;
+use kvoy_bench::live::{self, LivePolicy};
 
 #[test]
 fn kvoy_hits_the_cache_more_than_round_robin_live() {
-    let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("kvoy-bench-live")
-        .join(std::process::id().to_string());
-    let mut workload = SharedPrefix::new(0.1, Count::Fixed(60));
-    workload.groups = 6;
-    let grid = LiveGrid {
-        workloads: vec![Workload::SharedPrefix(workload)],
-        policies: vec![LivePolicy::RoundRobin, LivePolicy::Kvoy],
-        rates: vec![Rate::Saturation(0.05)],
-        profile: Profile::llama_8b_h100(),
-        replicas: 2,
-        speedup: 10.0,
-        seed: 7,
-        arrivals: Arrivals::Open,
-        run_deadline: Duration::from_secs(60),
-        hop_probes: 0,
-        run_dir: run_dir.clone(),
-        tokenizer: None,
-    };
+    let run_dir = common::run_dir("kvoy-bench-live");
+    let grid = common::small_live_grid(
+        60,
+        6,
+        vec![LivePolicy::RoundRobin, LivePolicy::Kvoy],
+        0,
+        run_dir.clone(),
+    );
     let report = live::run(&grid, &mut |p| {
         if p.done == p.total {
             eprintln!(

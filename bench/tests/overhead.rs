@@ -3,15 +3,13 @@
 //! with every request answered, and the written files must carry the figures.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::PathBuf;
+mod common;
 
 use kvoy_bench::overhead::{self, OverheadGrid};
 
 #[test]
 fn every_row_measures_plain_envoy_kvoy_the_floor_ext_proc_and_direct() {
-    let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("kvoy-bench-overhead")
-        .join(std::process::id().to_string());
+    let run_dir = common::run_dir("kvoy-bench-overhead");
     let mut grid = OverheadGrid::standard(run_dir.join("run"));
     grid.prompt_tokens = vec![1_000, 8_000];
     grid.concurrency = vec![1, 4];

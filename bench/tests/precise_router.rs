@@ -12,12 +12,11 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::time::Duration;
 
-use kvoy_bench::live::routers::{
-    ensure_installed, InstallError, KvEventSource, RouterKind, RouterProcess,
-};
+mod common;
+
+use kvoy_bench::live::routers::{KvEventSource, RouterKind, RouterProcess};
 use kvoy_e2e::{http, PublishingSim};
 
 const MODEL: &str = "m";
@@ -53,13 +52,9 @@ fn complete(addr: SocketAddr, body: &[u8]) -> String {
 
 #[test]
 fn kv_aware_routes_a_prefix_to_the_simulator_whose_kv_events_hold_it() {
-    let binary = match ensure_installed(RouterKind::VllmRouter) {
-        Ok(binary) => binary,
-        Err(e @ InstallError::Unreachable { .. }) => {
-            eprintln!("SKIPPED: the precise-router test needs PyPI, which pip cannot reach: {e}");
-            return;
-        }
-        Err(e) => panic!("installing {}: {e}", RouterKind::VllmRouter.requirement()),
+    let Some(binary) = common::installed_or_skip(RouterKind::VllmRouter, "the precise-router test")
+    else {
+        return;
     };
     let tokenizer = kvoy_bench::live::default_tokenizer().display().to_string();
     let flags = [
@@ -82,9 +77,7 @@ fn kv_aware_routes_a_prefix_to_the_simulator_whose_kv_events_hold_it() {
             replay: s.replay.clone(),
         })
         .collect();
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("kvoy-bench-precise-router")
-        .join(std::process::id().to_string());
+    let dir = common::run_dir("kvoy-bench-precise-router");
     let router = RouterProcess::start(
         RouterKind::VllmRouter,
         &binary,

@@ -8,48 +8,29 @@
 //! Skips, saying so, only when pip cannot reach PyPI; any other install failure fails.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::PathBuf;
-use std::time::Duration;
+mod common;
 
-use kvoy_bench::live::routers::{ensure_installed, InstallError, RouterKind};
-use kvoy_bench::live::{self, Arrivals, LiveGrid, LivePolicy};
-use kvoy_bench::runner::Rate;
-use kvoy_bench::workload::{Count, SharedPrefix, Workload};
-use kvoy_sim_engine::Profile;
+use kvoy_bench::live::routers::RouterKind;
+use kvoy_bench::live::{self, LivePolicy};
 
 const REQUESTS: u64 = 40;
 
 #[test]
 fn smg_and_vllm_router_route_every_request_to_the_simulators() {
     for kind in [RouterKind::Smg, RouterKind::VllmRouter] {
-        match ensure_installed(kind) {
-            Ok(binary) => eprintln!("[routers] {} at {}", kind.requirement(), binary.display()),
-            Err(e @ InstallError::Unreachable { .. }) => {
-                eprintln!("SKIPPED: the real-router test needs PyPI, which pip cannot reach: {e}");
-                return;
-            }
-            Err(e) => panic!("installing {}: {e}", kind.requirement()),
-        }
+        let Some(binary) = common::installed_or_skip(kind, "the real-router test") else {
+            return;
+        };
+        eprintln!("[routers] {} at {}", kind.requirement(), binary.display());
     }
-    let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("kvoy-bench-routers")
-        .join(std::process::id().to_string());
-    let mut workload = SharedPrefix::new(0.1, Count::Fixed(REQUESTS as usize));
-    workload.groups = 4;
-    let grid = LiveGrid {
-        workloads: vec![Workload::SharedPrefix(workload)],
-        policies: vec![LivePolicy::SmgCacheAware, LivePolicy::VllmRouter],
-        rates: vec![Rate::Saturation(0.05)],
-        profile: Profile::llama_8b_h100(),
-        replicas: 2,
-        speedup: 10.0,
-        seed: 7,
-        arrivals: Arrivals::Open,
-        run_deadline: Duration::from_secs(60),
-        hop_probes: 5,
-        run_dir: run_dir.clone(),
-        tokenizer: None,
-    };
+    let run_dir = common::run_dir("kvoy-bench-routers");
+    let grid = common::small_live_grid(
+        REQUESTS as usize,
+        4,
+        vec![LivePolicy::SmgCacheAware, LivePolicy::VllmRouter],
+        5,
+        run_dir.clone(),
+    );
     let report = live::run(&grid, &mut |p| {
         if let Some(f) = p.finished {
             eprintln!(

@@ -1,5 +1,6 @@
 //! Black-box checks of the simulation: determinism, conservation, and that prefix-aware routing
 //! finds the shared prefixes round-robin scatters.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::HashSet;
 use std::path::Path;
@@ -7,9 +8,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvoy_bench::fleet::FleetKind;
+use kvoy_bench::metrics::Recorder;
 use kvoy_bench::policy::{Policy, PolicyKind, PolicyOptions, Prefilled, RouteRequest, View};
 use kvoy_bench::runner::{self, Grid, Rate};
-use kvoy_bench::sim::{self, SimConfig};
+use kvoy_bench::sim::{self, SimConfig, SimError};
 use kvoy_bench::workload::{
     Agents, Count, NoSharing, Part, Plan, Session, SharedPrefix, Trace, Turn, Workload, TURN_SLOTS,
 };
@@ -24,6 +26,12 @@ fn options(replicas: usize) -> PolicyOptions {
         sglang_tree_chars: None,
         envoy_workers: None,
     }
+}
+
+/// `plan` through a fresh `kind` policy (built by [`options`]) on `cfg`'s fleet, quietly.
+fn simulate(plan: &Plan, kind: PolicyKind, cfg: &SimConfig) -> Result<Recorder, SimError> {
+    let mut policy = kind.build(&options(cfg.replicas())).unwrap();
+    sim::run(plan, policy.as_mut(), cfg, &mut |_, _| {})
 }
 
 fn small_grid(threads: usize) -> Grid {
@@ -134,14 +142,7 @@ fn refused_requests_are_counted_not_lost() {
     let mut profile = Profile::llama_8b_h100();
     profile.max_model_len = 1500;
     let plan = NoSharing::new(Count::Fixed(60)).plan(20.0, 5);
-    let mut policy = PolicyKind::RoundRobin.build(&options(2)).unwrap();
-    let rec = sim::run(
-        &plan,
-        policy.as_mut(),
-        &SimConfig::new(profile, 2),
-        &mut |_, _| {},
-    )
-    .unwrap();
+    let rec = simulate(&plan, PolicyKind::RoundRobin, &SimConfig::new(profile, 2)).unwrap();
     assert!(rec.rejected > 0 && rec.completed > 0);
     assert_eq!(rec.completed + rec.rejected, 60);
     let all: HashSet<u64> = rec.finished.iter().chain(&rec.refused).copied().collect();
@@ -153,8 +154,7 @@ fn kvoy_finds_the_shared_prefixes_round_robin_scatters() {
     let plan = SharedPrefix::new(0.1, Count::Fixed(100)).plan(10.0, 1);
     let cfg = SimConfig::new(Profile::llama_8b_h100(), 4);
     let hit = |kind: PolicyKind| {
-        let mut p = kind.build(&options(4)).unwrap();
-        let rec = sim::run(&plan, p.as_mut(), &cfg, &mut |_, _| {}).unwrap();
+        let rec = simulate(&plan, kind, &cfg).unwrap();
         rec.figures("shared-prefix", kind.name(), 10.0, 1.0)
     };
     let kvoy = hit(PolicyKind::Kvoy);
@@ -197,14 +197,7 @@ fn the_ideal_counted_once_equals_the_ideal_counted_in_the_run() {
     let profile = Profile::llama_8b_h100();
     let plan = SharedPrefix::new(0.05, Count::Fixed(60)).plan(30.0, 4);
     let shape = kvoy_bench::saturation::measure(&plan, &profile);
-    let mut policy = PolicyKind::Random.build(&options(3)).unwrap();
-    let rec = sim::run(
-        &plan,
-        policy.as_mut(),
-        &SimConfig::new(profile, 3),
-        &mut |_, _| {},
-    )
-    .unwrap();
+    let rec = simulate(&plan, PolicyKind::Random, &SimConfig::new(profile, 3)).unwrap();
     assert_eq!(
         (rec.ideal_hit_tokens, rec.ideal_prompt_tokens),
         (shape.ideal_hit_tokens, shape.prompt_tokens)
@@ -261,9 +254,8 @@ fn a_half_slow_fleets_slow_replicas_take_twice_as_long() {
     let base = Profile::llama_8b_h100();
     let run = |fleet: FleetKind| {
         // Round-robin: the first request on replica 0, the second on replica 1.
-        let mut policy = PolicyKind::RoundRobin.build(&options(2)).unwrap();
         let cfg = SimConfig::with_profiles(fleet.profiles(&base, 2));
-        let rec = sim::run(&plan, policy.as_mut(), &cfg, &mut |_, _| {}).unwrap();
+        let rec = simulate(&plan, PolicyKind::RoundRobin, &cfg).unwrap();
         assert_eq!(rec.per_endpoint, [1, 1]);
         assert_eq!(rec.completed, 2);
         rec
@@ -293,8 +285,7 @@ fn a_fleet_mixing_block_sizes_is_refused() {
     let mut other = Profile::llama_8b_h100();
     other.block_size = 32;
     let cfg = SimConfig::with_profiles(vec![Profile::llama_8b_h100(), other]);
-    let mut policy = PolicyKind::RoundRobin.build(&options(2)).unwrap();
-    let err = sim::run(&same_request_twice(), policy.as_mut(), &cfg, &mut |_, _| {})
+    let err = simulate(&same_request_twice(), PolicyKind::RoundRobin, &cfg)
         .err()
         .map(|e| e.to_string())
         .unwrap_or_default();

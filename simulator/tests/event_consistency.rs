@@ -6,24 +6,9 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
+use kvoy_shared::Rng;
 use kvoy_sim::engine::{Engine, EngineRequest, KvEvent, Profile, MEDIUM_CPU, MEDIUM_GPU};
 use proptest::prelude::*;
-
-/// A tiny deterministic generator (xorshift64*), seeded by proptest.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
 
 /// What a subscriber keeps: the hashes on each medium, and counts for coverage checks.
 #[derive(Default)]
@@ -103,7 +88,8 @@ struct Coverage {
 
 /// Runs one randomized workload, with a CPU tier of `cpu_offload_blocks` (0: none).
 fn workload(seed: u64, cpu_offload_blocks: u32) -> Coverage {
-    let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    // kvoy-shared's seeded generator, seeded by proptest.
+    let mut rng = Rng::new(seed);
     let profile = Profile {
         name: "tiny".to_owned(),
         block_size: 4,
@@ -128,7 +114,7 @@ fn workload(seed: u64, cpu_offload_blocks: u32) -> Coverage {
     for _ in 0..400 {
         match rng.below(10) {
             0..=3 => {
-                let mut prompt = prefixes[rng.below(4) as usize].clone();
+                let mut prompt = prefixes[rng.below(4)].clone();
                 prompt.extend((0..rng.below(30)).map(|_| rng.below(8) as u32));
                 let req = EngineRequest {
                     id: next_id,
@@ -142,7 +128,7 @@ fn workload(seed: u64, cpu_offload_blocks: u32) -> Coverage {
                 next_id += 1;
             }
             4 if !live.is_empty() => {
-                let id = live.swap_remove(rng.below(live.len() as u64) as usize);
+                let id = live.swap_remove(rng.below(live.len()));
                 engine.abort(id);
             }
             5 if rng.below(8) == 0 => {

@@ -11,7 +11,7 @@ use std::net::SocketAddr;
 
 use serde_json::{json, Value};
 
-use common::{options, request, start, start_with};
+use common::{assert_unknown_model, options, request, start, start_with};
 use kvoy_sim::engine::Profile;
 use kvoy_sim::server::HttpOptions;
 
@@ -320,15 +320,7 @@ async fn malformed_bodies_are_400() {
         let v: Value = serde_json::from_str(&r.body).unwrap();
         assert_eq!(v["error"]["type"], "invalid_request_error", "{body}");
     }
-    let r = request(
-        addr,
-        "POST",
-        "/v1/responses",
-        r#"{"model":"other","input":"x"}"#,
-    )
-    .await;
-    assert_eq!(r.status, 404);
-    assert!(r.body.contains("model_not_found"));
+    assert_unknown_model(addr, "/v1/responses", r#""input":"x""#).await;
     assert_eq!(request(addr, "GET", "/v1/responses", "").await.status, 404);
 }
 

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use tokio::net::{TcpListener, TcpStream};
 
-use common::{request, request_on, start};
+use common::{assert_unknown_model, request, request_on, start};
 use kvoy_sim::engine::tokenizer::tokenize_bytes;
 use kvoy_sim::engine::{Engine, EngineRequest, OutputKind, Profile};
 use kvoy_sim::server::runtime::EngineHandle;
@@ -87,15 +87,7 @@ async fn openai_api_shapes() {
     assert!(r.body.contains("\"finish_reason\":\"length\""));
     assert!(r.body.contains("data: [DONE]\n\n"), "{}", r.body);
 
-    let r = request(
-        addr,
-        "POST",
-        "/v1/completions",
-        r#"{"model":"other","prompt":"x"}"#,
-    )
-    .await;
-    assert_eq!(r.status, 404);
-    assert!(r.body.contains("model_not_found"));
+    assert_unknown_model(addr, "/v1/completions", r#""prompt":"x""#).await;
     let r = request(addr, "POST", "/v1/completions", r#"{"model":"m","prompt":"#).await;
     assert_eq!(r.status, 400);
     assert!(r.body.contains("\"error\""));

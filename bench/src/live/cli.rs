@@ -10,7 +10,7 @@ use kvoy_sim::cli::positive_f64;
 use kvoy_sim_engine::Profile;
 
 use super::{Arrivals, LiveGrid, LivePolicy};
-use crate::cli::{positive_usize, usage, CliError};
+use crate::cli::{parse_as, positive_usize, usage, CliError};
 use crate::runner::Rate;
 use crate::workload::{Agents, Count, NoSharing, SharedPrefix, Workload};
 
@@ -200,8 +200,9 @@ impl LiveCli {
 
 /// Parses the options after `live`.
 pub fn parse(args: &[String]) -> Result<LiveArgs, CliError> {
-    let argv = std::iter::once("kvoy-bench live").chain(args.iter().map(String::as_str));
-    LiveCli::try_parse_from(argv).map_err(usage)?.into_args()
+    parse_as::<LiveCli>("kvoy-bench live", args)
+        .map_err(usage)?
+        .into_args()
 }
 
 /// For `cli::Command`'s equality in tests: the grid holds workloads that are not `PartialEq`
@@ -220,10 +221,7 @@ impl PartialEq for LiveArgs {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-
-    fn args(s: &str) -> Vec<String> {
-        s.split_whitespace().map(str::to_owned).collect()
-    }
+    use crate::cli::{assert_refused, words};
 
     #[test]
     fn defaults_and_flags() {
@@ -247,7 +245,7 @@ mod tests {
             })
         ));
         assert_eq!(a.grid.rates.len(), 3);
-        let a = parse(&args(
+        let a = parse(&words(
             "--workload agents --policies smg-cache-aware,vllm-router",
         ))
         .unwrap();
@@ -256,7 +254,7 @@ mod tests {
             a.grid.policies,
             vec![LivePolicy::SmgCacheAware, LivePolicy::VllmRouter]
         );
-        let a = parse(&args(
+        let a = parse(&words(
             "--policies kvoy,random --rates 1x,20 --closed 8 --replicas 2",
         ))
         .unwrap();
@@ -267,36 +265,36 @@ mod tests {
         );
         assert_eq!(a.grid.arrivals, Arrivals::Closed(8));
         assert!(a.sim_check && !a.sim_check_only);
-        let a = parse(&args("--no-sim-check")).unwrap();
+        let a = parse(&words("--no-sim-check")).unwrap();
         assert!(!a.sim_check);
-        assert!(parse(&args("--sim-check-only")).unwrap().sim_check_only);
+        assert!(parse(&words("--sim-check-only")).unwrap().sim_check_only);
         assert_eq!(parse(&[]).unwrap().grid.tokenizer, None);
-        let a = parse(&args("--policies kvoy,vllm-router-kv-aware")).unwrap();
+        let a = parse(&words("--policies kvoy,vllm-router-kv-aware")).unwrap();
         assert_eq!(
             a.grid.policies,
             vec![LivePolicy::Kvoy, LivePolicy::VllmRouterKvAware]
         );
         assert_eq!(a.grid.tokenizer, Some(crate::live::default_tokenizer()));
         assert!(crate::live::default_tokenizer().is_file());
-        let a = parse(&args("--tokenizer /t.json")).unwrap();
+        let a = parse(&words("--tokenizer /t.json")).unwrap();
         assert_eq!(a.grid.tokenizer, Some(PathBuf::from("/t.json")));
     }
 
     #[test]
     fn mistakes_name_the_flag() {
-        for (line, needle) in [
-            ("--replicas 0", "--replicas"),
-            ("--speedup -1", "--speedup"),
-            ("--rates 1y", "--rates"),
-            ("--policies llm-d", "llm-d"),
-            ("--workload mooncake", "mooncake"),
-            ("--workload agents,nope", "nope"),
-            ("--hop-probes x", "--hop-probes"),
-            ("--bogus", "--bogus"),
-            ("--seed", "--seed"),
-        ] {
-            let e = parse(&args(line)).unwrap_err().to_string();
-            assert!(e.contains(needle), "{line}: {e}");
-        }
+        assert_refused(
+            parse,
+            &[
+                ("--replicas 0", "--replicas"),
+                ("--speedup -1", "--speedup"),
+                ("--rates 1y", "--rates"),
+                ("--policies llm-d", "llm-d"),
+                ("--workload mooncake", "mooncake"),
+                ("--workload agents,nope", "nope"),
+                ("--hop-probes x", "--hop-probes"),
+                ("--bogus", "--bogus"),
+                ("--seed", "--seed"),
+            ],
+        );
     }
 }

@@ -20,7 +20,7 @@ use serde::Serialize;
 use super::fleet::{AGGREGATOR_SCRAPE_MS, FILTER_POLL_MS};
 use super::LiveGrid;
 use crate::policy::PolicyKind;
-use crate::report::Report;
+use crate::report::{table, Report};
 use crate::runner::{self, Grid, Rate, RunError};
 
 /// Ratios may differ by this fraction (live ratio / simulated ratio - 1).
@@ -283,10 +283,17 @@ pub fn markdown(check: &SimCheck) -> String {
                 .collect();
             let _ = writeln!(s, "- swapped (not ties): {}", pairs.join(", "));
         }
-        let _ = writeln!(
-            s,
-            "\n| policy | TTFT p90 live | TTFT p90 sim | ratio live | ratio sim | deviation | hit live | hit sim |\n|---|---:|---:|---:|---:|---:|---:|---:|"
-        );
+        let columns = [
+            "policy",
+            "TTFT p90 live",
+            "TTFT p90 sim",
+            "ratio live",
+            "ratio sim",
+            "deviation",
+            "hit live",
+            "hit sim",
+        ];
+        let _ = writeln!(s, "\n{}", table::head(&columns, 1));
         for p in &r.policies {
             let _ = writeln!(
                 s,

@@ -76,18 +76,9 @@ impl LivePolicy {
         LivePolicy::VllmRouterKvAware,
     ];
 
-    /// The default run (`make bench`): all but the precise mode, which needs simulators with a
-    /// real tokenizer (its own run, `bench/results/live/precise.md`).
-    pub const DEFAULT: [LivePolicy; 8] = [
-        LivePolicy::RoundRobin,
-        LivePolicy::LeastRequest,
-        LivePolicy::Random,
-        LivePolicy::Kvoy,
-        LivePolicy::KvoyAggregator,
-        LivePolicy::SmgCacheAware,
-        LivePolicy::SmgRoundRobin,
-        LivePolicy::VllmRouter,
-    ];
+    /// The default run (`make bench`): all but the precise mode (last in [`Self::ALL`]), which
+    /// needs simulators with a real tokenizer (its own run, `bench/results/live/precise.md`).
+    pub const DEFAULT: &'static [LivePolicy] = Self::ALL.split_at(Self::ALL.len() - 1).0;
 
     /// The name in reports (the simulation's names where the policies are the same).
     pub fn name(self) -> &'static str {

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use clap::Parser;
 
 use super::{OverheadGrid, Stages};
-use crate::cli::{usage, CliError};
+use crate::cli::{parse_as, usage, CliError};
 
 /// The latency the kvoy filters add
 ///
@@ -127,8 +127,7 @@ impl OverheadCli {
 
 /// Parses the options after `overhead`.
 pub fn parse(args: &[String]) -> Result<OverheadArgs, CliError> {
-    let argv = std::iter::once("kvoy-bench overhead").chain(args.iter().map(String::as_str));
-    Ok(OverheadCli::try_parse_from(argv)
+    Ok(parse_as::<OverheadCli>("kvoy-bench overhead", args)
         .map_err(usage)?
         .into_args())
 }
@@ -137,17 +136,14 @@ pub fn parse(args: &[String]) -> Result<OverheadArgs, CliError> {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-
-    fn args(s: &str) -> Vec<String> {
-        s.split_whitespace().map(str::to_owned).collect()
-    }
+    use crate::cli::{assert_refused, words};
 
     #[test]
     fn defaults_are_the_issue_grid_and_flags_override_them() {
         let a = parse(&[]).unwrap();
         assert_eq!(a.grid.prompt_tokens, vec![1000, 8000, 32000, 100000]);
         assert_eq!(a.grid.concurrency, vec![1, 32, 150]);
-        let a = parse(&args(
+        let a = parse(&words(
             "--prompts 2k,500 --concurrency 4 --no-direct --no-ext-proc --no-floor --rounds 3",
         ))
         .unwrap();
@@ -158,7 +154,7 @@ mod tests {
         assert!(!a.grid.floor);
         assert_eq!(a.grid.rounds, 3);
         assert_eq!(a.grid.stages, Stages::ALL);
-        let a = parse(&args("--stages prefix-affinity,session")).unwrap();
+        let a = parse(&words("--stages prefix-affinity,session")).unwrap();
         assert_eq!(
             a.grid.stages,
             Stages {
@@ -167,23 +163,26 @@ mod tests {
             }
         );
         assert_eq!(a.grid.host_calls, 0);
-        assert_eq!(parse(&args("--host-calls 32")).unwrap().grid.host_calls, 32);
-        assert!(parse(&args("--stages session")).is_err());
-        assert!(parse(&args("--stages prefix-affinity,cache")).is_err());
+        assert_eq!(
+            parse(&words("--host-calls 32")).unwrap().grid.host_calls,
+            32
+        );
+        assert!(parse(&words("--stages session")).is_err());
+        assert!(parse(&words("--stages prefix-affinity,cache")).is_err());
     }
 
     #[test]
     fn mistakes_name_the_flag() {
-        for (line, needle) in [
-            ("--prompts 8q", "--prompts"),
-            ("--concurrency 0", "--concurrency"),
-            ("--requests", "--requests"),
-            ("--backends 100", "--backends"),
-            ("--host-calls 0", "--host-calls"),
-            ("--bogus", "--bogus"),
-        ] {
-            let e = parse(&args(line)).unwrap_err().to_string();
-            assert!(e.contains(needle), "{line}: {e}");
-        }
+        assert_refused(
+            parse,
+            &[
+                ("--prompts 8q", "--prompts"),
+                ("--concurrency 0", "--concurrency"),
+                ("--requests", "--requests"),
+                ("--backends 100", "--backends"),
+                ("--host-calls 0", "--host-calls"),
+                ("--bogus", "--bogus"),
+            ],
+        );
     }
 }

@@ -220,6 +220,11 @@ impl OverheadReport {
         })
     }
 
+    /// Whether `proxy` was measured at any grid point.
+    pub fn measured(&self, proxy: &str) -> bool {
+        self.cells.iter().any(|c| c.proxy == proxy)
+    }
+
     /// The (prompt size, concurrency) pairs measured, in order.
     pub fn grid(&self) -> Vec<(u32, usize)> {
         let mut out: Vec<(u32, usize)> = Vec::new();

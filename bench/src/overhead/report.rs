@@ -4,6 +4,7 @@ use std::fmt::Write;
 
 use super::{Cell, OverheadReport};
 use crate::report::svg::{Chart, Series};
+use crate::report::table;
 
 /// The design's targets for the added p50 (DESIGN.md): 0.1 ms at 8k-token prompts, 0.3 ms at
 /// 100k, flat up to 150 concurrent requests.
@@ -44,25 +45,22 @@ pub fn summary(r: &OverheadReport) -> String {
         r.rounds,
         r.stages.describe()
     );
-    let direct = r.cells.iter().any(|c| c.proxy == "direct");
-    let _ = write!(
-        s,
-        "| prompt tokens | body | concurrency | Envoy p50 / p99 | kvoy p50 / p99 | **added p50** | added p99 | kvoy req/s vs Envoy |"
-    );
-    let _ = writeln!(
-        s,
-        "{}",
-        if direct {
-            " direct p50 | errors |"
-        } else {
-            " errors |"
-        }
-    );
-    let _ = writeln!(
-        s,
-        "|---:|---:|---:|---:|---:|---:|---:|---:|{}",
-        if direct { "---:|---:|" } else { "---:|" }
-    );
+    let direct = r.measured("direct");
+    let mut columns = vec![
+        "prompt tokens",
+        "body",
+        "concurrency",
+        "Envoy p50 / p99",
+        "kvoy p50 / p99",
+        "**added p50**",
+        "added p99",
+        "kvoy req/s vs Envoy",
+    ];
+    if direct {
+        columns.push("direct p50");
+    }
+    columns.push("errors");
+    let _ = writeln!(s, "{}", table::head(&columns, 0));
     for (tokens, conc) in r.grid() {
         let (Some(e), Some(k)) = (r.cell(tokens, conc, "envoy"), r.cell(tokens, conc, "kvoy"))
         else {
@@ -74,11 +72,6 @@ pub fn summary(r: &OverheadReport) -> String {
             .filter(|c| c.prompt_tokens == tokens && c.concurrency == conc)
             .map(|c| c.errors)
             .sum();
-        let throughput = if e.requests_per_s > 0.0 {
-            format!("{:.2}x", k.requests_per_s / e.requests_per_s)
-        } else {
-            "-".into()
-        };
         let _ = write!(
             s,
             "| {} | {} KB | {} | {} / {} | {} / {} | **{}** | {} | {} |",
@@ -91,7 +84,7 @@ pub fn summary(r: &OverheadReport) -> String {
             ms(k.latency.p99_ms),
             signed(k.latency.p50_ms - e.latency.p50_ms),
             signed(k.latency.p99_ms - e.latency.p99_ms),
-            throughput,
+            ratio(k.requests_per_s, e.requests_per_s),
         );
         if direct {
             let d = r
@@ -156,111 +149,127 @@ struct Beside<'a> {
     other: &'a Cell,
 }
 
-/// The grid points where plain Envoy, kvoy and `other` were all measured, in grid order.
-fn beside<'a>(r: &'a OverheadReport, other: &str) -> Vec<Beside<'a>> {
-    r.grid()
-        .into_iter()
-        .filter_map(|(tokens, conc)| {
-            Some(Beside {
-                tokens,
-                conc,
-                envoy: r.cell(tokens, conc, "envoy")?,
-                kvoy: r.cell(tokens, conc, "kvoy")?,
-                other: r.cell(tokens, conc, other)?,
-            })
-        })
-        .collect()
+impl Beside<'_> {
+    /// What `cell`'s proxy adds to plain Envoy's p50 and p99, milliseconds, signed.
+    fn added(&self, cell: &Cell) -> (String, String) {
+        (
+            signed(cell.latency.p50_ms - self.envoy.latency.p50_ms),
+            signed(cell.latency.p99_ms - self.envoy.latency.p99_ms),
+        )
+    }
+
+    /// `cell`'s requests per second against plain Envoy's.
+    fn throughput(&self, cell: &Cell) -> String {
+        ratio(cell.requests_per_s, self.envoy.requests_per_s)
+    }
+}
+
+/// A section that puts kvoy beside `other`, both over plain Envoy, written only when `other`
+/// was measured: `intro`, then a table of `columns` with a row from `row` for every grid point
+/// where all three were measured, in grid order.
+fn beside_section(
+    s: &mut String,
+    r: &OverheadReport,
+    other: &str,
+    intro: &str,
+    columns: &[&str],
+    row: impl Fn(&Beside<'_>) -> String,
+) {
+    if !r.measured(other) {
+        return;
+    }
+    let _ = writeln!(s, "{intro}");
+    let _ = writeln!(s, "{}", table::head(columns, 0));
+    for (tokens, conc) in r.grid() {
+        let (Some(envoy), Some(kvoy), Some(other)) = (
+            r.cell(tokens, conc, "envoy"),
+            r.cell(tokens, conc, "kvoy"),
+            r.cell(tokens, conc, other),
+        ) else {
+            continue;
+        };
+        let b = Beside {
+            tokens,
+            conc,
+            envoy,
+            kvoy,
+            other,
+        };
+        let _ = writeln!(s, "| {} | {} | {} |", b.tokens, b.conc, row(&b));
+    }
 }
 
 /// kvoy next to the wasm floor (the minimal body-routing filter in kvoy's bootstrap), both
 /// over plain Envoy: how much of what kvoy adds any such filter would add on this Envoy.
 fn floor_section(s: &mut String, r: &OverheadReport) {
-    if !r.cells.iter().any(|c| c.proxy == "floor") {
-        return;
-    }
-    let _ = writeln!(
-        s,
-        "\n## The wasm floor\n\n\
+    let intro = "\n## The wasm floor\n\n\
          kvoy's bootstrap with `kvoy_floor.wasm` (`bench/floor/`) in the filter's place: it holds \
          the headers, lets Envoy buffer the body, copies it into the VM, hashes it and sets the \
          destination header; no parsing, index, shared data or metrics. What it adds is the cost \
          of any filter that routes on the body in this Envoy's V8; the last column is kvoy's own \
-         work.\n"
-    );
-    let _ = writeln!(
-        s,
-        "| prompt tokens | concurrency | floor added p50 | kvoy added p50 | floor req/s vs Envoy | kvoy req/s vs Envoy | **kvoy p50 - floor p50** |"
-    );
-    let _ = writeln!(s, "|---:|---:|---:|---:|---:|---:|---:|");
-    for Beside {
-        tokens,
-        conc,
-        envoy: e,
-        kvoy: k,
-        other: f,
-    } in beside(r, "floor")
-    {
-        let _ = writeln!(
-            s,
-            "| {tokens} | {conc} | {} | {} | {} | {} | **{}** |",
-            signed(f.latency.p50_ms - e.latency.p50_ms),
-            signed(k.latency.p50_ms - e.latency.p50_ms),
-            ratio(f.requests_per_s, e.requests_per_s),
-            ratio(k.requests_per_s, e.requests_per_s),
-            signed(k.latency.p50_ms - f.latency.p50_ms),
-        );
-    }
+         work.\n";
+    let columns = [
+        "prompt tokens",
+        "concurrency",
+        "floor added p50",
+        "kvoy added p50",
+        "floor req/s vs Envoy",
+        "kvoy req/s vs Envoy",
+        "**kvoy p50 - floor p50**",
+    ];
+    beside_section(s, r, "floor", intro, &columns, |b| {
+        format!(
+            "{} | {} | {} | {} | **{}**",
+            b.added(b.other).0,
+            b.added(b.kvoy).0,
+            b.throughput(b.other),
+            b.throughput(b.kvoy),
+            signed(b.kvoy.latency.p50_ms - b.other.latency.p50_ms),
+        )
+    });
 }
 
 /// kvoy next to the external picker (Envoy's ext_proc filter and the same picker over gRPC),
 /// both over plain Envoy.
 fn ext_proc_section(s: &mut String, r: &OverheadReport) {
-    if !r.cells.iter().any(|c| c.proxy == "ext_proc") {
-        return;
-    }
-    let _ = writeln!(
-        s,
-        "\n## The external picker (ext_proc)\n\n\
+    let intro = "\n## The external picker (ext_proc)\n\n\
          The same kvoy-shared picker served natively as an Envoy ext_proc server on 127.0.0.1 \
          (`envoy.filters.http.ext_proc`, gRPC over HTTP/2, request headers sent, body BUFFERED, \
          the destination header set in the body's answer, no response phase; \
          `bench/envoy/extproc.yaml`): what an EPP-style deployment costs at best. Every request \
          was checked to arrive at the endpoint the picker chose. kvoy is the `kvoy` filter as \
          `envoy/kvoy.yaml` runs it. \
-         Added over plain Envoy, milliseconds:\n"
-    );
-    let _ = writeln!(
-        s,
-        "| prompt tokens | concurrency | kvoy added p50 / p99 | ext_proc added p50 / p99 | kvoy req/s vs Envoy | ext_proc req/s vs Envoy | **kvoy added p50 / ext_proc's** (target <= {TARGET_OVER_EXT_PROC}) |"
-    );
-    let _ = writeln!(s, "|---:|---:|---:|---:|---:|---:|---:|");
-    for Beside {
-        tokens,
-        conc,
-        envoy: e,
-        kvoy: k,
-        other: x,
-    } in beside(r, "ext_proc")
-    {
-        let versus = r.kvoy_over_ext_proc(tokens, conc).map_or("-".into(), |f| {
-            let verdict = if f <= TARGET_OVER_EXT_PROC {
-                "met"
-            } else {
-                "missed"
-            };
-            format!("{f:.2} ({verdict})")
-        });
-        let _ = writeln!(
-            s,
-            "| {tokens} | {conc} | {} / {} | {} / {} | {} | {} | **{versus}** |",
-            signed(k.latency.p50_ms - e.latency.p50_ms),
-            signed(k.latency.p99_ms - e.latency.p99_ms),
-            signed(x.latency.p50_ms - e.latency.p50_ms),
-            signed(x.latency.p99_ms - e.latency.p99_ms),
-            ratio(k.requests_per_s, e.requests_per_s),
-            ratio(x.requests_per_s, e.requests_per_s),
-        );
-    }
+         Added over plain Envoy, milliseconds:\n";
+    let versus_column =
+        format!("**kvoy added p50 / ext_proc's** (target <= {TARGET_OVER_EXT_PROC})");
+    let columns = [
+        "prompt tokens",
+        "concurrency",
+        "kvoy added p50 / p99",
+        "ext_proc added p50 / p99",
+        "kvoy req/s vs Envoy",
+        "ext_proc req/s vs Envoy",
+        versus_column.as_str(),
+    ];
+    beside_section(s, r, "ext_proc", intro, &columns, |b| {
+        let versus = r
+            .kvoy_over_ext_proc(b.tokens, b.conc)
+            .map_or("-".into(), |f| {
+                let verdict = if f <= TARGET_OVER_EXT_PROC {
+                    "met"
+                } else {
+                    "missed"
+                };
+                format!("{f:.2} ({verdict})")
+            });
+        let (kvoy_p50, kvoy_p99) = b.added(b.kvoy);
+        let (ext_p50, ext_p99) = b.added(b.other);
+        format!(
+            "{kvoy_p50} / {kvoy_p99} | {ext_p50} / {ext_p99} | {} | {} | **{versus}**",
+            b.throughput(b.kvoy),
+            b.throughput(b.other),
+        )
+    });
 }
 
 /// Each Envoy's CPU time per request, and what kvoy and the floor add to plain Envoy's: on a
@@ -284,8 +293,8 @@ fn cpu_section(s: &mut String, r: &OverheadReport) {
     if rows.is_empty() {
         return;
     }
-    let floor = r.cells.iter().any(|c| c.proxy == "floor");
-    let ext_proc = r.cells.iter().any(|c| c.proxy == "ext_proc");
+    let floor = r.measured("floor");
+    let ext_proc = r.measured("ext_proc");
     let _ = writeln!(
         s,
         "\n## CPU per request\n\n\
@@ -299,17 +308,20 @@ fn cpu_section(s: &mut String, r: &OverheadReport) {
             ""
         }
     );
-    let mut head = String::from("| prompt tokens | concurrency | Envoy | kvoy | **kvoy added**");
-    let mut rule = String::from("|---:|---:|---:|---:|---:");
+    let mut columns = vec![
+        "prompt tokens",
+        "concurrency",
+        "Envoy",
+        "kvoy",
+        "**kvoy added**",
+    ];
     if floor {
-        head.push_str(" | floor | floor added | kvoy - floor");
-        rule.push_str("|---:|---:|---:");
+        columns.extend(["floor", "floor added", "kvoy - floor"]);
     }
     if ext_proc {
-        head.push_str(" | ext_proc's Envoy");
-        rule.push_str("|---:");
+        columns.push("ext_proc's Envoy");
     }
-    let _ = writeln!(s, "{head} |\n{rule}|");
+    let _ = writeln!(s, "{}", table::head(&columns, 0));
     for (t, c, e, k) in rows {
         let _ = write!(s, "| {t} | {c} | {e:.0} | {k:.0} | **{:+.0}**", k - e);
         if floor {
@@ -383,11 +395,14 @@ fn host_call_section(s: &mut String, r: &OverheadReport) {
          then the p50 per call, microseconds.\n",
         r.host_calls
     );
-    let _ = writeln!(
-        s,
-        "| prompt tokens | concurrency | floor p50, ms | **a clock read**: CPU / p50, us | **a shared-data read**: CPU / p50, us |"
-    );
-    let _ = writeln!(s, "|---:|---:|---:|---:|---:|");
+    let columns = [
+        "prompt tokens",
+        "concurrency",
+        "floor p50, ms",
+        "**a clock read**: CPU / p50, us",
+        "**a shared-data read**: CPU / p50, us",
+    ];
+    let _ = writeln!(s, "{}", table::head(&columns, 0));
     for row in rows {
         let _ = writeln!(s, "{row}");
     }

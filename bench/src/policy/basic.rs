@@ -110,28 +110,18 @@ impl Policy for PowerOfTwo {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
+    use crate::policy::fixture::{text_request, Observed};
 
-    fn view<'a>(inflight: &'a [u32]) -> View<'a> {
-        View {
-            now: Duration::ZERO,
-            inflight,
-            metrics: &[],
-        }
+    /// `p`'s pick of an empty request among endpoints with these open requests.
+    fn pick(p: &mut impl Policy, inflight: &[u32]) -> usize {
+        p.pick(&text_request(0, ""), &Observed::loads(inflight).view())
     }
-
-    const REQ: RouteRequest<'static> = RouteRequest {
-        id: 0,
-        text: "",
-        body: b"",
-        prompt_tokens: 0,
-    };
 
     #[test]
     fn envoy_round_robin_rotates_per_worker() {
         // One worker: a plain rotation from a random start.
         let mut p = EnvoyRoundRobin::new(1, Rng::new(3));
-        let picks: Vec<usize> = (0..6).map(|_| p.pick(&REQ, &view(&[0; 3]))).collect();
+        let picks: Vec<usize> = (0..6).map(|_| pick(&mut p, &[0; 3])).collect();
         assert!(
             picks.windows(2).all(|w| w[1] == (w[0] + 1) % 3),
             "{picks:?}"
@@ -140,7 +130,7 @@ mod tests {
         let mut p = EnvoyRoundRobin::new(2, Rng::new(5));
         let mut seen = [0u32; 4];
         for _ in 0..4000 {
-            seen[p.pick(&REQ, &view(&[0; 4]))] += 1;
+            seen[pick(&mut p, &[0; 4])] += 1;
         }
         assert!(seen.iter().all(|&n| (850..1150).contains(&n)), "{seen:?}");
     }
@@ -150,7 +140,7 @@ mod tests {
         let mut p = PowerOfTwo::new(Rng::new(1));
         let mut seen = [0u32; 2];
         for _ in 0..1000 {
-            seen[p.pick(&REQ, &view(&[5, 1]))] += 1;
+            seen[pick(&mut p, &[5, 1])] += 1;
         }
         // Endpoint 0 wins only when drawn twice: about a quarter of the time.
         assert!((180..320).contains(&seen[0]), "{seen:?}");
@@ -159,15 +149,15 @@ mod tests {
     #[test]
     fn round_robin_cycles() {
         let mut p = RoundRobin::default();
-        let picks: Vec<usize> = (0..7).map(|_| p.pick(&REQ, &view(&[0; 3]))).collect();
+        let picks: Vec<usize> = (0..7).map(|_| pick(&mut p, &[0; 3])).collect();
         assert_eq!(picks, [0, 1, 2, 0, 1, 2, 0]);
     }
 
     #[test]
     fn least_request_takes_the_emptiest() {
         let mut p = LeastRequest::new(Rng::new(4));
-        assert_eq!(p.pick(&REQ, &view(&[3, 1, 2])), 1);
+        assert_eq!(pick(&mut p, &[3, 1, 2]), 1);
         let mut r = Random::new(Rng::new(4));
-        assert!(r.pick(&REQ, &view(&[0; 5])) < 5);
+        assert!(pick(&mut r, &[0; 5]) < 5);
     }
 }

@@ -349,7 +349,7 @@ impl Policy for Dynamo {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::EndpointMetrics;
+    use crate::policy::fixture::{text_request, Observed};
     use crate::sim::block_hashes;
     use kvoy_sim_engine::{tokenizer, Engine, EngineRequest, MEDIUM_GPU};
 
@@ -362,22 +362,7 @@ mod tests {
     }
 
     fn pick_at(p: &mut Dynamo, id: u64, text: &str, n: usize, now: Duration) -> usize {
-        let inflight = vec![0u32; n];
-        let metrics = vec![EndpointMetrics::default(); n];
-        let view = View {
-            now,
-            inflight: &inflight,
-            metrics: &metrics,
-        };
-        p.pick(
-            &RouteRequest {
-                id,
-                text,
-                body: b"",
-                prompt_tokens: 0,
-            },
-            &view,
-        )
+        p.pick(&text_request(id, text), &Observed::idle(n).at(now).view())
     }
 
     fn pick(p: &mut Dynamo, id: u64, text: &str, n: usize) -> usize {

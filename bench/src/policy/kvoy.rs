@@ -407,7 +407,7 @@ fn link(links: &mut HashMap<u64, Vec<BlockKey>>, pending: &Pending, block_size: 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::EndpointMetrics;
+    use crate::policy::fixture::Observed;
     use std::time::Duration;
 
     /// kvoy-aggregator with `scorer`, the profile's prefill rate and KV capacity.
@@ -426,41 +426,30 @@ mod tests {
             .into_bytes()
     }
 
+    /// Request `id` as the filter sees it: the body alone.
+    fn body_request(id: u64, body: &[u8]) -> RouteRequest<'_> {
+        RouteRequest {
+            id,
+            text: "",
+            body,
+            prompt_tokens: 0,
+        }
+    }
+
     #[test]
     fn same_prefix_same_endpoint_and_loads_from_scrapes() {
         let mut p = Kvoy::new(4, 3, &aggregator_mode(Scorer::Weighted), &[]).unwrap();
-        let inflight = [0u32; 4];
-        let mut metrics = [EndpointMetrics::default(); 4];
+        let mut fleet = Observed::idle(4);
         let system = "abc ".repeat(500);
         let b = body(&format!("{system}first"));
-        let view = View {
-            now: Duration::ZERO,
-            inflight: &inflight,
-            metrics: &metrics,
-        };
-        let req = RouteRequest {
-            id: 1,
-            text: "",
-            body: &b,
-            prompt_tokens: 0,
-        };
-        let first = p.pick(&req, &view);
+        let first = p.pick(&body_request(1, &b), &fleet.view());
         let b2 = body(&format!("{system}second"));
-        let req2 = RouteRequest {
-            id: 2,
-            text: "",
-            body: &b2,
-            prompt_tokens: 0,
-        };
-        assert_eq!(p.pick(&req2, &view), first);
+        assert_eq!(p.pick(&body_request(2, &b2), &fleet.view()), first);
         // The holder's queue grows past the others: the scrape makes the router see it.
-        metrics[first].waiting = 50;
-        metrics[first].kv_cache_usage = 0.95;
-        let view = View {
-            now: Duration::from_millis(50),
-            inflight: &inflight,
-            metrics: &metrics,
-        };
+        fleet.metrics[first].waiting = 50;
+        fleet.metrics[first].kv_cache_usage = 0.95;
+        let fleet = fleet.at(Duration::from_millis(50));
+        let view = fleet.view();
         p.on_scrape(
             &view,
             &[Prefilled {
@@ -477,13 +466,11 @@ mod tests {
             .load;
         assert_eq!(load.waiting, Some(50));
         let b3 = body(&format!("{system}third"));
-        let req3 = RouteRequest {
-            id: 3,
-            text: "",
-            body: &b3,
-            prompt_tokens: 0,
-        };
-        assert_ne!(p.pick(&req3, &view), first, "the hot-spot guard spills");
+        assert_ne!(
+            p.pick(&body_request(3, &b3), &view),
+            first,
+            "the hot-spot guard spills"
+        );
     }
 
     /// An aggregator-mode policy over two endpoints of 16-token blocks that routed one prompt
@@ -519,32 +506,12 @@ mod tests {
     }
 
     /// Two idle endpoints of 16-token blocks at `now`.
-    struct Idle {
-        now: Duration,
-        inflight: [u32; 2],
-        metrics: [EndpointMetrics; 2],
-    }
-
-    impl Idle {
-        fn view(&self) -> View<'_> {
-            View {
-                now: self.now,
-                inflight: &self.inflight,
-                metrics: &self.metrics,
-            }
-        }
-    }
-
-    fn sixteen_token_blocks(now: Duration) -> Idle {
-        let mut metrics = [EndpointMetrics::default(); 2];
-        for m in &mut metrics {
+    fn sixteen_token_blocks(now: Duration) -> Observed {
+        let mut fleet = Observed::idle(2).at(now);
+        for m in &mut fleet.metrics {
             m.block_size = 16;
         }
-        Idle {
-            now,
-            inflight: [0; 2],
-            metrics,
-        }
+        fleet
     }
 
     #[test]
@@ -606,8 +573,7 @@ mod tests {
     #[test]
     fn the_aggregator_view_carries_each_endpoints_estimated_prefill_rate() {
         let mut p = Kvoy::new(2, 1, &aggregator_mode(Scorer::Cost), &[]).unwrap();
-        let inflight = [0u32; 2];
-        let mut metrics = [EndpointMetrics::default(); 2];
+        let mut fleet = Observed::idle(2);
         let rate = |p: &Kvoy, i: u16| {
             let e = p.router().pool().get(EndpointId(i)).unwrap();
             e.load.prefill_tokens_per_s
@@ -615,18 +581,14 @@ mod tests {
         // Endpoint 1 prefills at half endpoint 0's speed: a request a second, alone, 2,000
         // computed tokens each (10 ms fixed cost).
         for s in 0..120u64 {
-            for (i, m) in metrics.iter_mut().enumerate() {
+            for (i, m) in fleet.metrics.iter_mut().enumerate() {
                 let r = [40_000.0, 20_000.0][i];
                 m.prefill.requests += 1;
                 m.prefill.computed_tokens += 2_000;
                 m.prefill.seconds += 0.010 + 2_000.0 / r;
             }
-            let view = View {
-                now: Duration::from_secs(s),
-                inflight: &inflight,
-                metrics: &metrics,
-            };
-            p.on_scrape(&view, &[]);
+            fleet.now = Duration::from_secs(s);
+            p.on_scrape(&fleet.view(), &[]);
             if s == 0 {
                 assert_eq!(rate(&p, 0), None, "no estimate without evidence");
             }

@@ -152,28 +152,17 @@ impl Policy for LlmD {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::EndpointMetrics;
-    use std::time::Duration;
+    use crate::policy::fixture::{text_request, Observed};
 
     fn req(text: &str) -> RouteRequest<'_> {
-        RouteRequest {
-            id: 0,
-            text,
-            body: b"",
-            prompt_tokens: 0,
-        }
+        text_request(0, text)
     }
 
     #[test]
     fn prefix_scorer_counts_leading_blocks() {
         let mut p = LlmD::new(2, Rng::new(1));
-        let inflight = [0u32; 2];
-        let metrics = [EndpointMetrics::default(); 2];
-        let view = View {
-            now: Duration::ZERO,
-            inflight: &inflight,
-            metrics: &metrics,
-        };
+        let fleet = Observed::idle(2);
+        let view = fleet.view();
         // 4 blocks of 64 characters (plus a partial block, ignored).
         let a = format!(
             "{}{}{}{}tail",
@@ -205,17 +194,12 @@ mod tests {
     #[test]
     fn queue_and_kv_scorers() {
         let mut p = LlmD::new(3, Rng::new(1));
-        let inflight = [0u32; 3];
-        let mut metrics = [EndpointMetrics::default(); 3];
-        metrics[0].waiting = 10;
-        metrics[1].waiting = 5;
-        metrics[2].waiting = 0;
-        metrics[2].kv_cache_usage = 0.5;
-        let view = View {
-            now: Duration::ZERO,
-            inflight: &inflight,
-            metrics: &metrics,
-        };
+        let mut fleet = Observed::idle(3);
+        fleet.metrics[0].waiting = 10;
+        fleet.metrics[1].waiting = 5;
+        fleet.metrics[2].waiting = 0;
+        fleet.metrics[2].kv_cache_usage = 0.5;
+        let view = fleet.view();
         let s = p.score(b"x", &view).to_vec();
         // queue: 0, 0.5, 1; kv: 1, 1, 0.5
         assert!((s[0] - 2.0).abs() < 1e-12);

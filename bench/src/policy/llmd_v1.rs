@@ -395,27 +395,11 @@ impl Policy for LlmDV1 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::EndpointMetrics;
+    use crate::policy::fixture::{text_request, Observed};
     use kvoy_sim_engine::BatchItem;
 
-    fn req(id: u64, text: &str) -> RouteRequest<'_> {
-        RouteRequest {
-            id,
-            text,
-            body: b"",
-            prompt_tokens: 0,
-        }
-    }
-
     fn pick(p: &mut LlmDV1, id: u64, text: &str, n: usize) -> usize {
-        let inflight = vec![0u32; n];
-        let metrics = vec![EndpointMetrics::default(); n];
-        let view = View {
-            now: Duration::ZERO,
-            inflight: &inflight,
-            metrics: &metrics,
-        };
-        p.pick(&req(id, text), &view)
+        p.pick(&text_request(id, text), &Observed::idle(n).view())
     }
 
     /// `blocks` whole 256-byte blocks, block `i` filled with `tag(i)`.
@@ -506,16 +490,14 @@ mod tests {
     #[test]
     fn lru_capacity_comes_from_the_scrape() {
         let mut p = policy(1);
-        let inflight = [0u32];
-        let mut metrics = [EndpointMetrics::default()];
-        metrics[0].num_gpu_blocks = 2;
-        metrics[0].block_size = 16;
-        let view = View {
-            now: Duration::ZERO,
-            inflight: &inflight,
-            metrics: &metrics,
-        };
-        p.pick(&req(1, &text(3, |i| (b'a' + i as u8) as char)), &view);
+        let mut fleet = Observed::idle(1);
+        fleet.metrics[0].num_gpu_blocks = 2;
+        fleet.metrics[0].block_size = 16;
+        let view = fleet.view();
+        p.pick(
+            &text_request(1, &text(3, |i| (b'a' + i as u8) as char)),
+            &view,
+        );
         assert_eq!(p.lru[0].as_ref().map(LruSet::capacity), Some(2));
         assert_eq!(p.block_tokens(&view), 64, "16 is clamped up to 64");
     }

@@ -12,6 +12,8 @@
 
 pub mod basic;
 pub mod dynamo;
+#[cfg(test)]
+mod fixture;
 pub mod kvoy;
 pub mod llmd;
 pub mod llmd_v1;

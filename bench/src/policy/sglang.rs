@@ -154,22 +154,10 @@ impl Policy for Sglang {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::fixture::{text_request, Observed};
 
     fn pick(p: &mut Sglang, text: &str, inflight: &[u32]) -> usize {
-        let view = View {
-            now: Duration::ZERO,
-            inflight,
-            metrics: &[],
-        };
-        p.pick(
-            &RouteRequest {
-                id: 0,
-                text,
-                body: b"",
-                prompt_tokens: 0,
-            },
-            &view,
-        )
+        p.pick(&text_request(0, text), &Observed::loads(inflight).view())
     }
 
     fn policy(n: usize) -> Sglang {
@@ -217,20 +205,8 @@ mod tests {
         let mut p = Sglang::new(1, cfg, Rng::new(1));
         pick(&mut p, &"x".repeat(100), &[0]);
         assert_eq!(p.tree(0).unwrap().size(), 100);
-        let view = View {
-            now: Duration::from_secs(121),
-            inflight: &[0],
-            metrics: &[],
-        };
-        p.pick(
-            &RouteRequest {
-                id: 1,
-                text: "y",
-                body: b"",
-                prompt_tokens: 0,
-            },
-            &view,
-        );
+        let fleet = Observed::loads(&[0]).at(Duration::from_secs(121));
+        p.pick(&text_request(1, "y"), &fleet.view());
         assert_eq!(p.tree(0).unwrap().size(), 1, "evicted, then 'y' inserted");
         assert_eq!(default_tree_chars(&Profile::llama_8b_h100()), 1_638_400);
     }

@@ -2,6 +2,7 @@
 
 mod summary;
 pub mod svg;
+pub mod table;
 
 use std::path::{Path, PathBuf};
 

@@ -3,7 +3,7 @@
 
 use std::fmt::Write;
 
-use super::{Report, WorkloadReport};
+use super::{table, Report, WorkloadReport};
 use crate::live::is_real_router;
 use crate::metrics::RunFigures;
 
@@ -153,22 +153,23 @@ fn against_routers(s: &mut String, report: &Report) {
 ",
             w.name
         );
-        let _ = write!(s, "| load | req/s | best router | its TTFT p90 s |");
+        let mut columns: Vec<String> = ["load", "req/s", "best router", "its TTFT p90 s"]
+            .map(String::from)
+            .into();
         for k in &kvoys {
-            let _ = write!(s, " {k} TTFT p90 s | {k} ratio | {k} verdict |");
+            columns.extend([
+                format!("{k} TTFT p90 s"),
+                format!("{k} ratio"),
+                format!("{k} verdict"),
+            ]);
         }
-        let _ = write!(s, " errors:");
-        for p in kvoys
+        let policies: Vec<&str> = kvoys
             .iter()
             .copied()
             .chain(routers.iter().map(|r| r.as_str()))
-        {
-            let _ = write!(s, " {p} /");
-        }
-        s.pop();
-        s.push_str("|\n|---|---|---|---|");
-        s.push_str(&"---|---|---|".repeat(kvoys.len()));
-        s.push_str("---|\n");
+            .collect();
+        columns.push(format!("errors: {}", policies.join(" / ")));
+        let _ = writeln!(s, "{}", table::head(&columns, usize::MAX));
         let mut met: Vec<bool> = vec![true; kvoys.len()];
         let mut errors_ok: Vec<bool> = vec![true; kvoys.len()];
         let mut any_top = false;
@@ -207,10 +208,8 @@ fn against_routers(s: &mut String, report: &Report) {
                     None => s.push_str(" - | - | |"),
                 }
             }
-            let errors: Vec<String> = kvoys
+            let errors: Vec<String> = policies
                 .iter()
-                .copied()
-                .chain(routers.iter().map(|r| r.as_str()))
                 .map(|p| {
                     w.run(p, rate)
                         .map_or("-".into(), |f| f.rejected.to_string())
@@ -257,10 +256,18 @@ fn hops(s: &mut String, report: &Report) {
          speedup; the TTFTs above carry each hop multiplied by it). `direct` includes the \
          simulator's own time for the request.\n"
     );
-    let _ = writeln!(
-        s,
-        "| proxy | samples | failed | direct p50 ms | direct p90 ms | through proxy p50 ms | through proxy p90 ms | added p50 ms | added p90 ms |\n|---|---|---|---|---|---|---|---|---|"
-    );
+    let columns = [
+        "proxy",
+        "samples",
+        "failed",
+        "direct p50 ms",
+        "direct p90 ms",
+        "through proxy p50 ms",
+        "through proxy p90 ms",
+        "added p50 ms",
+        "added p90 ms",
+    ];
+    let _ = writeln!(s, "{}", table::head(&columns, usize::MAX));
     for h in &report.hops {
         let _ = writeln!(
             s,
@@ -297,10 +304,18 @@ fn tokenization(s: &mut String, report: &Report) {
          `preparation_unavailable` inputs and `missing_tokens` lookups are requests the router \
          routed without their tokens (no render answer in time).\n"
     );
-    let _ = writeln!(
-        s,
-        "| workload | load | policy | requests | renders | renders / request | lookups hit | lookups miss | other lookups |\n|---|---|---|---|---|---|---|---|---|"
-    );
+    let columns = [
+        "workload",
+        "load",
+        "policy",
+        "requests",
+        "renders",
+        "renders / request",
+        "lookups hit",
+        "lookups miss",
+        "other lookups",
+    ];
+    let _ = writeln!(s, "{}", table::head(&columns, usize::MAX));
     for r in &report.router_runs {
         let load = report
             .workloads
@@ -329,6 +344,23 @@ fn tokenization(s: &mut String, report: &Report) {
         );
     }
     s.push('\n');
+}
+
+/// kvoy's and kvoy-aggregator's runs at `w`'s saturation rate, each with round-robin's run at
+/// the same rate (the policies that ran only).
+fn against_round_robin(w: &WorkloadReport) -> Vec<(&'static str, &RunFigures, &RunFigures)> {
+    let Some(rate) = w.saturation_rate() else {
+        return Vec::new();
+    };
+    [REFERENCE, "kvoy-aggregator"]
+        .into_iter()
+        .filter_map(|p| Some((p, w.run(p, rate)?, w.run("round-robin", rate)?)))
+        .collect()
+}
+
+/// Output throughput of a kvoy-like run over round-robin's.
+fn tput(k: &RunFigures, rr: &RunFigures) -> f64 {
+    ratio(k.output_tokens_per_s, rr.output_tokens_per_s)
 }
 
 /// `f(kvoy-like run, round-robin run)` at every load, as `0.5x: 1.2x, 1x: ...`.
@@ -360,83 +392,65 @@ fn targets(s: &mut String, report: &Report) {
         "Measured at the saturation estimate (load 1x); the last column gives the same ratio at \
          every load.\n"
     );
-    let _ = writeln!(
-        s,
-        "| target | policy | at saturation | met | at every load |\n|---|---|---|---|---|"
-    );
+    let columns = ["target", "policy", "at saturation", "met", "at every load"];
+    let _ = writeln!(s, "{}", table::head(&columns, usize::MAX));
     let mut any = false;
     if let Some(w) = find("shared-prefix") {
-        if let Some(rate) = w.saturation_rate() {
-            for p in [REFERENCE, "kvoy-aggregator"] {
-                let (Some(k), Some(rr)) = (w.run(p, rate), w.run("round-robin", rate)) else {
-                    continue;
-                };
-                any = true;
-                let ttft = |k: &RunFigures, rr: &RunFigures| ratio(rr.ttft_s.p90, k.ttft_s.p90);
-                let tput = |k: &RunFigures, rr: &RunFigures| {
-                    ratio(k.output_tokens_per_s, rr.output_tokens_per_s)
-                };
-                let hit = ratio(k.hit_rate, k.ideal_hit_rate);
-                let _ = writeln!(
-                    s,
-                    "| shared-prefix: TTFT p90 >= 10x lower than round-robin | {p} | {}x | {} | {} |",
-                    sig(ttft(k, rr)),
-                    yes(ttft(k, rr) >= 10.0),
-                    at_every_load(w, p, ttft)
-                );
-                let _ = writeln!(
-                    s,
-                    "| shared-prefix: output throughput >= 1.8x round-robin | {p} | {}x | {} | {} |",
-                    sig(tput(k, rr)),
-                    yes(tput(k, rr) >= 1.8),
-                    at_every_load(w, p, tput)
-                );
-                let _ = writeln!(
-                    s,
-                    "| shared-prefix: hit rate >= 90% of ideal | {p} | {} of {} ({}) | {} | {} |",
-                    pct(k.hit_rate),
-                    pct(k.ideal_hit_rate),
-                    pct(hit),
-                    yes(hit >= 0.9),
-                    w.rates
-                        .iter()
-                        .filter_map(|&r| w.run(p, r).map(|k| format!(
-                            "{}x: {}",
-                            load(r / w.saturation.rate),
-                            pct(ratio(k.hit_rate, k.ideal_hit_rate))
-                        )))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                );
-            }
+        for (p, k, rr) in against_round_robin(w) {
+            any = true;
+            let ttft = |k: &RunFigures, rr: &RunFigures| ratio(rr.ttft_s.p90, k.ttft_s.p90);
+            let hit = ratio(k.hit_rate, k.ideal_hit_rate);
+            let _ = writeln!(
+                s,
+                "| shared-prefix: TTFT p90 >= 10x lower than round-robin | {p} | {}x | {} | {} |",
+                sig(ttft(k, rr)),
+                yes(ttft(k, rr) >= 10.0),
+                at_every_load(w, p, ttft)
+            );
+            let _ = writeln!(
+                s,
+                "| shared-prefix: output throughput >= 1.8x round-robin | {p} | {}x | {} | {} |",
+                sig(tput(k, rr)),
+                yes(tput(k, rr) >= 1.8),
+                at_every_load(w, p, tput)
+            );
+            let _ = writeln!(
+                s,
+                "| shared-prefix: hit rate >= 90% of ideal | {p} | {} of {} ({}) | {} | {} |",
+                pct(k.hit_rate),
+                pct(k.ideal_hit_rate),
+                pct(hit),
+                yes(hit >= 0.9),
+                w.rates
+                    .iter()
+                    .filter_map(|&r| w.run(p, r).map(|k| format!(
+                        "{}x: {}",
+                        load(r / w.saturation.rate),
+                        pct(ratio(k.hit_rate, k.ideal_hit_rate))
+                    )))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
         }
     }
     if let Some(w) = find("no-sharing") {
-        if let Some(rate) = w.saturation_rate() {
-            for p in [REFERENCE, "kvoy-aggregator"] {
-                let (Some(k), Some(rr)) = (w.run(p, rate), w.run("round-robin", rate)) else {
-                    continue;
-                };
-                any = true;
-                let ttft = |k: &RunFigures, rr: &RunFigures| ratio(k.ttft_s.p90, rr.ttft_s.p90);
-                let tput = |k: &RunFigures, rr: &RunFigures| {
-                    ratio(k.output_tokens_per_s, rr.output_tokens_per_s)
-                };
-                let _ = writeln!(
-                    s,
-                    "| no-sharing: TTFT p90 within 10% of round-robin's | {p} | {}x | {} | {} |",
-                    sig(ttft(k, rr)),
-                    yes(ttft(k, rr) <= 1.1),
-                    at_every_load(w, p, ttft)
-                );
-                let _ = writeln!(
+        for (p, k, rr) in against_round_robin(w) {
+            any = true;
+            let ttft = |k: &RunFigures, rr: &RunFigures| ratio(k.ttft_s.p90, rr.ttft_s.p90);
+            let _ = writeln!(
+                s,
+                "| no-sharing: TTFT p90 within 10% of round-robin's | {p} | {}x | {} | {} |",
+                sig(ttft(k, rr)),
+                yes(ttft(k, rr) <= 1.1),
+                at_every_load(w, p, ttft)
+            );
+            let _ = writeln!(
                     s,
                     "| no-sharing: output throughput within 10% of round-robin's | {p} | {}x | {} | {} |",
                     sig(tput(k, rr)),
                     yes(tput(k, rr) >= 0.9),
                     at_every_load(w, p, tput)
                 );
-            }
         }
     }
     if !any {
@@ -476,11 +490,22 @@ fn workload(s: &mut String, w: &WorkloadReport, policies: &[String], live: bool)
             sig(rate),
             load(at)
         );
-        let _ = writeln!(
-            s,
-            "| policy | TTFT p50 s | TTFT p90 s | TTFT p99 s | ITL p50 ms | E2E p90 s | output tok/s | hit rate | ideal | hit / ideal | max/mean spread | kvoy TTFT p90 gain | kvoy throughput ratio |"
-        );
-        let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+        let columns = [
+            "policy",
+            "TTFT p50 s",
+            "TTFT p90 s",
+            "TTFT p99 s",
+            "ITL p50 ms",
+            "E2E p90 s",
+            "output tok/s",
+            "hit rate",
+            "ideal",
+            "hit / ideal",
+            "max/mean spread",
+            "kvoy TTFT p90 gain",
+            "kvoy throughput ratio",
+        ];
+        let _ = writeln!(s, "{}", table::head(&columns, usize::MAX));
         let kvoy = w.run(REFERENCE, rate);
         for p in policies {
             let Some(r) = w.run(p, rate) else {
@@ -513,16 +538,10 @@ fn workload(s: &mut String, w: &WorkloadReport, policies: &[String], live: bool)
             if k.classes.len() > 1 {
                 let _ = writeln!(s, "TTFT p90 by request class at saturation (s):\n");
                 let classes: Vec<&String> = k.classes.keys().collect();
-                let _ = writeln!(
-                    s,
-                    "| policy | {} |\n|---|{}",
-                    classes
-                        .iter()
-                        .map(|c| c.as_str())
-                        .collect::<Vec<_>>()
-                        .join(" | "),
-                    "---|".repeat(classes.len())
-                );
+                let columns: Vec<&str> = std::iter::once("policy")
+                    .chain(classes.iter().map(|c| c.as_str()))
+                    .collect();
+                let _ = writeln!(s, "{}", table::head(&columns, usize::MAX));
                 for p in policies {
                     let Some(r) = w.run(p, rate) else {
                         continue;
@@ -573,16 +592,14 @@ fn by_load(
 ) {
     let with_ideal = title.contains("ideal");
     let _ = writeln!(s, "{title} by load:\n");
-    let _ = write!(s, "| load | req/s |");
-    for p in policies {
-        let _ = write!(s, " {p} |");
-    }
+    let mut columns: Vec<&str> = ["load", "req/s"]
+        .into_iter()
+        .chain(policies.iter().map(String::as_str))
+        .collect();
     if with_ideal {
-        s.push_str(" ideal |");
+        columns.push("ideal");
     }
-    s.push_str("\n|---|---|");
-    s.push_str(&"---|".repeat(policies.len() + usize::from(with_ideal)));
-    s.push('\n');
+    let _ = writeln!(s, "{}", table::head(&columns, usize::MAX));
     for &rate in &w.rates {
         let _ = write!(s, "| {}x | {} |", load(rate / w.saturation.rate), sig(rate));
         let mut ideal = None;

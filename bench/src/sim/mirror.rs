@@ -1,15 +1,13 @@
 //! A mirror of each engine's prefix cache, kept from its KV events (what kvoy-aggregator sees),
 //! to tell how much of a prompt an engine holds when the request arrives.
 //!
-//! Block hashes follow the engine's documented chain (`kvoy_sim_engine` KV cache, the hashes
-//! its `BlockStored` events carry): `h_0 = xxh3(0x00 ‖ tokens_0)`,
-//! `h_i = xxh3(0x01 ‖ le64(h_{i-1}) ‖ tokens_i)`, token ids as little-endian u32.
+//! Block hashes are the engine's own ([`kvoy_sim_engine::block_hash`], the hashes its
+//! `BlockStored` events carry).
 
 use std::collections::HashSet;
 use std::hash::BuildHasherDefault;
 
-use kvoy_sim_engine::{KvEvent, MEDIUM_GPU};
-use xxhash_rust::xxh3::xxh3_64;
+use kvoy_sim_engine::{block_hash, KvEvent, MEDIUM_GPU};
 
 use crate::ideal::PassThrough;
 
@@ -30,18 +28,7 @@ pub fn block_hashes_into(
     out.clear();
     let mut parent: Option<u64> = None;
     for block in tokens.chunks_exact(block_size.max(1)).take(max_blocks) {
-        scratch.clear();
-        match parent {
-            None => scratch.push(0),
-            Some(p) => {
-                scratch.push(1);
-                scratch.extend_from_slice(&p.to_le_bytes());
-            }
-        }
-        for t in block {
-            scratch.extend_from_slice(&t.to_le_bytes());
-        }
-        let h = xxh3_64(scratch);
+        let h = block_hash(scratch, parent, block);
         out.push(h);
         parent = Some(h);
     }

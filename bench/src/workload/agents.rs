@@ -72,25 +72,21 @@ impl Agents {
             .enumerate()
         {
             let app = shapes.below(CHAT_APPS as usize) as u64;
-            sessions.push(Session {
+            sessions.push(Session::single(
                 start,
-                class: "chat",
-                turns: vec![Turn {
-                    id: 0,
-                    append: vec![
-                        Part::Text {
-                            seed: seed_of("agents/chat-system", seed, app),
-                            tokens: CHAT_SYSTEM_TOKENS,
-                        },
-                        Part::Text {
-                            seed: seed_of("agents/question", seed, i as u64),
-                            tokens: shapes.range(QUESTION_TOKENS.0, QUESTION_TOKENS.1),
-                        },
-                    ],
-                    max_tokens: shapes.range(CHAT_ANSWER_TOKENS.0, CHAT_ANSWER_TOKENS.1),
-                    delay: Duration::ZERO,
-                }],
-            });
+                "chat",
+                vec![
+                    Part::Text {
+                        seed: seed_of("agents/chat-system", seed, app),
+                        tokens: CHAT_SYSTEM_TOKENS,
+                    },
+                    Part::Text {
+                        seed: seed_of("agents/question", seed, i as u64),
+                        tokens: shapes.range(QUESTION_TOKENS.0, QUESTION_TOKENS.1),
+                    },
+                ],
+                shapes.range(CHAT_ANSWER_TOKENS.0, CHAT_ANSWER_TOKENS.1),
+            ));
         }
 
         let turns_per_burst = mean(BURST_SESSIONS) * mean(TURNS);

@@ -77,6 +77,22 @@ pub struct Session {
     pub turns: Vec<Turn>,
 }
 
+impl Session {
+    /// An open-loop request: a session of one turn (numbered by [`Plan::finish`]).
+    fn single(start: Duration, class: &'static str, append: Vec<Part>, max_tokens: u32) -> Self {
+        Session {
+            start,
+            class,
+            turns: vec![Turn {
+                id: 0,
+                append,
+                max_tokens,
+                delay: Duration::ZERO,
+            }],
+        }
+    }
+}
+
 /// Everything one run sends.
 #[derive(Clone, Debug, PartialEq, Default)]
 pub struct Plan {

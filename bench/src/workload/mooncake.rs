@@ -17,7 +17,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::text::{seed_of, Part};
-use super::{Plan, Session, Turn};
+use super::{Plan, Session};
 
 /// Tokens per `hash_id` block.
 pub const TRACE_BLOCK_TOKENS: u32 = 512;
@@ -197,17 +197,15 @@ impl Mooncake {
             .iter()
             .take(self.limit)
             .enumerate()
-            .map(|(i, r)| Session {
-                start: Duration::from_secs_f64(
-                    (r.timestamp.saturating_sub(start0).as_secs_f64() * factor).min(1e9),
-                ),
-                class: "trace",
-                turns: vec![Turn {
-                    id: 0,
-                    append: record_parts(r, i),
-                    max_tokens: r.output_length,
-                    delay: Duration::ZERO,
-                }],
+            .map(|(i, r)| {
+                Session::single(
+                    Duration::from_secs_f64(
+                        (r.timestamp.saturating_sub(start0).as_secs_f64() * factor).min(1e9),
+                    ),
+                    "trace",
+                    record_parts(r, i),
+                    r.output_length,
+                )
             })
             .collect();
         Plan::finish(sessions)

@@ -1,10 +1,8 @@
 //! The control: every prompt is unique random text, so no routing can find a cache hit, and
 //! prefix-aware routing must do no harm.
 
-use std::time::Duration;
-
 use super::text::{seed_of, Part};
-use super::{poisson_arrivals, Count, Plan, Session, Turn};
+use super::{poisson_arrivals, Count, Plan, Session};
 use kvoy_shared::Rng;
 
 #[derive(Clone, Debug, PartialEq)]
@@ -43,18 +41,16 @@ impl NoSharing {
         let sessions = times
             .into_iter()
             .enumerate()
-            .map(|(i, start)| Session {
-                start,
-                class: "single",
-                turns: vec![Turn {
-                    id: 0,
-                    append: vec![Part::Text {
+            .map(|(i, start)| {
+                Session::single(
+                    start,
+                    "single",
+                    vec![Part::Text {
                         seed: seed_of("ns/prompt", seed, i as u64),
                         tokens: lengths.range(self.prompt_tokens.0, self.prompt_tokens.1),
                     }],
-                    max_tokens: lengths.range(self.output_tokens.0, self.output_tokens.1),
-                    delay: Duration::ZERO,
-                }],
+                    lengths.range(self.output_tokens.0, self.output_tokens.1),
+                )
             })
             .collect();
         Plan::finish(sessions)

@@ -6,10 +6,8 @@
 //! (group by group) and cycled for the length of the load stage, with Poisson arrivals; a
 //! prompt sent again is a full-prompt repeat. `scale` multiplies every length (quick runs).
 
-use std::time::Duration;
-
 use super::text::{seed_of, Part};
-use super::{poisson_arrivals, Count, Plan, Session, Turn};
+use super::{poisson_arrivals, Count, Plan, Session};
 use kvoy_shared::Rng;
 
 #[derive(Clone, Debug, PartialEq)]
@@ -77,12 +75,11 @@ impl SharedPrefix {
                 let slot = k % pool;
                 ((slot / per_group) as u32, (slot % per_group) as u32, start)
             })
-            .map(|(g, p, start)| Session {
-                start,
-                class: "shared-prefix",
-                turns: vec![Turn {
-                    id: 0,
-                    append: vec![
+            .map(|(g, p, start)| {
+                Session::single(
+                    start,
+                    "shared-prefix",
+                    vec![
                         Part::Text {
                             seed: seed_of("sp/system", seed, u64::from(g)),
                             tokens: self.system_tokens,
@@ -92,9 +89,8 @@ impl SharedPrefix {
                             tokens: self.question_tokens,
                         },
                     ],
-                    max_tokens: self.output_tokens,
-                    delay: Duration::ZERO,
-                }],
+                    self.output_tokens,
+                )
             })
             .collect();
         Plan::finish(sessions)

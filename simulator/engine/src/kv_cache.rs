@@ -45,8 +45,11 @@ pub(crate) struct KvCache {
     scratch: Vec<u8>,
 }
 
-/// Hash of one full block chained to its parent.
-fn block_hash(scratch: &mut Vec<u8>, parent: Option<u64>, tokens: &[u32]) -> u64 {
+/// Hash of one full block of `tokens` chained to its parent block's hash (`None` for the first
+/// block), the chain in this module's doc; `scratch` is reused across calls. The hashes the
+/// engine's `BlockStored` events carry, so kvoy-bench's mirror of an engine's cache computes a
+/// prompt's hashes with it.
+pub fn block_hash(scratch: &mut Vec<u8>, parent: Option<u64>, tokens: &[u32]) -> u64 {
     scratch.clear();
     match parent {
         None => scratch.push(0),
@@ -427,7 +430,8 @@ mod tests {
         cache.check().unwrap();
     }
 
-    fn stored(events: &[KvEvent], medium: &str) -> Vec<u64> {
+    /// The block hashes `events` store (`stored`) or remove (`!stored`) on `medium`, in order.
+    fn hashes_of(events: &[KvEvent], medium: &str, stored: bool) -> Vec<u64> {
         events
             .iter()
             .filter_map(|e| match e {
@@ -435,28 +439,28 @@ mod tests {
                     block_hashes,
                     medium: m,
                     ..
-                } if *m == medium => Some(block_hashes.clone()),
+                }
+                | KvEvent::BlockRemoved {
+                    block_hashes,
+                    medium: m,
+                } if *m == medium && matches!(e, KvEvent::BlockStored { .. }) == stored => {
+                    Some(block_hashes)
+                }
                 _ => None,
             })
             .flatten()
+            .copied()
             .collect()
+    }
+
+    fn stored(events: &[KvEvent], medium: &str) -> Vec<u64> {
+        hashes_of(events, medium, true)
     }
 
     fn removed(events: &[KvEvent], medium: &str) -> Vec<u64> {
-        events
-            .iter()
-            .filter_map(|e| match e {
-                KvEvent::BlockRemoved {
-                    block_hashes,
-                    medium: m,
-                } if *m == medium => Some(block_hashes.clone()),
-                _ => None,
-            })
-            .flatten()
-            .collect()
+        hashes_of(events, medium, false)
     }
 
-    /// Caches `t` whole in a fresh sequence, frees it, and returns its events.
     fn run(cache: &mut KvCache, t: &[u32]) -> (SeqBlocks, Vec<KvEvent>) {
         let mut s = SeqBlocks::default();
         let hits = cache.computed_blocks(&mut s, t);

@@ -46,6 +46,7 @@ pub mod tokenizer;
 mod types;
 
 pub use events::{KvEvent, MEDIUM_CPU, MEDIUM_GPU};
+pub use kv_cache::block_hash;
 pub use output::{EmptyVocab, OutputVocab, OutputWord};
 pub use profile::{BatchItem, Profile, ProfileError};
 pub use scheduler::Engine;

@@ -292,63 +292,41 @@ pub fn models_body(models: &[String], created: u64) -> Value {
 mod tests {
     use super::*;
 
-    fn models() -> Vec<String> {
-        vec!["m".to_owned()]
+    /// `body` as `api` parses it for a server of model `m`, 16 tokens by default, 1 MiB bodies.
+    fn parse(api: Api, body: &[u8]) -> Result<Completion, ApiError> {
+        parse_completion(api, body, &["m".to_owned()], 16, 1 << 20)
     }
 
     #[test]
     fn reads_options() {
-        let c = parse_completion(
+        let c = parse(
             Api::ChatCompletions,
             br#"{"model":"m","stream":true,"stream_options":{"include_usage":true},"max_tokens":5,
                 "messages":[{"role":"user","content":"hi"}]}"#,
-            &models(),
-            16,
-            1 << 20,
         )
         .unwrap();
         assert!(c.stream && c.include_usage);
         assert_eq!(c.max_tokens, 5);
         assert_eq!(c.prompt, b"user\x1fhi\x1e");
-        let c = parse_completion(
+        let c = parse(
             Api::Completions,
             br#"{"model":"m","prompt":"x","max_completion_tokens":3}"#,
-            &models(),
-            16,
-            1 << 20,
         )
         .unwrap();
         assert_eq!(c.max_tokens, 3);
-        let c = parse_completion(
-            Api::Completions,
-            br#"{"model":"m","prompt":"x"}"#,
-            &models(),
-            16,
-            1 << 20,
-        )
-        .unwrap();
+        let c = parse(Api::Completions, br#"{"model":"m","prompt":"x"}"#).unwrap();
         assert_eq!(c.max_tokens, 16);
     }
 
     #[test]
     fn errors() {
-        let e = parse_completion(
-            Api::Completions,
-            br#"{"model":"x","prompt":"p"}"#,
-            &models(),
-            16,
-            1 << 20,
-        )
-        .unwrap_err();
+        let e = parse(Api::Completions, br#"{"model":"x","prompt":"p"}"#).unwrap_err();
         assert_eq!((e.status, e.code), (404, "model_not_found"));
-        let e = parse_completion(Api::Completions, b"{", &models(), 16, 1 << 20).unwrap_err();
+        let e = parse(Api::Completions, b"{").unwrap_err();
         assert_eq!(e.status, 400);
-        let e = parse_completion(
+        let e = parse(
             Api::Completions,
             br#"{"model":"m","prompt":"p","max_tokens":-1}"#,
-            &models(),
-            16,
-            1 << 20,
         )
         .unwrap_err();
         assert_eq!(e.status, 400);

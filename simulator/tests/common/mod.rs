@@ -54,6 +54,20 @@ pub async fn request(addr: SocketAddr, method: &str, path: &str, body: &str) -> 
     request_on(s, method, path, body).await
 }
 
+/// A request on `path` for a model the server does not serve (`other`) is refused with 404
+/// `model_not_found`; `body` is the rest of the JSON object.
+pub async fn assert_unknown_model(addr: SocketAddr, path: &str, body: &str) {
+    let r = request(
+        addr,
+        "POST",
+        path,
+        &format!(r#"{{"model":"other",{body}}}"#),
+    )
+    .await;
+    assert_eq!(r.status, 404);
+    assert!(r.body.contains("model_not_found"));
+}
+
 /// Sends a request on an open connection (so that a test can connect many clients first).
 pub async fn request_on(s: TcpStream, method: &str, path: &str, body: &str) -> Reply {
     s.set_nodelay(true).unwrap();
