@@ -35,6 +35,15 @@ fn exchange(api: SocketAddr, since: u64, batch: &DecisionBatch, headers: &str) -
     DecisionBatch::decode(&answer).unwrap()
 }
 
+/// `/metrics` has every one of `lines`.
+fn assert_metrics(api: SocketAddr, lines: &[&str]) {
+    let (_, _, m) = request(api, "GET", "/metrics", "", b"");
+    let m = String::from_utf8(m).unwrap();
+    for line in lines {
+        assert!(m.contains(line), "{line} in\n{m}");
+    }
+}
+
 fn decision(endpoint: SocketAddr, keys: &[u64]) -> RelayedDecision {
     RelayedDecision {
         endpoint,
@@ -195,15 +204,14 @@ fn decisions_travel_between_proxies_for_pool_members_only() {
     let rest = read(page.cursor, 2);
     assert_eq!((rest.decisions, rest.cursor), (vec![decision(eb, &[9])], 3));
     assert!(read(3, 2).decisions.is_empty());
-    let (_, _, m) = request(api, "GET", "/metrics", "", b"");
-    let m = String::from_utf8(m).unwrap();
-    for line in [
-        "kvoy_aggregator_decisions_total{what=\"received\"} 4",
-        "kvoy_aggregator_decisions_total{what=\"refused\"} 1",
-        "kvoy_aggregator_decisions_total{what=\"sent\"} 4",
-    ] {
-        assert!(m.contains(line), "{line} in\n{m}");
-    }
+    assert_metrics(
+        api,
+        &[
+            "kvoy_aggregator_decisions_total{what=\"received\"} 4",
+            "kvoy_aggregator_decisions_total{what=\"refused\"} 1",
+            "kvoy_aggregator_decisions_total{what=\"sent\"} 4",
+        ],
+    );
     rt.block_on(agg.shutdown());
 }
 
@@ -288,15 +296,14 @@ fn relayed_decisions_wait_for_kv_events_to_link() {
     assert!(head.contains("application/json"), "{head}");
     let removals: serde_json::Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(removals, serde_json::json!({"next": 0, "removals": []}));
-    let (_, _, metrics) = request(api, "GET", "/metrics", "", b"");
-    let metrics = String::from_utf8(metrics).unwrap();
-    for line in [
-        "kvoy_aggregator_decision_links_total{what=\"linked\"} 0",
-        "kvoy_aggregator_decisions_unlinked_total{reason=\"ambiguous\"} 0",
-        "kvoy_aggregator_exact_removals_total 0",
-    ] {
-        assert!(metrics.contains(line), "{line} missing");
-    }
+    assert_metrics(
+        api,
+        &[
+            "kvoy_aggregator_decision_links_total{what=\"linked\"} 0",
+            "kvoy_aggregator_decisions_unlinked_total{reason=\"ambiguous\"} 0",
+            "kvoy_aggregator_exact_removals_total 0",
+        ],
+    );
 }
 
 #[test]

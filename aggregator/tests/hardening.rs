@@ -27,7 +27,7 @@ use kvoy_testkit::free_port;
 use serde_json::Value;
 
 mod common;
-use common::{kv_source, runtime, start_aggregator, Scratch};
+use common::{kubernetes_yaml, kv_source, runtime, start_aggregator, Scratch};
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -72,17 +72,7 @@ fn silent_listener() -> SocketAddr {
 fn a_source_that_never_answers_leaves_the_snapshot_not_loaded() {
     let rt = runtime(2);
     let api_server = silent_listener();
-    let yaml = format!(
-        "reload_interval_ms: 100
-kubernetes:
-  inference_pool: llama-pool
-  namespace: llm
-  api_server: http://{api_server}
-  token_file: ''
-  models: [m]
-  request_timeout_ms: 200
-"
-    );
+    let yaml = kubernetes_yaml(api_server, "''", "[m]", "  request_timeout_ms: 200\n");
     let cfg = AggregatorConfig::from_yaml(&yaml).unwrap();
     let discovery =
         Discovery::new(cfg.kubernetes.as_ref().unwrap(), &InCluster::default()).unwrap();

@@ -33,7 +33,7 @@ use kvoy_aggregator::k8s::{
 use kvoy_aggregator::source::EndpointSource;
 
 mod common;
-use common::{runtime, start_aggregator, Scratch};
+use common::{kubernetes_yaml, runtime, start_aggregator, Scratch};
 
 const POOL_PATH: &str =
     "/apis/inference.networking.k8s.io/v1/namespaces/llm/inferencepools/llama-pool";
@@ -494,17 +494,7 @@ fn the_source_hands_over_changes_and_keeps_errors_apart() {
 fn the_aggregator_serves_the_pools_endpoints() {
     let rt = runtime(2);
     let (world, addr, _scratch, token) = recorded(&rt, "aggregator", "agg", None);
-    let yaml = format!(
-        "reload_interval_ms: 100
-kubernetes:
-  inference_pool: llama-pool
-  namespace: llm
-  api_server: http://{addr}
-  token_file: {}
-  models: [llama-3.1-8b]
-",
-        token.display()
-    );
+    let yaml = kubernetes_yaml(addr, &token.display().to_string(), "[llama-3.1-8b]", "");
     let cfg = AggregatorConfig::from_yaml(&yaml).unwrap();
     let k8s = cfg.kubernetes.clone().unwrap();
     let source = {
@@ -520,24 +510,21 @@ kubernetes:
         let (_, head, body) = common::request(api, "GET", path, "", b"");
         format!("{head}\r\n\r\n{}", String::from_utf8_lossy(&body))
     };
+    // Both within 10 s of the start.
     let start = std::time::Instant::now();
-    while !get("/v1/endpoints").contains("127.0.1.10:8000") {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "{}",
-            get("/v1/endpoints")
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let wait_listed = |address: &str| {
+        while !get("/v1/endpoints").contains(address) {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "{}",
+                get("/v1/endpoints")
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    wait_listed("127.0.1.10:8000");
     world.lock().unwrap().pods = fixture("pods-3-deleted.json");
-    while !get("/v1/endpoints").contains("127.0.1.13:8000") {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "{}",
-            get("/v1/endpoints")
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_listed("127.0.1.13:8000");
     let body = get("/v1/endpoints");
     assert!(
         body.contains("127.0.1.10:8000") && !body.contains("127.0.1.11:8000"),

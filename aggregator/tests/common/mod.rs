@@ -39,6 +39,28 @@ pub fn start_aggregator(
     .unwrap()
 }
 
+/// An aggregator configuration (sources re-read every 100 ms) whose endpoints are InferencePool
+/// `llm/llama-pool`'s, read from the API server at `api_server` (plain HTTP) with the token in
+/// `token_file` (`''`: none), serving `models` (a YAML list); `more`: further lines of the
+/// `kubernetes:` section.
+pub fn kubernetes_yaml(
+    api_server: SocketAddr,
+    token_file: &str,
+    models: &str,
+    more: &str,
+) -> String {
+    format!(
+        "reload_interval_ms: 100
+kubernetes:
+  inference_pool: llama-pool
+  namespace: llm
+  api_server: http://{api_server}
+  token_file: {token_file}
+  models: {models}
+{more}"
+    )
+}
+
 /// A kvoy-sim with command line `args` serving on `addr`, on a runtime of its own (one
 /// worker): dropping the runtime stops it. An error when `addr` or its KV-event ports are
 /// taken (a simulator just killed may still hold them).
