@@ -17,27 +17,13 @@ use std::time::Duration;
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
 use kvoy_aggregator::kv_index::{ApplyStats, EndpointCache, DEFAULT_RECENT_REMOVED};
 use kvoy_kvevents::{decode_batch, encode_batch, BlockHash, EventBatch, KvEvent, Medium, WireForm};
+use kvoy_shared::Rng;
 
 const CACHE_BLOCKS: usize = 25_600;
 /// Blocks stored (and evicted) per pass.
 const PASS_BLOCKS: u64 = 40_000;
 const BATCH_EVENTS: usize = 10;
 const BLOCK_SIZE: u32 = 16;
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
 
 /// Block number `i`'s engine hash.
 fn hash(i: u64, wide: bool) -> BlockHash {
@@ -55,14 +41,14 @@ fn hash(i: u64, wide: bool) -> BlockHash {
 
 /// One pass of events, in batches; returns the batches and the event count.
 fn pass(wide: bool) -> (Vec<EventBatch>, u64) {
-    let mut rng = Rng(0x0123_4567_89ab_cdef);
+    let mut rng = Rng::new(0x0123_4567_89ab_cdef);
     let mut events = Vec::new();
     let mut next = 0u64;
     let mut last: Option<u64> = None;
     // Evicting block j - CACHE_BLOCKS (mod the pass) after storing block j.
     let mut evict = VecDeque::new();
     while next < PASS_BLOCKS {
-        let n = (1 + rng.below(4)).min(PASS_BLOCKS - next);
+        let n = (1 + rng.below(4) as u64).min(PASS_BLOCKS - next);
         let parent = match (last, rng.below(10)) {
             (Some(p), 0..=5) => Some(hash(p, wide)),
             _ => None,

@@ -40,6 +40,7 @@ use kvoy_shared::Rng;
 pub use client::Server;
 pub use fit::{Fit, LinearFit};
 
+use crate::prefill::three_digits;
 use crate::prom::{self, ServerMetrics};
 
 /// Why a calibration could not run or finish.
@@ -425,19 +426,10 @@ fn thousands(v: f64) -> String {
     out
 }
 
-/// Three significant digits, for the configuration line.
-fn round3(v: f64) -> f64 {
-    if !(v.is_finite() && v > 0.0) {
-        return v;
-    }
-    let scale = 10f64.powf(v.log10().floor() - 2.0);
-    (v / scale).round() * scale
-}
-
 impl Calibration {
     /// The rate to configure: the fit at the typical length, 3 significant digits.
     pub fn configured_rate(&self) -> f64 {
-        round3(self.fit.rate_at_typical)
+        three_digits(self.fit.rate_at_typical)
     }
 
     /// The summary printed after the table.
@@ -553,7 +545,7 @@ mod tests {
         assert_eq!(thousands(24_195.4), "24,195");
         assert_eq!(thousands(999.0), "999");
         assert_eq!(thousands(1_000_000.0), "1,000,000");
-        assert_eq!(round3(24_195.4), 24_200.0);
+        assert_eq!(three_digits(24_195.4), 24_200.0);
     }
 
     #[test]

@@ -109,72 +109,45 @@ impl Default for RawLinks {
 }
 
 fn links(raw: &RawLinks) -> Result<LinkSettings, ConfigError> {
-    let within = |field: &'static str, value: u64, lo: u64, hi: u64, expected: &'static str| {
-        if (lo..=hi).contains(&value) {
-            Ok(value as usize)
-        } else {
-            Err(ConfigError::OutOfRange {
-                field,
-                expected,
-                value,
-            })
-        }
-    };
-    let block_size = within(
+    let block_size = count_in(
         "links.block_size",
         raw.block_size,
-        1,
-        65_536,
-        "within 1..=65536",
+        (1, 65_536, "within 1..=65536"),
     )?;
-    let max_keys = within(
+    let max_keys = count_in(
         "links.max_blocks",
         raw.max_blocks,
-        1,
-        65_536,
-        "within 1..=65536",
+        (1, 65_536, "within 1..=65536"),
     )?;
-    let dense = within(
+    let dense = count_in(
         "links.dense_blocks",
         raw.dense_blocks,
-        0,
-        65_536,
-        "within 0..=65536",
+        (0, 65_536, "within 0..=65536"),
     )?;
-    let group = within(
+    let group = count_in(
         "links.blocks_per_doubling",
         raw.blocks_per_doubling,
-        1,
-        65_536,
-        "within 1..=65536",
+        (1, 65_536, "within 1..=65536"),
     )?;
-    let window_ms = within(
+    let window_ms = count_in(
         "links.window_ms",
         raw.window_ms,
-        100,
-        600_000,
-        "within 100..=600000",
+        (100, 600_000, "within 100..=600000"),
     )?;
-    let relay_lag_ms = within(
+    let relay_lag_ms = count_in(
         "links.relay_lag_ms",
         raw.relay_lag_ms,
-        0,
-        60_000,
-        "within 0..=60000",
+        (0, 60_000, "within 0..=60000"),
     )?;
-    let slack_tokens = within(
+    let slack_tokens = count_in(
         "links.slack_tokens",
         raw.slack_tokens,
-        0,
-        65_536,
-        "within 0..=65536",
+        (0, 65_536, "within 0..=65536"),
     )?;
-    let clock_skew_ms = within(
+    let clock_skew_ms = count_in(
         "links.clock_skew_ms",
         raw.clock_skew_ms,
-        0,
-        60_000,
-        "within 0..=60000",
+        (0, 60_000, "within 0..=60000"),
     )?;
     // Floats are reported by their integer part: the messages name the field and range.
     if !(raw.bytes_per_token.is_finite() && (0.1..=100.0).contains(&raw.bytes_per_token)) {
@@ -465,14 +438,14 @@ impl AggregatorConfig {
     }
 }
 
-/// `value` ms as a duration if it is within `min..=max`; `expected` says that range in words.
-fn ms_in(
+/// `value` if it is within `min..=max`; `expected` says that range in words, for the message.
+fn in_range(
     field: &'static str,
     value: u64,
     (min, max, expected): (u64, u64, &'static str),
-) -> Result<Duration, ConfigError> {
+) -> Result<u64, ConfigError> {
     if (min..=max).contains(&value) {
-        Ok(Duration::from_millis(value))
+        Ok(value)
     } else {
         Err(ConfigError::OutOfRange {
             field,
@@ -480,6 +453,24 @@ fn ms_in(
             value,
         })
     }
+}
+
+/// [`in_range`], a number of milliseconds.
+pub(crate) fn ms_in(
+    field: &'static str,
+    value: u64,
+    range: (u64, u64, &'static str),
+) -> Result<Duration, ConfigError> {
+    in_range(field, value, range).map(Duration::from_millis)
+}
+
+/// [`in_range`], a count.
+fn count_in(
+    field: &'static str,
+    value: u64,
+    range: (u64, u64, &'static str),
+) -> Result<usize, ConfigError> {
+    in_range(field, value, range).map(|v| usize::try_from(v).unwrap_or(usize::MAX))
 }
 
 fn zmq_endpoint(index: usize, field: &'static str, value: String) -> Result<String, ConfigError> {
@@ -582,13 +573,11 @@ impl TryFrom<RawConfig> for AggregatorConfig {
             raw.reload_interval_ms,
             (100, 600_000, "within 100..=600000"),
         )?;
-        if !(1..=1000).contains(&raw.unready_after_failures) {
-            return Err(ConfigError::OutOfRange {
-                field: "unready_after_failures",
-                expected: "within 1..=1000",
-                value: u64::from(raw.unready_after_failures),
-            });
-        }
+        in_range(
+            "unready_after_failures",
+            u64::from(raw.unready_after_failures),
+            (1, 1000, "within 1..=1000"),
+        )?;
         if raw.kubernetes.is_some() && !raw.endpoints.is_empty() {
             return Err(ConfigError::KubernetesWithEndpoints);
         }
@@ -630,30 +619,18 @@ impl TryFrom<RawConfig> for AggregatorConfig {
 }
 
 fn limits(raw: &RawLimits) -> Result<Limits, ConfigError> {
-    let check =
-        |field: &'static str, value: u64, (min, max, expected): (u64, u64, &'static str)| {
-            if (min..=max).contains(&value) {
-                Ok(usize::try_from(value).unwrap_or(usize::MAX))
-            } else {
-                Err(ConfigError::OutOfRange {
-                    field,
-                    expected,
-                    value,
-                })
-            }
-        };
     Ok(Limits {
-        kv_events_max_message_bytes: check(
+        kv_events_max_message_bytes: count_in(
             "limits.kv_events_max_message_bytes",
             raw.kv_events_max_message_bytes,
             (4096, 1 << 30, "within 4096..=1073741824"),
         )?,
-        replay_max_batches: check(
+        replay_max_batches: count_in(
             "limits.replay_max_batches",
             raw.replay_max_batches,
             (1, 1_000_000, "within 1..=1000000"),
         )?,
-        replay_max_bytes: check(
+        replay_max_bytes: count_in(
             "limits.replay_max_bytes",
             raw.replay_max_bytes,
             (4096, 1 << 32, "within 4096..=4294967296"),
@@ -663,17 +640,17 @@ fn limits(raw: &RawLimits) -> Result<Limits, ConfigError> {
             raw.replay_timeout_ms,
             (10, 60_000, "within 10..=60000"),
         )?,
-        blocks_per_capacity_block: check(
+        blocks_per_capacity_block: count_in(
             "limits.blocks_per_capacity_block",
             raw.blocks_per_capacity_block,
             (1, 1024, "within 1..=1024"),
         )?,
-        blocks_without_capacity: check(
+        blocks_without_capacity: count_in(
             "limits.blocks_without_capacity",
             raw.blocks_without_capacity,
             (1, 1 << 32, "within 1..=4294967296"),
         )?,
-        http_max_connections: check(
+        http_max_connections: count_in(
             "limits.http_max_connections",
             raw.http_max_connections,
             (1, 1_000_000, "within 1..=1000000"),

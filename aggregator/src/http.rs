@@ -13,13 +13,12 @@
 
 use kvoy_shared::protocol::{ENDPOINTS_PATH, POOL_PATH, REMOVALS_PATH, SNAPSHOT_PATH};
 use std::convert::Infallible;
-use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::Full;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use serde_json::json;
@@ -31,13 +30,17 @@ use kvoy_shared::snapshot::{SnapshotFormat, CONTENT_TYPE};
 
 use crate::config::{ApiToken, Limits};
 use crate::follow::KvCounters;
+use crate::http_client;
 use crate::kv_link::{LinkCounters, LinkSettings, Linker};
 use crate::page::{self, PoolPage};
-use crate::pool::PoolView;
+use crate::pool::{EndpointView, PoolView};
 use crate::prefill::PrefillReport;
 use crate::reject::{Reason, Rejections};
 
+mod metrics;
+
 pub use kvoy_shared::protocol::AGGREGATOR_STATUS_HEADER as STATUS_HEADER;
+pub use metrics::render_metrics;
 /// Its value while the endpoint source has not been read successfully yet.
 pub const NOT_LOADED: &str = "not-loaded";
 
@@ -526,11 +529,8 @@ impl Api {
         let tiers = query_value(query, relay::TIERS_PARAM) == Some("1");
         // The proxy's key schedule, when it names one (older filters do not).
         let schedule = query_value(query, relay::SCHEDULE_PARAM).map(relay::parse_schedule);
-        let body = match Limited::new(req.into_body(), relay::MAX_BATCH_BYTES)
-            .collect()
-            .await
-        {
-            Ok(b) => b.to_bytes(),
+        let body = match http_client::read_body(req.into_body(), relay::MAX_BATCH_BYTES).await {
+            Ok(b) => b,
             Err(e) => {
                 self.rejections.reject(
                     Reason::BadRequest,
@@ -712,24 +712,11 @@ impl Api {
 }
 
 fn kv_json(c: &KvCounters) -> serde_json::Value {
-    let g = KvCounters::get;
-    json!({
-        "batches": g(&c.batches),
-        "blocks_stored": g(&c.blocks_stored),
-        "blocks_removed": g(&c.blocks_removed),
-        "cleared": g(&c.cleared),
-        "unknown_events": g(&c.unknown_events),
-        "orphan_blocks": g(&c.orphan_blocks),
-        "unknown_removals": g(&c.unknown_removals),
-        "malformed_events": g(&c.malformed_events),
-        "decode_errors": g(&c.decode_errors),
-        "seq_gaps": g(&c.seq_gaps),
-        "publisher_restarts": g(&c.publisher_restarts),
-        "server_restarts": g(&c.server_restarts),
-        "replayed_batches": g(&c.replayed_batches),
-        "replay_failures": g(&c.replay_failures),
-        "batches_lost": g(&c.batches_lost),
-    })
+    let counters: serde_json::Map<_, _> = metrics::KV_COUNTERS
+        .iter()
+        .map(|(key, _, _, get)| ((*key).to_owned(), KvCounters::get(get(c)).into()))
+        .collect();
+    counters.into()
 }
 
 fn prefill_json(p: &PrefillReport) -> serde_json::Value {
@@ -748,6 +735,30 @@ fn prefill_json(p: &PrefillReport) -> serde_json::Value {
     })
 }
 
+/// What `GET /v1/endpoints` and the pool view (`GET /v1/pool`) both say of an endpoint, with
+/// `extra`'s fields.
+pub(crate) fn endpoint_json(e: &EndpointView, extra: serde_json::Value) -> serde_json::Value {
+    let s = &e.status;
+    let mut v = json!({
+        "address": s.address.to_string(),
+        "models": s.models,
+        "ready": s.ready,
+        "stale": s.stale,
+        "waiting": s.waiting,
+        "running": s.running,
+        "kv_cache_usage": s.kv_cache_usage,
+        "capacity_blocks": s.capacity_blocks,
+        "cached_blocks": {"gpu": s.cached_blocks[0], "cpu": s.cached_blocks[1], "storage": s.cached_blocks[2]},
+        "prefix_hit_rate": s.prefix_hit_rate,
+        "metrics_age_ms": e.metrics_age_ms,
+        "last_error": e.last_error,
+    });
+    if let (Some(v), serde_json::Value::Object(extra)) = (v.as_object_mut(), extra) {
+        v.extend(extra);
+    }
+    v
+}
+
 /// The JSON of `GET /v1/endpoints`.
 pub fn endpoints_json(view: &PoolView) -> serde_json::Value {
     let endpoints: Vec<_> = view
@@ -755,24 +766,12 @@ pub fn endpoints_json(view: &PoolView) -> serde_json::Value {
         .iter()
         .map(|e| {
             let s = &e.status;
-            json!({
+            endpoint_json(e, json!({
                 "slot": s.slot,
-                "address": s.address.to_string(),
-                "models": s.models,
-                "ready": s.ready,
-                "stale": s.stale,
-                "waiting": s.waiting,
-                "running": s.running,
-                "kv_cache_usage": s.kv_cache_usage,
                 "block_size": s.block_size,
-                "capacity_blocks": s.capacity_blocks,
-                "cached_blocks": {"gpu": s.cached_blocks[0], "cpu": s.cached_blocks[1], "storage": s.cached_blocks[2]},
                 "cache_generation": s.cache_generation,
-                "prefix_hit_rate": s.prefix_hit_rate,
                 "prefill_tokens_per_s": s.prefill_tokens_per_s,
                 "prefill_estimate": prefill_json(&e.prefill),
-                "metrics_age_ms": e.metrics_age_ms,
-                "last_error": e.last_error,
                 "scrapes": e.scrape_counters.scrapes.load(Ordering::Relaxed),
                 "scrape_failures": e.scrape_counters.failures.load(Ordering::Relaxed),
                 "kv_events": e.kv.as_ref().map(|(summary, counters)| {
@@ -781,12 +780,12 @@ pub fn endpoints_json(view: &PoolView) -> serde_json::Value {
                         o.insert("endpoint".into(), json!(e.spec.kv_events.as_ref().map(|k| k.endpoint.clone())));
                         o.insert("receiving".into(), json!(summary.receiving));
                         if let Some(r) = &e.kv_rejections {
-                            o.insert("rejected".into(), r.json(&Reason::KV));
+                            o.insert("rejected".into(), r.json(Reason::KV));
                         }
                     }
                     v
                 }),
-            })
+            }))
         })
         .collect();
     json!({
@@ -812,505 +811,9 @@ pub fn pool_gauges_json(view: &PoolView) -> serde_json::Value {
     })
 }
 
-/// Escapes a label value (`\`, `"`, newline).
-fn label(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}
-
-struct Family<'a> {
-    out: &'a mut String,
-}
-
-impl Family<'_> {
-    fn head(&mut self, name: &str, kind: &str, help: &str) {
-        let _ = writeln!(self.out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-    }
-
-    fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: f64) {
-        self.out.push_str(name);
-        if !labels.is_empty() {
-            self.out.push('{');
-            for (i, (k, v)) in labels.iter().enumerate() {
-                if i > 0 {
-                    self.out.push(',');
-                }
-                let _ = write!(self.out, "{k}=\"{}\"", label(v));
-            }
-            self.out.push('}');
-        }
-        let _ = writeln!(self.out, " {value}");
-    }
-}
-
-/// The decision links' counters ([`crate::kv_link`]).
-fn link_metrics(f: &mut Family<'_>, c: &LinkCounters) {
-    f.head(
-        "kvoy_aggregator_decision_links_total",
-        "counter",
-        "Relayed decisions linked to the server blocks their prefill stored, known already (every key linked), or repeating one pending.",
-    );
-    for (what, n) in [
-        ("linked", c.decisions_linked),
-        ("known", c.decisions_known),
-        ("repeated", c.decisions_repeated),
-    ] {
-        f.sample(
-            "kvoy_aggregator_decision_links_total",
-            &[("what", what)],
-            n as f64,
-        );
-    }
-    f.head(
-        "kvoy_aggregator_decisions_unlinked_total",
-        "counter",
-        "Relayed decisions left unlinked, by reason.",
-    );
-    for (reason, n) in [
-        ("no_chain", c.unlinked_no_chain),
-        ("ambiguous", c.unlinked_ambiguous),
-        ("capacity", c.unlinked_capacity),
-    ] {
-        f.sample(
-            "kvoy_aggregator_decisions_unlinked_total",
-            &[("reason", reason)],
-            n as f64,
-        );
-    }
-    let totals: [(&str, &str, u64); 6] = [
-        (
-            "kvoy_aggregator_linked_keys_total",
-            "Text block keys linked to server blocks.",
-            c.keys_linked,
-        ),
-        (
-            "kvoy_aggregator_exact_removals_total",
-            "Server block removals that removed linked text keys (GET /v1/removals).",
-            c.exact_removals,
-        ),
-        (
-            "kvoy_aggregator_removed_keys_total",
-            "Linked text keys removed by the servers' block removals.",
-            c.keys_removed,
-        ),
-        (
-            "kvoy_aggregator_offloads_total",
-            "Server block removals from the GPU that moved linked text keys to a slower tier, where the server still holds them (GET /v1/removals, offloaded_to).",
-            c.offloads,
-        ),
-        (
-            "kvoy_aggregator_offloaded_keys_total",
-            "Linked text keys moved off the GPU to a slower tier.",
-            c.keys_offloaded,
-        ),
-        (
-            "kvoy_aggregator_unclaimed_chains_total",
-            "Stored block chains no relayed decision claimed within the window.",
-            c.chains_expired,
-        ),
-    ];
-    for (name, help, n) in totals {
-        f.head(name, "counter", help);
-        f.sample(name, &[], n as f64);
-    }
-}
-
-/// The Prometheus text of `GET /metrics`.
-pub fn render_metrics(
-    view: &PoolView,
-    api: &ApiCounters,
-    rejected: &Rejections,
-    links: &LinkCounters,
-) -> String {
-    let mut out = String::with_capacity(4096);
-    let mut f = Family { out: &mut out };
-    link_metrics(&mut f, links);
-    f.head(
-        "kvoy_aggregator_loaded",
-        "gauge",
-        "1 once the endpoint source has been read successfully (before that /v1/snapshot answers 503 not-loaded).",
-    );
-    f.sample(
-        "kvoy_aggregator_loaded",
-        &[],
-        f64::from(u8::from(view.loaded)),
-    );
-    f.head(
-        "kvoy_aggregator_http_connections",
-        "gauge",
-        "HTTP connections open.",
-    );
-    f.sample(
-        "kvoy_aggregator_http_connections",
-        &[],
-        api.connections.load(Ordering::Relaxed) as f64,
-    );
-    f.head(
-        "kvoy_aggregator_http_rejected_total",
-        "counter",
-        "HTTP connections and requests refused, by reason (the first of each reason is logged).",
-    );
-    for r in Reason::HTTP {
-        f.sample(
-            "kvoy_aggregator_http_rejected_total",
-            &[("reason", r.label())],
-            rejected.count(r) as f64,
-        );
-    }
-    let g = &view.gauges;
-    let pool: [(&str, &str, f64); 7] = [
-        (
-            "kvoy_aggregator_pool_endpoints",
-            "Endpoints in the pool.",
-            g.endpoints as f64,
-        ),
-        (
-            "kvoy_aggregator_pool_ready_endpoints",
-            "Endpoints whose scrapes succeed.",
-            g.ready as f64,
-        ),
-        (
-            "kvoy_aggregator_pool_stale_endpoints",
-            "Endpoints whose metrics are older than the staleness threshold.",
-            g.stale as f64,
-        ),
-        (
-            "kvoy_aggregator_pool_queue_depth",
-            "Requests waiting in the servers' queues, over ready endpoints.",
-            g.waiting as f64,
-        ),
-        (
-            "kvoy_aggregator_pool_running_requests",
-            "Requests running on ready endpoints.",
-            g.running as f64,
-        ),
-        (
-            "kvoy_aggregator_pool_kv_cache_usage",
-            "Mean KV-cache use (0-1) of ready, fresh endpoints.",
-            g.kv_cache_usage,
-        ),
-        (
-            "kvoy_aggregator_pool_saturation",
-            "Mean over endpoints of max(waiting/5, kv/0.8); stale or not-ready endpoints count 1.",
-            g.saturation,
-        ),
-    ];
-    for (name, help, value) in pool {
-        f.head(name, "gauge", help);
-        f.sample(name, &[], value);
-    }
-    f.head(
-        "kvoy_aggregator_snapshot_version",
-        "gauge",
-        "Current snapshot version.",
-    );
-    f.sample(
-        "kvoy_aggregator_snapshot_version",
-        &[],
-        view.history.version() as f64,
-    );
-    f.head(
-        "kvoy_aggregator_snapshot_requests_total",
-        "counter",
-        "Snapshot requests served, by kind.",
-    );
-    for (kind, c) in [
-        ("full", &api.snapshots_full),
-        ("incremental", &api.snapshots_incremental),
-        ("not_loaded", &api.snapshots_not_loaded),
-    ] {
-        f.sample(
-            "kvoy_aggregator_snapshot_requests_total",
-            &[("kind", kind)],
-            c.load(Ordering::Relaxed) as f64,
-        );
-    }
-    f.head(
-        "kvoy_aggregator_snapshot_bytes_total",
-        "counter",
-        "Bytes of snapshots served.",
-    );
-    f.sample(
-        "kvoy_aggregator_snapshot_bytes_total",
-        &[],
-        api.snapshot_bytes.load(Ordering::Relaxed) as f64,
-    );
-    f.head(
-        "kvoy_aggregator_decisions_total",
-        "counter",
-        "Routing decisions relayed between proxies (POST /v1/decisions), by what became of them.",
-    );
-    for (what, c) in [
-        ("received", &api.decisions_received),
-        ("refused", &api.decisions_refused),
-        ("sent", &api.decisions_sent),
-    ] {
-        f.sample(
-            "kvoy_aggregator_decisions_total",
-            &[("what", what)],
-            c.load(Ordering::Relaxed) as f64,
-        );
-    }
-    f.head(
-        "kvoy_aggregator_decisions_unlinked_schedule_total",
-        "counter",
-        "Relayed decisions not linked to the servers' blocks: their proxy keys prompts with another block schedule than links: in pool.yaml.",
-    );
-    f.sample(
-        "kvoy_aggregator_decisions_unlinked_schedule_total",
-        &[],
-        api.link_schedule_mismatches.load(Ordering::Relaxed) as f64,
-    );
-    f.head(
-        "kvoy_aggregator_removals_sent_total",
-        "counter",
-        "Confirmed removals (keys whose server blocks were evicted) sent to proxies in their decision exchange.",
-    );
-    f.sample(
-        "kvoy_aggregator_removals_sent_total",
-        &[],
-        api.removals_sent.load(Ordering::Relaxed) as f64,
-    );
-    f.head(
-        "kvoy_aggregator_decision_bytes_total",
-        "counter",
-        "Bytes of decision batches, received from and sent to proxies.",
-    );
-    for (direction, c) in [
-        ("in", &api.decision_bytes_in),
-        ("out", &api.decision_bytes_out),
-    ] {
-        f.sample(
-            "kvoy_aggregator_decision_bytes_total",
-            &[("direction", direction)],
-            c.load(Ordering::Relaxed) as f64,
-        );
-    }
-    f.head(
-        "kvoy_aggregator_source_reloads_total",
-        "counter",
-        "Endpoint lists loaded from the source.",
-    );
-    f.sample(
-        "kvoy_aggregator_source_reloads_total",
-        &[],
-        view.source_reloads as f64,
-    );
-    f.head(
-        "kvoy_aggregator_source_errors_total",
-        "counter",
-        "Endpoint source reads that failed (the previous list was kept).",
-    );
-    f.sample(
-        "kvoy_aggregator_source_errors_total",
-        &[],
-        view.source_errors as f64,
-    );
-
-    type Getter = fn(&crate::pool::EndpointView) -> Option<f64>;
-    let per_endpoint: [(&str, &str, &str, Getter); 10] = [
-        (
-            "kvoy_aggregator_endpoint_ready",
-            "gauge",
-            "1 when the endpoint's scrapes succeed.",
-            |e| Some(f64::from(u8::from(e.status.ready))),
-        ),
-        (
-            "kvoy_aggregator_endpoint_stale",
-            "gauge",
-            "1 when the endpoint's metrics are stale.",
-            |e| Some(f64::from(u8::from(e.status.stale))),
-        ),
-        (
-            "kvoy_aggregator_endpoint_waiting_requests",
-            "gauge",
-            "Requests waiting, as last scraped.",
-            |e| Some(f64::from(e.status.waiting)),
-        ),
-        (
-            "kvoy_aggregator_endpoint_running_requests",
-            "gauge",
-            "Requests running, as last scraped.",
-            |e| Some(f64::from(e.status.running)),
-        ),
-        (
-            "kvoy_aggregator_endpoint_kv_cache_usage",
-            "gauge",
-            "KV-cache use (0-1), as last scraped.",
-            |e| Some(f64::from(e.status.kv_cache_usage)),
-        ),
-        (
-            "kvoy_aggregator_endpoint_prefill_tokens_per_second",
-            "gauge",
-            "Prefill rate estimated from the server's metrics (prompt tokens computed per second), once known.",
-            |e| e.status.prefill_tokens_per_s.map(f64::from),
-        ),
-        (
-            "kvoy_aggregator_endpoint_cache_generation",
-            "gauge",
-            "Times the endpoint's cache was cleared or its publisher restarted.",
-            |e| Some(f64::from(e.status.cache_generation)),
-        ),
-        (
-            "kvoy_aggregator_endpoint_metrics_age_seconds",
-            "gauge",
-            "Age of the last successful scrape.",
-            |e| e.metrics_age_ms.map(|ms| ms as f64 / 1000.0),
-        ),
-        (
-            "kvoy_aggregator_scrapes_total",
-            "counter",
-            "Scrapes attempted.",
-            |e| Some(e.scrape_counters.scrapes.load(Ordering::Relaxed) as f64),
-        ),
-        (
-            "kvoy_aggregator_scrape_failures_total",
-            "counter",
-            "Scrapes that failed.",
-            |e| Some(e.scrape_counters.failures.load(Ordering::Relaxed) as f64),
-        ),
-    ];
-    let addresses: Vec<String> = view
-        .endpoints
-        .iter()
-        .map(|e| e.status.address.to_string())
-        .collect();
-    for (name, kind, help, get) in per_endpoint {
-        f.head(name, kind, help);
-        for (e, addr) in view.endpoints.iter().zip(&addresses) {
-            if let Some(v) = get(e) {
-                f.sample(name, &[("endpoint", addr)], v);
-            }
-        }
-    }
-    f.head(
-        "kvoy_aggregator_cached_blocks",
-        "gauge",
-        "Blocks known cached from KV events, by medium.",
-    );
-    for (e, addr) in view.endpoints.iter().zip(&addresses) {
-        if e.kv.is_some() {
-            for (tier, n) in kvoy_shared::Tier::ALL.iter().zip(e.status.cached_blocks) {
-                f.sample(
-                    "kvoy_aggregator_cached_blocks",
-                    &[("endpoint", addr), ("medium", tier.name())],
-                    f64::from(n),
-                );
-            }
-        }
-    }
-    type KvGetter = fn(&KvCounters) -> &AtomicU64;
-    let kv: [(&str, &str, KvGetter); 15] = [
-        (
-            "kvoy_aggregator_kv_event_batches_total",
-            "KV-event batches applied.",
-            |c| &c.batches,
-        ),
-        (
-            "kvoy_aggregator_kv_blocks_stored_total",
-            "Blocks stored by BlockStored events.",
-            |c| &c.blocks_stored,
-        ),
-        (
-            "kvoy_aggregator_kv_blocks_removed_total",
-            "Blocks removed by BlockRemoved events.",
-            |c| &c.blocks_removed,
-        ),
-        (
-            "kvoy_aggregator_kv_cleared_total",
-            "AllBlocksCleared events.",
-            |c| &c.cleared,
-        ),
-        (
-            "kvoy_aggregator_kv_unknown_events_total",
-            "Events of an unknown type, counted and skipped.",
-            |c| &c.unknown_events,
-        ),
-        (
-            "kvoy_aggregator_kv_orphan_blocks_total",
-            "Blocks stored under a parent the aggregator does not hold.",
-            |c| &c.orphan_blocks,
-        ),
-        (
-            "kvoy_aggregator_kv_unknown_removals_total",
-            "Removals of blocks the aggregator does not hold.",
-            |c| &c.unknown_removals,
-        ),
-        (
-            "kvoy_aggregator_kv_malformed_events_total",
-            "Events with inconsistent fields, skipped.",
-            |c| &c.malformed_events,
-        ),
-        (
-            "kvoy_aggregator_kv_decode_errors_total",
-            "Messages or payloads that did not decode.",
-            |c| &c.decode_errors,
-        ),
-        (
-            "kvoy_aggregator_kv_seq_gaps_total",
-            "Sequence gaps seen on the live stream.",
-            |c| &c.seq_gaps,
-        ),
-        (
-            "kvoy_aggregator_kv_publisher_restarts_total",
-            "Publisher restarts (sequence went back).",
-            |c| &c.publisher_restarts,
-        ),
-        (
-            "kvoy_aggregator_server_restarts_total",
-            "Server restarts seen in its metrics (counters went back); its cache is dropped.",
-            |c| &c.server_restarts,
-        ),
-        (
-            "kvoy_aggregator_kv_replayed_batches_total",
-            "Missed batches recovered through the replay socket.",
-            |c| &c.replayed_batches,
-        ),
-        (
-            "kvoy_aggregator_kv_replay_failures_total",
-            "Replay requests that failed.",
-            |c| &c.replay_failures,
-        ),
-        (
-            "kvoy_aggregator_kv_batches_lost_total",
-            "Missed batches that could not be recovered.",
-            |c| &c.batches_lost,
-        ),
-    ];
-    f.head(
-        "kvoy_aggregator_kv_rejected_total",
-        "counter",
-        "KV-event input refused or skipped, by reason (the first of each reason per endpoint is logged; /v1/endpoints shows the last).",
-    );
-    for (e, addr) in view.endpoints.iter().zip(&addresses) {
-        if let Some(r) = &e.kv_rejections {
-            for reason in Reason::KV {
-                f.sample(
-                    "kvoy_aggregator_kv_rejected_total",
-                    &[("endpoint", addr), ("reason", reason.label())],
-                    r.count(reason) as f64,
-                );
-            }
-        }
-    }
-    for (name, help, get) in kv {
-        f.head(name, "counter", help);
-        for (e, addr) in view.endpoints.iter().zip(&addresses) {
-            if let Some((_, counters)) = &e.kv {
-                f.sample(
-                    name,
-                    &[("endpoint", addr)],
-                    get(counters).load(Ordering::Relaxed) as f64,
-                );
-            }
-        }
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
+    use super::metrics::label;
     use super::*;
 
     #[test]

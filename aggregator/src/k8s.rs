@@ -33,20 +33,17 @@ mod objects;
 
 use std::time::Duration;
 
-#[cfg(feature = "service")]
-use log::info;
-use thiserror::Error;
-#[cfg(feature = "service")]
-use tokio::sync::watch;
-#[cfg(feature = "service")]
-use tokio::task::JoinHandle;
-
 use kvoy_shared::MAX_ENDPOINTS;
+use thiserror::Error;
 
 #[cfg(feature = "service")]
-use crate::config::EndpointSpec;
-#[cfg(feature = "service")]
-use crate::source::{EndpointSource, SourceError};
+use {
+    crate::config::EndpointSpec,
+    crate::source::{EndpointSource, SourceError},
+    log::info,
+    tokio::sync::watch,
+    tokio::task::JoinHandle,
+};
 
 #[cfg(feature = "service")]
 pub use client::{tls_connector, ApiClient, Discovery, InCluster};

@@ -19,7 +19,8 @@
 //!   [`calibrate`]: the `calibrate` command, which measures it on a live server.
 //! - [`reject`]: refused input, counted by reason and logged once per reason.
 //! - [`status`]: statuses and pool gauges (pure); [`pool`]: the actor that owns the endpoints
-//!   and the snapshot history; [`http`]: the API.
+//!   and the snapshot history; [`http`]: the API (`http_client`: what its HTTP exchanges
+//!   share).
 //! - [`page`]: the pool view, a page at `GET /` drawing the live pool from `GET /v1/pool`,
 //!   with a short history ([`timeline`], pure).
 //!
@@ -42,6 +43,8 @@ pub mod config;
 pub mod follow;
 #[cfg(feature = "service")]
 pub mod http;
+#[cfg(feature = "service")]
+mod http_client;
 pub mod k8s;
 pub mod kv_index;
 pub mod kv_link;

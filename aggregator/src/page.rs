@@ -176,23 +176,11 @@ impl PoolPage {
             .endpoints
             .iter()
             .map(|e| {
-                let s = &e.status;
-                json!({
-                    "address": s.address.to_string(),
-                    "models": s.models,
-                    "ready": s.ready,
-                    "stale": s.stale,
-                    "waiting": s.waiting,
-                    "running": s.running,
-                    "kv_cache_usage": s.kv_cache_usage,
-                    "capacity_blocks": s.capacity_blocks,
-                    "kv_events": e.kv.is_some(),
-                    "cached_blocks": {"gpu": s.cached_blocks[0], "cpu": s.cached_blocks[1], "storage": s.cached_blocks[2]},
-                    "prefix_hit_rate": s.prefix_hit_rate,
-                    "metrics_age_ms": e.metrics_age_ms,
-                    "last_error": e.last_error,
-                    "routed": routed.get(&s.address).copied().unwrap_or(0),
-                })
+                let routed = routed.get(&e.status.address).copied().unwrap_or(0);
+                crate::http::endpoint_json(
+                    e,
+                    json!({"kv_events": e.kv.is_some(), "routed": routed}),
+                )
             })
             .collect();
         let history: Vec<_> = match self.timeline.lock() {

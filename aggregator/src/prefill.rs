@@ -352,7 +352,9 @@ impl Default for PrefillEstimator {
 /// Rates outside this range are not believed (a broken server or a unit mix-up).
 const RATE_RANGE: std::ops::RangeInclusive<f64> = 1.0..=1e9;
 
-fn three_digits(v: f64) -> f64 {
+/// Three significant digits: how a published estimate and the calibration's configured rate
+/// are rounded.
+pub(crate) fn three_digits(v: f64) -> f64 {
     if !(v.is_finite() && v > 0.0) {
         return v;
     }

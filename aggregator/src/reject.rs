@@ -54,7 +54,7 @@ pub enum Reason {
 }
 
 impl Reason {
-    /// Every reason, in label order.
+    /// Every reason, in label order: the KV events' reasons, then the HTTP API's.
     pub const ALL: [Reason; 11] = [
         Reason::MalformedMessage,
         Reason::UndecodableBatch,
@@ -69,22 +69,9 @@ impl Reason {
         Reason::AcceptError,
     ];
     /// The reasons of one endpoint's KV events.
-    pub const KV: [Reason; 7] = [
-        Reason::MalformedMessage,
-        Reason::UndecodableBatch,
-        Reason::MalformedEvent,
-        Reason::UnknownEvent,
-        Reason::BlockCap,
-        Reason::PublisherDisconnect,
-        Reason::ReplayBudget,
-    ];
+    pub const KV: &'static [Reason] = Self::ALL.split_at(Reason::Unauthorized as usize).0;
     /// The reasons of the HTTP API.
-    pub const HTTP: [Reason; 4] = [
-        Reason::Unauthorized,
-        Reason::ConnectionCap,
-        Reason::BadRequest,
-        Reason::AcceptError,
-    ];
+    pub const HTTP: &'static [Reason] = Self::ALL.split_at(Reason::Unauthorized as usize).1;
 
     /// The `reason` label.
     pub fn label(self) -> &'static str {
@@ -212,7 +199,7 @@ mod tests {
         assert_eq!(r.count(Reason::BlockCap), 6);
         assert_eq!(r.last(Reason::BlockCap).as_deref(), Some("second"));
         assert_eq!(
-            r.json(&Reason::KV),
+            r.json(Reason::KV),
             serde_json::json!({"block_cap": {"count": 6, "last": "second"}})
         );
     }

@@ -4,11 +4,11 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Empty, Limited};
+use http_body_util::Empty;
 use hyper::client::conn::http1::SendRequest;
-use hyper_util::rt::TokioIo;
 use thiserror::Error;
 
+use crate::http_client;
 use crate::prom::{self, PromError, ServerMetrics};
 
 /// Metrics bodies larger than this are refused (vLLM's are tens of KB).
@@ -61,18 +61,12 @@ impl Scraper {
     }
 
     async fn connect(&self) -> Result<SendRequest<Empty<Bytes>>, ScrapeError> {
-        let stream = tokio::net::TcpStream::connect(self.address)
+        let stream = http_client::tcp(self.address)
             .await
             .map_err(ScrapeError::Connect)?;
-        let _ = stream.set_nodelay(true);
-        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        http_client::handshake(stream)
             .await
-            .map_err(|e| ScrapeError::Http(e.to_string()))?;
-        tokio::spawn(async move {
-            // Ends when the sender is dropped or the server closes.
-            let _ = conn.await;
-        });
-        Ok(sender)
+            .map_err(|e| ScrapeError::Http(e.to_string()))
     }
 
     async fn fetch(&mut self) -> Result<Bytes, ScrapeError> {
@@ -94,11 +88,9 @@ impl Scraper {
             .await
             .map_err(|e| ScrapeError::Http(e.to_string()))?;
         let status = response.status().as_u16();
-        let body = Limited::new(response.into_body(), MAX_METRICS_BYTES)
-            .collect()
+        let body = http_client::read_body(response.into_body(), MAX_METRICS_BYTES)
             .await
-            .map_err(|e| ScrapeError::Http(e.to_string()))?
-            .to_bytes();
+            .map_err(|e| ScrapeError::Http(e.to_string()))?;
         if status != 200 {
             return Err(ScrapeError::Status(status));
         }

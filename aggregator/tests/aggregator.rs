@@ -7,15 +7,14 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use kvoy_aggregator::config::{AggregatorConfig, EndpointSpec, KvEventsSource};
+use kvoy_aggregator::config::{AggregatorConfig, EndpointSpec};
 use kvoy_aggregator::prom;
 use kvoy_aggregator::source::StaticSource;
-use kvoy_aggregator::Aggregator;
 use kvoy_shared::snapshot::{Snapshot, SnapshotDelta, CONTENT_TYPE};
-use kvoy_sim::server::runtime::EngineHandle;
-use kvoy_sim::server::{self, Simulator};
-use kvoy_testkit::http::Request;
 use kvoy_testkit::{free_port, wait_for};
+
+mod common;
+use common::{kv_source, runtime, start_aggregator, Scratch};
 
 /// One simulator with its own runtime, so that dropping it kills just this one.
 struct Sim {
@@ -32,7 +31,7 @@ impl Sim {
 
     /// Starts a simulator; the ports may still be held by one just killed, so callers retry.
     fn try_start(addr: SocketAddr, kv: &str, replay: &str) -> Result<Sim, String> {
-        let args: Vec<String> = [
+        let args = [
             "--model",
             "m",
             "--speedup",
@@ -41,24 +40,8 @@ impl Sim {
             kv,
             "--kv-events-replay-endpoint",
             replay,
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        let options = kvoy_sim::cli::parse(&args).unwrap().unwrap();
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
-        let listener = runtime
-            .block_on(tokio::net::TcpListener::bind(addr))
-            .map_err(|e| e.to_string())?;
-        let sink = kvoy_sim::events::sink(&options, 0, addr).map_err(|e| e.to_string())?;
-        let engine = EngineHandle::start(options.profile.clone(), options.http.speedup, sink)
-            .map_err(|e| e.to_string())?;
-        let sim = Simulator::new(engine, options.http.clone(), addr.to_string());
-        runtime.spawn(server::serve(listener, sim));
+        ];
+        let runtime = common::serve_sim(addr, &args)?;
         Ok(Sim {
             addr,
             kv: kv.to_owned(),
@@ -75,16 +58,7 @@ impl Sim {
     }
 
     fn spec(&self) -> EndpointSpec {
-        EndpointSpec {
-            address: self.addr,
-            models: vec!["m".into()],
-            metrics_path: "/metrics".into(),
-            kv_events: Some(KvEventsSource {
-                endpoint: self.kv.clone(),
-                replay_endpoint: Some(self.replay.clone()),
-                topic: String::new(),
-            }),
-        }
+        common::spec(self.addr, Some(kv_source(&self.kv, Some(&self.replay))))
     }
 
     fn kill(&mut self) {
@@ -100,16 +74,10 @@ impl Drop for Sim {
     }
 }
 
-/// One request (`Connection: close`) on the test kit's client: status, head, body.
+/// One request with a JSON body: status, head, body.
 fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String, Vec<u8>) {
-    let request = Request::new(method, path)
-        .host("t")
-        .header("content-type", "application/json")
-        .header("content-length", &body.len().to_string())
-        .body(body.to_owned())
-        .timeout(Duration::from_secs(10));
-    let r = kvoy_testkit::http::request(addr, &request).unwrap();
-    (r.status, r.head_text(), r.body)
+    let json = "content-type: application/json\r\n";
+    common::request(addr, method, path, json, body.as_bytes())
 }
 
 fn snapshot(agg: SocketAddr, query: &str) -> (SnapshotDelta, usize) {
@@ -161,20 +129,10 @@ fn follows_simulators_and_serves_snapshots() {
     let prompt = "alpha beta gamma delta ".repeat(40);
     complete(sims[0].addr, &prompt);
 
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime(2);
     let cfg = config();
     let source = StaticSource::new(sims.iter().map(Sim::spec).collect());
-    let agg = rt
-        .block_on(Aggregator::start(
-            &cfg,
-            Box::new(source),
-            "127.0.0.1:0".parse().unwrap(),
-        ))
-        .unwrap();
+    let agg = start_aggregator(&rt, &cfg, source);
     let api = agg.local_addr();
     assert_eq!(http(api, "GET", "/healthz", "").0, 200);
     wait_for("readyz", Duration::from_secs(10), || {
@@ -313,9 +271,8 @@ fn follows_simulators_and_serves_snapshots() {
 
 #[test]
 fn the_endpoint_file_is_reloaded() {
-    let dir = std::env::temp_dir().join(format!("kvoy-agg-reload-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("pool.yaml");
+    let scratch = Scratch::new("reload");
+    let path = scratch.0.join("pool.yaml");
     let sims = [Sim::new_on_free_ports(), Sim::new_on_free_ports()];
     let write = |sims: &[&Sim]| {
         let mut yaml =
@@ -329,20 +286,10 @@ fn the_endpoint_file_is_reloaded() {
         std::fs::write(&path, yaml).unwrap();
     };
     write(&[&sims[0]]);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime(2);
     let cfg = AggregatorConfig::from_file(&path).unwrap();
     let source = kvoy_aggregator::source::FileSource::new(&path);
-    let agg = rt
-        .block_on(Aggregator::start(
-            &cfg,
-            Box::new(source),
-            "127.0.0.1:0".parse().unwrap(),
-        ))
-        .unwrap();
+    let agg = start_aggregator(&rt, &cfg, source);
     let api = agg.local_addr();
     // Until the file is read, the snapshot answers 503 "not loaded".
     wait_for("loaded", Duration::from_secs(10), || {
@@ -383,5 +330,4 @@ fn the_endpoint_file_is_reloaded() {
     });
     assert_eq!(current(api).endpoints.len(), 1);
     rt.block_on(agg.shutdown());
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -9,15 +9,14 @@ use std::time::Duration;
 
 use kvoy_aggregator::calibrate::{self, CalibrateError, Calibration, Options, Timing};
 use kvoy_sim::engine::Profile;
-use kvoy_sim::server::runtime::EngineHandle;
-use kvoy_sim::server::{self, HttpOptions, Simulator};
+use kvoy_sim::server::HttpOptions;
+
+mod common;
 
 /// The tests measure real time on a 2-core machine: one at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 async fn sim(profile: Profile, error_rate: f64) -> SocketAddr {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
     let options = HttpOptions {
         models: vec!["m".into()],
         speedup: 1.0,
@@ -25,12 +24,7 @@ async fn sim(profile: Profile, error_rate: f64) -> SocketAddr {
         error_rate,
         ..HttpOptions::default()
     };
-    let engine = EngineHandle::start(profile, 1.0, Box::new(|_| {})).unwrap();
-    tokio::spawn(server::serve(
-        listener,
-        Simulator::new(engine, options, addr.to_string()),
-    ));
-    addr
+    common::serve_http_sim(profile, options).await
 }
 
 async fn calibrate(options: &Options) -> Result<Calibration, CalibrateError> {

@@ -14,28 +14,11 @@ use kvoy_aggregator::Aggregator;
 use kvoy_shared::prefix::BlockKey;
 use kvoy_shared::relay::{DecisionBatch, RelayedDecision, CONTENT_TYPE, PATH};
 use kvoy_testkit::free_port;
-use kvoy_testkit::http::Request;
+
+mod common;
+use common::request;
 
 const WAIT: Duration = Duration::from_secs(10);
-
-/// One HTTP/1.1 request with a binary body, on the test kit's client: status, lowercased
-/// head, body.
-fn request(
-    addr: SocketAddr,
-    method: &str,
-    path: &str,
-    headers: &str,
-    body: &[u8],
-) -> (u16, String, Vec<u8>) {
-    let request = Request::new(method, path)
-        .host("t")
-        .header_lines(headers)
-        .header("content-length", &body.len().to_string())
-        .body(body.to_vec())
-        .timeout(WAIT);
-    let r = kvoy_testkit::http::request(addr, &request).unwrap();
-    (r.status, r.head_text().to_ascii_lowercase(), r.body)
-}
 
 fn exchange(api: SocketAddr, since: u64, batch: &DecisionBatch, headers: &str) -> DecisionBatch {
     let mut body = Vec::new();
@@ -52,6 +35,15 @@ fn exchange(api: SocketAddr, since: u64, batch: &DecisionBatch, headers: &str) -
     DecisionBatch::decode(&answer).unwrap()
 }
 
+/// `/metrics` has every one of `lines`.
+fn assert_metrics(api: SocketAddr, lines: &[&str]) {
+    let (_, _, m) = request(api, "GET", "/metrics", "", b"");
+    let m = String::from_utf8(m).unwrap();
+    for line in lines {
+        assert!(m.contains(line), "{line} in\n{m}");
+    }
+}
+
 fn decision(endpoint: SocketAddr, keys: &[u64]) -> RelayedDecision {
     RelayedDecision {
         endpoint,
@@ -61,20 +53,10 @@ fn decision(endpoint: SocketAddr, keys: &[u64]) -> RelayedDecision {
 }
 
 fn start(yaml: &str) -> (tokio::runtime::Runtime, Aggregator) {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = common::runtime(2);
     let cfg = AggregatorConfig::from_yaml(yaml).unwrap();
     let source = StaticSource::new(cfg.endpoints.clone());
-    let agg = rt
-        .block_on(Aggregator::start(
-            &cfg,
-            Box::new(source),
-            "127.0.0.1:0".parse().unwrap(),
-        ))
-        .unwrap();
+    let agg = common::start_aggregator(&rt, &cfg, source);
     let api = agg.local_addr();
     let start = Instant::now();
     while request(api, "GET", "/readyz", "", b"").0 != 200 {
@@ -222,24 +204,21 @@ fn decisions_travel_between_proxies_for_pool_members_only() {
     let rest = read(page.cursor, 2);
     assert_eq!((rest.decisions, rest.cursor), (vec![decision(eb, &[9])], 3));
     assert!(read(3, 2).decisions.is_empty());
-    let (_, _, m) = request(api, "GET", "/metrics", "", b"");
-    let m = String::from_utf8(m).unwrap();
-    for line in [
-        "kvoy_aggregator_decisions_total{what=\"received\"} 4",
-        "kvoy_aggregator_decisions_total{what=\"refused\"} 1",
-        "kvoy_aggregator_decisions_total{what=\"sent\"} 4",
-    ] {
-        assert!(m.contains(line), "{line} in\n{m}");
-    }
+    assert_metrics(
+        api,
+        &[
+            "kvoy_aggregator_decisions_total{what=\"received\"} 4",
+            "kvoy_aggregator_decisions_total{what=\"refused\"} 1",
+            "kvoy_aggregator_decisions_total{what=\"sent\"} 4",
+        ],
+    );
     rt.block_on(agg.shutdown());
 }
 
 #[test]
 fn the_exchange_requires_the_token_when_one_is_configured() {
-    let dir = std::env::temp_dir().join(format!("kvoy-agg-relay-token-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let token_file = dir.join("token");
-    std::fs::write(&token_file, "relay-token-0123456789\n").unwrap();
+    let scratch = common::Scratch::new("relay-token");
+    let token_file = scratch.token_file("relay-token-0123456789");
     let port = free_port().unwrap();
     let yaml = format!(
         "api_token_file: {}\nendpoints: [{{address: '127.0.0.1:{port}', models: [m]}}]\n",
@@ -278,7 +257,6 @@ fn the_exchange_requires_the_token_when_one_is_configured() {
     assert_eq!(request(api, "GET", "/v1/removals", "", b"").0, 401);
     assert_eq!(request(api, "GET", "/v1/removals", with, b"").0, 200);
     rt.block_on(agg.shutdown());
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The decisions wait in the linker for their endpoint's KV events (none here: no follower):
@@ -318,15 +296,14 @@ fn relayed_decisions_wait_for_kv_events_to_link() {
     assert!(head.contains("application/json"), "{head}");
     let removals: serde_json::Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(removals, serde_json::json!({"next": 0, "removals": []}));
-    let (_, _, metrics) = request(api, "GET", "/metrics", "", b"");
-    let metrics = String::from_utf8(metrics).unwrap();
-    for line in [
-        "kvoy_aggregator_decision_links_total{what=\"linked\"} 0",
-        "kvoy_aggregator_decisions_unlinked_total{reason=\"ambiguous\"} 0",
-        "kvoy_aggregator_exact_removals_total 0",
-    ] {
-        assert!(metrics.contains(line), "{line} missing");
-    }
+    assert_metrics(
+        api,
+        &[
+            "kvoy_aggregator_decision_links_total{what=\"linked\"} 0",
+            "kvoy_aggregator_decisions_unlinked_total{reason=\"ambiguous\"} 0",
+            "kvoy_aggregator_exact_removals_total 0",
+        ],
+    );
 }
 
 #[test]

@@ -19,36 +19,22 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvoy_aggregator::config::{AggregatorConfig, EndpointSpec, KvEventsSource};
+use kvoy_aggregator::config::{AggregatorConfig, EndpointSpec};
 use kvoy_aggregator::k8s::{Discovery, InCluster, KubernetesSource};
 use kvoy_aggregator::source::{EndpointSource, SourceError};
-use kvoy_aggregator::Aggregator;
 use kvoy_kvevents::{BlockHash, EventBatch, KvEvent, Medium, Publisher, PublisherConfig, WireForm};
-use kvoy_sim::server::runtime::EngineHandle;
-use kvoy_sim::server::{self, Simulator};
 use kvoy_testkit::free_port;
-use kvoy_testkit::http::Request;
 use serde_json::Value;
+
+mod common;
+use common::{kubernetes_yaml, kv_source, runtime, start_aggregator, Scratch};
 
 const WAIT: Duration = Duration::from_secs(10);
 
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
-/// One GET (`Connection: close`) with extra header lines, on the test kit's client: status,
-/// lowercased head, body.
+/// One GET with extra header lines: status, lowercased head, body.
 fn get(addr: SocketAddr, path: &str, headers: &str) -> (u16, String, Vec<u8>) {
-    let request = Request::get(path)
-        .host("t")
-        .header_lines(headers)
-        .timeout(WAIT);
-    let r = kvoy_testkit::http::request(addr, &request).unwrap();
-    (r.status, r.head_text().to_ascii_lowercase(), r.body)
+    let (status, head, body) = common::request(addr, "GET", path, headers, b"");
+    (status, head.to_ascii_lowercase(), body)
 }
 
 fn json(addr: SocketAddr, path: &str, headers: &str) -> Value {
@@ -84,28 +70,17 @@ fn silent_listener() -> SocketAddr {
 
 #[test]
 fn a_source_that_never_answers_leaves_the_snapshot_not_loaded() {
-    let rt = runtime();
+    let rt = runtime(2);
     let api_server = silent_listener();
-    let yaml = format!(
-        "reload_interval_ms: 100
-kubernetes:
-  inference_pool: llama-pool
-  namespace: llm
-  api_server: http://{api_server}
-  token_file: ''
-  models: [m]
-  request_timeout_ms: 200
-"
-    );
+    let yaml = kubernetes_yaml(api_server, "''", "[m]", "  request_timeout_ms: 200\n");
     let cfg = AggregatorConfig::from_yaml(&yaml).unwrap();
-    let agg = rt.block_on(async {
-        let discovery =
-            Discovery::new(cfg.kubernetes.as_ref().unwrap(), &InCluster::default()).unwrap();
-        let source = KubernetesSource::spawn(discovery, cfg.reload_interval);
-        Aggregator::start(&cfg, Box::new(source), "127.0.0.1:0".parse().unwrap())
-            .await
-            .unwrap()
-    });
+    let discovery =
+        Discovery::new(cfg.kubernetes.as_ref().unwrap(), &InCluster::default()).unwrap();
+    let source = {
+        let _guard = rt.enter();
+        KubernetesSource::spawn(discovery, cfg.reload_interval)
+    };
+    let agg = start_aggregator(&rt, &cfg, source);
     let api = agg.local_addr();
     // Several discovery rounds time out meanwhile.
     std::thread::sleep(Duration::from_millis(800));
@@ -154,22 +129,14 @@ impl EndpointSource for Gate {
     }
 }
 
+/// Model `m` at `address`, KV events (if any) from `kv` without a replay socket.
 fn spec(address: SocketAddr, kv: Option<String>) -> EndpointSpec {
-    EndpointSpec {
-        address,
-        models: vec!["m".into()],
-        metrics_path: "/metrics".into(),
-        kv_events: kv.map(|endpoint| KvEventsSource {
-            endpoint,
-            replay_endpoint: None,
-            topic: String::new(),
-        }),
-    }
+    common::spec(address, kv.map(|endpoint| kv_source(&endpoint, None)))
 }
 
 #[test]
 fn the_first_successful_discovery_makes_it_ready_even_with_no_endpoint_up() {
-    let rt = runtime();
+    let rt = runtime(2);
     let open = Arc::new(AtomicBool::new(false));
     let dead = SocketAddr::from(([127, 0, 0, 1], free_port().unwrap()));
     let source = Gate {
@@ -178,13 +145,7 @@ fn the_first_successful_discovery_makes_it_ready_even_with_no_endpoint_up() {
     };
     let cfg =
         AggregatorConfig::from_yaml("scrape_interval_ms: 50\nreload_interval_ms: 100\n").unwrap();
-    let agg = rt
-        .block_on(Aggregator::start(
-            &cfg,
-            Box::new(source),
-            "127.0.0.1:0".parse().unwrap(),
-        ))
-        .unwrap();
+    let agg = start_aggregator(&rt, &cfg, source);
     let api = agg.local_addr();
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(get(api, "/v1/snapshot", "").0, 503);
@@ -208,11 +169,9 @@ fn the_first_successful_discovery_makes_it_ready_even_with_no_endpoint_up() {
 
 #[test]
 fn the_snapshot_requires_the_token_when_one_is_configured() {
-    let rt = runtime();
-    let dir = std::env::temp_dir().join(format!("kvoy-agg-token-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let token_file = dir.join("token");
-    std::fs::write(&token_file, "s3cret-token-0123456789\n").unwrap();
+    let rt = runtime(2);
+    let scratch = Scratch::new("token");
+    let token_file = scratch.token_file("s3cret-token-0123456789");
     let yaml = format!(
         "api_token_file: {}\nendpoints: [{{address: '127.0.0.1:{}', models: [m]}}]\n",
         token_file.display(),
@@ -220,13 +179,7 @@ fn the_snapshot_requires_the_token_when_one_is_configured() {
     );
     let cfg = AggregatorConfig::from_yaml(&yaml).unwrap();
     let source = kvoy_aggregator::source::StaticSource::new(cfg.endpoints.clone());
-    let agg = rt
-        .block_on(Aggregator::start(
-            &cfg,
-            Box::new(source),
-            "127.0.0.1:0".parse().unwrap(),
-        ))
-        .unwrap();
+    let agg = start_aggregator(&rt, &cfg, source);
     let api = agg.local_addr();
     wait_for("loaded", || get(api, "/readyz", "").0 == 200);
     for path in ["/v1/snapshot", "/v1/endpoints"] {
@@ -263,7 +216,6 @@ fn the_snapshot_requires_the_token_when_one_is_configured() {
         "{m}"
     );
     rt.block_on(agg.shutdown());
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Whether the server closes `s` within `within` (reads until EOF or a reset).
@@ -286,19 +238,13 @@ fn closed_within(s: &mut TcpStream, within: Duration) -> bool {
 
 #[test]
 fn connections_are_capped_and_must_send_their_headers_in_time() {
-    let rt = runtime();
+    let rt = runtime(2);
     let cfg = AggregatorConfig::from_yaml(
         "limits: {http_max_connections: 2, http_header_read_timeout_ms: 1500}\nendpoints: []\n",
     )
     .unwrap();
     let source = kvoy_aggregator::source::StaticSource::new(Vec::new());
-    let agg = rt
-        .block_on(Aggregator::start(
-            &cfg,
-            Box::new(source),
-            "127.0.0.1:0".parse().unwrap(),
-        ))
-        .unwrap();
+    let agg = start_aggregator(&rt, &cfg, source);
     let api = agg.local_addr();
     // Two slow clients: half a request head each.
     let mut slow: Vec<TcpStream> = (0..2)
@@ -343,31 +289,10 @@ struct MetricsSim {
 
 fn metrics_sim(num_gpu_blocks: u32) -> MetricsSim {
     let addr = SocketAddr::from(([127, 0, 0, 1], free_port().unwrap()));
-    let args: Vec<String> = [
-        "--model",
-        "m",
-        "--num-gpu-blocks",
-        &num_gpu_blocks.to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    let options = kvoy_sim::cli::parse(&args).unwrap().unwrap();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    let listener = runtime
-        .block_on(tokio::net::TcpListener::bind(addr))
-        .unwrap();
-    let sink = kvoy_sim::events::sink(&options, 0, addr).unwrap();
-    let engine = EngineHandle::start(options.profile.clone(), options.http.speedup, sink).unwrap();
-    let sim = Simulator::new(engine, options.http.clone(), addr.to_string());
-    runtime.spawn(server::serve(listener, sim));
+    let blocks = num_gpu_blocks.to_string();
     MetricsSim {
         addr,
-        _runtime: runtime,
+        _runtime: common::serve_sim(addr, &["--model", "m", "--num-gpu-blocks", &blocks]).unwrap(),
     }
 }
 
@@ -400,7 +325,7 @@ fn kv_events_are_bounded_and_every_rejection_is_counted_with_its_reason() {
         ..PublisherConfig::default()
     })
     .unwrap();
-    let rt = runtime();
+    let rt = runtime(2);
     let cfg = AggregatorConfig::from_yaml(
         "scrape_interval_ms: 50
 limits: {blocks_per_capacity_block: 2, kv_events_max_message_bytes: 65536}
@@ -411,13 +336,7 @@ limits: {blocks_per_capacity_block: 2, kv_events_max_message_bytes: 65536}
         sim.addr,
         Some(publisher.endpoint().to_owned()),
     )]);
-    let agg = rt
-        .block_on(Aggregator::start(
-            &cfg,
-            Box::new(source),
-            "127.0.0.1:0".parse().unwrap(),
-        ))
-        .unwrap();
+    let agg = start_aggregator(&rt, &cfg, source);
     let api = agg.local_addr();
     let entry = || json(api, "/v1/endpoints", "")["endpoints"][0].clone();
     wait_for("the capacity scraped", || entry()["capacity_blocks"] == 8);

@@ -32,14 +32,15 @@ use kvoy_aggregator::k8s::{
 };
 use kvoy_aggregator::source::EndpointSource;
 
+mod common;
+use common::{kubernetes_yaml, runtime, start_aggregator, Scratch};
+
 const POOL_PATH: &str =
     "/apis/inference.networking.k8s.io/v1/namespaces/llm/inferencepools/llama-pool";
 const PODS_PATH: &str = "/api/v1/namespaces/llm/pods";
 
 fn fixture(name: &str) -> Vec<u8> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/k8s")
-        .join(name);
+    let path = fixture_path(name);
     std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
@@ -194,28 +195,6 @@ fn tls_acceptor() -> tokio_rustls::TlsAcceptor {
     tokio_rustls::TlsAcceptor::from(Arc::new(config))
 }
 
-/// A scratch directory with a token file.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Scratch {
-        let dir = std::env::temp_dir().join(format!("kvoy-k8s-{name}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        Scratch(dir)
-    }
-    fn token_file(&self, token: &str) -> PathBuf {
-        let path = self.0.join("token");
-        std::fs::write(&path, format!("{token}\n")).unwrap();
-        path
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 fn world(token: &str) -> Shared {
     Arc::new(Mutex::new(World {
         token: token.to_owned(),
@@ -252,23 +231,32 @@ fn addresses(endpoints: &[EndpointSpec]) -> Vec<String> {
     endpoints.iter().map(|e| e.address.to_string()).collect()
 }
 
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
+/// A recorded API server that wants `token` (HTTPS with `tls`): what it answers, its address,
+/// and a scratch directory holding the token file (the last).
+fn recorded(
+    rt: &tokio::runtime::Runtime,
+    name: &str,
+    token: &str,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+) -> (Shared, SocketAddr, Scratch, PathBuf) {
+    let scratch = Scratch::new(&format!("k8s-{name}"));
+    let world = world(token);
+    let addr = rt.block_on(start_api_server(world.clone(), tls));
+    let token = scratch.token_file(token);
+    (world, addr, scratch, token)
+}
+
+/// Discovery through the recorded server at `addr` (plain HTTP) with the token in `token`.
+fn discovery(addr: SocketAddr, token: &Path) -> Discovery {
+    let cfg = k8s_config(&format!("http://{addr}"), token);
+    Discovery::new(&cfg, &InCluster::default()).unwrap()
 }
 
 #[test]
 fn pods_enter_and_leave_the_pool() {
-    let rt = runtime();
-    let scratch = Scratch::new("members");
-    let world = world("t0k3n");
-    let addr = rt.block_on(start_api_server(world.clone(), None));
-    let token = scratch.token_file("t0k3n");
-    let cfg = k8s_config(&format!("http://{addr}"), &token);
-    let discovery = Discovery::new(&cfg, &InCluster::default()).unwrap();
+    let rt = runtime(2);
+    let (world, addr, _scratch, token) = recorded(&rt, "members", "t0k3n", None);
+    let discovery = discovery(addr, &token);
     assert_eq!(discovery.pool(), "llm/llama-pool");
     let discover = || rt.block_on(discovery.discover());
 
@@ -323,13 +311,9 @@ fn pods_enter_and_leave_the_pool() {
 
 #[test]
 fn api_errors_are_typed_and_name_the_cause() {
-    let rt = runtime();
-    let scratch = Scratch::new("errors");
-    let world = world("good");
-    let addr = rt.block_on(start_api_server(world.clone(), None));
-    let token = scratch.token_file("good");
-    let cfg = k8s_config(&format!("http://{addr}"), &token);
-    let discovery = Discovery::new(&cfg, &InCluster::default()).unwrap();
+    let rt = runtime(2);
+    let (world, addr, scratch, token) = recorded(&rt, "errors", "good", None);
+    let discovery = discovery(addr, &token);
 
     world.lock().unwrap().pool = (404, fixture("status-not-found.json"));
     match rt.block_on(discovery.discover()) {
@@ -388,11 +372,8 @@ fn api_errors_are_typed_and_name_the_cause() {
 
 #[test]
 fn https_is_verified_against_the_service_account_ca() {
-    let rt = runtime();
-    let scratch = Scratch::new("tls");
-    let world = world("tls-token");
-    let addr = rt.block_on(start_api_server(world.clone(), Some(tls_acceptor())));
-    let token = scratch.token_file("tls-token");
+    let rt = runtime(2);
+    let (_, addr, scratch, token) = recorded(&rt, "tls", "tls-token", Some(tls_acceptor()));
 
     // In a pod: the API server from KUBERNETES_SERVICE_HOST / _PORT (an IP, as Kubernetes sets
     // it), the namespace from the service account's file, the CA from ca_file.
@@ -453,13 +434,9 @@ fn https_is_verified_against_the_service_account_ca() {
 
 #[test]
 fn the_source_hands_over_changes_and_keeps_errors_apart() {
-    let rt = runtime();
-    let scratch = Scratch::new("source");
-    let world = world("tok");
-    let addr = rt.block_on(start_api_server(world.clone(), None));
-    let token = scratch.token_file("tok");
-    let cfg = k8s_config(&format!("http://{addr}"), &token);
-    let discovery = Discovery::new(&cfg, &InCluster::default()).unwrap();
+    let rt = runtime(2);
+    let (world, addr, _scratch, token) = recorded(&rt, "source", "tok", None);
+    let discovery = discovery(addr, &token);
     let mut source = {
         let _guard = rt.enter();
         KubernetesSource::spawn(discovery, Duration::from_millis(20))
@@ -515,57 +492,39 @@ fn the_source_hands_over_changes_and_keeps_errors_apart() {
 
 #[test]
 fn the_aggregator_serves_the_pools_endpoints() {
-    let rt = runtime();
-    let scratch = Scratch::new("aggregator");
-    let world = world("agg");
-    let addr = rt.block_on(start_api_server(world.clone(), None));
-    let token = scratch.token_file("agg");
-    let yaml = format!(
-        "reload_interval_ms: 100
-kubernetes:
-  inference_pool: llama-pool
-  namespace: llm
-  api_server: http://{addr}
-  token_file: {}
-  models: [llama-3.1-8b]
-",
-        token.display()
-    );
+    let rt = runtime(2);
+    let (world, addr, _scratch, token) = recorded(&rt, "aggregator", "agg", None);
+    let yaml = kubernetes_yaml(addr, &token.display().to_string(), "[llama-3.1-8b]", "");
     let cfg = AggregatorConfig::from_yaml(&yaml).unwrap();
     let k8s = cfg.kubernetes.clone().unwrap();
-    let agg = rt.block_on(async {
-        let discovery = Discovery::new(&k8s, &InCluster::default()).unwrap();
-        let source = KubernetesSource::spawn(discovery, cfg.reload_interval);
-        kvoy_aggregator::Aggregator::start(&cfg, Box::new(source), "127.0.0.1:0".parse().unwrap())
-            .await
-            .unwrap()
-    });
+    let source = {
+        let _guard = rt.enter();
+        KubernetesSource::spawn(
+            Discovery::new(&k8s, &InCluster::default()).unwrap(),
+            cfg.reload_interval,
+        )
+    };
+    let agg = start_aggregator(&rt, &cfg, source);
     let api = agg.local_addr();
     let get = |path: &str| -> String {
-        let request = kvoy_testkit::http::Request::get(path)
-            .host("x")
-            .timeout(Duration::from_secs(10));
-        let r = kvoy_testkit::http::request(api, &request).unwrap();
-        format!("{}\r\n\r\n{}", r.head_text(), r.text())
+        let (_, head, body) = common::request(api, "GET", path, "", b"");
+        format!("{head}\r\n\r\n{}", String::from_utf8_lossy(&body))
     };
+    // Both within 10 s of the start.
     let start = std::time::Instant::now();
-    while !get("/v1/endpoints").contains("127.0.1.10:8000") {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "{}",
-            get("/v1/endpoints")
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let wait_listed = |address: &str| {
+        while !get("/v1/endpoints").contains(address) {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "{}",
+                get("/v1/endpoints")
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    wait_listed("127.0.1.10:8000");
     world.lock().unwrap().pods = fixture("pods-3-deleted.json");
-    while !get("/v1/endpoints").contains("127.0.1.13:8000") {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "{}",
-            get("/v1/endpoints")
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_listed("127.0.1.13:8000");
     let body = get("/v1/endpoints");
     assert!(
         body.contains("127.0.1.10:8000") && !body.contains("127.0.1.11:8000"),

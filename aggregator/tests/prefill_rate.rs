@@ -9,14 +9,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvoy_aggregator::config::{AggregatorConfig, EndpointSpec};
+use kvoy_aggregator::config::AggregatorConfig;
 use kvoy_aggregator::source::StaticSource;
 use kvoy_aggregator::Aggregator;
 use kvoy_shared::snapshot::SnapshotDelta;
 use kvoy_shared::Rng;
 use kvoy_sim::engine::Profile;
-use kvoy_sim::server::runtime::EngineHandle;
-use kvoy_sim::server::{self, HttpOptions, Simulator};
+use kvoy_sim::server::HttpOptions;
+
+mod common;
 
 const SPEEDUP: f64 = 10.0;
 /// A minute of the simulated server's time.
@@ -35,47 +36,19 @@ struct Stack {
 
 impl Stack {
     fn start() -> Stack {
-        let sim_rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        let listener = sim_rt
-            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-            .unwrap();
-        let sim = listener.local_addr().unwrap();
+        let sim_rt = common::runtime(2);
         let options = HttpOptions {
             models: vec!["m".into()],
             speedup: SPEEDUP,
             max_body_bytes: 1 << 24,
             ..HttpOptions::default()
         };
-        let engine =
-            EngineHandle::start(Profile::llama_8b_h100(), SPEEDUP, Box::new(|_| {})).unwrap();
-        sim_rt.spawn(server::serve(
-            listener,
-            Simulator::new(engine, options, sim.to_string()),
-        ));
-        let agg_rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
+        let sim = sim_rt.block_on(common::serve_http_sim(Profile::llama_8b_h100(), options));
+        let agg_rt = common::runtime(1);
         let cfg =
             AggregatorConfig::from_yaml("scrape_interval_ms: 50\nstale_after_ms: 500\n").unwrap();
-        let spec = EndpointSpec {
-            address: sim,
-            models: vec!["m".into()],
-            metrics_path: "/metrics".into(),
-            kv_events: None,
-        };
-        let agg = agg_rt
-            .block_on(Aggregator::start(
-                &cfg,
-                Box::new(StaticSource::new(vec![spec])),
-                "127.0.0.1:0".parse().unwrap(),
-            ))
-            .unwrap();
+        let source = StaticSource::new(vec![common::spec(sim, None)]);
+        let agg = common::start_aggregator(&agg_rt, &cfg, source);
         let api = agg.local_addr();
         Stack {
             sim,
@@ -95,15 +68,11 @@ impl Drop for Stack {
     }
 }
 
+/// One request with a JSON body: status, body.
 fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, Vec<u8>) {
-    let request = kvoy_testkit::http::Request::new(method, path)
-        .host("t")
-        .header("content-type", "application/json")
-        .header("content-length", &body.len().to_string())
-        .body(body.to_owned())
-        .timeout(Duration::from_secs(10));
-    let r = kvoy_testkit::http::request(addr, &request).unwrap();
-    (r.status, r.body)
+    let json = "content-type: application/json\r\n";
+    let (status, _, body) = common::request(addr, method, path, json, body.as_bytes());
+    (status, body)
 }
 
 /// Cold prompts (4 bytes a token, a unique first block each) from `clients` closed loops for

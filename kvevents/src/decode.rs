@@ -78,21 +78,38 @@ fn cap(n: usize) -> usize {
     n.min(1 << 14)
 }
 
-fn events(r: &mut Reader<'_>) -> Result<Vec<KvEvent>> {
-    let n = r.array_len("events")?;
+/// An array whose items `item` reads.
+fn list<'a, T>(
+    r: &mut Reader<'a>,
+    what: &'static str,
+    mut item: impl FnMut(&mut Reader<'a>) -> Result<T>,
+) -> Result<Vec<T>> {
+    let n = r.array_len(what)?;
     let mut out = Vec::with_capacity(cap(n));
     for _ in 0..n {
-        out.push(event(r)?);
+        out.push(item(r)?);
     }
     Ok(out)
 }
 
-fn opt_i64(r: &mut Reader<'_>, what: &'static str) -> Result<Option<i64>> {
+/// A value that `nil` leaves out.
+fn nullable<'a, T>(
+    r: &mut Reader<'a>,
+    read: impl FnOnce(&mut Reader<'a>) -> Result<T>,
+) -> Result<Option<T>> {
     if r.eat_nil()? {
         Ok(None)
     } else {
-        r.int_as(what).map(Some)
+        read(r).map(Some)
     }
+}
+
+fn events(r: &mut Reader<'_>) -> Result<Vec<KvEvent>> {
+    list(r, "events", event)
+}
+
+fn opt_i64(r: &mut Reader<'_>, what: &'static str) -> Result<Option<i64>> {
+    nullable(r, |r| r.int_as(what))
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -182,31 +199,17 @@ struct Fields {
 impl Fields {
     fn read(&mut self, r: &mut Reader<'_>, field: Field) -> Result<()> {
         match field {
-            Field::BlockHashes => self.block_hashes = Some(hashes(r)?),
-            Field::Parent => {
-                self.parent = if r.eat_nil()? {
-                    None
-                } else {
-                    Some(r.hash("parent_block_hash")?)
-                }
+            Field::BlockHashes => {
+                self.block_hashes = Some(list(r, "block_hashes", |r| r.hash("block_hashes"))?);
             }
-            Field::TokenIds => self.token_ids = Some(tokens(r)?),
+            Field::Parent => self.parent = nullable(r, |r| r.hash("parent_block_hash"))?,
+            Field::TokenIds => {
+                self.token_ids = Some(list(r, "token_ids", |r| r.int_as("token_ids"))?);
+            }
             Field::BlockSize => self.block_size = Some(r.int_as("block_size")?),
             Field::LoraId => self.lora_id = opt_i64(r, "lora_id")?,
-            Field::Medium => {
-                self.medium = if r.eat_nil()? {
-                    None
-                } else {
-                    Some(medium(r.str_bytes("medium")?))
-                }
-            }
-            Field::LoraName => {
-                self.lora_name = if r.eat_nil()? {
-                    None
-                } else {
-                    Some(r.string("lora_name")?)
-                }
-            }
+            Field::Medium => self.medium = nullable(r, |r| r.str_bytes("medium").map(medium))?,
+            Field::LoraName => self.lora_name = nullable(r, |r| r.string("lora_name"))?,
             Field::GroupIdx => self.group_idx = opt_i64(r, "group_idx")?,
             Field::Skip => r.skip()?,
         }
@@ -242,24 +245,6 @@ fn medium(raw: &[u8]) -> Medium {
         Ok(s) => Medium::from_wire(s),
         Err(_) => Medium::Other(String::from_utf8_lossy(raw).into_owned()),
     }
-}
-
-fn hashes(r: &mut Reader<'_>) -> Result<Vec<BlockHash>> {
-    let n = r.array_len("block_hashes")?;
-    let mut out = Vec::with_capacity(cap(n));
-    for _ in 0..n {
-        out.push(r.hash("block_hashes")?);
-    }
-    Ok(out)
-}
-
-fn tokens(r: &mut Reader<'_>) -> Result<Vec<u32>> {
-    let n = r.array_len("token_ids")?;
-    let mut out = Vec::with_capacity(cap(n));
-    for _ in 0..n {
-        out.push(r.int_as("token_ids")?);
-    }
-    Ok(out)
 }
 
 fn event(r: &mut Reader<'_>) -> Result<KvEvent> {

@@ -62,6 +62,28 @@ fn header(w: &mut Writer<'_>, form: WireForm, fields: usize, tag: &str) {
     w.str(tag);
 }
 
+/// An event's field count (its tag aside): `map` named fields, plus `group_idx` when set (the
+/// map form omits it when `None`), or every one of the `array` positional fields.
+fn fields(form: WireForm, map: usize, array: usize, group_idx: Option<i64>) -> usize {
+    match form {
+        WireForm::Map => map + usize::from(group_idx.is_some()),
+        WireForm::Array => array,
+    }
+}
+
+/// `group_idx`, an event's last field: `nil` when `None` in the array form, left out in the
+/// map form.
+fn group_idx_last(w: &mut Writer<'_>, form: WireForm, group_idx: Option<i64>) {
+    match (form, group_idx) {
+        (WireForm::Array, g) => opt_sint(w, g),
+        (WireForm::Map, Some(g)) => {
+            key(w, form, "group_idx");
+            w.sint(g);
+        }
+        (WireForm::Map, None) => {}
+    }
+}
+
 fn hash(w: &mut Writer<'_>, h: &BlockHash) {
     match h.as_u64() {
         Some(v) => w.uint(v),
@@ -93,11 +115,7 @@ fn encode_event(w: &mut Writer<'_>, event: &KvEvent, form: WireForm) {
             lora_name,
             group_idx,
         } => {
-            let fields = match form {
-                WireForm::Map => 7 + usize::from(group_idx.is_some()),
-                WireForm::Array => 9,
-            };
-            header(w, form, fields, "BlockStored");
+            header(w, form, fields(form, 7, 9, *group_idx), "BlockStored");
             key(w, form, "block_hashes");
             hashes(w, block_hashes);
             key(w, form, "parent_block_hash");
@@ -119,40 +137,22 @@ fn encode_event(w: &mut Writer<'_>, event: &KvEvent, form: WireForm) {
                 Some(name) => w.str(name),
                 None => w.nil(),
             }
-            match (form, group_idx) {
-                (WireForm::Array, g) => {
-                    w.nil(); // extra_keys
-                    opt_sint(w, *g);
-                }
-                (WireForm::Map, Some(g)) => {
-                    key(w, form, "group_idx");
-                    w.sint(*g);
-                }
-                (WireForm::Map, None) => {}
+            if form == WireForm::Array {
+                w.nil(); // extra_keys
             }
+            group_idx_last(w, form, *group_idx);
         }
         KvEvent::BlockRemoved {
             block_hashes,
             medium,
             group_idx,
         } => {
-            let fields = match form {
-                WireForm::Map => 2 + usize::from(group_idx.is_some()),
-                WireForm::Array => 3,
-            };
-            header(w, form, fields, "BlockRemoved");
+            header(w, form, fields(form, 2, 3, *group_idx), "BlockRemoved");
             key(w, form, "block_hashes");
             hashes(w, block_hashes);
             key(w, form, "medium");
             w.str(medium.as_str());
-            match (form, group_idx) {
-                (WireForm::Array, g) => opt_sint(w, *g),
-                (WireForm::Map, Some(g)) => {
-                    key(w, form, "group_idx");
-                    w.sint(*g);
-                }
-                (WireForm::Map, None) => {}
-            }
+            group_idx_last(w, form, *group_idx);
         }
         KvEvent::AllBlocksCleared => header(w, form, 0, "AllBlocksCleared"),
         KvEvent::Unknown { type_name } => header(w, form, 0, type_name),

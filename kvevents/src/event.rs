@@ -1,5 +1,7 @@
 //! The typed events: what the wire forms decode into and encode from.
 
+use std::slice::ChunksExact;
+
 use crate::BlockHash;
 
 /// Where a cached block lives (vLLM's `medium`).
@@ -92,6 +94,26 @@ impl KvEvent {
             Self::Unknown { type_name } => type_name,
         }
     }
+
+    /// A `BlockStored`'s tokens, one `block_size` run per block hash in chain order: what a
+    /// block's content key is computed from. `None` for other events and for a store whose
+    /// `token_ids` do not give every block exactly `block_size` tokens (none at all, too few,
+    /// too many, or `block_size` 0), which names its blocks but not their content.
+    pub fn block_tokens(&self) -> Option<ChunksExact<'_, u32>> {
+        let Self::BlockStored {
+            block_hashes,
+            token_ids,
+            block_size,
+            ..
+        } = self
+        else {
+            return None;
+        };
+        let size = usize::try_from(*block_size).ok().filter(|&s| s > 0)?;
+        let spans =
+            !token_ids.is_empty() && block_hashes.len().checked_mul(size) == Some(token_ids.len());
+        spans.then(|| token_ids.chunks_exact(size))
+    }
 }
 
 /// One published batch (vLLM's `KVEventBatch`): the payload of one ZMQ message.
@@ -131,5 +153,30 @@ mod tests {
         }
         assert_eq!(Medium::Storage.as_str(), "STORAGE");
         assert_eq!(Medium::Other("x".into()).as_str(), "x");
+    }
+
+    #[test]
+    fn block_tokens_split_a_store_only_when_every_block_has_its_tokens() {
+        let stored = |blocks: u64, tokens: u32, block_size: u32| KvEvent::BlockStored {
+            block_hashes: (0..blocks).map(BlockHash::from_u64).collect(),
+            parent_block_hash: None,
+            token_ids: (0..tokens).collect(),
+            block_size,
+            lora_id: None,
+            medium: Medium::Gpu,
+            lora_name: None,
+            group_idx: None,
+        };
+        let two_blocks = stored(2, 8, 4);
+        let spans: Vec<&[u32]> = two_blocks.block_tokens().unwrap().collect();
+        assert_eq!(spans, [&[0, 1, 2, 3][..], &[4, 5, 6, 7][..]]);
+        for (blocks, tokens, block_size) in [(2, 0, 4), (2, 7, 4), (2, 9, 4), (0, 4, 4), (2, 0, 0)]
+        {
+            assert!(
+                stored(blocks, tokens, block_size).block_tokens().is_none(),
+                "{blocks} blocks, {tokens} tokens of {block_size}"
+            );
+        }
+        assert!(KvEvent::AllBlocksCleared.block_tokens().is_none());
     }
 }

@@ -78,6 +78,15 @@ fn assert_golden(name: &str, form: WireForm) {
     );
 }
 
+/// `map_<name>.bin` and `array_<name>.bin` both decode to `want` and re-encode byte for byte.
+fn assert_both_forms(name: &str, want: &EventBatch) {
+    for (prefix, form) in [("map", WireForm::Map), ("array", WireForm::Array)] {
+        let file = format!("{prefix}_{name}.bin");
+        assert_eq!(decode(&file), *want, "{file}");
+        assert_golden(&file, form);
+    }
+}
+
 #[test]
 fn vllm_current_byte_hashes() {
     let want = batch(
@@ -88,10 +97,7 @@ fn vllm_current_byte_hashes() {
         ],
         Some(0),
     );
-    assert_eq!(decode("map_vllm_current.bin"), want);
-    assert_eq!(decode("array_vllm_current.bin"), want);
-    assert_golden("map_vllm_current.bin", WireForm::Map);
-    assert_golden("array_vllm_current.bin", WireForm::Array);
+    assert_both_forms("vllm_current", &want);
 }
 
 #[test]
@@ -112,10 +118,7 @@ fn u64_hashes_beyond_i64_with_lora_and_groups() {
         ],
         Some(2),
     );
-    assert_eq!(decode("map_u64_hashes.bin"), want);
-    assert_eq!(decode("array_u64_hashes.bin"), want);
-    assert_golden("map_u64_hashes.bin", WireForm::Map);
-    assert_golden("array_u64_hashes.bin", WireForm::Array);
+    assert_both_forms("u64_hashes", &want);
 }
 
 #[test]

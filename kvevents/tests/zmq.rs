@@ -3,62 +3,19 @@
 #![cfg(feature = "zmq")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::time::{Duration, Instant};
 
-use kvoy_kvevents::{
-    decode_batch, EventBatch, KvEvent, Publisher, PublisherConfig, ReplayClient, SeqStatus,
-    SeqTracker, Subscriber, WireForm, ZmqContext,
-};
+use kvoy_kvevents::{ReplayClient, SeqStatus, SeqTracker, Subscriber, WireForm, ZmqContext};
+
+use common::{batch, publish_range, publisher, ts_of, WAIT};
 
 const TOPIC: &str = "kv@127.0.0.1:8000@llama";
-const WAIT: Duration = Duration::from_secs(10);
-
-fn publisher(buffer_steps: usize) -> Publisher {
-    Publisher::start(PublisherConfig {
-        endpoint: "tcp://127.0.0.1:*".into(),
-        replay_endpoint: Some("tcp://127.0.0.1:*".into()),
-        topic: TOPIC.into(),
-        buffer_steps,
-        ..PublisherConfig::default()
-    })
-    .unwrap()
-}
-
-/// Batch `i` carries `ts = i`, so a payload says which batch it is.
-fn batch(i: u64) -> EventBatch {
-    #[allow(clippy::cast_precision_loss)]
-    let ts = i as f64;
-    EventBatch {
-        ts,
-        events: vec![KvEvent::AllBlocksCleared],
-        data_parallel_rank: Some(0),
-    }
-}
-
-fn ts_of(payload: &[u8]) -> u64 {
-    let ts = decode_batch(payload).unwrap().ts;
-    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-    let i = ts as u64;
-    i
-}
-
-fn publish_range(p: &Publisher, range: std::ops::Range<u64>) {
-    for i in range.clone() {
-        p.publish_batch(&batch(i), WireForm::Map).unwrap();
-    }
-    let deadline = Instant::now() + WAIT;
-    while p.published() < range.end {
-        assert!(
-            Instant::now() < deadline,
-            "publisher did not send {range:?}"
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
-}
 
 #[test]
 fn subscriber_receives_batches_in_order() {
-    let p = publisher(100);
+    let p = publisher(TOPIC, 100);
     let ctx = ZmqContext::new();
     let sub = Subscriber::connect(&ctx, p.endpoint(), b"kv@").unwrap();
     assert!(
@@ -79,7 +36,7 @@ fn subscriber_receives_batches_in_order() {
 
 #[test]
 fn late_subscriber_detects_gap_and_replays() {
-    let p = publisher(1000);
+    let p = publisher(TOPIC, 1000);
     publish_range(&p, 0..20); // nobody listens: lost to PUB/SUB
     let ctx = ZmqContext::new();
     let sub = Subscriber::connect(&ctx, p.endpoint(), TOPIC.as_bytes()).unwrap();
@@ -115,7 +72,7 @@ fn late_subscriber_detects_gap_and_replays() {
 
 #[test]
 fn replay_buffer_is_bounded() {
-    let p = publisher(5);
+    let p = publisher(TOPIC, 5);
     publish_range(&p, 0..12);
     let ctx = ZmqContext::new();
     let mut replay = ReplayClient::connect(&ctx, p.replay_endpoint().unwrap()).unwrap();
@@ -141,7 +98,7 @@ fn replay_buffer_is_bounded() {
 
 #[test]
 fn topic_prefix_filters() {
-    let p = publisher(10);
+    let p = publisher(TOPIC, 10);
     let ctx = ZmqContext::new();
     let other = Subscriber::connect(&ctx, p.endpoint(), b"kv@10.0.0.1").unwrap();
     let mine = Subscriber::connect(&ctx, p.endpoint(), b"kv@127.0.0.1").unwrap();
@@ -167,7 +124,7 @@ fn replay_without_a_server_times_out() {
 
 #[test]
 fn publisher_flushes_on_shutdown() {
-    let p = publisher(10);
+    let p = publisher(TOPIC, 10);
     let ctx = ZmqContext::new();
     let sub = Subscriber::connect(&ctx, p.endpoint(), b"").unwrap();
     assert!(p.wait_for_subscriptions(1, WAIT));

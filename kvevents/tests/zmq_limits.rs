@@ -5,55 +5,13 @@
 #![cfg(feature = "zmq")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::time::{Duration, Instant};
 
-use kvoy_kvevents::{
-    decode_batch, EventBatch, KvEvent, Publisher, PublisherConfig, ReplayClient, Subscriber,
-    WireForm, ZmqContext,
-};
+use kvoy_kvevents::{EventBatch, KvEvent, ReplayClient, Subscriber, WireForm, ZmqContext};
 
-const WAIT: Duration = Duration::from_secs(10);
-
-fn publisher(buffer_steps: usize) -> Publisher {
-    Publisher::start(PublisherConfig {
-        endpoint: "tcp://127.0.0.1:*".into(),
-        replay_endpoint: Some("tcp://127.0.0.1:*".into()),
-        buffer_steps,
-        ..PublisherConfig::default()
-    })
-    .unwrap()
-}
-
-fn batch(i: u64) -> EventBatch {
-    #[allow(clippy::cast_precision_loss)]
-    let ts = i as f64;
-    EventBatch {
-        ts,
-        events: vec![KvEvent::AllBlocksCleared],
-        data_parallel_rank: Some(0),
-    }
-}
-
-fn ts_of(payload: &[u8]) -> u64 {
-    let ts = decode_batch(payload).unwrap().ts;
-    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-    let i = ts as u64;
-    i
-}
-
-fn publish_range(p: &Publisher, range: std::ops::Range<u64>) {
-    for i in range.clone() {
-        p.publish_batch(&batch(i), WireForm::Map).unwrap();
-    }
-    let deadline = Instant::now() + WAIT;
-    while p.published() < range.end {
-        assert!(
-            Instant::now() < deadline,
-            "publisher did not send {range:?}"
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
-}
+use common::{publish_range, publisher, ts_of, WAIT};
 
 /// A batch whose msgpack payload is about `bytes` long (one event type name padded out).
 fn big_batch(bytes: usize) -> EventBatch {
@@ -68,7 +26,7 @@ fn big_batch(bytes: usize) -> EventBatch {
 
 #[test]
 fn a_frame_over_the_limit_drops_the_connection_and_is_counted() {
-    let p = publisher(100);
+    let p = publisher("", 100);
     let ctx = ZmqContext::new();
     let mut sub = Subscriber::connect_limited(&ctx, p.endpoint(), b"", Some(4096)).unwrap();
     assert!(p.wait_for_subscriptions(1, WAIT));
@@ -100,7 +58,7 @@ fn a_frame_over_the_limit_drops_the_connection_and_is_counted() {
 
 #[test]
 fn replay_stops_at_its_byte_budget() {
-    let p = publisher(100);
+    let p = publisher("", 100);
     publish_range(&p, 0..10);
     let ctx = ZmqContext::new();
     let mut replay = ReplayClient::connect(&ctx, p.replay_endpoint().unwrap()).unwrap();

@@ -5,12 +5,12 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::{Request, Response};
-use hyper_util::rt::TokioIo;
 
 use super::{CalibrateError, Options};
+use crate::http_client;
 
 /// Bodies read whole (metrics, model lists, errors) are cut at this size.
 const MAX_BODY: usize = 16 << 20;
@@ -88,23 +88,17 @@ impl Server {
         request: Request<Full<Bytes>>,
         what: &str,
     ) -> Result<Response<Incoming>, CalibrateError> {
-        let stream = tokio::net::TcpStream::connect(address).await.map_err(|e| {
-            CalibrateError::Unreachable {
+        let stream = http_client::tcp(address)
+            .await
+            .map_err(|e| CalibrateError::Unreachable {
                 url: self.url.clone(),
                 reason: e.to_string(),
-            }
-        })?;
-        let _ = stream.set_nodelay(true);
+            })?;
         let http = |e: hyper::Error| CalibrateError::Http {
             what: what.to_owned(),
             reason: e.to_string(),
         };
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(http)?;
-        tokio::spawn(async move {
-            let _ = conn.await;
-        });
+        let mut sender = http_client::handshake(stream).await.map_err(http)?;
         sender.send_request(request).await.map_err(http)
     }
 
@@ -155,14 +149,12 @@ impl Server {
 }
 
 async fn whole(response: Response<Incoming>, what: &str) -> Result<Bytes, CalibrateError> {
-    Ok(Limited::new(response.into_body(), MAX_BODY)
-        .collect()
+    http_client::read_body(response.into_body(), MAX_BODY)
         .await
         .map_err(|e| CalibrateError::Http {
             what: what.to_owned(),
             reason: e.to_string(),
-        })?
-        .to_bytes())
+        })
 }
 
 fn status_error(what: &str, status: u16, body: &[u8]) -> CalibrateError {

@@ -7,9 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Empty, Limited};
+use http_body_util::Empty;
 use hyper::client::conn::http1::SendRequest;
-use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite};
 
 use super::config::dns_subdomain;
@@ -21,6 +20,7 @@ use super::{
     SERVICE_ACCOUNT_DIR,
 };
 use crate::config::EndpointSpec;
+use crate::http_client;
 
 trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
@@ -141,10 +141,9 @@ impl ApiClient {
             reason,
         };
         let connect = async {
-            let tcp = tokio::net::TcpStream::connect((self.server.host.as_str(), self.server.port))
+            let tcp = http_client::tcp((self.server.host.as_str(), self.server.port))
                 .await
                 .map_err(|e| fail(e.to_string()))?;
-            let _ = tcp.set_nodelay(true);
             let io: Box<dyn Io> = match &self.tls {
                 Some(connector) => {
                     let name = rustls_pki_types::ServerName::try_from(self.server.host.clone())
@@ -157,14 +156,9 @@ impl ApiClient {
                 }
                 None => Box::new(tcp),
             };
-            let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io))
+            http_client::handshake(io)
                 .await
-                .map_err(|e| fail(e.to_string()))?;
-            tokio::spawn(async move {
-                // Ends when the session is dropped or the server closes.
-                let _ = conn.await;
-            });
-            Ok::<_, K8sError>(sender)
+                .map_err(|e| fail(e.to_string()))
         };
         let sender = tokio::time::timeout(self.timeout, connect)
             .await
@@ -194,14 +188,12 @@ impl ApiClient {
                 })?;
             let response = session.sender.send_request(request).await.map_err(http)?;
             let status = response.status().as_u16();
-            let body = Limited::new(response.into_body(), MAX_RESPONSE_BYTES)
-                .collect()
+            let body = http_client::read_body(response.into_body(), MAX_RESPONSE_BYTES)
                 .await
                 .map_err(|e| K8sError::Http {
                     path: path.to_owned(),
                     reason: e.to_string(),
-                })?
-                .to_bytes();
+                })?;
             Ok::<_, K8sError>((status, body))
         };
         let (status, body) =

@@ -9,7 +9,7 @@ use serde::Deserialize;
 use kvoy_shared::snapshot::{MAX_MODELS, MAX_MODEL_NAME_BYTES};
 
 use super::SERVICE_ACCOUNT_DIR;
-use crate::config::ConfigError;
+use crate::config::{ms_in, ConfigError};
 
 /// The raw `kubernetes:` section (unknown fields rejected).
 #[derive(Debug, Deserialize)]
@@ -258,13 +258,11 @@ impl TryFrom<RawKubernetes> for KubernetesConfig {
                 None
             }
         };
-        if !(100..=600_000).contains(&raw.request_timeout_ms) {
-            return Err(ConfigError::OutOfRange {
-                field: "kubernetes.request_timeout_ms",
-                expected: "within 100..=600000",
-                value: raw.request_timeout_ms,
-            });
-        }
+        let request_timeout = ms_in(
+            "kubernetes.request_timeout_ms",
+            raw.request_timeout_ms,
+            (100, 600_000, "within 100..=600000"),
+        )?;
         Ok(KubernetesConfig {
             inference_pool,
             namespace,
@@ -274,7 +272,7 @@ impl TryFrom<RawKubernetes> for KubernetesConfig {
             models: raw.models,
             metrics_path,
             kv_events,
-            request_timeout: Duration::from_millis(raw.request_timeout_ms),
+            request_timeout,
         })
     }
 }

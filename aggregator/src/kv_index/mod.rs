@@ -691,11 +691,8 @@ impl EndpointCache {
             } => {
                 stats.store_events += 1;
                 let tier = tier_of(medium, stats) as usize;
-                let bs = *block_size as usize;
-                let spans = !token_ids.is_empty()
-                    && bs > 0
-                    && block_hashes.len().checked_mul(bs) == Some(token_ids.len());
-                if !token_ids.is_empty() && !spans {
+                let spans = event.block_tokens();
+                if !token_ids.is_empty() && spans.is_none() {
                     stats.malformed += 1;
                     stats.first_malformed.get_or_insert(MalformedStore {
                         block_hashes: block_hashes.len(),
@@ -704,7 +701,7 @@ impl EndpointCache {
                     });
                 }
                 let (parent, orphan) = match parent_block_hash {
-                    _ if !spans => (0, false),
+                    _ if spans.is_none() => (0, false),
                     None => (event_root(lora_name.as_deref(), *lora_id), false),
                     Some(p) => match self.known_key(p) {
                         Some(key) => (key, false),
@@ -716,7 +713,7 @@ impl EndpointCache {
                     tier,
                     parent,
                     orphan,
-                    spans: spans.then(|| token_ids.chunks_exact(bs)),
+                    spans,
                     room: self.cap.saturating_sub(resident),
                 };
                 for hash in block_hashes {

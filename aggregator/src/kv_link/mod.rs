@@ -405,16 +405,12 @@ impl Linker {
                 KvEvent::BlockStored {
                     block_hashes,
                     parent_block_hash,
-                    token_ids,
                     block_size,
                     medium,
                     ..
                 } if *medium == Medium::Gpu => {
-                    let whole = u64::from(*block_size) * block_hashes.len() as u64;
-                    if block_hashes.is_empty()
-                        || *block_size == 0
-                        || token_ids.len() as u64 != whole
-                    {
+                    // A store without its tokens cannot be matched to a prompt's prefill.
+                    if event.block_tokens().is_none() {
                         continue;
                     }
                     self.stored(

@@ -52,7 +52,6 @@ fn run(w: Workload, counters: bool) -> Outcome {
     let t0 = Instant::now();
     let at = |s: f64| t0 + Duration::from_secs_f64(s);
     let mut rng = Rng::new(7);
-    let mut uniform = || (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
     let (lo, hi) = w.lengths;
     let mut next_id = 0u64;
     // pending arrivals: (time, client)
@@ -62,7 +61,7 @@ fn run(w: Workload, counters: bool) -> Outcome {
             let mut t = 0.0;
             let mut v = Vec::new();
             while t < w.seconds {
-                t += -(1.0 - uniform()).ln() / per_s;
+                t += rng.exp(per_s);
                 v.push((t, 0));
             }
             v
@@ -75,7 +74,16 @@ fn run(w: Workload, counters: bool) -> Outcome {
     let (mut sum_l, mut sum_cost) = (0.0, 0.0);
     let mut busy = 0.0;
     let mut now = 0.0f64;
+    // Every estimator scrapes `reading` at each scrape time before `until`.
     let mut next_scrape = 0.0;
+    let mut scrape_until = |estimators: &mut [PrefillEstimator], until: f64, reading| {
+        while next_scrape < until {
+            for e in estimators.iter_mut() {
+                e.observe(Some(reading), at(next_scrape));
+            }
+            next_scrape += SCRAPE_S;
+        }
+    };
     let mut requests = 0;
     let sample = |t: f64, n: f64, k: f64, p: f64, c: f64| {
         if counters {
@@ -88,7 +96,7 @@ fn run(w: Workload, counters: bool) -> Outcome {
         arrivals.sort_by(|a, b| a.0.total_cmp(&b.0));
         while arrivals.first().is_some_and(|a| a.0 <= now) {
             let (_, client) = arrivals.remove(0);
-            let len = lo + ((hi - lo + 1) as f64 * uniform()) as usize;
+            let len = lo + ((hi - lo + 1) as f64 * rng.unit()) as usize;
             let len = len.min(hi);
             let id = next_id;
             next_id += 1;
@@ -109,15 +117,8 @@ fn run(w: Workload, counters: bool) -> Outcome {
         }
         if !engine.has_work() {
             let next = arrivals.first().map_or(w.seconds, |a| a.0);
-            while next_scrape < next {
-                for e in &mut estimators {
-                    e.observe(
-                        Some(sample(cum_t, cum_n, cum_k, cum_prompt, cum_cached)),
-                        at(next_scrape),
-                    );
-                }
-                next_scrape += SCRAPE_S;
-            }
+            let reading = sample(cum_t, cum_n, cum_k, cum_prompt, cum_cached);
+            scrape_until(&mut estimators, next, reading);
             now = next;
             continue;
         }
@@ -126,15 +127,8 @@ fn run(w: Workload, counters: bool) -> Outcome {
         if step.num_batched_tokens > step.num_scheduled {
             busy += end - now;
         }
-        while next_scrape < end {
-            for e in &mut estimators {
-                e.observe(
-                    Some(sample(cum_t, cum_n, cum_k, cum_prompt, cum_cached)),
-                    at(next_scrape),
-                );
-            }
-            next_scrape += SCRAPE_S;
-        }
+        let reading = sample(cum_t, cum_n, cum_k, cum_prompt, cum_cached);
+        scrape_until(&mut estimators, end, reading);
         now = end;
         for o in step.outputs {
             match o.kind {

@@ -8,9 +8,25 @@ use super::{seq_from_frame, zmq_err, TransportError, ZmqContext, END_SEQ};
 /// Numbers the in-process endpoints of subscriber monitors.
 static MONITORS: AtomicU64 = AtomicU64::new(0);
 
-/// `bytes` as ZMQ's `ZMQ_MAXMSGSIZE` (-1: no limit).
-fn max_msg_size(bytes: Option<usize>) -> i64 {
-    bytes.map_or(-1, |b| i64::try_from(b).unwrap_or(i64::MAX))
+/// A consuming socket of `kind` for `endpoint`, not yet connected: it drops unsent messages
+/// at close, and ZMQ drops a connection that sends a frame over `max_message_bytes` (`None`:
+/// no limit, ZMQ's -1).
+fn consumer_socket(
+    ctx: &ZmqContext,
+    kind: zmq::SocketType,
+    endpoint: &str,
+    max_message_bytes: Option<usize>,
+) -> Result<zmq::Socket, TransportError> {
+    let sock = ctx
+        .inner()
+        .socket(kind)
+        .map_err(zmq_err("socket", endpoint))?;
+    sock.set_linger(0)
+        .map_err(zmq_err("set_linger", endpoint))?;
+    let max = max_message_bytes.map_or(-1, |b| i64::try_from(b).unwrap_or(i64::MAX));
+    sock.set_maxmsgsize(max)
+        .map_err(zmq_err("set_maxmsgsize", endpoint))?;
+    Ok(sock)
 }
 
 /// One live message: `[topic, seq, payload]`.
@@ -65,14 +81,7 @@ impl Subscriber {
         topic_prefix: &[u8],
         max_message_bytes: Option<usize>,
     ) -> Result<Self, TransportError> {
-        let sock = ctx
-            .inner()
-            .socket(zmq::SUB)
-            .map_err(zmq_err("socket", endpoint))?;
-        sock.set_linger(0)
-            .map_err(zmq_err("set_linger", endpoint))?;
-        sock.set_maxmsgsize(max_msg_size(max_message_bytes))
-            .map_err(zmq_err("set_maxmsgsize", endpoint))?;
+        let sock = consumer_socket(ctx, zmq::SUB, endpoint, max_message_bytes)?;
         sock.set_subscribe(topic_prefix)
             .map_err(zmq_err("subscribe", endpoint))?;
         let name = format!(
@@ -242,14 +251,7 @@ impl ReplayClient {
         endpoint: &str,
         max_message_bytes: Option<usize>,
     ) -> Result<zmq::Socket, TransportError> {
-        let sock = ctx
-            .inner()
-            .socket(zmq::DEALER)
-            .map_err(zmq_err("socket", endpoint))?;
-        sock.set_linger(0)
-            .map_err(zmq_err("set_linger", endpoint))?;
-        sock.set_maxmsgsize(max_msg_size(max_message_bytes))
-            .map_err(zmq_err("set_maxmsgsize", endpoint))?;
+        let sock = consumer_socket(ctx, zmq::DEALER, endpoint, max_message_bytes)?;
         // Unbounded queueing would hold a whole replay in ZMQ before we look at it: past
         // this many messages the publisher's sends wait (and its own HWM drops them).
         sock.set_rcvhwm(RECV_HWM)
