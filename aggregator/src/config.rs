@@ -14,7 +14,6 @@
 //! assert_eq!(cfg.endpoints[0].kv_events.as_ref().unwrap().endpoint, "tcp://10.0.0.1:5557");
 //! ```
 
-use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
@@ -22,12 +21,12 @@ use std::time::Duration;
 use serde::Deserialize;
 use thiserror::Error;
 
+use kvoy_shared::config::{EndpointAddresses, EndpointListError};
 use kvoy_shared::prefix::KeySchedule;
 use kvoy_shared::snapshot::{MAX_MODELS, MAX_MODEL_NAME_BYTES};
 
 use crate::k8s::KubernetesConfig;
 use crate::kv_link::LinkSettings;
-use kvoy_shared::MAX_ENDPOINTS;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -375,12 +374,8 @@ pub enum ConfigError {
         expected: &'static str,
         value: u64,
     },
-    #[error("`endpoints` lists {0} endpoints; at most {MAX_ENDPOINTS} are supported")]
-    TooManyEndpoints(usize),
-    #[error("`endpoints[{index}].address` {value:?} is not an ip:port address")]
-    BadAddress { index: usize, value: String },
-    #[error("`endpoints[{index}].address` {value:?} is listed twice")]
-    DuplicateAddress { index: usize, value: String },
+    #[error(transparent)]
+    Endpoints(#[from] EndpointListError),
     #[error("`endpoints[{index}].models` must name 1 to {MAX_MODELS} models of 1 to {MAX_MODEL_NAME_BYTES} bytes")]
     BadModels { index: usize },
     #[error("`endpoints[{index}].metrics_path` {value:?} must start with `/`")]
@@ -489,15 +484,12 @@ fn zmq_endpoint(index: usize, field: &'static str, value: String) -> Result<Stri
     }
 }
 
-fn endpoint(index: usize, e: RawEndpoint) -> Result<EndpointSpec, ConfigError> {
-    let address: SocketAddr = e
-        .address
-        .trim()
-        .parse()
-        .map_err(|_| ConfigError::BadAddress {
-            index,
-            value: e.address.clone(),
-        })?;
+fn endpoint(
+    index: usize,
+    e: RawEndpoint,
+    addresses: &mut EndpointAddresses,
+) -> Result<EndpointSpec, ConfigError> {
+    let address = addresses.read(index, &e.address)?;
     let models_ok = !e.models.is_empty()
         && e.models.len() <= MAX_MODELS
         && e.models
@@ -582,24 +574,16 @@ impl TryFrom<RawConfig> for AggregatorConfig {
             return Err(ConfigError::KubernetesWithEndpoints);
         }
         let kubernetes = raw.kubernetes.map(KubernetesConfig::try_from).transpose()?;
-        if raw.endpoints.len() > MAX_ENDPOINTS {
-            return Err(ConfigError::TooManyEndpoints(raw.endpoints.len()));
-        }
+        let mut addresses = EndpointAddresses::for_list(raw.endpoints.len())?;
         let limits = limits(&raw.limits)?;
         let links = links(&raw.links)?;
         let api_token_file = match raw.api_token_file.as_deref().map(str::trim) {
             None | Some("") => None,
             Some(path) => Some(std::path::PathBuf::from(path)),
         };
-        let mut seen = HashSet::new();
         let mut endpoints = Vec::with_capacity(raw.endpoints.len());
         for (index, e) in raw.endpoints.into_iter().enumerate() {
-            let value = e.address.clone();
-            let spec = endpoint(index, e)?;
-            if !seen.insert(spec.address) {
-                return Err(ConfigError::DuplicateAddress { index, value });
-            }
-            endpoints.push(spec);
+            endpoints.push(endpoint(index, e, &mut addresses)?);
         }
         Ok(AggregatorConfig {
             listen,

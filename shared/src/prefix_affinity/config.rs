@@ -7,13 +7,12 @@
 //! assert_eq!(cfg.block_size, 64);
 //! ```
 
-use std::collections::HashSet;
 use std::net::SocketAddr;
 
 use serde::Deserialize;
 use thiserror::Error;
 
-use crate::config::{out_of_range, OutOfRange};
+use crate::config::{out_of_range, EndpointAddresses, EndpointListError, OutOfRange};
 
 use crate::allow::{Allowlist, AllowlistError, RawAllowlist, Refusal};
 use crate::endpoint::{Endpoint, EndpointLoad, Pool};
@@ -503,12 +502,8 @@ pub enum ConfigError {
     Json(String),
     #[error("`endpoints` must list at least one endpoint (or set `aggregator`)")]
     NoEndpoints,
-    #[error("`endpoints` lists {0} endpoints; at most {MAX_ENDPOINTS} are supported")]
-    TooManyEndpoints(usize),
-    #[error("`endpoints[{index}].address` {value:?} is not an ip:port address")]
-    BadAddress { index: usize, value: String },
-    #[error("`endpoints[{index}].address` {value:?} is listed twice")]
-    DuplicateAddress { index: usize, value: String },
+    #[error(transparent)]
+    Endpoints(#[from] EndpointListError),
     #[error("`endpoints[{index}].models` must name at least one model")]
     NoModels { index: usize },
     #[error("`endpoints[{index}].kv_cache_usage` must be within 0..=1, got {value}")]
@@ -563,9 +558,7 @@ impl TryFrom<RawConfig> for PluginConfig {
         if let Some(a) = &raw.aggregator {
             check_aggregator(a)?;
         }
-        if raw.endpoints.len() > MAX_ENDPOINTS {
-            return Err(ConfigError::TooManyEndpoints(raw.endpoints.len()));
-        }
+        let mut addresses = EndpointAddresses::for_list(raw.endpoints.len())?;
         let allowed = match raw.allowed_destinations {
             Some(list) => Allowlist::try_from(list)?,
             None if raw.aggregator.is_some() => return Err(ConfigError::AllowlistRequired),
@@ -593,23 +586,9 @@ impl TryFrom<RawConfig> for PluginConfig {
         }
         let configured = raw.endpoints.len();
         let mut refused_endpoints = Vec::new();
-        let mut seen = HashSet::new();
         let mut endpoints = Vec::with_capacity(raw.endpoints.len());
         for (index, e) in raw.endpoints.into_iter().enumerate() {
-            let address: SocketAddr =
-                e.address
-                    .trim()
-                    .parse()
-                    .map_err(|_| ConfigError::BadAddress {
-                        index,
-                        value: e.address.clone(),
-                    })?;
-            if !seen.insert(address) {
-                return Err(ConfigError::DuplicateAddress {
-                    index,
-                    value: e.address,
-                });
-            }
+            let address = addresses.read(index, &e.address)?;
             if e.models.is_empty() || e.models.iter().any(|m| m.is_empty()) {
                 return Err(ConfigError::NoModels { index });
             }
