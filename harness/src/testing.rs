@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock, PoisonError};
 
 use crate::error::{Error, Result};
-use crate::host::Host;
+use crate::vm::host::Host;
 
 /// Overrides the directory the built filters are looked up in; the workspace's target
 /// directory (the kit's one finder for both).

@@ -5,7 +5,7 @@ use wasmtime::{Caller, Linker};
 use super::memory::{copy_out, read, write_u32};
 use super::{env_fn, AbiResult};
 use crate::types::{BufferType, Status};
-use crate::vm_state::VmState;
+use crate::vm::state::VmState;
 
 type Ctx<'a> = Caller<'a, VmState>;
 

@@ -6,9 +6,9 @@ use wasmtime::{Caller, Linker};
 
 use super::memory::{copy_out, read_string, write_u32, write_u64};
 use super::{env_fn, AbiResult};
-use crate::logs::LogSource;
+use crate::plugin::logs::LogSource;
 use crate::types::{LogLevel, Status};
-use crate::vm_state::VmState;
+use crate::vm::state::VmState;
 
 type Ctx<'a> = Caller<'a, VmState>;
 

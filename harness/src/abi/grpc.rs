@@ -11,10 +11,11 @@ use wasmtime::{Caller, Linker};
 
 use super::memory::{read, write_u32};
 use super::{env_fn, AbiResult};
-use crate::grpc::{read_service, CalloutKind, GrpcCall, GrpcStream, GrpcTarget, ServiceArg};
-use crate::headers::HeaderMap;
+use crate::grpc::{read_service, GrpcCall, GrpcStream, GrpcTarget, ServiceArg};
+use crate::http::headers::HeaderMap;
 use crate::types::Status;
-use crate::vm_state::VmState;
+use crate::vm::callout_ids::CalloutKind;
+use crate::vm::state::VmState;
 
 type Ctx<'a> = Caller<'a, VmState>;
 

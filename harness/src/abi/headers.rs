@@ -13,9 +13,9 @@ use wasmtime::{Caller, Linker};
 
 use super::memory::{copy_out, read, read_string, write_u32};
 use super::{env_fn, AbiResult};
-use crate::headers::HeaderMap;
+use crate::http::headers::HeaderMap;
 use crate::types::{MapType, Status};
-use crate::vm_state::VmState;
+use crate::vm::state::VmState;
 
 type Ctx<'a> = Caller<'a, VmState>;
 

@@ -6,14 +6,15 @@ use wasmtime::{Caller, Linker};
 
 use super::memory::{read, read_string, write_u32};
 use super::{env_fn, to_status, AbiResult};
-use crate::callouts::{HttpCall, LocalReply};
-use crate::connection_state::ConnectionEvent;
-use crate::grpc::CalloutKind;
-use crate::headers::HeaderMap;
-use crate::logs::LogSource;
-use crate::stream_state::StreamEvent;
+use crate::http::callouts::HttpCall;
+use crate::http::headers::HeaderMap;
+use crate::http::state::LocalReply;
+use crate::http::state::StreamEvent;
+use crate::net::state::ConnectionEvent;
+use crate::plugin::logs::LogSource;
 use crate::types::{LogLevel, Status, StreamType};
-use crate::vm_state::VmState;
+use crate::vm::callout_ids::CalloutKind;
+use crate::vm::state::VmState;
 
 type Ctx<'a> = Caller<'a, VmState>;
 
@@ -234,7 +235,7 @@ fn http_call(
     match shared.config.upstreams.get(&call.upstream) {
         Some(&address) => {
             shared.lock().real_calls.push(call.clone());
-            crate::upstream::spawn(call, address, shared.finished_sender());
+            crate::http::upstream::spawn(call, address, shared.finished_sender());
         }
         None => shared.lock().http_calls.push(call),
     }

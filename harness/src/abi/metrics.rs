@@ -5,7 +5,7 @@ use wasmtime::{Caller, Linker};
 use super::memory::{read_string, write_u32, write_u64};
 use super::{env_fn, to_status, AbiResult};
 use crate::types::{MetricType, Status};
-use crate::vm_state::VmState;
+use crate::vm::state::VmState;
 
 type Ctx<'a> = Caller<'a, VmState>;
 

@@ -26,10 +26,10 @@ use wasmtime::{Caller, Linker};
 
 use super::memory::{copy_out, read, read_string};
 use super::{env_fn, AbiResult};
-use crate::callouts::ForeignCall;
-use crate::stream_state::StreamState;
+use crate::http::state::StreamState;
+use crate::plugin::foreign::ForeignCall;
 use crate::types::Status;
-use crate::vm_state::VmState;
+use crate::vm::state::VmState;
 
 type Ctx<'a> = Caller<'a, VmState>;
 
@@ -98,7 +98,7 @@ fn port_of(address: Option<Vec<u8>>) -> Option<Vec<u8>> {
 }
 
 /// A body size: `content-length` if the headers have one, else the bytes seen.
-fn size(headers: &crate::headers::HeaderMap, seen: usize) -> Vec<u8> {
+fn size(headers: &crate::http::headers::HeaderMap, seen: usize) -> Vec<u8> {
     let declared = headers
         .get("content-length")
         .and_then(|v| v.trim().parse::<i64>().ok());

@@ -4,9 +4,9 @@ use wasmtime::{Caller, Linker};
 
 use super::memory::{copy_out, read, read_string, write_u32};
 use super::{env_fn, AbiResult};
-use crate::queues::QueueOwner;
+use crate::plugin::queues::QueueOwner;
 use crate::types::Status;
-use crate::vm_state::VmState;
+use crate::vm::state::VmState;
 
 type Ctx<'a> = Caller<'a, VmState>;
 

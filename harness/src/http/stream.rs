@@ -2,13 +2,13 @@
 
 use std::sync::OnceLock;
 
-use crate::callouts::LocalReply;
 use crate::error::{Error, Result};
-use crate::headers::HeaderMap;
-use crate::http_driver::Side;
+use crate::http::driver::Side;
+use crate::http::headers::HeaderMap;
+use crate::http::state::LocalReply;
+use crate::http::state::{StreamEvent, StreamState};
+use crate::plugin::shared::property_key;
 use crate::plugin::Plugin;
-use crate::shared::property_key;
-use crate::stream_state::{StreamEvent, StreamState};
 use crate::types::Action;
 
 /// One HTTP stream (request and response) on one VM, driven by the test as Envoy would drive

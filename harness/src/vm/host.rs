@@ -5,10 +5,10 @@ use std::sync::Arc;
 
 use wasmtime::{Config, Engine, ExternType, InstancePre, Linker, Module};
 
+use crate::abi;
 use crate::error::{describe, Error, Result};
 use crate::plugin::PluginBuilder;
-use crate::vm_state::VmState;
-use crate::{abi, wasi};
+use crate::vm::state::VmState;
 
 /// ABI version markers the harness accepts (the Rust SDK 0.2.x exports the first).
 const ABI_EXPORTS: [&str; 2] = ["proxy_abi_version_0_2_1", "proxy_abi_version_0_2_0"];
@@ -43,7 +43,6 @@ impl Host {
         check_exports(&module)?;
         let mut linker = Linker::new(&engine);
         abi::add_to_linker(&mut linker).map_err(|e| Error::Compile(describe(&e)))?;
-        wasi::add_to_linker(&mut linker).map_err(|e| Error::Compile(describe(&e)))?;
         linker
             .define_unknown_imports_as_traps(&module)
             .map_err(|e| Error::Compile(describe(&e)))?;

@@ -23,14 +23,14 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::callouts::LocalReply;
-use crate::counts::{CallCounts, HostCallNames};
 use crate::error::{Error, Result};
-use crate::headers::HeaderMap;
-use crate::http_driver::Side;
+use crate::http::driver::Side;
+use crate::http::headers::HeaderMap;
+use crate::http::state::LocalReply;
+use crate::http::state::{Direction, StreamEvent};
+use crate::http::stream::HttpStream;
 use crate::plugin::Plugin;
-use crate::stream::HttpStream;
-use crate::stream_state::{Direction, StreamEvent};
+use crate::vm::counts::{CallCounts, HostCallNames};
 
 /// An ordered list of filters (plugins). Cheap to clone.
 #[derive(Clone, Default)]
@@ -250,7 +250,7 @@ struct Output {
     eos: bool,
 }
 
-fn direction(state: &crate::stream_state::StreamState, side: Side) -> &Direction {
+fn direction(state: &crate::http::state::StreamState, side: Side) -> &Direction {
     match side {
         Side::Request => &state.request,
         Side::Response => &state.response,

@@ -11,8 +11,8 @@
 //!   `Pause` without calling the guest.
 
 use crate::error::{Error, Result};
-use crate::headers::HeaderMap;
-use crate::stream_state::{Direction, StreamState};
+use crate::http::headers::HeaderMap;
+use crate::http::state::{Direction, StreamState};
 use crate::types::Action;
 use crate::vm::{action, invoke, size_u32, VmInstance};
 

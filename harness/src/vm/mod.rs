@@ -1,17 +1,22 @@
 //! One VM: a wasmtime store and instance of the filter, started the way Envoy starts a worker's
 //! VM, with a wrapper that turns guest traps into typed errors.
 
+pub(crate) mod callout_ids;
+pub(crate) mod counts;
+pub(crate) mod host;
+pub(crate) mod state;
+
 use std::sync::Arc;
 
 use wasmtime::{CallHook, Instance, Store, TypedFunc, WasmParams, WasmResults};
 
-use crate::callouts::{HttpCall, HttpResponse};
+use crate::abi::wasi::ProcExit;
 use crate::error::{describe, Error, Result};
-use crate::host::HostInner;
-use crate::shared::Shared;
+use crate::http::callouts::{HttpCall, HttpResponse};
+use crate::plugin::shared::Shared;
 use crate::types::{Action, Status};
-use crate::vm_state::VmState;
-use crate::wasi::ProcExit;
+use crate::vm::host::HostInner;
+use crate::vm::state::VmState;
 
 type Func<P, R> = Option<TypedFunc<P, R>>;
 

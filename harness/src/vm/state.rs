@@ -5,15 +5,15 @@ use std::sync::Arc;
 
 use wasmtime::{Memory, TypedFunc};
 
-use crate::callouts::HttpResponse;
-use crate::connection_state::ConnectionState;
-use crate::counts::{CallCounts, HostCallNames};
-use crate::grpc::{CalloutIds, CalloutKind};
-use crate::headers::HeaderMap;
-use crate::logs::{LineSplitter, LogEntry, LogSource};
-use crate::shared::Shared;
-use crate::stream_state::StreamState;
+use crate::http::callouts::HttpResponse;
+use crate::http::headers::HeaderMap;
+use crate::http::state::StreamState;
+use crate::net::state::ConnectionState;
+use crate::plugin::logs::{LineSplitter, LogEntry, LogSource};
+use crate::plugin::shared::Shared;
 use crate::types::LogLevel;
+use crate::vm::callout_ids::{CalloutIds, CalloutKind};
+use crate::vm::counts::{CallCounts, HostCallNames};
 
 /// At most this many warning-or-worse lines are kept per guest call for error messages.
 const CALL_LOG_LINES: usize = 40;

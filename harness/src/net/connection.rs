@@ -1,8 +1,8 @@
 //! The test's handle on one network (TCP) filter context.
 
-use crate::connection_state::{ConnectionEvent, ConnectionState};
 use crate::error::Result;
-use crate::net_driver::Way;
+use crate::net::driver::Way;
+use crate::net::state::{ConnectionEvent, ConnectionState};
 use crate::plugin::Plugin;
 use crate::types::{Action, CloseType};
 use crate::vm::VmInstance;

@@ -1,26 +1,35 @@
 //! A plugin: one configuration running in N VMs that share process-wide state, like one
 //! `envoy.filters.http.wasm` config on an Envoy with N worker threads.
 
+pub(crate) mod clock;
+pub(crate) mod foreign;
+pub(crate) mod logs;
+pub(crate) mod metrics;
+pub(crate) mod queues;
+pub(crate) mod shared;
+pub(crate) mod shared_data;
+
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use crate::callouts::{ForeignCall, ForeignFunction, HttpCall, HttpResponse};
-use crate::clock::{Clock, DEFAULT_START};
-use crate::connection::Connection;
-use crate::counts::{CallCounts, HostCallNames};
 use crate::error::{Error, Result};
-use crate::host::HostInner;
-use crate::logs::{LogBuffer, LogEntry};
-use crate::metrics::{Metric, Metrics};
-use crate::queues::SharedQueues;
-use crate::shared::{property_key, PluginConfig, Shared, SharedState};
-use crate::shared_data::SharedData;
-use crate::stream::HttpStream;
+use crate::http::callouts::{HttpCall, HttpResponse};
+use crate::http::stream::HttpStream;
+use crate::http::upstream::Finished;
+use crate::net::connection::Connection;
+use crate::plugin::clock::{Clock, DEFAULT_START};
+use crate::plugin::foreign::{ForeignCall, ForeignFunction};
+use crate::plugin::logs::{LogBuffer, LogEntry};
+use crate::plugin::metrics::{Metric, Metrics};
+use crate::plugin::queues::SharedQueues;
+use crate::plugin::shared::{property_key, PluginConfig, Shared, SharedState};
+use crate::plugin::shared_data::SharedData;
 use crate::types::{LogLevel, MetricType, Status};
-use crate::upstream::Finished;
+use crate::vm::counts::{CallCounts, HostCallNames};
+use crate::vm::host::HostInner;
 use crate::vm::VmInstance;
 
 /// Deferred notifications delivered in one go before the harness gives up (a queue handler

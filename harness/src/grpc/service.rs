@@ -1,5 +1,4 @@
-//! gRPC callouts as Envoy makes them: the records of `proxy_grpc_call` / `proxy_grpc_stream`
-//! the test answers, the callout token sequences, and how the service argument is read.
+//! How Envoy reads the service argument of `proxy_grpc_call` / `proxy_grpc_stream`.
 //!
 //! Envoy (`source/extensions/common/wasm/context.cc`, `Context::grpcCall`) first tries the
 //! service argument as a serialized `envoy.config.core.v3.GrpcService`; only if that fails to
@@ -7,130 +6,7 @@
 //! well-formed wire format (unknown fields are kept, the empty string is an empty message), so
 //! this module checks the wire format the same way, without a protobuf dependency.
 
-use std::time::Duration;
-
-use crate::headers::HeaderMap;
-
-/// Where a gRPC callout goes.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum GrpcTarget {
-    /// A cluster name (what the Rust SDK passes) or `envoy_grpc.cluster_name` of a proto.
-    Cluster(String),
-    /// `google_grpc.target_uri` of a serialized `GrpcService`.
-    GoogleGrpc(String),
-}
-
-/// A unary call made with `proxy_grpc_call`, waiting for [`crate::Plugin::respond_grpc_call`]
-/// or [`crate::Plugin::fail_grpc_call`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GrpcCall {
-    /// The VM that made the call; the answer goes back to it.
-    pub vm: usize,
-    /// The context that made the call (the answer goes to it, or to the root context if it
-    /// has ended).
-    pub context_id: u32,
-    /// The token `proxy_grpc_call` returned (Envoy's sequence 5, 9, 13, ...).
-    pub token: u32,
-    pub target: GrpcTarget,
-    /// The service argument when it was a serialized `GrpcService` (not a cluster name).
-    pub service_proto: Option<Vec<u8>>,
-    pub service_name: String,
-    pub method: String,
-    pub initial_metadata: HeaderMap,
-    pub message: Vec<u8>,
-    pub timeout: Duration,
-}
-
-/// A stream opened with `proxy_grpc_stream`, fed by the test with
-/// [`crate::Plugin::grpc_stream_initial_metadata`], [`crate::Plugin::grpc_stream_message`],
-/// [`crate::Plugin::grpc_stream_trailing_metadata`] and [`crate::Plugin::close_grpc_stream`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GrpcStream {
-    pub vm: usize,
-    pub context_id: u32,
-    /// The token `proxy_grpc_stream` returned (Envoy's sequence 6, 10, 14, ...).
-    pub token: u32,
-    pub target: GrpcTarget,
-    pub service_proto: Option<Vec<u8>>,
-    pub service_name: String,
-    pub method: String,
-    pub initial_metadata: HeaderMap,
-    /// Messages the filter sent with `proxy_grpc_send`, in order.
-    pub messages: Vec<Vec<u8>>,
-    /// The filter ended its side (`proxy_grpc_send` with end_stream, or `proxy_grpc_close`).
-    pub half_closed: bool,
-    /// The filter called `proxy_grpc_close` (Envoy's `local_closed_`): the stream is forgotten
-    /// when the remote side closes too.
-    pub local_closed: bool,
-    /// The test closed the stream; Envoy keeps it until the filter closes its side.
-    pub remote_closed: bool,
-}
-
-/// What a test delivers to a call or stream.
-#[derive(Debug, Clone)]
-pub(crate) enum GrpcDelivery {
-    InitialMetadata(HeaderMap),
-    Message(Vec<u8>),
-    TrailingMetadata(HeaderMap),
-    /// gRPC status code and message (`proxy_get_status` reads them during the callback).
-    Close(u32, String),
-}
-
-/// The kind of a callout token: Envoy keeps it in the two low bits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum CalloutKind {
-    Http = 0,
-    GrpcCall = 1,
-    GrpcStream = 2,
-}
-
-impl CalloutKind {
-    /// The kind a token belongs to (`None` for the unused `3` pattern).
-    pub fn of(token: u32) -> Option<CalloutKind> {
-        match token & 3 {
-            0 => Some(CalloutKind::Http),
-            1 => Some(CalloutKind::GrpcCall),
-            2 => Some(CalloutKind::GrpcStream),
-            _ => None,
-        }
-    }
-}
-
-/// Envoy's callout ids, per VM (proxy-wasm-cpp-host `WasmBase::nextHttpCallId`,
-/// `nextGrpcCallId`, `nextGrpcStreamId`): three sequences stepping by 4 from 0, 1 and 2, so
-/// HTTP tokens are 4, 8, ..., unary gRPC 5, 9, ..., gRPC streams 6, 10, ...
-#[derive(Debug, Clone)]
-pub(crate) struct CalloutIds {
-    http: u32,
-    grpc_call: u32,
-    grpc_stream: u32,
-}
-
-impl Default for CalloutIds {
-    fn default() -> CalloutIds {
-        CalloutIds {
-            http: CalloutKind::Http as u32,
-            grpc_call: CalloutKind::GrpcCall as u32,
-            grpc_stream: CalloutKind::GrpcStream as u32,
-        }
-    }
-}
-
-impl CalloutIds {
-    /// The next token of a kind (never 0: the HTTP sequence skips it when it wraps).
-    pub fn next(&mut self, kind: CalloutKind) -> u32 {
-        let slot = match kind {
-            CalloutKind::Http => &mut self.http,
-            CalloutKind::GrpcCall => &mut self.grpc_call,
-            CalloutKind::GrpcStream => &mut self.grpc_stream,
-        };
-        *slot = slot.wrapping_add(4);
-        if *slot == 0 {
-            *slot = 4;
-        }
-        *slot
-    }
-}
+use super::GrpcTarget;
 
 /// How Envoy reads the service argument.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -332,18 +208,5 @@ mod tests {
             read_service(&[0x23, 0x2c]),
             ServiceArg::ClusterName(_)
         ));
-    }
-
-    #[test]
-    fn token_sequences_match_envoy() {
-        let mut ids = CalloutIds::default();
-        assert_eq!(ids.next(CalloutKind::Http), 4);
-        assert_eq!(ids.next(CalloutKind::GrpcCall), 5);
-        assert_eq!(ids.next(CalloutKind::GrpcCall), 9);
-        assert_eq!(ids.next(CalloutKind::GrpcStream), 6);
-        assert_eq!(ids.next(CalloutKind::Http), 8);
-        assert_eq!(CalloutKind::of(9), Some(CalloutKind::GrpcCall));
-        assert_eq!(CalloutKind::of(6), Some(CalloutKind::GrpcStream));
-        assert_eq!(CalloutKind::of(7), None);
     }
 }

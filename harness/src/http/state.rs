@@ -2,10 +2,43 @@
 //! or downstream, with Envoy's rules for when the guest may touch each of them.
 
 use std::collections::HashMap;
+use std::fmt;
 
-use crate::callouts::LocalReply;
-use crate::headers::HeaderMap;
+use crate::http::headers::HeaderMap;
 use crate::types::StreamType;
+
+/// A local reply a filter sent with `proxy_send_local_response`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct LocalReply {
+    pub status: u32,
+    /// The response code details (Envoy's `%RESPONSE_CODE_DETAILS%`).
+    pub details: String,
+    pub body: Vec<u8>,
+    /// The headers the filter asked to add (lower-cased). The full response, as it left the
+    /// filter chain, is the stream's `response_headers()`.
+    pub headers: HeaderMap,
+    /// The gRPC status, or `None` for the SDK's -1 ("not gRPC").
+    pub grpc_status: Option<u32>,
+}
+
+impl LocalReply {
+    /// The body as text (lossy).
+    pub fn body_text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+impl fmt::Debug for LocalReply {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LocalReply")
+            .field("status", &self.status)
+            .field("details", &self.details)
+            .field("body", &String::from_utf8_lossy(&self.body))
+            .field("headers", &self.headers)
+            .field("grpc_status", &self.grpc_status)
+            .finish()
+    }
+}
 
 /// Something a filter did to its stream, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]

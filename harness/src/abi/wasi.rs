@@ -7,9 +7,9 @@
 use wasmtime::{Caller, Linker};
 
 use crate::abi::memory::{read, write, write_u32, write_u64};
-use crate::logs::LogSource;
+use crate::plugin::logs::LogSource;
 use crate::types::{LogLevel, Status};
-use crate::vm_state::VmState;
+use crate::vm::state::VmState;
 
 type Ctx<'a> = Caller<'a, VmState>;
 

@@ -11,7 +11,7 @@
 
 use crate::error::{Error, Result};
 use crate::grpc::{GrpcCall, GrpcDelivery, GrpcStream};
-use crate::headers::HeaderMap;
+use crate::http::headers::HeaderMap;
 use crate::plugin::Plugin;
 use crate::types::Status;
 use crate::vm::{invoke, size_u32, VmInstance};

@@ -15,8 +15,8 @@ use std::time::Duration;
 
 use kvoy_testkit::http::{aio, block_on, HttpError, Request};
 
-use crate::callouts::{HttpCall, HttpResponse};
-use crate::headers::HeaderMap;
+use crate::http::callouts::{HttpCall, HttpResponse};
+use crate::http::headers::HeaderMap;
 
 /// Connect timeout when the call has none (Envoy: the cluster's `connect_timeout`).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);

@@ -15,8 +15,8 @@
 //!   `proxy_on_downstream_connection_close` with `Local` or `Remote`, then `proxy_on_done`,
 //!   `proxy_on_log`, `proxy_on_delete`.
 
-use crate::connection_state::ConnectionState;
 use crate::error::{Error, Result};
+use crate::net::state::ConnectionState;
 use crate::types::{Action, CloseType};
 use crate::vm::{action, invoke, size_u32, VmInstance};
 

@@ -6,15 +6,16 @@ use std::net::SocketAddr;
 use std::sync::mpsc::Sender;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-use crate::callouts::{ForeignCall, ForeignFunction, HttpCall};
-use crate::clock::Clock;
 use crate::grpc::{GrpcCall, GrpcStream};
-use crate::logs::{LogBuffer, LogEntry};
-use crate::metrics::Metrics;
-use crate::queues::{QueueOwner, SharedQueues};
-use crate::shared_data::SharedData;
+use crate::http::callouts::HttpCall;
+use crate::http::upstream::Finished;
+use crate::plugin::clock::Clock;
+use crate::plugin::foreign::{ForeignCall, ForeignFunction};
+use crate::plugin::logs::{LogBuffer, LogEntry};
+use crate::plugin::metrics::Metrics;
+use crate::plugin::queues::{QueueOwner, SharedQueues};
+use crate::plugin::shared_data::SharedData;
 use crate::types::LogLevel;
-use crate::upstream::Finished;
 
 /// The plugin's fixed settings, from the builder.
 #[derive(Debug, Clone)]
