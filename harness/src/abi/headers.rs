@@ -152,13 +152,8 @@ fn add_value(
     value_ptr: u32,
     value_size: u32,
 ) -> AbiResult {
-    let kind = map_type(kind)?;
-    let key = read_string(caller, key_ptr, key_size)?;
-    let value = read_string(caller, value_ptr, value_size)?;
-    writable(caller.data_mut(), kind)
-        .ok_or(Status::BadArgument)?
-        .add(&key, &value);
-    Ok(())
+    let value = Some((value_ptr, value_size));
+    change(caller, kind, (key_ptr, key_size), value, HeaderMap::add)
 }
 
 fn replace_value(
@@ -169,21 +164,33 @@ fn replace_value(
     value_ptr: u32,
     value_size: u32,
 ) -> AbiResult {
-    let kind = map_type(kind)?;
-    let key = read_string(caller, key_ptr, key_size)?;
-    let value = read_string(caller, value_ptr, value_size)?;
-    writable(caller.data_mut(), kind)
-        .ok_or(Status::BadArgument)?
-        .replace(&key, &value);
-    Ok(())
+    let value = Some((value_ptr, value_size));
+    change(caller, kind, (key_ptr, key_size), value, HeaderMap::replace)
 }
 
 fn remove_value(caller: &mut Ctx<'_>, kind: u32, key_ptr: u32, key_size: u32) -> AbiResult {
+    change(caller, kind, (key_ptr, key_size), None, |map, key, _| {
+        map.remove(key)
+    })
+}
+
+/// Reads the map type, the key and the value (if the call has one; else empty), then applies
+/// `op` to the map if it is writable (else `BadArgument`).
+fn change(
+    caller: &mut Ctx<'_>,
+    kind: u32,
+    (key_ptr, key_size): (u32, u32),
+    value: Option<(u32, u32)>,
+    op: impl FnOnce(&mut HeaderMap, &str, &str),
+) -> AbiResult {
     let kind = map_type(kind)?;
     let key = read_string(caller, key_ptr, key_size)?;
-    writable(caller.data_mut(), kind)
-        .ok_or(Status::BadArgument)?
-        .remove(&key);
+    let value = match value {
+        Some((ptr, size)) => read_string(caller, ptr, size)?,
+        None => String::new(),
+    };
+    let map = writable(caller.data_mut(), kind).ok_or(Status::BadArgument)?;
+    op(map, &key, &value);
     Ok(())
 }
 

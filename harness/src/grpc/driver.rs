@@ -14,7 +14,8 @@ use crate::grpc::{GrpcCall, GrpcDelivery, GrpcStream};
 use crate::http::headers::HeaderMap;
 use crate::plugin::Plugin;
 use crate::types::Status;
-use crate::vm::{invoke, size_u32, VmInstance};
+use crate::vm::exports::Pick;
+use crate::vm::{size_u32, VmInstance};
 
 impl VmInstance {
     /// Calls the callback for one delivery on the context that made the callout (the root
@@ -32,45 +33,28 @@ impl VmInstance {
             self.root_id()
         };
         let state = self.store.data_mut();
-        let (call, func, value) = match delivery {
+        let (pick, value): (Pick<(u32, u32, u32), ()>, u32) = match delivery {
             GrpcDelivery::InitialMetadata(map) => {
                 let pairs = size_u32(map.len());
                 state.grpc_initial_metadata = Some(map);
-                (
-                    "proxy_on_grpc_receive_initial_metadata",
-                    self.exports.grpc_initial_metadata.as_ref(),
-                    pairs,
-                )
+                (|e| &e.grpc_initial_metadata, pairs)
             }
             GrpcDelivery::Message(message) => {
                 let size = size_u32(message.len());
                 state.grpc_receive = Some(message);
-                (
-                    "proxy_on_grpc_receive",
-                    self.exports.grpc_receive.as_ref(),
-                    size,
-                )
+                (|e| &e.grpc_receive, size)
             }
             GrpcDelivery::TrailingMetadata(map) => {
                 let pairs = size_u32(map.len());
                 state.grpc_trailing_metadata = Some(map);
-                (
-                    "proxy_on_grpc_receive_trailing_metadata",
-                    self.exports.grpc_trailing_metadata.as_ref(),
-                    pairs,
-                )
+                (|e| &e.grpc_trailing_metadata, pairs)
             }
             GrpcDelivery::Close(status, message) => {
                 state.call_status = (status, message);
-                (
-                    "proxy_on_grpc_close",
-                    self.exports.grpc_close.as_ref(),
-                    status,
-                )
+                (|e| &e.grpc_close, status)
             }
         };
-        let args = (context, token, value);
-        let result = invoke(&mut self.store, &mut self.failed, call, func, context, args);
+        let result = self.call(pick, context, (context, token, value));
         let state = self.store.data_mut();
         state.grpc_receive = None;
         state.grpc_initial_metadata = None;

@@ -14,7 +14,8 @@ use crate::error::{Error, Result};
 use crate::http::headers::HeaderMap;
 use crate::http::state::{Direction, StreamState};
 use crate::types::Action;
-use crate::vm::{action, invoke, size_u32, VmInstance};
+use crate::vm::exports::Pick;
+use crate::vm::{size_u32, VmInstance};
 
 /// Which direction of the stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,13 +31,33 @@ impl Side {
             Side::Response => &mut stream.response,
         }
     }
+
+    fn on_headers(self) -> Pick<(u32, u32, u32), u32> {
+        match self {
+            Side::Request => |e| &e.request_headers,
+            Side::Response => |e| &e.response_headers,
+        }
+    }
+
+    fn on_body(self) -> Pick<(u32, u32, u32), u32> {
+        match self {
+            Side::Request => |e| &e.request_body,
+            Side::Response => |e| &e.response_body,
+        }
+    }
+
+    fn on_trailers(self) -> Pick<(u32, u32), u32> {
+        match self {
+            Side::Request => |e| &e.request_trailers,
+            Side::Response => |e| &e.response_trailers,
+        }
+    }
 }
 
 impl VmInstance {
     /// Creates an HTTP context: `proxy_on_context_create(id, root)`.
     pub fn create_stream(&mut self) -> Result<u32> {
         let id = self.next_context_id();
-        let root = self.root_id();
         let started_at = self.store.data().shared.lock().clock.now();
         self.store.data_mut().streams.insert(
             id,
@@ -45,15 +66,7 @@ impl VmInstance {
                 ..StreamState::default()
             },
         );
-        let func = self.exports.context_create.as_ref();
-        invoke(
-            &mut self.store,
-            &mut self.failed,
-            "proxy_on_context_create",
-            func,
-            id,
-            (id, root),
-        )?;
+        self.create_context(id)?;
         self.after_call()?;
         Ok(id)
     }
@@ -69,6 +82,32 @@ impl VmInstance {
         }
     }
 
+    /// One callback of a direction: `enter` readies the direction and returns the callback's
+    /// arguments, `settle` applies the action to the direction if it is still open. A closed
+    /// direction gets no callback (`Pause`). A local reply sent during the callback is applied
+    /// before `settle` and wins over the action, as in Envoy.
+    fn deliver<P: wasmtime::WasmParams>(
+        &mut self,
+        context: u32,
+        side: Side,
+        pick: Pick<P, u32>,
+        enter: impl FnOnce(&mut Direction) -> P,
+        settle: impl FnOnce(&mut Direction, Action),
+    ) -> Result<Action> {
+        let dir = self.direction(context, side)?;
+        if dir.closed {
+            return Ok(Action::Pause);
+        }
+        let args = enter(dir);
+        let action = self.call_action(pick, context, args)?;
+        self.after_call()?;
+        let dir = self.direction(context, side)?;
+        if !dir.closed {
+            settle(dir, action);
+        }
+        Ok(action)
+    }
+
     /// Delivers headers to `proxy_on_{request,response}_headers`.
     pub fn send_headers(
         &mut self,
@@ -77,37 +116,22 @@ impl VmInstance {
         headers: HeaderMap,
         end_of_stream: bool,
     ) -> Result<Action> {
-        let dir = self.direction(context, side)?;
-        if dir.closed {
-            return Ok(Action::Pause);
-        }
-        dir.headers = headers;
-        dir.headers_live = true;
-        let args = (
-            context,
-            size_u32(dir.headers.len()),
-            u32::from(end_of_stream),
-        );
-        let (call, func) = match side {
-            Side::Request => (
-                "proxy_on_request_headers",
-                self.exports.request_headers.as_ref(),
-            ),
-            Side::Response => (
-                "proxy_on_response_headers",
-                self.exports.response_headers.as_ref(),
-            ),
+        let enter = |dir: &mut Direction| {
+            dir.headers = headers;
+            dir.headers_live = true;
+            (
+                context,
+                size_u32(dir.headers.len()),
+                u32::from(end_of_stream),
+            )
         };
-        let raw = invoke(&mut self.store, &mut self.failed, call, func, context, args)?;
-        let action = action(self.vm(), call, raw)?;
-        // A local reply sent during the callback wins over its action, as in Envoy.
-        self.after_call()?;
-        let dir = self.direction(context, side)?;
-        if action == Action::Continue && !dir.closed {
-            dir.pass_on();
-            dir.headers_live = false;
-        }
-        Ok(action)
+        let settle = |dir: &mut Direction, action| {
+            if action == Action::Continue {
+                dir.pass_on();
+                dir.headers_live = false;
+            }
+        };
+        self.deliver(context, side, side.on_headers(), enter, settle)
     }
 
     /// Delivers a body chunk to `proxy_on_{request,response}_body`.
@@ -118,30 +142,15 @@ impl VmInstance {
         chunk: &[u8],
         end_of_stream: bool,
     ) -> Result<Action> {
-        let dir = self.direction(context, side)?;
-        if dir.closed {
-            return Ok(Action::Pause);
-        }
-        dir.take_chunk(chunk);
-        let args = (context, size_u32(dir.body.len()), u32::from(end_of_stream));
-        let (call, func) = match side {
-            Side::Request => ("proxy_on_request_body", self.exports.request_body.as_ref()),
-            Side::Response => (
-                "proxy_on_response_body",
-                self.exports.response_body.as_ref(),
-            ),
+        let enter = |dir: &mut Direction| {
+            dir.take_chunk(chunk);
+            (context, size_u32(dir.body.len()), u32::from(end_of_stream))
         };
-        let raw = invoke(&mut self.store, &mut self.failed, call, func, context, args)?;
-        let action = action(self.vm(), call, raw)?;
-        self.after_call()?;
-        let dir = self.direction(context, side)?;
-        if !dir.closed {
-            match action {
-                Action::Continue => dir.pass_on(),
-                Action::Pause => dir.buffering = true,
-            }
-        }
-        Ok(action)
+        let settle = |dir: &mut Direction, action| match action {
+            Action::Continue => dir.pass_on(),
+            Action::Pause => dir.buffering = true,
+        };
+        self.deliver(context, side, side.on_body(), enter, settle)
     }
 
     /// Delivers trailers to `proxy_on_{request,response}_trailers`.
@@ -151,95 +160,34 @@ impl VmInstance {
         side: Side,
         trailers: HeaderMap,
     ) -> Result<Action> {
-        let dir = self.direction(context, side)?;
-        if dir.closed {
-            return Ok(Action::Pause);
-        }
-        dir.trailers = trailers;
-        dir.trailers_live = true;
-        let args = (context, size_u32(dir.trailers.len()));
-        let (call, func) = match side {
-            Side::Request => (
-                "proxy_on_request_trailers",
-                self.exports.request_trailers.as_ref(),
-            ),
-            Side::Response => (
-                "proxy_on_response_trailers",
-                self.exports.response_trailers.as_ref(),
-            ),
+        let enter = |dir: &mut Direction| {
+            dir.trailers = trailers;
+            dir.trailers_live = true;
+            (context, size_u32(dir.trailers.len()))
         };
-        let raw = invoke(&mut self.store, &mut self.failed, call, func, context, args)?;
-        let action = action(self.vm(), call, raw)?;
-        self.after_call()?;
-        let dir = self.direction(context, side)?;
-        if action == Action::Continue && !dir.closed {
-            dir.pass_on();
-            dir.trailers_live = false;
-        }
-        Ok(action)
+        let settle = |dir: &mut Direction, action| {
+            if action == Action::Continue {
+                dir.pass_on();
+                dir.trailers_live = false;
+            }
+        };
+        self.deliver(context, side, side.on_trailers(), enter, settle)
     }
 
     /// Ends the stream: `proxy_on_done`, `proxy_on_log` (request and response headers readable),
     /// `proxy_on_delete`. Returns the stream's final state.
     pub fn finish_stream(&mut self, context: u32) -> Result<StreamState> {
         self.direction(context, Side::Request)?;
-        let done = self.exports.done.as_ref();
-        invoke(
-            &mut self.store,
-            &mut self.failed,
-            "proxy_on_done",
-            done,
-            context,
-            context,
-        )?;
-        self.set_in_log(context, true);
-        let log = self.exports.log.as_ref();
-        let logged = invoke(
-            &mut self.store,
-            &mut self.failed,
-            "proxy_on_log",
-            log,
-            context,
-            context,
-        );
-        self.set_in_log(context, false);
-        logged?;
-        let delete = self.exports.delete.as_ref();
-        invoke(
-            &mut self.store,
-            &mut self.failed,
-            "proxy_on_delete",
-            delete,
-            context,
-            context,
-        )?;
-        self.after_call()?;
-        let mut stream = self
-            .store
-            .data_mut()
-            .streams
-            .remove(&context)
-            .unwrap_or_default();
-        stream.finished = true;
-        Ok(stream)
+        self.call(|e| &e.done, context, context)?;
+        self.call_log(context)?;
+        self.delete_stream(context)
     }
 
     /// Envoy's access-log phase for one stream: `proxy_on_log`, with the request and response
     /// headers readable. (Envoy logs every filter of the chain, then destroys them.)
     pub fn log_stream(&mut self, context: u32) -> Result<()> {
         self.direction(context, Side::Request)?;
-        self.set_in_log(context, true);
-        let log = self.exports.log.as_ref();
-        let logged = invoke(
-            &mut self.store,
-            &mut self.failed,
-            "proxy_on_log",
-            log,
-            context,
-            context,
-        );
-        self.set_in_log(context, false);
-        logged?;
+        self.call_log(context)?;
         self.after_call()
     }
 
@@ -247,24 +195,21 @@ impl VmInstance {
     /// the stream's final state.
     pub fn destroy_stream(&mut self, context: u32) -> Result<StreamState> {
         self.direction(context, Side::Request)?;
-        let done = self.exports.done.as_ref();
-        invoke(
-            &mut self.store,
-            &mut self.failed,
-            "proxy_on_done",
-            done,
-            context,
-            context,
-        )?;
-        let delete = self.exports.delete.as_ref();
-        invoke(
-            &mut self.store,
-            &mut self.failed,
-            "proxy_on_delete",
-            delete,
-            context,
-            context,
-        )?;
+        self.call(|e| &e.done, context, context)?;
+        self.delete_stream(context)
+    }
+
+    /// `proxy_on_log`, with the request and response headers readable during it.
+    fn call_log(&mut self, context: u32) -> Result<()> {
+        self.set_in_log(context, true);
+        let logged = self.call(|e| &e.log, context, context);
+        self.set_in_log(context, false);
+        logged.map(drop)
+    }
+
+    /// `proxy_on_delete`, then the stream's final state.
+    fn delete_stream(&mut self, context: u32) -> Result<StreamState> {
+        self.call(|e| &e.delete, context, context)?;
         self.after_call()?;
         let mut stream = self
             .store

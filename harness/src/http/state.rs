@@ -83,6 +83,15 @@ impl Direction {
         self.buffering = false;
     }
 
+    /// The body the filter holds (buffered while it returns `Pause`).
+    pub fn held_body(&self) -> Vec<u8> {
+        if self.buffering {
+            self.body.clone()
+        } else {
+            Vec::new()
+        }
+    }
+
     /// Starts a body callback: a new chunk replaces a passed-on one or joins the buffered ones.
     pub fn take_chunk(&mut self, chunk: &[u8]) {
         if !self.buffering {

@@ -10,6 +10,7 @@ use crate::http::state::{StreamEvent, StreamState};
 use crate::plugin::shared::property_key;
 use crate::plugin::Plugin;
 use crate::types::Action;
+use crate::vm::VmInstance;
 
 /// One HTTP stream (request and response) on one VM, driven by the test as Envoy would drive
 /// it. Sending methods return the filter's [`Action`]; observation methods show the headers and
@@ -48,40 +49,24 @@ impl HttpStream {
         headers: &[(&str, &str)],
         end_of_stream: bool,
     ) -> Result<Action> {
-        self.drive(|vm, id| {
-            vm.send_headers(
-                id,
-                Side::Request,
-                HeaderMap::from_pairs(headers.iter().copied()),
-                end_of_stream,
-            )
-        })
+        let headers = HeaderMap::from_pairs(headers.iter().copied());
+        self.send_headers_map(Side::Request, headers, end_of_stream)
     }
 
     /// `proxy_on_request_body` with one more chunk.
     pub fn send_request_body(&self, chunk: &[u8], end_of_stream: bool) -> Result<Action> {
-        self.drive(|vm, id| vm.send_body(id, Side::Request, chunk, end_of_stream))
+        self.send_body_on(Side::Request, chunk, end_of_stream)
     }
 
     /// `proxy_on_request_trailers` (ends the request).
     pub fn send_request_trailers(&self, trailers: &[(&str, &str)]) -> Result<Action> {
-        self.drive(|vm, id| {
-            vm.send_trailers(
-                id,
-                Side::Request,
-                HeaderMap::from_pairs(trailers.iter().copied()),
-            )
-        })
+        self.send_trailers_on(Side::Request, trailers)
     }
 
     /// Headers, then (if `body` is not empty) the whole body as one final chunk; returns the
     /// last callback's action.
     pub fn send_request(&self, headers: &[(&str, &str)], body: &[u8]) -> Result<Action> {
-        let action = self.send_request_headers(headers, body.is_empty())?;
-        if body.is_empty() {
-            return Ok(action);
-        }
-        self.send_request_body(body, true)
+        self.send_whole(Side::Request, headers, body)
     }
 
     /// `proxy_on_response_headers`.
@@ -90,53 +75,29 @@ impl HttpStream {
         headers: &[(&str, &str)],
         end_of_stream: bool,
     ) -> Result<Action> {
-        self.drive(|vm, id| {
-            vm.send_headers(
-                id,
-                Side::Response,
-                HeaderMap::from_pairs(headers.iter().copied()),
-                end_of_stream,
-            )
-        })
+        let headers = HeaderMap::from_pairs(headers.iter().copied());
+        self.send_headers_map(Side::Response, headers, end_of_stream)
     }
 
     /// `proxy_on_response_body` with one more chunk.
     pub fn send_response_body(&self, chunk: &[u8], end_of_stream: bool) -> Result<Action> {
-        self.drive(|vm, id| vm.send_body(id, Side::Response, chunk, end_of_stream))
+        self.send_body_on(Side::Response, chunk, end_of_stream)
     }
 
     /// `proxy_on_response_trailers` (ends the response).
     pub fn send_response_trailers(&self, trailers: &[(&str, &str)]) -> Result<Action> {
-        self.drive(|vm, id| {
-            vm.send_trailers(
-                id,
-                Side::Response,
-                HeaderMap::from_pairs(trailers.iter().copied()),
-            )
-        })
+        self.send_trailers_on(Side::Response, trailers)
     }
 
     /// Response headers, then the body as one final chunk if not empty.
     pub fn send_response(&self, headers: &[(&str, &str)], body: &[u8]) -> Result<Action> {
-        let action = self.send_response_headers(headers, body.is_empty())?;
-        if body.is_empty() {
-            return Ok(action);
-        }
-        self.send_response_body(body, true)
+        self.send_whole(Side::Response, headers, body)
     }
 
     /// Ends the stream: `proxy_on_done`, `proxy_on_log`, `proxy_on_delete`. The handle keeps
     /// answering the observation methods afterwards.
     pub fn finish(&self) -> Result<()> {
-        if self.finished.get().is_some() {
-            return Err(self.finished_error());
-        }
-        let state = self
-            .plugin
-            .with_vm(self.vm, |vm| vm.finish_stream(self.context_id))?;
-        // A second finish() racing on another thread would have failed in finish_stream.
-        let _ = self.finished.set(state);
-        Ok(())
+        self.end(VmInstance::finish_stream)
     }
 
     /// Whether [`HttpStream::finish`] ran.
@@ -167,24 +128,12 @@ impl HttpStream {
 
     /// Request body the filter is holding (buffered while it returns `Pause`).
     pub fn buffered_request_body(&self) -> Vec<u8> {
-        self.with_state(|s| {
-            if s.request.buffering {
-                s.request.body.clone()
-            } else {
-                Vec::new()
-            }
-        })
+        self.with_state(|s| s.request.held_body())
     }
 
     /// Response body the filter is holding (buffered while it returns `Pause`).
     pub fn buffered_response_body(&self) -> Vec<u8> {
-        self.with_state(|s| {
-            if s.response.buffering {
-                s.response.body.clone()
-            } else {
-                Vec::new()
-            }
-        })
+        self.with_state(|s| s.response.held_body())
     }
 
     /// The response headers as the filter left them (for a local reply, the reply's headers).
@@ -264,6 +213,20 @@ impl HttpStream {
         self.drive(|vm, id| vm.send_body(id, side, chunk, end_of_stream))
     }
 
+    fn send_trailers_on(&self, side: Side, trailers: &[(&str, &str)]) -> Result<Action> {
+        let trailers = HeaderMap::from_pairs(trailers.iter().copied());
+        self.drive(|vm, id| vm.send_trailers(id, side, trailers))
+    }
+
+    fn send_whole(&self, side: Side, headers: &[(&str, &str)], body: &[u8]) -> Result<Action> {
+        let headers = HeaderMap::from_pairs(headers.iter().copied());
+        let action = self.send_headers_map(side, headers, body.is_empty())?;
+        if body.is_empty() {
+            return Ok(action);
+        }
+        self.send_body_on(side, body, true)
+    }
+
     /// Envoy's end of a stream in a filter chain, first half: `proxy_on_log`.
     pub(crate) fn log_phase(&self) -> Result<()> {
         self.drive(|vm, id| vm.log_stream(id))
@@ -271,17 +234,21 @@ impl HttpStream {
 
     /// Second half: `proxy_on_done`, `proxy_on_delete`; the handle is finished afterwards.
     pub(crate) fn destroy(&self) -> Result<()> {
+        self.end(VmInstance::destroy_stream)
+    }
+
+    /// Ends the context with `op`; the handle keeps the final state.
+    fn end(&self, op: fn(&mut VmInstance, u32) -> Result<StreamState>) -> Result<()> {
         if self.finished.get().is_some() {
             return Err(self.finished_error());
         }
-        let state = self
-            .plugin
-            .with_vm(self.vm, |vm| vm.destroy_stream(self.context_id))?;
+        let state = self.plugin.with_vm(self.vm, |vm| op(vm, self.context_id))?;
+        // A second end racing on another thread would have failed in `op`.
         let _ = self.finished.set(state);
         Ok(())
     }
 
-    fn drive<R>(&self, op: impl FnOnce(&mut crate::vm::VmInstance, u32) -> Result<R>) -> Result<R> {
+    fn drive<R>(&self, op: impl FnOnce(&mut VmInstance, u32) -> Result<R>) -> Result<R> {
         if self.finished.get().is_some() {
             return Err(self.finished_error());
         }

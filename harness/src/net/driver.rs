@@ -16,9 +16,10 @@
 //!   `proxy_on_log`, `proxy_on_delete`.
 
 use crate::error::{Error, Result};
-use crate::net::state::ConnectionState;
+use crate::net::state::{ConnectionState, Flow};
 use crate::types::{Action, CloseType};
-use crate::vm::{action, invoke, size_u32, VmInstance};
+use crate::vm::exports::Pick;
+use crate::vm::{size_u32, VmInstance};
 
 /// Which direction of a connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,6 +28,22 @@ pub(crate) enum Way {
     Downstream,
     /// From the upstream (write path).
     Upstream,
+}
+
+impl Way {
+    fn of(self, connection: &mut ConnectionState) -> &mut Flow {
+        match self {
+            Way::Downstream => &mut connection.downstream,
+            Way::Upstream => &mut connection.upstream,
+        }
+    }
+
+    fn on_data(self) -> Pick<(u32, u32, u32), u32> {
+        match self {
+            Way::Downstream => |e| &e.downstream_data,
+            Way::Upstream => |e| &e.upstream_data,
+        }
+    }
 }
 
 impl VmInstance {
@@ -63,27 +80,8 @@ impl VmInstance {
             });
         }
         connection.created = true;
-        let root = self.root_id();
-        let create = self.exports.context_create.as_ref();
-        invoke(
-            &mut self.store,
-            &mut self.failed,
-            "proxy_on_context_create",
-            create,
-            context,
-            (context, root),
-        )?;
-        let call = "proxy_on_new_connection";
-        let func = self.exports.new_connection.as_ref();
-        let raw = invoke(
-            &mut self.store,
-            &mut self.failed,
-            call,
-            func,
-            context,
-            context,
-        )?;
-        let action = action(vm, call, raw)?;
+        self.create_context(context)?;
+        let action = self.call_action(|e| &e.new_connection, context, context)?;
         self.after_call()?;
         Ok(action)
     }
@@ -96,13 +94,10 @@ impl VmInstance {
         chunk: &[u8],
         end_of_stream: bool,
     ) -> Result<Action> {
-        let vm = self.vm();
         let connection = self.connection_state(context)?;
-        let flow = match way {
-            Way::Downstream => &mut connection.downstream,
-            Way::Upstream => &mut connection.upstream,
-        };
-        if !connection.created {
+        let created = connection.created;
+        let flow = way.of(connection);
+        if !created {
             flow.forwarded.extend_from_slice(chunk);
             return Ok(Action::Continue);
         }
@@ -112,25 +107,9 @@ impl VmInstance {
             size_u32(flow.buffer.len()),
             u32::from(end_of_stream),
         );
-        let (call, func) = match way {
-            Way::Downstream => (
-                "proxy_on_downstream_data",
-                self.exports.downstream_data.as_ref(),
-            ),
-            Way::Upstream => (
-                "proxy_on_upstream_data",
-                self.exports.upstream_data.as_ref(),
-            ),
-        };
-        let raw = invoke(&mut self.store, &mut self.failed, call, func, context, args)?;
-        let action = action(vm, call, raw)?;
-        let connection = self.connection_state(context)?;
-        let flow = match way {
-            Way::Downstream => &mut connection.downstream,
-            Way::Upstream => &mut connection.upstream,
-        };
+        let action = self.call_action(way.on_data(), context, args)?;
         if action == Action::Continue {
-            flow.pass_on();
+            way.of(self.connection_state(context)?).pass_on();
         }
         // Envoy runs the deferred continue / close before the filter manager sees the action.
         self.after_call()?;
@@ -149,15 +128,8 @@ impl VmInstance {
             return Ok(());
         }
         connection.upstream_closed = true;
-        let func = self.exports.upstream_close.as_ref();
-        invoke(
-            &mut self.store,
-            &mut self.failed,
-            "proxy_on_upstream_connection_close",
-            func,
-            context,
-            (context, CloseType::Unknown as u32),
-        )?;
+        let args = (context, CloseType::Unknown as u32);
+        self.call(|e| &e.upstream_close, context, args)?;
         self.after_call()
     }
 
@@ -171,49 +143,17 @@ impl VmInstance {
             connection.finished = true;
             return Ok(());
         }
-        let func = self.exports.downstream_close.as_ref();
-        invoke(
-            &mut self.store,
-            &mut self.failed,
-            "proxy_on_downstream_connection_close",
-            func,
-            context,
-            (context, close_type as u32),
-        )?;
+        let args = (context, close_type as u32);
+        self.call(|e| &e.downstream_close, context, args)?;
         self.finish_connection(context)
     }
 
     /// Envoy's `onCloseTCP`: `proxy_on_done`, `proxy_on_log`, `proxy_on_delete`, once.
     fn finish_connection(&mut self, context: u32) -> Result<()> {
-        let connection = self.connection_state(context)?;
-        connection.finished = true;
-        let done = self.exports.done.as_ref();
-        invoke(
-            &mut self.store,
-            &mut self.failed,
-            "proxy_on_done",
-            done,
-            context,
-            context,
-        )?;
-        let log = self.exports.log.as_ref();
-        invoke(
-            &mut self.store,
-            &mut self.failed,
-            "proxy_on_log",
-            log,
-            context,
-            context,
-        )?;
-        let delete = self.exports.delete.as_ref();
-        invoke(
-            &mut self.store,
-            &mut self.failed,
-            "proxy_on_delete",
-            delete,
-            context,
-            context,
-        )?;
+        self.connection_state(context)?.finished = true;
+        self.call(|e| &e.done, context, context)?;
+        self.call(|e| &e.log, context, context)?;
+        self.call(|e| &e.delete, context, context)?;
         self.after_call()
     }
 

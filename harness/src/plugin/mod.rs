@@ -11,12 +11,11 @@ pub(crate) mod shared_data;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::error::{Error, Result};
-use crate::http::callouts::{HttpCall, HttpResponse};
 use crate::http::stream::HttpStream;
 use crate::http::upstream::Finished;
 use crate::net::connection::Connection;
@@ -482,87 +481,9 @@ impl Plugin {
         self.shared.lock().logs.clear();
     }
 
-    /// HTTP callouts waiting for an answer, oldest first.
-    pub fn http_calls(&self) -> Vec<HttpCall> {
-        self.shared.lock().http_calls.clone()
-    }
-
-    /// Answers a callout: `proxy_on_http_call_response` on the VM and context that made it.
-    pub fn respond_http_call(&self, call: &HttpCall, response: HttpResponse) -> Result<()> {
-        self.finish_http_call(call, Some(response))
-    }
-
-    /// Fails a callout (as on a connection reset): the callback sees no headers or body and
-    /// `proxy_get_status` reports `BrokenConnection` / "reset".
-    pub fn fail_http_call(&self, call: &HttpCall) -> Result<()> {
-        self.finish_http_call(call, None)
-    }
-
-    /// Real callouts (see [`PluginBuilder::upstream`]) still in flight or not yet delivered.
-    pub fn pending_upstream_calls(&self) -> usize {
-        self.shared.lock().real_calls.len()
-    }
-
-    /// Delivers the answers of real callouts that have arrived: `proxy_on_http_call_response`
-    /// on the VM and context that made each call. Never waits; returns how many were
-    /// delivered. An answer for a context that has ended is dropped.
-    pub fn deliver_http_responses(&self) -> Result<usize> {
-        let mut delivered = 0;
-        loop {
-            let next = self
-                .finished
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .try_recv();
-            let Ok((call, response)) = next else {
-                return Ok(delivered);
-            };
-            delivered += usize::from(self.deliver_real(&call, response)?);
-        }
-    }
-
-    /// Waits until every real callout in flight has been answered (or `timeout` passed),
-    /// delivering the answers as they come; returns how many were delivered.
-    pub fn wait_http_responses(&self, timeout: Duration) -> Result<usize> {
-        let deadline = Instant::now() + timeout;
-        let mut delivered = self.deliver_http_responses()?;
-        while self.pending_upstream_calls() > 0 {
-            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
-                break;
-            };
-            let next = self
-                .finished
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .recv_timeout(left);
-            match next {
-                Ok((call, response)) => {
-                    delivered += usize::from(self.deliver_real(&call, response)?);
-                }
-                Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => break,
-            }
-        }
-        Ok(delivered)
-    }
-
-    fn deliver_real(&self, call: &HttpCall, response: Option<HttpResponse>) -> Result<bool> {
-        {
-            let mut state = self.shared.lock();
-            let Some(index) = state
-                .real_calls
-                .iter()
-                .position(|c| c.vm == call.vm && c.token == call.token)
-            else {
-                return Ok(false);
-            };
-            state.real_calls.remove(index);
-        }
-        match self.with_vm(call.vm, |vm| vm.http_call_response(call, response)) {
-            Ok(()) => Ok(true),
-            // The context that made the call is gone (Envoy cancels its calls).
-            Err(Error::UnknownHttpCall { .. } | Error::VmFailed { .. }) => Ok(false),
-            Err(e) => Err(e),
-        }
+    /// The answers of real callouts, as they arrive (for `http/callouts.rs`).
+    pub(crate) fn finished_calls(&self) -> MutexGuard<'_, Receiver<Finished>> {
+        self.finished.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The process-wide state (for the drivers in other modules).
@@ -581,23 +502,6 @@ impl Plugin {
             .lock()
             .properties
             .insert(property_key(path), value.into());
-    }
-
-    fn finish_http_call(&self, call: &HttpCall, response: Option<HttpResponse>) -> Result<()> {
-        let unknown = Error::UnknownHttpCall {
-            vm: call.vm,
-            token: call.token,
-        };
-        {
-            let mut state = self.shared.lock();
-            let index = state
-                .http_calls
-                .iter()
-                .position(|c| c.vm == call.vm && c.token == call.token)
-                .ok_or(unknown)?;
-            state.http_calls.remove(index);
-        }
-        self.with_vm(call.vm, |vm| vm.http_call_response(call, response))
     }
 
     fn queue_token(&self, queues: &SharedQueues, name: &str) -> Result<u32> {

@@ -7,7 +7,7 @@ use kvoy_harness::{
     testing, Action, Error, Host, HttpResponse, LogSource, Plugin, Status, StreamEvent,
 };
 
-type TestResult = Result<(), Error>;
+use crate::TestResult;
 
 const GUEST: &str = "kvoy_harness_guest";
 

@@ -3,16 +3,14 @@
 //! error paths, with Envoy's statuses and token sequences (see `harness/README.md`). Statuses
 //! and small numbers are logged as one character of `0-9a-z` (`e` is 14); bytes the host
 //! returned as longer lines.
-#![allow(clippy::expect_used, clippy::unwrap_used)]
 
 use std::time::Duration;
 
 use kvoy_harness::{Error, GrpcTarget};
 
-mod wat_guest;
-use wat_guest::*;
+use crate::wat_guest::*;
 
-type TestResult = Result<(), Error>;
+use crate::TestResult;
 
 /// `envoy_grpc { cluster_name: "ext" }`, serialized.
 const PROTO: &[u8] = &[0x0a, 0x05, 0x0a, 0x03, b'e', b'x', b't'];

@@ -4,24 +4,16 @@
 //! endpoint served. The prefix-affinity filter's part (validating and honouring the pin) is in
 //! `prefix_affinity_session.rs`.
 
-#![allow(clippy::expect_used, clippy::unwrap_used)]
-
 use std::time::Duration;
 
-use kvoy_harness::{testing, Action, Error, HttpStream, Plugin};
+use kvoy_harness::{Action, Error, HttpStream, Plugin};
 use kvoy_shared::session::{encode_token, PIN_HEADER};
 
-type TestResult = Result<(), Error>;
-
-const SERVED: &str = "x-gateway-destination-endpoint-served";
+use crate::support::{self, SERVED};
+use crate::TestResult;
 
 fn plugin(config: &str) -> Result<Plugin, Error> {
-    testing::filter_host("kvoy_session")?
-        .plugin()
-        .configuration(config)
-        .vms(2)
-        .seed(3)
-        .start()
+    support::start("kvoy_session", config, 2, 3)
 }
 
 /// Sends a request with `headers` (and `body`, if any) on `vm`; returns the stream and the
@@ -52,6 +44,16 @@ fn request(
     Ok((stream, pin))
 }
 
+/// [`request`] without a body, with one header besides the pseudo-headers.
+fn headers_only(
+    plugin: &Plugin,
+    vm: usize,
+    path: &str,
+    header: (&str, &str),
+) -> Result<(HttpStream, Option<String>), Error> {
+    request(plugin, vm, path, &[header], None)
+}
+
 /// Answers the stream as if `served` served it (the prefix-affinity filter's header), with
 /// `body`; returns the session token written on the response.
 fn respond(stream: &HttpStream, served: &str, body: &[&str]) -> Result<Option<String>, Error> {
@@ -69,43 +71,19 @@ fn respond(stream: &HttpStream, served: &str, body: &[&str]) -> Result<Option<St
 #[test]
 fn a_session_header_binds_on_one_worker_and_pins_on_the_other() -> TestResult {
     let plugin = plugin("{}")?;
-    let (s, pin) = request(
-        &plugin,
-        0,
-        "/v1/chat/completions",
-        &[("x-session-id", "s1")],
-        None,
-    )?;
+    let (s, pin) = headers_only(&plugin, 0, "/v1/chat/completions", ("x-session-id", "s1"))?;
     assert_eq!(pin, None, "nothing bound yet");
     let token = respond(&s, "10.0.0.2:8000", &[])?;
     assert_eq!(token, Some(encode_token("10.0.0.2:8000".parse().unwrap())));
     for vm in [1, 0, 1] {
-        let (s, pin) = request(
-            &plugin,
-            vm,
-            "/v1/chat/completions",
-            &[("x-session-id", "s1")],
-            None,
-        )?;
+        let (s, pin) = headers_only(&plugin, vm, "/v1/chat/completions", ("x-session-id", "s1"))?;
         assert_eq!(pin.as_deref(), Some("10.0.0.2:8000"), "vm {vm}");
         respond(&s, "10.0.0.2:8000", &[])?;
     }
     // Whoever served last is what the session is bound to (a broken pin rebinds).
-    let (s, _) = request(
-        &plugin,
-        0,
-        "/v1/chat/completions",
-        &[("x-session-id", "s1")],
-        None,
-    )?;
+    let (s, _) = headers_only(&plugin, 0, "/v1/chat/completions", ("x-session-id", "s1"))?;
     respond(&s, "10.0.0.3:8000", &[])?;
-    let (_, pin) = request(
-        &plugin,
-        1,
-        "/v1/chat/completions",
-        &[("x-session-id", "s1")],
-        None,
-    )?;
+    let (_, pin) = headers_only(&plugin, 1, "/v1/chat/completions", ("x-session-id", "s1"))?;
     assert_eq!(pin.as_deref(), Some("10.0.0.3:8000"));
     assert_eq!(plugin.counter("kvoy_session_hits_total"), Some(5));
     assert_eq!(plugin.counter("kvoy_session_misses_total"), Some(1));
@@ -115,41 +93,17 @@ fn a_session_header_binds_on_one_worker_and_pins_on_the_other() -> TestResult {
 #[test]
 fn bindings_expire_after_the_ttl() -> TestResult {
     let plugin = plugin(r#"{"ttl_ms": 5000}"#)?;
-    let (s, _) = request(
-        &plugin,
-        0,
-        "/v1/completions",
-        &[("x-session-id", "t")],
-        None,
-    )?;
+    let (s, _) = headers_only(&plugin, 0, "/v1/completions", ("x-session-id", "t"))?;
     respond(&s, "10.0.0.1:8000", &[])?;
     plugin.advance(Duration::from_millis(4000))?;
-    let (s, pin) = request(
-        &plugin,
-        1,
-        "/v1/completions",
-        &[("x-session-id", "t")],
-        None,
-    )?;
+    let (s, pin) = headers_only(&plugin, 1, "/v1/completions", ("x-session-id", "t"))?;
     assert_eq!(pin.as_deref(), Some("10.0.0.1:8000"));
     respond(&s, "10.0.0.1:8000", &[])?; // used: the TTL starts again
     plugin.advance(Duration::from_millis(4000))?;
-    let (_, pin) = request(
-        &plugin,
-        0,
-        "/v1/completions",
-        &[("x-session-id", "t")],
-        None,
-    )?;
+    let (_, pin) = headers_only(&plugin, 0, "/v1/completions", ("x-session-id", "t"))?;
     assert_eq!(pin.as_deref(), Some("10.0.0.1:8000"), "sliding TTL");
     plugin.advance(Duration::from_millis(6000))?;
-    let (_, pin) = request(
-        &plugin,
-        0,
-        "/v1/completions",
-        &[("x-session-id", "t")],
-        None,
-    )?;
+    let (_, pin) = headers_only(&plugin, 0, "/v1/completions", ("x-session-id", "t"))?;
     assert_eq!(pin, None, "expired");
     Ok(())
 }
@@ -159,24 +113,17 @@ fn memory_stays_bounded() -> TestResult {
     let plugin = plugin(r#"{"max_bindings": 64}"#)?;
     for i in 0..2000 {
         let id = format!("session-{i}");
-        let (s, _) = request(
-            &plugin,
-            i % 2,
-            "/v1/completions",
-            &[("x-session-id", &id)],
-            None,
-        )?;
+        let (s, _) = headers_only(&plugin, i % 2, "/v1/completions", ("x-session-id", &id))?;
         respond(&s, "10.0.0.1:8000", &[])?;
     }
     let (keys, bytes) = plugin.shared_data_size();
     assert!(keys <= 8, "{keys} shared-data keys for 64 bindings");
     assert!(bytes <= 64 * 64, "{bytes} bytes");
-    let (_, pin) = request(
+    let (_, pin) = headers_only(
         &plugin,
         0,
         "/v1/completions",
-        &[("x-session-id", "session-1999")],
-        None,
+        ("x-session-id", "session-1999"),
     )?;
     assert_eq!(pin.as_deref(), Some("10.0.0.1:8000"), "the newest survive");
     Ok(())
@@ -185,62 +132,31 @@ fn memory_stays_bounded() -> TestResult {
 #[test]
 fn cookies_tokens_and_forgeries() -> TestResult {
     let plugin = plugin(r#"{"cookie": "kvoy_sid"}"#)?;
-    let (s, _) = request(
+    let (s, _) = headers_only(
         &plugin,
         0,
         "/v1/completions",
-        &[("cookie", "a=b; kvoy_sid=c1")],
-        None,
+        ("cookie", "a=b; kvoy_sid=c1"),
     )?;
     respond(&s, "10.0.0.4:8000", &[])?;
-    let (_, pin) = request(
-        &plugin,
-        1,
-        "/v1/completions",
-        &[("cookie", "kvoy_sid=c1")],
-        None,
-    )?;
+    let (_, pin) = headers_only(&plugin, 1, "/v1/completions", ("cookie", "kvoy_sid=c1"))?;
     assert_eq!(pin.as_deref(), Some("10.0.0.4:8000"));
 
     // A token is handed over as a candidate (the prefix-affinity filter checks the pool).
     let token = encode_token("10.0.0.9:8000".parse().unwrap());
-    let (_, pin) = request(
-        &plugin,
-        0,
-        "/v1/completions",
-        &[("x-session-token", &token)],
-        None,
-    )?;
+    let (_, pin) = headers_only(&plugin, 0, "/v1/completions", ("x-session-token", &token))?;
     assert_eq!(pin.as_deref(), Some("10.0.0.9:8000"));
     // Malformed tokens are ignored and counted.
     for bad in ["%%%", "aGVsbG8=", "QUFB"] {
-        let (_, pin) = request(
-            &plugin,
-            0,
-            "/v1/completions",
-            &[("x-session-token", bad)],
-            None,
-        )?;
+        let (_, pin) = headers_only(&plugin, 0, "/v1/completions", ("x-session-token", bad))?;
         assert_eq!(pin, None, "{bad}");
     }
     assert_eq!(plugin.counter("kvoy_session_invalid_tokens_total"), Some(3));
     // A client cannot set the internal pin header itself.
-    let (_, pin) = request(
-        &plugin,
-        1,
-        "/v1/completions",
-        &[(PIN_HEADER, "10.6.6.6:1")],
-        None,
-    )?;
+    let (_, pin) = headers_only(&plugin, 1, "/v1/completions", (PIN_HEADER, "10.6.6.6:1"))?;
     assert_eq!(pin, None);
     // A response without the served header binds nothing and writes no token.
-    let (s, _) = request(
-        &plugin,
-        0,
-        "/v1/completions",
-        &[("x-session-id", "u")],
-        None,
-    )?;
+    let (s, _) = headers_only(&plugin, 0, "/v1/completions", ("x-session-id", "u"))?;
     s.send_response_headers(&[(":status", "200")], true)?;
     assert_eq!(
         s.forwarded_response_headers()

@@ -3,8 +3,6 @@
 //! unhealthy or loaded endpoints avoided, and an aggregator that fails or goes silent never
 //! holding a request up.
 
-#![allow(clippy::expect_used, clippy::unwrap_used)]
-
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -12,70 +10,35 @@ use kvoy_harness::{testing, Action, Error, HttpCall, HttpResponse, Plugin};
 use kvoy_shared::relay::{DecisionBatch, RelayedDecision, RelayedRemoval, Removals};
 use kvoy_shared::snapshot::{EndpointStatus, SnapshotHistory};
 
-type TestResult = Result<(), Error>;
+use crate::support::{self, chat_body, forwarded, post, respond_snapshot, CLUSTER, DEST};
+use crate::TestResult;
 
 const STATIC_POOL: [&str; 2] = ["127.0.0.1:18001", "127.0.0.1:18002"];
-const DEST: &str = "x-gateway-destination-endpoint";
-const CLUSTER: &str = "kvoy_aggregator";
 
 fn config() -> String {
-    serde_json::json!({
-        "endpoints": STATIC_POOL.iter().map(|a| serde_json::json!({"address": a, "models": ["m"]})).collect::<Vec<_>>(),
+    let live = serde_json::json!({
         "aggregator": {"cluster": CLUSTER, "authority": "aggregator.local"},
         "allowed_destinations": [{"cidr": "127.0.0.0/8"}],
-    })
-    .to_string()
+    });
+    support::pool_config(&STATIC_POOL, live)
 }
 
 fn plugin() -> Result<Plugin, Error> {
-    testing::filter_host("kvoy_prefix_affinity")?
-        .plugin()
-        .configuration(config())
-        .clusters([CLUSTER])
-        .vms(2)
-        .seed(11)
-        .start()
+    support::start_live("kvoy_prefix_affinity", &config(), 2, 11)
 }
 
 fn status(slot: u16, port: u16) -> EndpointStatus {
-    EndpointStatus {
-        slot,
-        address: ([127, 0, 0, 1], port).into(),
-        models: vec!["m".into()],
-        ready: true,
-        stale: false,
-        waiting: 0,
-        running: 0,
-        kv_cache_usage: 0.1,
-        block_size: 16,
-        capacity_blocks: 1000,
-        cached_blocks: [0; 3],
-        cache_generation: 0,
-        prefix_hit_rate: None,
-        prefill_tokens_per_s: None,
-    }
+    support::status(slot, ([127, 0, 0, 1], port).into())
 }
 
 /// Routes one chat request with a unique prompt on `vm` to completion; the destination.
 fn route(plugin: &Plugin, vm: usize, i: usize) -> Result<String, Error> {
-    let body = serde_json::json!({"model": "m", "messages": [
-        {"role": "user", "content": format!("distinct prompt number {i} ").repeat(20)}]})
-    .to_string();
+    let body = chat_body(&format!("distinct prompt number {i} ").repeat(20));
     let stream = plugin.http_stream(vm)?;
-    let action = stream.send_request_headers(
-        &[
-            (":method", "POST"),
-            (":path", "/v1/chat/completions"),
-            (":authority", "gw"),
-            ("content-type", "application/json"),
-        ],
-        false,
-    )?;
+    let action = stream.send_request_headers(&post("/v1/chat/completions"), false)?;
     assert_eq!(action, Action::Pause);
     stream.send_request_body(body.as_bytes(), true)?;
-    let dest = stream
-        .forwarded_request_headers()
-        .and_then(|h| h.get(DEST).map(str::to_owned))
+    let dest = forwarded(&stream, DEST)
         .unwrap_or_else(|| panic!("request {i} was not forwarded: {:?}", stream.local_reply()));
     stream.finish()?;
     Ok(dest)
@@ -89,12 +52,9 @@ fn spread(plugin: &Plugin, n: usize) -> Result<BTreeMap<String, usize>, Error> {
     Ok(seen)
 }
 
-/// Advances one poll interval and returns the single poll it caused.
+/// Advances one poll interval and returns the single poll it caused, a GET to the aggregator.
 fn next_poll(plugin: &Plugin) -> Result<HttpCall, Error> {
-    plugin.advance(Duration::from_millis(100))?;
-    let calls = testing::snapshot_polls(plugin)?;
-    assert_eq!(calls.len(), 1, "one poller per proxy: {calls:?}");
-    let call = calls.into_iter().next().unwrap();
+    let call = support::next_poll(plugin)?;
     assert_eq!(call.upstream, CLUSTER);
     assert_eq!(call.headers.get(":method"), Some("GET"));
     assert_eq!(call.headers.get(":authority"), Some("aggregator.local"));
@@ -113,9 +73,18 @@ fn answer(plugin: &Plugin, call: &HttpCall, history: &SnapshotHistory) -> TestRe
             _ => {}
         }
     }
-    let mut body = Vec::new();
-    history.delta_since(epoch, since).encode(&mut body);
-    plugin.respond_http_call(call, HttpResponse::new(200).body(body))
+    respond_snapshot(plugin, call, history.delta_since(epoch, since))
+}
+
+/// `ticks` poll intervals pass with every callout failing.
+fn lose_contact(plugin: &Plugin, ticks: usize) -> TestResult {
+    for _ in 0..ticks {
+        plugin.advance(Duration::from_millis(100))?;
+        for call in plugin.http_calls() {
+            plugin.fail_http_call(&call)?;
+        }
+    }
+    Ok(())
 }
 
 #[test]
@@ -200,12 +169,7 @@ fn routes_by_the_aggregators_pool_and_survives_its_loss() -> TestResult {
     );
     // 3 s later (> load_max_age_ms 2000): loads ignored, so 19003 and 19004 are candidates
     // again; 19001 and 19002 stay avoided (not ready in the last snapshot).
-    for _ in 0..30 {
-        plugin.advance(Duration::from_millis(100))?;
-        for call in plugin.http_calls() {
-            plugin.fail_http_call(&call)?;
-        }
-    }
+    lose_contact(&plugin, 30)?;
     let seen = spread(&plugin, 60)?;
     assert_eq!(
         seen.keys().map(String::as_str).collect::<Vec<_>>(),
@@ -213,12 +177,7 @@ fn routes_by_the_aggregators_pool_and_survives_its_loss() -> TestResult {
         "{seen:?}"
     );
     // 30 s without contact (snapshot_max_age_ms): back to the static pool.
-    for _ in 0..280 {
-        plugin.advance(Duration::from_millis(100))?;
-        for call in plugin.http_calls() {
-            plugin.fail_http_call(&call)?;
-        }
-    }
+    lose_contact(&plugin, 280)?;
     let seen = spread(&plugin, 20)?;
     assert!(
         seen.keys().all(|d| STATIC_POOL.contains(&d.as_str())),
@@ -258,9 +217,7 @@ fn a_forged_destination_never_leaves_the_live_pool() -> TestResult {
             ],
             true,
         )?;
-        let dest = stream
-            .forwarded_request_headers()
-            .and_then(|h| h.get(DEST).map(str::to_owned));
+        let dest = forwarded(&stream, DEST);
         assert_eq!(dest.as_deref(), Some("127.0.0.1:19001"), "forged {forged}");
         stream.finish()?;
     }
@@ -305,13 +262,7 @@ fn a_proxy_told_not_to_relay_exchanges_no_decisions() -> TestResult {
         r#""authority":"aggregator.local","relay_decisions":false"#,
     );
     assert!(config.contains("relay_decisions"), "{config}");
-    let plugin = testing::filter_host("kvoy_prefix_affinity")?
-        .plugin()
-        .configuration(config)
-        .clusters([CLUSTER])
-        .vms(2)
-        .seed(11)
-        .start()?;
+    let plugin = support::start_live("kvoy_prefix_affinity", &config, 2, 11)?;
     let mut history = SnapshotHistory::new(42);
     history.update((0..4).map(|s| status(s, 19001 + s)).collect());
     let call = next_poll(&plugin)?;

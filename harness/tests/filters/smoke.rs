@@ -1,21 +1,16 @@
 //! Smoke test against the real `kvoy_prefix_affinity` filter (built by `make wasm`): the host
 //! starts it in two VMs, routes a chat completion and rejects a malformed body.
 
-use kvoy_harness::{testing, Action, Error, Plugin};
+use kvoy_harness::{Action, Error, Plugin};
 
-type TestResult = Result<(), Error>;
+use crate::support;
+use crate::TestResult;
 
 const ENDPOINTS: [&str; 2] = ["127.0.0.1:18001", "127.0.0.1:18002"];
 
 fn plugin() -> Result<Plugin, Error> {
-    let config = serde_json::json!({
-        "endpoints": ENDPOINTS.iter().map(|a| serde_json::json!({"address": a, "models": ["m"]})).collect::<Vec<_>>(),
-    });
-    testing::filter_host("kvoy_prefix_affinity")?
-        .plugin()
-        .configuration(config.to_string())
-        .vms(2)
-        .start()
+    let config = support::pool_config(&ENDPOINTS, serde_json::json!({}));
+    support::builder("kvoy_prefix_affinity", &config, 2)?.start()
 }
 
 const HEADERS: &[(&str, &str)] = &[

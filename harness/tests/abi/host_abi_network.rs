@@ -6,14 +6,12 @@
 //! plus the upstream close type and 30 (`u`) plus the downstream one, and `proxy_on_done`,
 //! `proxy_on_log`, `proxy_on_delete` log `z`, `A`, `B`. Data the host returned is logged as
 //! a line.
-#![allow(clippy::expect_used, clippy::unwrap_used)]
 
 use kvoy_harness::{Action, CloseType, ConnectionEvent, Error, Plugin, StreamType};
 
-mod wat_guest;
-use wat_guest::*;
+use crate::wat_guest::*;
 
-type TestResult = Result<(), Error>;
+use crate::TestResult;
 
 /// A network filter whose data's last byte says what to do: `H` hold (Pause), `G` continue
 /// reading and Pause, `R` replace the data with `NEW`, `A` append `+t`, `C` / `U` close the

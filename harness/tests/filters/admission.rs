@@ -4,25 +4,20 @@
 //! heavy and a light flow, TTL expiry and caps with 429 and `x-kvoy-dropped-reason`, clients
 //! that leave while held, and a 10,000-request burst that ends with nothing lost or stuck.
 
-#![allow(clippy::expect_used, clippy::unwrap_used)]
-
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use kvoy_harness::{testing, Action, Error, HttpStream, Plugin, StreamEvent, StreamType};
+use kvoy_harness::{Action, Error, HttpStream, Plugin};
+use kvoy_shared::snapshot::{EndpointStatus, SnapshotHistory};
 
-type TestResult = Result<(), Error>;
+use crate::support::{self, respond_snapshot, resumed};
+use crate::TestResult;
 
 const REASON: &str = "x-kvoy-dropped-reason";
 
 fn plugin(flow: &str, vms: usize) -> Result<Plugin, Error> {
     let config = format!(r#"{{"endpoints": 2, "tick_ms": 10, "flow": {flow}}}"#);
-    testing::filter_host("kvoy_admission")?
-        .plugin()
-        .configuration(config)
-        .vms(vms)
-        .seed(9)
-        .start()
+    support::start("kvoy_admission", &config, vms, 9)
 }
 
 const LIMITED: &str = r#"{"saturation": {"max_inflight_per_endpoint": 2},
@@ -49,12 +44,6 @@ fn open(
         true,
     )?;
     Ok((s, action))
-}
-
-fn resumed(s: &HttpStream) -> bool {
-    s.events()
-        .iter()
-        .any(|e| matches!(e, StreamEvent::Continued(StreamType::HttpRequest)))
 }
 
 fn rejected(s: &HttpStream) -> Option<(u32, String)> {
@@ -255,50 +244,37 @@ fn a_burst_ends_with_nothing_lost_or_stuck() -> TestResult {
     Ok(())
 }
 
-fn status(slot: u16, waiting: u32, stale: bool) -> kvoy_shared::snapshot::EndpointStatus {
-    kvoy_shared::snapshot::EndpointStatus {
-        slot,
-        address: ([127, 0, 0, 1], 19000 + slot).into(),
-        models: vec!["m".into()],
-        ready: true,
+/// An endpoint at `127.0.0.1:(19000 + slot)` with `waiting` queued and 4 running.
+fn status(slot: u16, waiting: u32, stale: bool) -> EndpointStatus {
+    EndpointStatus {
         stale,
         waiting,
         running: 4,
         kv_cache_usage: 0.2,
-        block_size: 16,
-        capacity_blocks: 1000,
-        cached_blocks: [0; 3],
-        cache_generation: 0,
-        prefix_hit_rate: None,
-        prefill_tokens_per_s: None,
+        ..support::status(slot, ([127, 0, 0, 1], 19000 + slot).into())
     }
 }
 
 /// Answers the one pending poll with the full snapshot of `history`.
-fn answer_poll(plugin: &Plugin, history: &kvoy_shared::snapshot::SnapshotHistory) -> TestResult {
+fn answer_poll(plugin: &Plugin, history: &SnapshotHistory) -> TestResult {
     plugin.advance(Duration::from_millis(100))?;
     let calls = plugin.http_calls();
     assert_eq!(calls.len(), 1, "{calls:?}");
-    let mut body = Vec::new();
-    history.delta_since(None, None).encode(&mut body);
-    plugin.respond_http_call(&calls[0], kvoy_harness::HttpResponse::new(200).body(body))
+    respond_snapshot(plugin, &calls[0], history.delta_since(None, None))
 }
 
 #[test]
 fn the_aggregators_queues_saturate_the_pool() -> TestResult {
-    let plugin = testing::filter_host("kvoy_admission")?
-        .plugin()
-        .configuration(
-            r#"{"endpoints": 2, "tick_ms": 10, "aggregator": {"cluster": "kvoy_aggregator"},
+    let plugin = support::start_live(
+        "kvoy_admission",
+        r#"{"endpoints": 2, "tick_ms": 10, "aggregator": {"cluster": "kvoy_aggregator"},
                 "flow": {"objectives": {"interactive": 10}}}"#,
-        )
-        .clusters(["kvoy_aggregator"])
-        .vms(2)
-        .seed(4)
-        .start()?;
+        2,
+        4,
+    )?;
     // Servers with long queues (waiting 8 >= 5 on both): saturated although this proxy has
     // nothing in flight.
-    let mut history = kvoy_shared::snapshot::SnapshotHistory::new(77);
+    let mut history = SnapshotHistory::new(77);
     history.update(vec![status(0, 8, false), status(1, 9, false)]);
     answer_poll(&plugin, &history)?;
     let (held, a) = open(&plugin, 0, "batch", "a")?;
@@ -365,18 +341,15 @@ fn queue_gauges_per_band() -> TestResult {
 /// raised the proxy's in-flight limit from 12 to 16.
 #[test]
 fn endpoints_outside_the_allowlist_are_no_capacity() -> TestResult {
-    let plugin = testing::filter_host("kvoy_admission")?
-        .plugin()
-        .configuration(
-            r#"{"endpoints": 2, "tick_ms": 10, "aggregator": {"cluster": "kvoy_aggregator"},
+    let plugin = support::start_live(
+        "kvoy_admission",
+        r#"{"endpoints": 2, "tick_ms": 10, "aggregator": {"cluster": "kvoy_aggregator"},
                 "allowed_destinations": [{"cidr": "127.0.0.1/32", "ports": [19000, 19001]}],
                 "flow": {"saturation": {"max_inflight_per_endpoint": 2}}}"#,
-        )
-        .clusters(["kvoy_aggregator"])
-        .vms(1)
-        .seed(5)
-        .start()?;
-    let mut history = kvoy_shared::snapshot::SnapshotHistory::new(78);
+        1,
+        5,
+    )?;
+    let mut history = SnapshotHistory::new(78);
     // Slot 2 is 127.0.0.1:19002: outside the allowlist.
     history.update(vec![
         status(0, 0, false),
@@ -453,17 +426,14 @@ fn gauges_sum_over_workers() -> TestResult {
 
 #[test]
 fn an_empty_pool_answers_503() -> TestResult {
-    let plugin = testing::filter_host("kvoy_admission")?
-        .plugin()
-        .configuration(
-            r#"{"endpoints": 1, "tick_ms": 10, "aggregator": {"cluster": "kvoy_aggregator"},
+    let plugin = support::start_live(
+        "kvoy_admission",
+        r#"{"endpoints": 1, "tick_ms": 10, "aggregator": {"cluster": "kvoy_aggregator"},
                 "flow": {"saturation": {"max_inflight_per_endpoint": 1}}}"#,
-        )
-        .clusters(["kvoy_aggregator"])
-        .vms(1)
-        .seed(5)
-        .start()?;
-    let mut history = kvoy_shared::snapshot::SnapshotHistory::new(78);
+        1,
+        5,
+    )?;
+    let mut history = SnapshotHistory::new(78);
     history.update(vec![status(0, 0, false)]);
     answer_poll(&plugin, &history)?;
     let (running, a) = open(&plugin, 0, "batch", "a")?;

@@ -8,7 +8,6 @@
 //! What can be observed of Envoy itself through kvoy's filters (routing, local replies, the
 //! served-endpoint header, shared state across requests) is compared in the differential test
 //! `local/tests/local_vs_envoy.rs`.
-#![allow(clippy::expect_used, clippy::unwrap_used)]
 
 use std::io::{Read, Write};
 use std::net::TcpListener;
@@ -18,10 +17,9 @@ use kvoy_harness::{
     Action, ChainState, Error, FilterChain, HeaderMap, HttpResponse, Status, StreamEvent,
 };
 
-mod wat_guest;
-use wat_guest::*;
+use crate::wat_guest::*;
 
-type TestResult = Result<(), Error>;
+use crate::TestResult;
 
 #[test]
 fn logging_levels_time_ticks_and_done() -> TestResult {

@@ -5,39 +5,20 @@
 //! is complete, routed and continued at its body's end when it is not. The decisions against the
 //! three separate filters are compared in `local/tests/combined_vs_chain.rs`.
 
-#![allow(clippy::expect_used, clippy::unwrap_used)]
-
 use std::time::Duration;
 
-use kvoy_harness::{testing, Action, Error, HttpStream, Plugin, StreamEvent, StreamType};
+use kvoy_harness::{Action, Error, HttpStream, Plugin};
 
-type TestResult = Result<(), Error>;
+use crate::support::{self, resumed, DEST, POOL, SERVED};
+use crate::TestResult;
 
-const POOL: [&str; 3] = ["127.0.0.1:18001", "127.0.0.1:18002", "127.0.0.1:18003"];
-const DEST: &str = "x-gateway-destination-endpoint";
-const SERVED: &str = "x-gateway-destination-endpoint-served";
-
+/// The routing stage's section: the static pool.
 fn prefix() -> String {
-    let endpoints: Vec<String> = POOL
-        .iter()
-        .map(|a| format!(r#"{{"address":"{a}","models":["m"]}}"#))
-        .collect();
-    format!(r#"{{"endpoints":[{}]}}"#, endpoints.join(","))
+    support::pool_config(&POOL, serde_json::json!({}))
 }
 
 fn plugin(config: &str) -> Result<Plugin, Error> {
-    testing::filter_host("kvoy")?
-        .plugin()
-        .configuration(config)
-        .vms(2)
-        .seed(11)
-        .start()
-}
-
-fn resumed(s: &HttpStream) -> bool {
-    s.events()
-        .iter()
-        .any(|e| matches!(e, StreamEvent::Continued(StreamType::HttpRequest)))
+    support::start("kvoy", config, 2, 11)
 }
 
 #[test]

@@ -6,7 +6,7 @@
 
 use kvoy_harness::{Action, Error, Host, Plugin};
 
-type TestResult = Result<(), Error>;
+use crate::TestResult;
 
 /// Imports, memory with the digit table and some strings, a bump allocator, the ABI marker, and
 /// `$report`. `extra` adds functions and exports.

@@ -1,6 +1,6 @@
 //! Hand-written WebAssembly guests for the host's ABI tests: every `env` import, a bump
 //! allocator, and `$report` / `$show` to log statuses and returned bytes (see `host_abi.rs`).
-#![allow(dead_code, clippy::expect_used, clippy::unwrap_used)]
+#![allow(dead_code)]
 
 use kvoy_harness::{Error, HeaderMap, Host, Plugin, PluginBuilder};
 

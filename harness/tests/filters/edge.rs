@@ -4,52 +4,23 @@
 //! not copied in, a body of too many prompt parts is refused, and outstanding work follows an
 //! endpoint's address when an aggregator restart renumbers the pool.
 
-#![allow(clippy::expect_used, clippy::unwrap_used)]
-
 use std::time::Duration;
 
-use kvoy_harness::{testing, Action, Error, HttpCall, HttpResponse, HttpStream, Plugin};
+use kvoy_harness::{Action, Error, HttpResponse, HttpStream, Plugin};
 use kvoy_shared::session::PIN_HEADER;
 use kvoy_shared::snapshot::{EndpointStatus, SnapshotHistory};
 
-type TestResult = Result<(), Error>;
-
-const DEST: &str = "x-gateway-destination-endpoint";
-const CLUSTER: &str = "kvoy_aggregator";
+use crate::support::{
+    self, chat_body, forwarded, next_poll, post, respond_snapshot, CLUSTER, DEST, POOL,
+};
+use crate::TestResult;
 
 fn prefix_affinity(config: &str, vms: usize) -> Result<Plugin, Error> {
-    testing::filter_host("kvoy_prefix_affinity")?
-        .plugin()
-        .configuration(config)
-        .clusters([CLUSTER])
-        .vms(vms)
-        .seed(5)
-        .start()
+    support::start_live("kvoy_prefix_affinity", config, vms, 5)
 }
 
 fn static_config() -> String {
-    r#"{"endpoints":[{"address":"127.0.0.1:18001","models":["m"]},
-                     {"address":"127.0.0.1:18002","models":["m"]}]}"#
-        .to_owned()
-}
-
-fn chat_body(text: &str) -> String {
-    serde_json::json!({"model": "m", "messages": [{"role": "user", "content": text}]}).to_string()
-}
-
-fn post(path: &str) -> Vec<(&str, &str)> {
-    vec![
-        (":method", "POST"),
-        (":path", path),
-        (":authority", "gw"),
-        ("content-type", "application/json"),
-    ]
-}
-
-fn forwarded(stream: &HttpStream, name: &str) -> Option<String> {
-    stream
-        .forwarded_request_headers()
-        .and_then(|h| h.get(name).map(str::to_owned))
+    support::pool_config(&POOL[..2], serde_json::json!({}))
 }
 
 #[test]
@@ -100,11 +71,7 @@ fn prefix_affinity_routes_a_request_that_ends_with_trailers() -> TestResult {
 
 #[test]
 fn session_pins_a_responses_request_that_ends_with_trailers() -> TestResult {
-    let plugin = testing::filter_host("kvoy_session")?
-        .plugin()
-        .configuration("{}")
-        .vms(1)
-        .start()?;
+    let plugin = support::builder("kvoy_session", "{}", 1)?.start()?;
     let body = r#"{"model":"m","input":"hello"}"#;
     // Bind s1 to an endpoint.
     let s = plugin.http_stream(0)?;
@@ -132,13 +99,8 @@ fn session_pins_a_responses_request_that_ends_with_trailers() -> TestResult {
 
 #[test]
 fn admission_keeps_a_held_request_held_through_its_trailers() -> TestResult {
-    let plugin = testing::filter_host("kvoy_admission")?
-        .plugin()
-        .configuration(
-            r#"{"endpoints":1,"tick_ms":10,"flow":{"saturation":{"max_inflight_per_endpoint":1},"queue_ttl_ms":60000}}"#,
-        )
-        .vms(1)
-        .start()?;
+    let config = r#"{"endpoints":1,"tick_ms":10,"flow":{"saturation":{"max_inflight_per_endpoint":1},"queue_ttl_ms":60000}}"#;
+    let plugin = support::builder("kvoy_admission", config, 1)?.start()?;
     let first = plugin.http_stream(0)?;
     assert_eq!(
         first.send_request_headers(&post("/v1/chat/completions"), true)?,
@@ -193,37 +155,13 @@ fn encoded_paths_cannot_skip_the_body() -> TestResult {
 }
 
 fn status(slot: u16, address: &str) -> EndpointStatus {
-    EndpointStatus {
-        slot,
-        address: address.parse().unwrap(),
-        models: vec!["m".into()],
-        ready: true,
-        stale: false,
-        waiting: 0,
-        running: 0,
-        kv_cache_usage: 0.1,
-        block_size: 16,
-        capacity_blocks: 1000,
-        cached_blocks: [0; 3],
-        cache_generation: 0,
-        prefix_hit_rate: None,
-        prefill_tokens_per_s: None,
-    }
+    support::status(slot, address.parse().unwrap())
 }
 
-fn next_poll(plugin: &Plugin) -> Result<HttpCall, Error> {
-    plugin.advance(Duration::from_millis(100))?;
-    let calls = testing::snapshot_polls(plugin)?;
-    assert_eq!(calls.len(), 1, "{calls:?}");
-    Ok(calls.into_iter().next().unwrap())
-}
-
+/// Answers the next poll with the full snapshot: a restarted aggregator has a new epoch anyway.
 fn answer(plugin: &Plugin, history: &SnapshotHistory) -> TestResult {
     let call = next_poll(plugin)?;
-    let mut body = Vec::new();
-    // Always the full snapshot: a restarted aggregator has a new epoch anyway.
-    history.delta_since(None, None).encode(&mut body);
-    plugin.respond_http_call(&call, HttpResponse::new(200).body(body))
+    respond_snapshot(plugin, &call, history.delta_since(None, None))
 }
 
 /// A chat request on `vm` routed and left open (not answered); its stream and destination.

@@ -2,36 +2,20 @@
 //! `make wasm`) with two VMs, as two Envoy worker threads. Deterministic: the harness seeds the
 //! guests' random source and nothing reads a wall clock.
 
-// Test helpers panic on broken expectations, like the tests themselves.
-#![allow(clippy::expect_used, clippy::unwrap_used)]
-
 use std::collections::BTreeMap;
 
-use kvoy_harness::{testing, Action, Error, HttpStream, Plugin};
+use kvoy_harness::{Action, Error, HttpStream, Plugin};
 use kvoy_shared::shared_data;
 
-type TestResult = Result<(), Error>;
-
-const POOL: [&str; 3] = ["127.0.0.1:18001", "127.0.0.1:18002", "127.0.0.1:18003"];
-const DEST: &str = "x-gateway-destination-endpoint";
+use crate::support::{self, DEST, POOL};
+use crate::TestResult;
 
 fn config(extra: serde_json::Value) -> String {
-    let mut cfg = serde_json::json!({
-        "endpoints": POOL.iter().map(|a| serde_json::json!({"address": a, "models": ["m"]})).collect::<Vec<_>>(),
-    });
-    if let (Some(cfg), Some(extra)) = (cfg.as_object_mut(), extra.as_object()) {
-        cfg.extend(extra.clone());
-    }
-    cfg.to_string()
+    support::pool_config(&POOL, extra)
 }
 
 fn plugin_with(config: &str, seed: u64) -> Result<Plugin, Error> {
-    testing::filter_host("kvoy_prefix_affinity")?
-        .plugin()
-        .configuration(config)
-        .vms(2)
-        .seed(seed)
-        .start()
+    support::start("kvoy_prefix_affinity", config, 2, seed)
 }
 
 fn plugin() -> Result<Plugin, Error> {
@@ -84,9 +68,14 @@ fn send(
     Ok(stream)
 }
 
+/// Sends a chat completion with `body`; returns the open stream.
+fn send_chat(plugin: &Plugin, vm: usize, body: &[u8]) -> Result<HttpStream, Error> {
+    send(plugin, vm, "/v1/chat/completions", body, &[])
+}
+
 /// Routes one chat request to completion and returns the chosen endpoint.
 fn route(plugin: &Plugin, vm: usize, body: &[u8]) -> Result<String, Error> {
-    let stream = send(plugin, vm, "/v1/chat/completions", body, &[])?;
+    let stream = send_chat(plugin, vm, body)?;
     let dest = destination(&stream);
     stream.finish()?;
     Ok(dest)
@@ -198,26 +187,14 @@ fn the_cost_scorer_spills_a_burst_once_queued_work_outweighs_the_prefix() -> Tes
     let system = "Shared agent instructions. ".repeat(100);
     let task = |i: usize| format!("task {i:04} {}", "x".repeat(1190));
     // A first request computes the prefix; its answer begins (its prefill is done).
-    let first = send(
-        &plugin,
-        0,
-        "/v1/chat/completions",
-        &chat(&system, &task(99)),
-        &[],
-    )?;
+    let first = send_chat(&plugin, 0, &chat(&system, &task(99)))?;
     let holder = destination(&first);
     first.send_response(&[(":status", "200")], b"{}")?;
     first.finish()?;
     let mut open = Vec::new();
     let mut order = Vec::new();
     for i in 0..30 {
-        let stream = send(
-            &plugin,
-            i % 2,
-            "/v1/chat/completions",
-            &chat(&system, &task(i)),
-            &[],
-        )?;
+        let stream = send_chat(&plugin, i % 2, &chat(&system, &task(i)))?;
         order.push(destination(&stream));
         open.push(stream);
     }
@@ -323,13 +300,7 @@ fn a_same_prefix_burst_spills_past_the_hot_endpoint() -> TestResult {
     let mut open = Vec::new();
     let mut per: BTreeMap<String, u32> = BTreeMap::new();
     for i in 0..50 {
-        let stream = send(
-            &plugin,
-            i % 2,
-            "/v1/chat/completions",
-            &chat(&system, &format!("task {i}")),
-            &[],
-        )?;
+        let stream = send_chat(&plugin, i % 2, &chat(&system, &format!("task {i}")))?;
         *per.entry(destination(&stream)).or_default() += 1;
         open.push(stream);
     }
@@ -424,25 +395,13 @@ fn bad_requests_get_openai_errors() -> TestResult {
     let cfg = config(serde_json::json!({"max_body_bytes": 1000}));
     let plugin = plugin_with(&cfg, 3)?;
 
-    let s = send(
-        &plugin,
-        0,
-        "/v1/chat/completions",
-        b"{\"model\":\"m\",\"messages\":[",
-        &[],
-    )?;
+    let s = send_chat(&plugin, 0, b"{\"model\":\"m\",\"messages\":[")?;
     let (status, body) = error_reply(&s);
     assert_eq!(status, 400);
     assert_eq!(body["error"]["type"], "invalid_request_error");
     s.finish()?;
 
-    let s = send(
-        &plugin,
-        1,
-        "/v1/chat/completions",
-        br#"{"model":"zzz","messages":[]}"#,
-        &[],
-    )?;
+    let s = send_chat(&plugin, 1, br#"{"model":"zzz","messages":[]}"#)?;
     let (status, body) = error_reply(&s);
     assert_eq!(status, 404, "{body}");
     assert_eq!(body["error"]["code"], "model_not_found");
@@ -497,13 +456,7 @@ fn fallback_policy_routes_bad_bodies_to_the_least_loaded() -> TestResult {
     // load two endpoints with open requests so that one is clearly the least loaded
     let mut open = Vec::new();
     for i in 0..7 {
-        let s = send(
-            &plugin,
-            0,
-            "/v1/chat/completions",
-            &chat(&format!("p{i}"), "u"),
-            &[],
-        )?;
+        let s = send_chat(&plugin, 0, &chat(&format!("p{i}"), "u"))?;
         destination(&s);
         open.push(s);
     }
@@ -513,7 +466,7 @@ fn fallback_policy_routes_bad_bodies_to_the_least_loaded() -> TestResult {
         .filter(|&i| counts[i] == min)
         .map(|i| POOL[i])
         .collect();
-    let s = send(&plugin, 1, "/v1/chat/completions", b"not json at all", &[])?;
+    let s = send_chat(&plugin, 1, b"not json at all")?;
     assert!(
         least.contains(&destination(&s).as_str()),
         "counts {counts:?}"
@@ -524,13 +477,7 @@ fn fallback_policy_routes_bad_bodies_to_the_least_loaded() -> TestResult {
     );
     s.finish()?;
     // an unknown model is still a 404 under fallback: the body parsed, the model is not served
-    let s = send(
-        &plugin,
-        1,
-        "/v1/chat/completions",
-        br#"{"model":"other","messages":[]}"#,
-        &[],
-    )?;
+    let s = send_chat(&plugin, 1, br#"{"model":"other","messages":[]}"#)?;
     assert_eq!(error_reply(&s).0, 404);
     s.finish()?;
     for s in &open {
@@ -626,8 +573,7 @@ fn bad_configurations_are_refused_with_the_field_named() -> TestResult {
         (r#"{"endpoints":[]}"#, "endpoints"),
         ("not json", "configuration JSON"),
     ] {
-        let host = testing::filter_host("kvoy_prefix_affinity")?;
-        match host.plugin().configuration(cfg).vms(1).start() {
+        match support::builder("kvoy_prefix_affinity", cfg, 1)?.start() {
             Ok(_) => panic!("accepted {cfg}"),
             Err(e) => {
                 let text = format!("{e:?}");
@@ -787,10 +733,7 @@ fn a_new_configuration_of_the_same_pool_keeps_the_routing_state() -> TestResult 
     // configuration that changes a field other than the pool: Envoy keeps shared data and
     // starts the new configuration's VMs (new root contexts, other seeds) beside it.
     let after = config(serde_json::json!({"max_body_bytes": 4 << 20}));
-    let new = testing::filter_host("kvoy_prefix_affinity")?
-        .plugin()
-        .configuration(after.as_str())
-        .vms(2)
+    let new = support::builder("kvoy_prefix_affinity", &after, 2)?
         .seed(8)
         .shared_data_of(&old)
         .start()?;
@@ -809,13 +752,9 @@ fn a_new_configuration_of_the_same_pool_keeps_the_routing_state() -> TestResult 
         .counter("kvoy_prefix_affinity_remote_decisions_applied_total")
         .is_some_and(|n| n >= 120));
     // A new pool (another endpoint order) is a new namespace: nothing carries over.
-    let reordered: serde_json::Value = serde_json::json!({
-        "endpoints": POOL.iter().rev().map(|a| serde_json::json!({"address": a, "models": ["m"]})).collect::<Vec<_>>(),
-    });
-    let other = testing::filter_host("kvoy_prefix_affinity")?
-        .plugin()
-        .configuration(reordered.to_string())
-        .vms(2)
+    let reversed: Vec<&str> = POOL.iter().rev().copied().collect();
+    let reordered = support::pool_config(&reversed, serde_json::json!({}));
+    let other = support::builder("kvoy_prefix_affinity", &reordered, 2)?
         .seed(9)
         .shared_data_of(&old)
         .start()?;

@@ -3,28 +3,16 @@
 //! outside the pool, stripped before the request leaves, and broken when its endpoint is
 //! clearly overloaded (unless the pin is hard).
 
-#![allow(clippy::expect_used, clippy::unwrap_used)]
-
-use kvoy_harness::{testing, Error, HttpStream, Plugin};
+use kvoy_harness::{Error, HttpStream, Plugin};
 use kvoy_shared::session::PIN_HEADER;
 
-type TestResult = Result<(), Error>;
+use crate::support::{self, DEST, POOL};
+use crate::TestResult;
 
-const POOL: [&str; 3] = ["127.0.0.1:18001", "127.0.0.1:18002", "127.0.0.1:18003"];
-const DEST: &str = "x-gateway-destination-endpoint";
-
-fn plugin(extra: &str) -> Result<Plugin, Error> {
-    let endpoints: Vec<String> = POOL
-        .iter()
-        .map(|a| format!(r#"{{"address":"{a}","models":["m"]}}"#))
-        .collect();
-    let config = format!(r#"{{"endpoints":[{}]{extra}}}"#, endpoints.join(","));
-    testing::filter_host("kvoy_prefix_affinity")?
-        .plugin()
-        .configuration(config)
-        .vms(2)
-        .seed(5)
-        .start()
+/// The prefix-affinity filter over [`POOL`], with the fields of `extra` besides.
+fn plugin(extra: serde_json::Value) -> Result<Plugin, Error> {
+    let config = support::pool_config(&POOL, extra);
+    support::start("kvoy_prefix_affinity", &config, 2, 5)
 }
 
 /// Sends a chat request pinned to `pin` on `vm`; returns the open stream and its destination.
@@ -60,7 +48,7 @@ fn send(
 
 #[test]
 fn pins_are_honoured_inside_the_pool_only() -> TestResult {
-    let plugin = plugin("")?;
+    let plugin = plugin(serde_json::json!({}))?;
     for i in 0..20 {
         let (s, dest) = send(&plugin, i % 2, i, Some(POOL[2]))?;
         assert_eq!(dest, POOL[2]);
@@ -86,7 +74,7 @@ fn pins_are_honoured_inside_the_pool_only() -> TestResult {
 
 #[test]
 fn an_overloaded_pin_breaks_unless_hard() -> TestResult {
-    let plugin = plugin("")?;
+    let plugin = plugin(serde_json::json!({}))?;
     // Requests pinned to endpoint 0 stay open: its in-flight count grows.
     let mut open = Vec::new();
     let mut broke_at = None;
@@ -120,5 +108,5 @@ fn an_overloaded_pin_breaks_unless_hard() -> TestResult {
 }
 
 fn plugin_hard() -> Result<Plugin, Error> {
-    plugin(r#","session":{"hard":true}"#)
+    plugin(serde_json::json!({"session": {"hard": true}}))
 }

@@ -4,7 +4,7 @@
 
 use kvoy_harness::{testing, Action, CloseType, ConnectionEvent, Error, Plugin};
 
-type TestResult = Result<(), Error>;
+use crate::TestResult;
 
 fn plugin() -> Result<Plugin, Error> {
     testing::filter_host("kvoy_harness_guest")?

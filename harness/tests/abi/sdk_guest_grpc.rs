@@ -3,7 +3,7 @@
 
 use kvoy_harness::{testing, Error, GrpcTarget, Plugin};
 
-type TestResult = Result<(), Error>;
+use crate::TestResult;
 
 fn plugin() -> Result<Plugin, Error> {
     testing::filter_host("kvoy_harness_guest")?
