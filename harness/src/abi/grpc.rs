@@ -20,49 +20,15 @@ use crate::vm::state::VmState;
 type Ctx<'a> = Caller<'a, VmState>;
 
 pub(super) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
-    env_fn!(
-        linker,
-        "proxy_grpc_call",
-        grpc_call,
-        (
-            service_ptr,
-            service_size,
-            service_name_ptr,
-            service_name_size,
-            method_ptr,
-            method_size,
-            metadata_ptr,
-            metadata_size,
-            message_ptr,
-            message_size,
-            timeout,
-            token_ptr
-        )
-    );
-    env_fn!(
-        linker,
-        "proxy_grpc_stream",
-        grpc_stream,
-        (
-            service_ptr,
-            service_size,
-            service_name_ptr,
-            service_name_size,
-            method_ptr,
-            method_size,
-            metadata_ptr,
-            metadata_size,
-            token_ptr
-        )
-    );
-    env_fn!(
-        linker,
-        "proxy_grpc_send",
-        grpc_send,
-        (token, message_ptr, message_size, end_stream)
-    );
-    env_fn!(linker, "proxy_grpc_cancel", grpc_cancel, (token));
-    env_fn!(linker, "proxy_grpc_close", grpc_close, (token));
+    env_fn!(linker, "proxy_grpc_call" => grpc_call(
+        service_ptr, service_size, service_name_ptr, service_name_size, method_ptr, method_size,
+        metadata_ptr, metadata_size, message_ptr, message_size, timeout, token_ptr));
+    env_fn!(linker, "proxy_grpc_stream" => grpc_stream(
+        service_ptr, service_size, service_name_ptr, service_name_size, method_ptr, method_size,
+        metadata_ptr, metadata_size, token_ptr));
+    env_fn!(linker, "proxy_grpc_send" => grpc_send(token, message_ptr, message_size, end_stream));
+    env_fn!(linker, "proxy_grpc_cancel" => grpc_cancel(token));
+    env_fn!(linker, "proxy_grpc_close" => grpc_close(token));
     Ok(())
 }
 

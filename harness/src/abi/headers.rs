@@ -20,48 +20,16 @@ use crate::vm::state::VmState;
 type Ctx<'a> = Caller<'a, VmState>;
 
 pub(super) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
-    env_fn!(
-        linker,
-        "proxy_get_header_map_pairs",
-        get_pairs,
-        (kind, ptr_ptr, size_ptr)
-    );
-    env_fn!(
-        linker,
-        "proxy_set_header_map_pairs",
-        set_pairs,
-        (kind, ptr, size)
-    );
-    env_fn!(
-        linker,
-        "proxy_get_header_map_value",
-        get_value,
-        (kind, key_ptr, key_size, ptr_ptr, size_ptr)
-    );
-    env_fn!(
-        linker,
-        "proxy_add_header_map_value",
-        add_value,
-        (kind, key_ptr, key_size, value_ptr, value_size)
-    );
-    env_fn!(
-        linker,
-        "proxy_replace_header_map_value",
-        replace_value,
-        (kind, key_ptr, key_size, value_ptr, value_size)
-    );
-    env_fn!(
-        linker,
-        "proxy_remove_header_map_value",
-        remove_value,
-        (kind, key_ptr, key_size)
-    );
-    env_fn!(
-        linker,
-        "proxy_get_header_map_size",
-        get_size,
-        (kind, size_ptr)
-    );
+    env_fn!(linker, "proxy_get_header_map_pairs" => get_pairs(kind, ptr_ptr, size_ptr));
+    env_fn!(linker, "proxy_set_header_map_pairs" => set_pairs(kind, ptr, size));
+    env_fn!(linker, "proxy_get_header_map_value" =>
+        get_value(kind, key_ptr, key_size, ptr_ptr, size_ptr));
+    env_fn!(linker, "proxy_add_header_map_value" =>
+        add_value(kind, key_ptr, key_size, value_ptr, value_size));
+    env_fn!(linker, "proxy_replace_header_map_value" =>
+        replace_value(kind, key_ptr, key_size, value_ptr, value_size));
+    env_fn!(linker, "proxy_remove_header_map_value" => remove_value(kind, key_ptr, key_size));
+    env_fn!(linker, "proxy_get_header_map_size" => get_size(kind, size_ptr));
     Ok(())
 }
 

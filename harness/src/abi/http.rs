@@ -44,7 +44,7 @@ pub(super) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
             to_status(send_local_response(&mut caller, args))
         },
     )?;
-    env_fn!(linker, "proxy_continue_stream", continue_stream, (stream));
+    env_fn!(linker, "proxy_continue_stream" => continue_stream(stream));
     // ABI 0.1.0 names Envoy still links.
     linker.func_wrap("env", "proxy_continue_request", |mut caller: Ctx<'_>| {
         caller.data_mut().note_host_call("proxy_continue_request");
@@ -61,24 +61,10 @@ pub(super) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
         caller.data_mut().note_host_call("proxy_clear_route_cache");
         Status::Ok as i32
     })?;
-    env_fn!(linker, "proxy_close_stream", close_stream, (stream));
-    env_fn!(
-        linker,
-        "proxy_http_call",
-        http_call,
-        (
-            upstream_ptr,
-            upstream_size,
-            headers_ptr,
-            headers_size,
-            body_ptr,
-            body_size,
-            trailers_ptr,
-            trailers_size,
-            timeout,
-            token_ptr
-        )
-    );
+    env_fn!(linker, "proxy_close_stream" => close_stream(stream));
+    env_fn!(linker, "proxy_http_call" => http_call(
+        upstream_ptr, upstream_size, headers_ptr, headers_size, body_ptr, body_size, trailers_ptr,
+        trailers_size, timeout, token_ptr));
     Ok(())
 }
 

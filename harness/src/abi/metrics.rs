@@ -11,13 +11,8 @@ use crate::vm::state::VmState;
 type Ctx<'a> = Caller<'a, VmState>;
 
 pub(super) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
-    env_fn!(
-        linker,
-        "proxy_define_metric",
-        define_metric,
-        (kind, name_ptr, name_size, id_ptr)
-    );
-    env_fn!(linker, "proxy_get_metric", get_metric, (id, value_ptr));
+    env_fn!(linker, "proxy_define_metric" => define_metric(kind, name_ptr, name_size, id_ptr));
+    env_fn!(linker, "proxy_get_metric" => get_metric(id, value_ptr));
     // The two calls with a 64-bit argument, which `env_fn!` (all `i32`) does not cover.
     update_fn(linker, "proxy_record_metric", |metrics, id, value| {
         metrics.record(id, value as u64)

@@ -54,9 +54,10 @@ pub(crate) fn to_status(result: AbiResult) -> wasmtime::Result<i32> {
     }
 }
 
-/// Wraps a body `fn(&mut Caller<VmState>, u32...) -> AbiResult` as an `env` import taking i32s.
+/// Wraps a body `fn(&mut Caller<VmState>, u32...) -> AbiResult` as an `env` import taking i32s:
+/// `env_fn!(linker, "proxy_log" => log(level, ptr, size))`.
 macro_rules! env_fn {
-    ($linker:expr, $name:literal, $body:path, ($($arg:ident),*)) => {
+    ($linker:expr, $name:literal => $body:ident($($arg:ident),*)) => {
         $linker.func_wrap(
             "env",
             $name,

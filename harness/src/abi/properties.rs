@@ -34,24 +34,11 @@ use crate::vm::state::VmState;
 type Ctx<'a> = Caller<'a, VmState>;
 
 pub(super) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
-    env_fn!(
-        linker,
-        "proxy_get_property",
-        get_property,
-        (path_ptr, path_size, ptr_ptr, size_ptr)
-    );
-    env_fn!(
-        linker,
-        "proxy_set_property",
-        set_property,
-        (path_ptr, path_size, value_ptr, value_size)
-    );
-    env_fn!(
-        linker,
-        "proxy_call_foreign_function",
-        call_foreign_function,
-        (name_ptr, name_size, args_ptr, args_size, ptr_ptr, size_ptr)
-    );
+    env_fn!(linker, "proxy_get_property" => get_property(path_ptr, path_size, ptr_ptr, size_ptr));
+    env_fn!(linker, "proxy_set_property" =>
+        set_property(path_ptr, path_size, value_ptr, value_size));
+    env_fn!(linker, "proxy_call_foreign_function" =>
+        call_foreign_function(name_ptr, name_size, args_ptr, args_size, ptr_ptr, size_ptr));
     Ok(())
 }
 

@@ -136,8 +136,9 @@ fn request(call: &HttpCall) -> Request {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::{Read, Write};
+    use std::io;
     use std::net::TcpListener;
+    use std::thread::JoinHandle;
     use std::time::Instant;
 
     fn call(timeout_ms: u64) -> HttpCall {
@@ -158,24 +159,8 @@ mod tests {
         }
     }
 
-    fn serve_once(reply: &'static [u8]) -> (SocketAddr, std::thread::JoinHandle<String>) {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let handle = std::thread::spawn(move || {
-            let (mut s, _) = listener.accept().expect("accept");
-            let mut seen = Vec::new();
-            let mut buf = [0u8; 1024];
-            while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
-                let n = s.read(&mut buf).expect("read");
-                if n == 0 {
-                    break;
-                }
-                seen.extend_from_slice(&buf[..n]);
-            }
-            s.write_all(reply).expect("write");
-            String::from_utf8_lossy(&seen).into_owned()
-        });
-        (addr, handle)
+    fn serve_once(reply: &'static [u8]) -> (SocketAddr, JoinHandle<io::Result<String>>) {
+        crate::testing::serve_once(reply).expect("serve")
     }
 
     #[test]
@@ -185,7 +170,7 @@ mod tests {
         assert_eq!(r.headers.get(":status"), Some("200"));
         assert_eq!(r.headers.get("x-b"), Some("2"));
         assert_eq!(r.body, b"hello");
-        let request = h.join().expect("server");
+        let request = h.join().expect("server").expect("read");
         assert!(request.starts_with("GET /v1/snapshot HTTP/1.1\r\nhost: agg\r\n"));
         assert!(request.contains("x-a: 1\r\n"));
 

@@ -4,8 +4,9 @@
 //! Each guest reports the status of a host call by logging one character: the status as a
 //! digit (`0`-`9`, then `a`, `b`, `c`).
 
-use kvoy_harness::{Action, Error, Host, Plugin};
+use kvoy_harness::{Action, Error, Host};
 
+use crate::wat_guest::{host, reports, start};
 use crate::TestResult;
 
 /// Imports, memory with the digit table and some strings, a bump allocator, the ABI marker, and
@@ -58,25 +59,6 @@ fn module_with(extra: &str, allocator: &str) -> String {
   {extra}
 )"#
     )
-}
-
-fn start(wat: &str) -> Result<Plugin, Error> {
-    host(wat)?.plugin().start()
-}
-
-fn host(wat: &str) -> Result<Host, Error> {
-    let bytes = wat::parse_str(wat).map_err(|e| Error::Compile(e.to_string()))?;
-    Host::from_bytes(&bytes)
-}
-
-/// The one-character reports, in order.
-fn reports(plugin: &Plugin) -> String {
-    plugin
-        .logs()
-        .iter()
-        .filter(|e| e.message.len() == 1)
-        .map(|e| e.message.clone())
-        .collect()
 }
 
 const HEADERS: &[(&str, &str)] = &[(":method", "GET"), (":path", "/"), (":authority", "a")];

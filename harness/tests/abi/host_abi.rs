@@ -9,12 +9,11 @@
 //! served-endpoint header, shared state across requests) is compared in the differential test
 //! `local/tests/local_vs_envoy.rs`.
 
-use std::io::{Read, Write};
 use std::net::TcpListener;
 use std::time::Duration;
 
 use kvoy_harness::{
-    Action, ChainState, Error, FilterChain, HeaderMap, HttpResponse, Status, StreamEvent,
+    testing, Action, ChainState, Error, FilterChain, HeaderMap, HttpResponse, Status, StreamEvent,
 };
 
 use crate::wat_guest::*;
@@ -564,29 +563,6 @@ fn http_calls_recorded_answered_and_failed() -> TestResult {
     Ok(())
 }
 
-/// One HTTP/1.1 answer on a real socket, for the `upstream` mode.
-fn one_shot_server(
-    reply: &'static [u8],
-) -> (std::net::SocketAddr, std::thread::JoinHandle<String>) {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let handle = std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().expect("accept");
-        let mut seen = Vec::new();
-        let mut buf = [0u8; 4096];
-        while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
-            let n = s.read(&mut buf).expect("read");
-            if n == 0 {
-                break;
-            }
-            seen.extend_from_slice(&buf[..n]);
-        }
-        s.write_all(reply).expect("write");
-        String::from_utf8_lossy(&seen).into_owned()
-    });
-    (addr, handle)
-}
-
 #[test]
 fn http_calls_to_real_addresses() -> TestResult {
     let mut l = Layout::new();
@@ -609,7 +585,9 @@ fn http_calls_to_real_addresses() -> TestResult {
           (call $show))"#
         ),
     );
-    let (addr, server) = one_shot_server(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nsnap-real");
+    let (addr, server) =
+        testing::serve_once(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nsnap-real")
+            .expect("serve");
     let closed = TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .expect("a free port");
@@ -626,7 +604,7 @@ fn http_calls_to_real_addresses() -> TestResult {
     );
     assert_eq!(plugin.wait_http_responses(Duration::from_secs(10))?, 2);
     assert_eq!(plugin.pending_upstream_calls(), 0);
-    let request = server.join().expect("server");
+    let request = server.join().expect("server").expect("read");
     assert!(
         request.starts_with("GET /v1/snapshot HTTP/1.1\r\nhost: agg\r\n"),
         "{request}"

@@ -100,23 +100,6 @@ fn grpc_guest() -> String {
     )
 }
 
-/// What the guest logged since `from` (reports and lines), for one callback at a time.
-fn since(plugin: &kvoy_harness::Plugin, from: usize) -> (String, Vec<String>) {
-    let logs = plugin.logs();
-    let new = &logs[from..];
-    let reports = new
-        .iter()
-        .filter(|e| e.message.len() == 1)
-        .map(|e| e.message.clone())
-        .collect();
-    let lines = new
-        .iter()
-        .filter(|e| e.message.len() != 1)
-        .map(|e| e.message.clone())
-        .collect();
-    (reports, lines)
-}
-
 #[test]
 fn grpc_calls_record_statuses_and_tokens() -> TestResult {
     let plugin = builder(&grpc_guest())?.clusters(["agg"]).start()?;

@@ -7,7 +7,7 @@
 //! `proxy_on_log`, `proxy_on_delete` log `z`, `A`, `B`. Data the host returned is logged as
 //! a line.
 
-use kvoy_harness::{Action, CloseType, ConnectionEvent, Error, Plugin, StreamType};
+use kvoy_harness::{Action, CloseType, ConnectionEvent, Error, StreamType};
 
 use crate::wat_guest::*;
 
@@ -91,23 +91,6 @@ fn network_guest() -> String {
           (i32.const 0))"#
         ),
     )
-}
-
-/// What the guest logged since `from`: reports and lines.
-fn since(plugin: &Plugin, from: usize) -> (String, Vec<String>) {
-    let logs = plugin.logs();
-    let new = &logs[from..];
-    let reports = new
-        .iter()
-        .filter(|e| e.message.len() == 1)
-        .map(|e| e.message.clone())
-        .collect();
-    let lines = new
-        .iter()
-        .filter(|e| e.message.len() != 1)
-        .map(|e| e.message.clone())
-        .collect();
-    (reports, lines)
 }
 
 #[test]

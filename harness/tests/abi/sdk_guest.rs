@@ -11,7 +11,8 @@ use crate::TestResult;
 
 const GUEST: &str = "kvoy_harness_guest";
 
-fn host() -> Result<Host, Error> {
+/// The SDK guest's compiled module (also for `sdk_guest_grpc` and `sdk_guest_network`).
+pub(crate) fn host() -> Result<Host, Error> {
     testing::filter_host(GUEST)
 }
 
@@ -19,7 +20,8 @@ fn plugin(config: &str, vms: usize) -> Result<Plugin, Error> {
     host()?.plugin().configuration(config).vms(vms).start()
 }
 
-fn request(action: &str) -> Vec<(&str, &str)> {
+/// A request whose `x-test-action` header tells the guest what to do.
+pub(crate) fn request(action: &str) -> Vec<(&str, &str)> {
     vec![
         (":method", "POST"),
         (":path", "/v1/chat/completions"),

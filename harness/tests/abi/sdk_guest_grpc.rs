@@ -1,24 +1,13 @@
 //! gRPC callouts through the real Rust SDK (`harness/guest`, built by `make wasm`): the SDK's
 //! token routing, statuses and callbacks against the harness's recorded calls and streams.
 
-use kvoy_harness::{testing, Error, GrpcTarget, Plugin};
+use kvoy_harness::{Error, GrpcTarget, Plugin};
 
+use crate::sdk_guest::{host, request};
 use crate::TestResult;
 
 fn plugin() -> Result<Plugin, Error> {
-    testing::filter_host("kvoy_harness_guest")?
-        .plugin()
-        .clusters(["scorer"])
-        .start()
-}
-
-fn request(action: &str) -> Vec<(&str, &str)> {
-    vec![
-        (":method", "POST"),
-        (":path", "/v1/chat/completions"),
-        (":authority", "gateway"),
-        ("x-test-action", action),
-    ]
+    host()?.plugin().clusters(["scorer"]).start()
 }
 
 #[test]

@@ -2,15 +2,13 @@
 //! word `tcp` is a `StreamContext` filter whose data says what to do (build it with
 //! `make wasm`).
 
-use kvoy_harness::{testing, Action, CloseType, ConnectionEvent, Error, Plugin};
+use kvoy_harness::{Action, CloseType, ConnectionEvent, Error, Plugin};
 
+use crate::sdk_guest::host;
 use crate::TestResult;
 
 fn plugin() -> Result<Plugin, Error> {
-    testing::filter_host("kvoy_harness_guest")?
-        .plugin()
-        .configuration("tcp")
-        .start()
+    host()?.plugin().configuration("tcp").start()
 }
 
 /// The guest's log lines that start with `prefix`, in order.

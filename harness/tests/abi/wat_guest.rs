@@ -2,7 +2,7 @@
 //! allocator, and `$report` / `$show` to log statuses and returned bytes (see `host_abi.rs`).
 #![allow(dead_code)]
 
-use kvoy_harness::{Error, HeaderMap, Host, Plugin, PluginBuilder};
+use kvoy_harness::{Error, HeaderMap, Host, LogEntry, Plugin, PluginBuilder};
 
 /// Lays byte strings out in guest memory from address 512 on; the scratch area for return
 /// slots is 256..512.
@@ -137,22 +137,27 @@ pub fn builder(wat: &str) -> Result<PluginBuilder, Error> {
 
 /// The one-character reports, in order.
 pub fn reports(plugin: &Plugin) -> String {
-    plugin
-        .logs()
-        .iter()
-        .filter(|e| e.message.len() == 1)
-        .map(|e| e.message.clone())
-        .collect()
+    split(&plugin.logs()).0
 }
 
 /// The longer log lines, in order.
 pub fn lines(plugin: &Plugin) -> Vec<String> {
-    plugin
-        .logs()
-        .iter()
-        .filter(|e| e.message.len() != 1)
-        .map(|e| e.message.clone())
-        .collect()
+    split(&plugin.logs()).1
+}
+
+/// What the guest logged since entry `from` (reports and lines), for one callback at a time.
+pub fn since(plugin: &Plugin, from: usize) -> (String, Vec<String>) {
+    split(&plugin.logs()[from..])
+}
+
+/// Log entries as the reports (one character each, joined) and the longer lines.
+fn split(entries: &[LogEntry]) -> (String, Vec<String>) {
+    let (reports, lines): (Vec<&LogEntry>, Vec<&LogEntry>) =
+        entries.iter().partition(|e| e.message.len() == 1);
+    (
+        reports.iter().map(|e| e.message.as_str()).collect(),
+        lines.iter().map(|e| e.message.clone()).collect(),
+    )
 }
 
 pub const HEADERS: &[(&str, &str)] = &[
