@@ -26,23 +26,23 @@ macro_rules! abi_enum {
     };
 }
 
-/// A host call's result code (`WasmResult` in Envoy).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u32)]
-pub enum Status {
-    Ok = 0,
-    NotFound = 1,
-    BadArgument = 2,
-    SerializationFailure = 3,
-    ParseFailure = 4,
-    BadExpression = 5,
-    InvalidMemoryAccess = 6,
-    Empty = 7,
-    CasMismatch = 8,
-    ResultMismatch = 9,
-    InternalFailure = 10,
-    BrokenConnection = 11,
-    Unimplemented = 12,
+abi_enum! {
+    /// A host call's result code (`WasmResult` in Envoy).
+    pub enum Status {
+        Ok = 0,
+        NotFound = 1,
+        BadArgument = 2,
+        SerializationFailure = 3,
+        ParseFailure = 4,
+        BadExpression = 5,
+        InvalidMemoryAccess = 6,
+        Empty = 7,
+        CasMismatch = 8,
+        ResultMismatch = 9,
+        InternalFailure = 10,
+        BrokenConnection = 11,
+        Unimplemented = 12,
+    }
 }
 
 abi_enum! {
@@ -128,17 +128,17 @@ abi_enum! {
     }
 }
 
-/// How a connection closed, as `proxy_on_*_connection_close` reports it (the SDK's
-/// `PeerType`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u32)]
-pub enum CloseType {
-    /// Envoy's upstream close, seen only as the end of the upstream data.
-    Unknown = 0,
-    /// Envoy closed the connection (e.g. the filter's `proxy_close_stream`).
-    Local = 1,
-    /// The peer closed it.
-    Remote = 2,
+abi_enum! {
+    /// How a connection closed, as `proxy_on_*_connection_close` reports it (the SDK's
+    /// `PeerType`).
+    pub enum CloseType {
+        /// Envoy's upstream close, seen only as the end of the upstream data.
+        Unknown = 0,
+        /// Envoy closed the connection (e.g. the filter's `proxy_close_stream`).
+        Local = 1,
+        /// The peer closed it.
+        Remote = 2,
+    }
 }
 
 #[cfg(test)]

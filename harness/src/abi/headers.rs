@@ -25,9 +25,9 @@ pub(super) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
     env_fn!(linker, "proxy_get_header_map_value" =>
         get_value(kind, key_ptr, key_size, ptr_ptr, size_ptr));
     env_fn!(linker, "proxy_add_header_map_value" =>
-        add_value(kind, key_ptr, key_size, value_ptr, value_size));
+        set_value(kind, key_ptr, key_size, value_ptr, value_size; HeaderMap::add));
     env_fn!(linker, "proxy_replace_header_map_value" =>
-        replace_value(kind, key_ptr, key_size, value_ptr, value_size));
+        set_value(kind, key_ptr, key_size, value_ptr, value_size; HeaderMap::replace));
     env_fn!(linker, "proxy_remove_header_map_value" => remove_value(kind, key_ptr, key_size));
     env_fn!(linker, "proxy_get_header_map_size" => get_size(kind, size_ptr));
     Ok(())
@@ -112,28 +112,18 @@ fn get_value(
     copy_out(caller, value.as_bytes(), ptr_ptr, size_ptr)
 }
 
-fn add_value(
+/// `proxy_add_header_map_value` (`op` = add) and `proxy_replace_header_map_value` (replace).
+fn set_value(
     caller: &mut Ctx<'_>,
     kind: u32,
     key_ptr: u32,
     key_size: u32,
     value_ptr: u32,
     value_size: u32,
+    op: fn(&mut HeaderMap, &str, &str),
 ) -> AbiResult {
     let value = Some((value_ptr, value_size));
-    change(caller, kind, (key_ptr, key_size), value, HeaderMap::add)
-}
-
-fn replace_value(
-    caller: &mut Ctx<'_>,
-    kind: u32,
-    key_ptr: u32,
-    key_size: u32,
-    value_ptr: u32,
-    value_size: u32,
-) -> AbiResult {
-    let value = Some((value_ptr, value_size));
-    change(caller, kind, (key_ptr, key_size), value, HeaderMap::replace)
+    change(caller, kind, (key_ptr, key_size), value, op)
 }
 
 fn remove_value(caller: &mut Ctx<'_>, kind: u32, key_ptr: u32, key_size: u32) -> AbiResult {

@@ -55,15 +55,16 @@ pub(crate) fn to_status(result: AbiResult) -> wasmtime::Result<i32> {
 }
 
 /// Wraps a body `fn(&mut Caller<VmState>, u32...) -> AbiResult` as an `env` import taking i32s:
-/// `env_fn!(linker, "proxy_log" => log(level, ptr, size))`.
+/// `env_fn!(linker, "proxy_log" => log(level, ptr, size))`. Arguments after a `;` are passed
+/// to the body as they are, after the guest's (one body serving two imports).
 macro_rules! env_fn {
-    ($linker:expr, $name:literal => $body:ident($($arg:ident),*)) => {
+    ($linker:expr, $name:literal => $body:ident($($arg:ident),* $(; $extra:expr)?)) => {
         $linker.func_wrap(
             "env",
             $name,
             |mut caller: wasmtime::Caller<'_, crate::vm::state::VmState>, $($arg: i32),*| {
                 caller.data_mut().note_host_call($name);
-                crate::abi::to_status($body(&mut caller, $($arg as u32),*))
+                crate::abi::to_status($body(&mut caller, $($arg as u32,)* $($extra)?))
             },
         )?;
     };
