@@ -41,11 +41,13 @@
 //! ```
 //!
 //! Set `KVOY_HARNESS_LOG=1` to print the guests' log lines as they arrive.
-
+//!
 //! # Layout
 //!
-//! Modules follow the concerns of a proxy-wasm host; each `impl VmInstance` block (the guest
-//! calls of one concern) lives with that concern:
+//! Modules follow the concerns of a proxy-wasm host. The guest calls of each concern (an
+//! `impl VmInstance` block) live in its `driver.rs` (`http/`, `net/`, `grpc/`; HTTP callout
+//! answers in `http/callouts.rs`); `vm/mod.rs` has the one call path into the guest and the root
+//! context's own callbacks (start, tick, queue ready, foreign function):
 //!
 //! | module | what it holds |
 //! |---|---|
@@ -69,7 +71,7 @@ mod types;
 mod vm;
 
 pub use error::{Error, Result};
-pub use grpc::{GrpcCall, GrpcStream, GrpcTarget};
+pub use grpc::{GrpcCall, GrpcOpening, GrpcStream, GrpcTarget};
 pub use http::callouts::{HttpCall, HttpResponse};
 pub use http::chain::{ChainState, ChainStream, Downstream, FilterChain, UpstreamRequest};
 pub use http::headers::{decode_pairs, encode_pairs, HeaderMap, PairsError, RawPair};

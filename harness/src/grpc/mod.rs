@@ -7,6 +7,7 @@ mod service;
 
 pub(crate) use service::{read_service, ServiceArg};
 
+use std::ops::Deref;
 use std::time::Duration;
 
 use crate::http::headers::HeaderMap;
@@ -20,16 +21,17 @@ pub enum GrpcTarget {
     GoogleGrpc(String),
 }
 
-/// A unary call made with `proxy_grpc_call`, waiting for [`crate::Plugin::respond_grpc_call`]
-/// or [`crate::Plugin::fail_grpc_call`].
+/// What every gRPC callout records: who made it, its token, where it goes and what it opened
+/// with. [`GrpcCall`] and [`GrpcStream`] carry one and read as one (`call.token`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GrpcCall {
-    /// The VM that made the call; the answer goes back to it.
+pub struct GrpcOpening {
+    /// The VM that made the callout; the answers go back to it.
     pub vm: usize,
-    /// The context that made the call (the answer goes to it, or to the root context if it
+    /// The context that made the callout (the answers go to it, or to the root context if it
     /// has ended).
     pub context_id: u32,
-    /// The token `proxy_grpc_call` returned (Envoy's sequence 5, 9, 13, ...).
+    /// The token `proxy_grpc_call` (Envoy's sequence 5, 9, 13, ...) or `proxy_grpc_stream`
+    /// (6, 10, 14, ...) returned.
     pub token: u32,
     pub target: GrpcTarget,
     /// The service argument when it was a serialized `GrpcService` (not a cluster name).
@@ -37,6 +39,13 @@ pub struct GrpcCall {
     pub service_name: String,
     pub method: String,
     pub initial_metadata: HeaderMap,
+}
+
+/// A unary call made with `proxy_grpc_call`, waiting for [`crate::Plugin::respond_grpc_call`]
+/// or [`crate::Plugin::fail_grpc_call`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GrpcCall {
+    pub opening: GrpcOpening,
     pub message: Vec<u8>,
     pub timeout: Duration,
 }
@@ -46,15 +55,7 @@ pub struct GrpcCall {
 /// [`crate::Plugin::grpc_stream_trailing_metadata`] and [`crate::Plugin::close_grpc_stream`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GrpcStream {
-    pub vm: usize,
-    pub context_id: u32,
-    /// The token `proxy_grpc_stream` returned (Envoy's sequence 6, 10, 14, ...).
-    pub token: u32,
-    pub target: GrpcTarget,
-    pub service_proto: Option<Vec<u8>>,
-    pub service_name: String,
-    pub method: String,
-    pub initial_metadata: HeaderMap,
+    pub opening: GrpcOpening,
     /// Messages the filter sent with `proxy_grpc_send`, in order.
     pub messages: Vec<Vec<u8>>,
     /// The filter ended its side (`proxy_grpc_send` with end_stream, or `proxy_grpc_close`).
@@ -64,6 +65,22 @@ pub struct GrpcStream {
     pub local_closed: bool,
     /// The test closed the stream; Envoy keeps it until the filter closes its side.
     pub remote_closed: bool,
+}
+
+impl Deref for GrpcCall {
+    type Target = GrpcOpening;
+
+    fn deref(&self) -> &GrpcOpening {
+        &self.opening
+    }
+}
+
+impl Deref for GrpcStream {
+    type Target = GrpcOpening;
+
+    fn deref(&self) -> &GrpcOpening {
+        &self.opening
+    }
 }
 
 /// What a test delivers to a call or stream.

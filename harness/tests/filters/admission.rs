@@ -255,6 +255,22 @@ fn status(slot: u16, waiting: u32, stale: bool) -> EndpointStatus {
     }
 }
 
+/// kvoy_admission with an aggregator in `config`, its first poll answered with a snapshot of
+/// `pool` (epoch `epoch`); the history goes on for later snapshots.
+fn live(
+    config: &str,
+    vms: usize,
+    seed: u64,
+    epoch: u64,
+    pool: Vec<EndpointStatus>,
+) -> Result<(Plugin, SnapshotHistory), Error> {
+    let plugin = support::start_live("kvoy_admission", config, vms, seed)?;
+    let mut history = SnapshotHistory::new(epoch);
+    history.update(pool);
+    answer_poll(&plugin, &history)?;
+    Ok((plugin, history))
+}
+
 /// Answers the one pending poll with the full snapshot of `history`.
 fn answer_poll(plugin: &Plugin, history: &SnapshotHistory) -> TestResult {
     plugin.advance(Duration::from_millis(100))?;
@@ -265,18 +281,12 @@ fn answer_poll(plugin: &Plugin, history: &SnapshotHistory) -> TestResult {
 
 #[test]
 fn the_aggregators_queues_saturate_the_pool() -> TestResult {
-    let plugin = support::start_live(
-        "kvoy_admission",
-        r#"{"endpoints": 2, "tick_ms": 10, "aggregator": {"cluster": "kvoy_aggregator"},
-                "flow": {"objectives": {"interactive": 10}}}"#,
-        2,
-        4,
-    )?;
+    let config = r#"{"endpoints": 2, "tick_ms": 10, "aggregator": {"cluster": "kvoy_aggregator"},
+                "flow": {"objectives": {"interactive": 10}}}"#;
     // Servers with long queues (waiting 8 >= 5 on both): saturated although this proxy has
     // nothing in flight.
-    let mut history = SnapshotHistory::new(77);
-    history.update(vec![status(0, 8, false), status(1, 9, false)]);
-    answer_poll(&plugin, &history)?;
+    let pool = vec![status(0, 8, false), status(1, 9, false)];
+    let (plugin, mut history) = live(config, 2, 4, 77, pool)?;
     let (held, a) = open(&plugin, 0, "batch", "a")?;
     assert_eq!(a, Action::Pause, "held: the servers' queues are long");
     let (other_worker, a) = open(&plugin, 1, "nobody", "a")?;
@@ -341,22 +351,12 @@ fn queue_gauges_per_band() -> TestResult {
 /// raised the proxy's in-flight limit from 12 to 16.
 #[test]
 fn endpoints_outside_the_allowlist_are_no_capacity() -> TestResult {
-    let plugin = support::start_live(
-        "kvoy_admission",
-        r#"{"endpoints": 2, "tick_ms": 10, "aggregator": {"cluster": "kvoy_aggregator"},
+    let config = r#"{"endpoints": 2, "tick_ms": 10, "aggregator": {"cluster": "kvoy_aggregator"},
                 "allowed_destinations": [{"cidr": "127.0.0.1/32", "ports": [19000, 19001]}],
-                "flow": {"saturation": {"max_inflight_per_endpoint": 2}}}"#,
-        1,
-        5,
-    )?;
-    let mut history = SnapshotHistory::new(78);
+                "flow": {"saturation": {"max_inflight_per_endpoint": 2}}}"#;
     // Slot 2 is 127.0.0.1:19002: outside the allowlist.
-    history.update(vec![
-        status(0, 0, false),
-        status(1, 0, false),
-        status(2, 0, false),
-    ]);
-    answer_poll(&plugin, &history)?;
+    let pool = (0..3).map(|slot| status(slot, 0, false)).collect();
+    let (plugin, mut history) = live(config, 1, 5, 78, pool)?;
     let mut running = Vec::new();
     for _ in 0..4 {
         let (s, a) = open(&plugin, 0, "batch", "a")?;
@@ -426,16 +426,9 @@ fn gauges_sum_over_workers() -> TestResult {
 
 #[test]
 fn an_empty_pool_answers_503() -> TestResult {
-    let plugin = support::start_live(
-        "kvoy_admission",
-        r#"{"endpoints": 1, "tick_ms": 10, "aggregator": {"cluster": "kvoy_aggregator"},
-                "flow": {"saturation": {"max_inflight_per_endpoint": 1}}}"#,
-        1,
-        5,
-    )?;
-    let mut history = SnapshotHistory::new(78);
-    history.update(vec![status(0, 0, false)]);
-    answer_poll(&plugin, &history)?;
+    let config = r#"{"endpoints": 1, "tick_ms": 10, "aggregator": {"cluster": "kvoy_aggregator"},
+                "flow": {"saturation": {"max_inflight_per_endpoint": 1}}}"#;
+    let (plugin, mut history) = live(config, 1, 5, 78, vec![status(0, 0, false)])?;
     let (running, a) = open(&plugin, 0, "batch", "a")?;
     assert_eq!(a, Action::Continue);
     let (held, a) = open(&plugin, 0, "batch", "a")?;
