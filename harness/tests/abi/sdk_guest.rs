@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use kvoy_harness::{
-    testing, Action, Error, Host, HttpResponse, LogSource, Plugin, Status, StreamEvent,
+    testing, Action, Error, Host, HttpResponse, HttpStream, LogSource, Plugin, Status, StreamEvent,
 };
 
 use crate::TestResult;
@@ -18,6 +18,13 @@ pub(crate) fn host() -> Result<Host, Error> {
 
 fn plugin(config: &str, vms: usize) -> Result<Plugin, Error> {
     host()?.plugin().configuration(config).vms(vms).start()
+}
+
+/// Runs the guest's `action` in a request (headers only) on VM `vm`; the stream, still open.
+pub(crate) fn act(plugin: &Plugin, vm: usize, action: &str) -> Result<HttpStream, Error> {
+    let stream = plugin.vm(vm).http_stream()?;
+    stream.send_request_headers(&request(action), true)?;
+    Ok(stream)
 }
 
 /// A request whose `x-test-action` header tells the guest what to do.
@@ -241,15 +248,13 @@ fn panic_is_a_typed_error_with_the_message_and_fails_the_vm() -> TestResult {
 #[test]
 fn shared_data_cas_across_vms() -> TestResult {
     let plugin = plugin("", 2)?;
-    let stream = plugin.vm(0).http_stream()?;
-    stream.send_request_headers(&request("shared"), true)?;
+    let stream = act(&plugin, 0, "shared")?;
     assert_eq!(
         stream.request_header("x-shared").as_deref(),
         Some("before=None first=Ok(()) second=Ok(()) stale=Err(CasMismatch) now=Some(\"v2\")")
     );
     // VM 1 sees what VM 0 wrote.
-    let stream = plugin.vm(1).http_stream()?;
-    stream.send_request_headers(&request("shared"), true)?;
+    let stream = act(&plugin, 1, "shared")?;
     let report = stream.request_header("x-shared").unwrap_or_default();
     assert!(report.starts_with("before=Some(\"v2\")"), "{report}");
     let (value, cas) = plugin.shared_data("k").expect("set");
@@ -265,8 +270,7 @@ fn shared_data_cas_across_vms() -> TestResult {
 fn queue_ready_goes_to_the_last_registrant() -> TestResult {
     let plugin = plugin("queue", 2)?;
     // Both VMs registered "q"; VM 1 did so last. Enqueue from VM 0.
-    let stream = plugin.vm(0).http_stream()?;
-    stream.send_request_headers(&request("enqueue"), true)?;
+    let stream = act(&plugin, 0, "enqueue")?;
     assert_eq!(
         stream.request_header("x-enqueue").as_deref(),
         Some("Some(Ok(()))")
@@ -320,8 +324,7 @@ fn ticks_follow_the_virtual_clock() -> TestResult {
 fn time_reads_the_virtual_clock_through_proxy_and_wasi() -> TestResult {
     let plugin = plugin("", 1)?;
     plugin.advance(Duration::from_secs(5))?;
-    let stream = plugin.vm(0).http_stream()?;
-    stream.send_request_headers(&request("time"), true)?;
+    let stream = act(&plugin, 0, "time")?;
     let expected = plugin
         .now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -374,8 +377,7 @@ fn http_callout_round_trip() -> TestResult {
 #[test]
 fn failed_callout_and_rejected_callouts() -> TestResult {
     let plugin = host()?.plugin().clusters(["scorer"]).start()?;
-    let stream = plugin.vm(0).http_stream()?;
-    stream.send_request_headers(&request("callout"), true)?;
+    let stream = act(&plugin, 0, "callout")?;
     let call = plugin.http_calls().remove(0);
     plugin.fail_http_call(&call)?;
     let result = stream
@@ -386,8 +388,7 @@ fn failed_callout_and_rejected_callouts() -> TestResult {
         "{result}"
     );
 
-    let stream = plugin.vm(0).http_stream()?;
-    stream.send_request_headers(&request("callout-bad"), true)?;
+    let stream = act(&plugin, 0, "callout-bad")?;
     assert_eq!(
         stream.request_header("x-callout").as_deref(),
         Some("Err(BadArgument)"),
@@ -395,8 +396,7 @@ fn failed_callout_and_rejected_callouts() -> TestResult {
     );
 
     let plugin = host()?.plugin().clusters(["other"]).start()?;
-    let stream = plugin.vm(0).http_stream()?;
-    stream.send_request_headers(&request("callout"), true)?;
+    let stream = act(&plugin, 0, "callout")?;
     assert_eq!(
         stream.request_header("x-callout").as_deref(),
         Some("Err(BadArgument)"),
@@ -421,8 +421,7 @@ fn root_context_callouts_from_configure() -> TestResult {
 #[test]
 fn properties_stream_plugin_and_derived() -> TestResult {
     let plugin = plugin("", 1)?;
-    let stream = plugin.vm(0).http_stream()?;
-    stream.send_request_headers(&request("property"), true)?;
+    let stream = act(&plugin, 0, "property")?;
     assert_eq!(
         stream.request_header("x-prop").as_deref(),
         Some("none"),
@@ -438,8 +437,7 @@ fn properties_stream_plugin_and_derived() -> TestResult {
     );
 
     plugin.set_property(&["upstream", "address"], "plugin-wide");
-    let stream = plugin.vm(0).http_stream()?;
-    stream.send_request_headers(&request("property"), true)?;
+    let stream = act(&plugin, 0, "property")?;
     assert_eq!(
         stream.request_header("x-prop").as_deref(),
         Some("plugin-wide")
@@ -453,8 +451,7 @@ fn foreign_functions_are_recorded_and_dispatched() -> TestResult {
         .plugin()
         .foreign_function("echo", |args| Ok([b"echo:", args].concat()))
         .start()?;
-    let stream = plugin.vm(0).http_stream()?;
-    stream.send_request_headers(&request("foreign"), true)?;
+    let stream = act(&plugin, 0, "foreign")?;
     assert_eq!(
         stream.request_header("x-foreign").as_deref(),
         Some("Ok(Some(\"echo:args\"))")
@@ -487,16 +484,14 @@ fn metrics_are_shared_by_name() -> TestResult {
 fn stdio_is_captured_and_randomness_is_seeded() -> TestResult {
     let random = |seed: u64| -> Result<Option<String>, Error> {
         let plugin = host()?.plugin().seed(seed).start()?;
-        let stream = plugin.vm(0).http_stream()?;
-        stream.send_request_headers(&request("random"), true)?;
+        let stream = act(&plugin, 0, "random")?;
         Ok(stream.request_header("x-random"))
     };
     assert_eq!(random(1)?, random(1)?);
     assert_ne!(random(1)?, random(2)?);
 
     let plugin = plugin("", 1)?;
-    let stream = plugin.vm(0).http_stream()?;
-    stream.send_request_headers(&request("stdio"), true)?;
+    let _stream = act(&plugin, 0, "stdio")?;
     let logs = plugin.logs();
     assert!(logs
         .iter()

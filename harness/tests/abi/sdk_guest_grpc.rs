@@ -3,7 +3,7 @@
 
 use kvoy_harness::{Error, GrpcTarget, Plugin};
 
-use crate::sdk_guest::{host, request};
+use crate::sdk_guest::{act, host};
 use crate::TestResult;
 
 fn plugin() -> Result<Plugin, Error> {
@@ -13,8 +13,7 @@ fn plugin() -> Result<Plugin, Error> {
 #[test]
 fn unary_call_answered_resumes_the_request() -> TestResult {
     let plugin = plugin()?;
-    let stream = plugin.vm(0).http_stream()?;
-    stream.send_request_headers(&request("grpc-call:scorer"), true)?;
+    let stream = act(&plugin, 0, "grpc-call:scorer")?;
     assert_eq!(
         stream.request_header("x-grpc-call").as_deref(),
         Some("Ok(5)")
@@ -47,8 +46,7 @@ fn unary_call_answered_resumes_the_request() -> TestResult {
 #[test]
 fn unary_call_failure_reports_status_and_message() -> TestResult {
     let plugin = plugin()?;
-    let stream = plugin.vm(0).http_stream()?;
-    stream.send_request_headers(&request("grpc-call:scorer"), true)?;
+    let stream = act(&plugin, 0, "grpc-call:scorer")?;
     let call = plugin.grpc_calls().remove(0);
     plugin.fail_grpc_call(&call, 14, "unavailable")?;
     let sent = stream.forwarded_request_headers().expect("resumed");
@@ -58,8 +56,7 @@ fn unary_call_failure_reports_status_and_message() -> TestResult {
     );
     stream.finish()?;
 
-    let stream = plugin.vm(0).http_stream()?;
-    stream.send_request_headers(&request("grpc-call:nowhere"), true)?;
+    let stream = act(&plugin, 0, "grpc-call:nowhere")?;
     assert_eq!(
         stream.request_header("x-grpc-call").as_deref(),
         Some("Err(ParseFailure)"),
@@ -73,8 +70,7 @@ fn unary_call_failure_reports_status_and_message() -> TestResult {
 #[test]
 fn misuse_statuses_through_the_sdk() -> TestResult {
     let plugin = plugin()?;
-    let stream = plugin.vm(0).http_stream()?;
-    stream.send_request_headers(&request("grpc-misuse"), true)?;
+    let stream = act(&plugin, 0, "grpc-misuse")?;
     assert_eq!(
         stream.request_header("x-grpc-misuse").as_deref(),
         Some(
@@ -90,8 +86,7 @@ fn misuse_statuses_through_the_sdk() -> TestResult {
 #[test]
 fn stream_round_trip_and_close_from_both_sides() -> TestResult {
     let plugin = plugin()?;
-    let http = plugin.vm(0).http_stream()?;
-    http.send_request_headers(&request("grpc-stream"), true)?;
+    let http = act(&plugin, 0, "grpc-stream")?;
     assert_eq!(
         http.request_header("x-grpc-stream").as_deref(),
         Some("Ok(6)")
@@ -127,8 +122,7 @@ fn stream_round_trip_and_close_from_both_sides() -> TestResult {
     );
 
     // Any context of the VM may close it (Envoy keeps callouts on the root context).
-    let other = plugin.vm(0).http_stream()?;
-    other.send_request_headers(&request("grpc-close:6"), true)?;
+    let other = act(&plugin, 0, "grpc-close:6")?;
     assert_eq!(
         other.request_header("x-grpc-close").as_deref(),
         Some("Ok(())")
@@ -142,8 +136,7 @@ fn stream_round_trip_and_close_from_both_sides() -> TestResult {
 #[test]
 fn stream_closed_or_cancelled_by_the_filter() -> TestResult {
     let plugin = plugin()?;
-    let http = plugin.vm(0).http_stream()?;
-    http.send_request_headers(&request("grpc-stream"), true)?;
+    let http = act(&plugin, 0, "grpc-stream")?;
     let grpc = plugin.grpc_streams().remove(0);
     // The filter closes its side inside a callback: the stream stays open for the remote
     // side, and is forgotten when that closes too.
@@ -155,8 +148,7 @@ fn stream_closed_or_cancelled_by_the_filter() -> TestResult {
     assert!(plugin.grpc_streams().is_empty());
 
     // Cancel (reset): gone at once, no more callbacks.
-    let http2 = plugin.vm(0).http_stream()?;
-    http2.send_request_headers(&request("grpc-stream"), true)?;
+    let http2 = act(&plugin, 0, "grpc-stream")?;
     let grpc = plugin.grpc_streams().remove(0);
     assert_eq!(grpc.token, 10);
     plugin.grpc_stream_message(&grpc, "cancel")?;

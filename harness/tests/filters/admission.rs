@@ -46,6 +46,17 @@ fn open(
     Ok((s, action))
 }
 
+/// Opens `n` batch requests of flow `a` over the first `workers` VMs in turn, each admitted.
+fn admit(plugin: &Plugin, n: usize, workers: usize) -> Result<Vec<HttpStream>, Error> {
+    (0..n)
+        .map(|i| {
+            let (s, a) = open(plugin, i % workers, "batch", "a")?;
+            assert_eq!(a, Action::Continue);
+            Ok(s)
+        })
+        .collect()
+}
+
 fn rejected(s: &HttpStream) -> Option<(u32, String)> {
     s.local_reply().map(|r| {
         let reason = r.headers.get(REASON).unwrap_or_default().to_owned();
@@ -57,12 +68,7 @@ fn rejected(s: &HttpStream) -> Option<(u32, String)> {
 fn admits_then_holds_then_releases_in_priority_order() -> TestResult {
     let plugin = plugin(LIMITED, 1)?;
     // Room for 4 (2 endpoints x 2).
-    let mut running = Vec::new();
-    for _ in 0..4 {
-        let (s, a) = open(&plugin, 0, "batch", "a")?;
-        assert_eq!(a, Action::Continue);
-        running.push(s);
-    }
+    let mut running = admit(&plugin, 4, 1)?;
     let (low, a) = open(&plugin, 0, "batch", "a")?;
     assert_eq!(a, Action::Pause, "saturated: held");
     let (high, a) = open(&plugin, 0, "interactive", "b")?;
@@ -357,12 +363,7 @@ fn endpoints_outside_the_allowlist_are_no_capacity() -> TestResult {
     // Slot 2 is 127.0.0.1:19002: outside the allowlist.
     let pool = (0..3).map(|slot| status(slot, 0, false)).collect();
     let (plugin, mut history) = live(config, 1, 5, 78, pool)?;
-    let mut running = Vec::new();
-    for _ in 0..4 {
-        let (s, a) = open(&plugin, 0, "batch", "a")?;
-        assert_eq!(a, Action::Continue);
-        running.push(s);
-    }
+    let mut running = admit(&plugin, 4, 1)?;
     let (held, a) = open(&plugin, 0, "batch", "a")?;
     assert_eq!(a, Action::Pause, "the refused endpoint is no room");
     running.remove(0).finish()?;
@@ -383,12 +384,7 @@ fn gauges_sum_over_workers() -> TestResult {
     let plugin = plugin(LIMITED, 2)?;
     let gauge = |name: &str| plugin.gauge(name);
     // Room for 4: two admitted on each worker.
-    let mut running = Vec::new();
-    for i in 0..4 {
-        let (s, a) = open(&plugin, i % 2, "batch", "a")?;
-        assert_eq!(a, Action::Continue);
-        running.push(s);
-    }
+    let mut running = admit(&plugin, 4, 2)?;
     assert_eq!(gauge("kvoy_admission_inflight"), Some(4));
     // Held: two on worker 0, one on worker 1 (written last).
     let mut held = Vec::new();
@@ -467,12 +463,7 @@ fn an_empty_pool_answers_503() -> TestResult {
 #[test]
 fn strict_priority_across_workers() -> TestResult {
     let plugin = plugin(LIMITED, 2)?;
-    let mut running = Vec::new();
-    for i in 0..4 {
-        let (s, a) = open(&plugin, i % 2, "batch", "a")?;
-        assert_eq!(a, Action::Continue);
-        running.push(s);
-    }
+    let mut running = admit(&plugin, 4, 2)?;
     let (batch_held, a) = open(&plugin, 1, "batch", "a")?;
     assert_eq!(a, Action::Pause);
     let (interactive_held, a) = open(&plugin, 0, "interactive", "b")?;
