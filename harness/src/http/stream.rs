@@ -259,17 +259,9 @@ impl HttpStream {
         if let Some(state) = self.finished.get() {
             return read(state);
         }
-        let empty = StreamState::default();
-        match self.plugin.lock_vm(self.vm) {
-            Ok(vm) => read(
-                vm.store
-                    .data()
-                    .streams
-                    .get(&self.context_id)
-                    .unwrap_or(&empty),
-            ),
-            Err(_) => read(&empty),
-        }
+        let id = self.context_id;
+        self.plugin
+            .read_context(self.vm, |state| state.streams.get(&id), read)
     }
 
     fn finished_error(&self) -> Error {

@@ -106,17 +106,9 @@ impl Connection {
     }
 
     fn with_state<R>(&self, read: impl FnOnce(&ConnectionState) -> R) -> R {
-        let empty = ConnectionState::default();
-        match self.plugin.lock_vm(self.vm) {
-            Ok(vm) => read(
-                vm.store
-                    .data()
-                    .connections
-                    .get(&self.context_id)
-                    .unwrap_or(&empty),
-            ),
-            Err(_) => read(&empty),
-        }
+        let id = self.context_id;
+        self.plugin
+            .read_context(self.vm, |state| state.connections.get(&id), read)
     }
 }
 

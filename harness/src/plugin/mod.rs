@@ -27,6 +27,7 @@ use crate::plugin::queues::SharedQueues;
 use crate::plugin::shared::{property_key, Shared};
 use crate::types::{MetricType, Status};
 use crate::vm::counts::{CallCounts, HostCallNames};
+use crate::vm::state::VmState;
 use crate::vm::VmInstance;
 
 /// Deferred notifications delivered in one go before the harness gives up (a queue handler
@@ -315,6 +316,21 @@ impl Plugin {
         Error::UnknownQueue {
             vm_id: self.shared.config.vm_id.clone(),
             name: name.to_owned(),
+        }
+    }
+
+    /// Reads a context's host-side state, which `find` looks up in the VM's store data; a
+    /// context that is gone, or a VM that does not exist, reads as the default state.
+    pub(crate) fn read_context<S: Default, R>(
+        &self,
+        vm: usize,
+        find: impl FnOnce(&VmState) -> Option<&S>,
+        read: impl FnOnce(&S) -> R,
+    ) -> R {
+        let empty = S::default();
+        match self.lock_vm(vm) {
+            Ok(vm) => read(find(vm.store.data()).unwrap_or(&empty)),
+            Err(_) => read(&empty),
         }
     }
 
