@@ -1,11 +1,14 @@
 //! Helpers for tests and benchmarks that load the workspace's own filters.
 
 use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock, PoisonError};
+use std::thread::JoinHandle;
 
 use crate::error::{Error, Result};
-use crate::host::Host;
+use crate::vm::host::Host;
 
 /// Overrides the directory the built filters are looked up in; the workspace's target
 /// directory (the kit's one finder for both).
@@ -70,6 +73,31 @@ pub fn snapshot_polls(plugin: &crate::Plugin) -> Result<Vec<crate::HttpCall>> {
         }
     }
     Ok(polls)
+}
+
+/// A raw HTTP/1.1 server on a loopback port for one request, for tests of real callouts
+/// ([`crate::PluginBuilder::upstream`]): it reads the request head, writes `reply` as it is
+/// and hands back the head it read.
+pub fn serve_once(
+    reply: &'static [u8],
+) -> std::io::Result<(SocketAddr, JoinHandle<std::io::Result<String>>)> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let handle = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept()?;
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = s.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            seen.extend_from_slice(&buf[..n]);
+        }
+        s.write_all(reply)?;
+        Ok(String::from_utf8_lossy(&seen).into_owned())
+    });
+    Ok((addr, handle))
 }
 
 #[cfg(test)]

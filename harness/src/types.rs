@@ -1,69 +1,72 @@
 //! The proxy-wasm ABI 0.2.1 enums, with the numbers the SDK's `types.rs` and the spec use.
 
-/// A host call's result code (`WasmResult` in Envoy).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u32)]
-pub enum Status {
-    Ok = 0,
-    NotFound = 1,
-    BadArgument = 2,
-    SerializationFailure = 3,
-    ParseFailure = 4,
-    BadExpression = 5,
-    InvalidMemoryAccess = 6,
-    Empty = 7,
-    CasMismatch = 8,
-    ResultMismatch = 9,
-    InternalFailure = 10,
-    BrokenConnection = 11,
-    Unimplemented = 12,
-}
-
-/// What a filter callback asks the host to do with the stream.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u32)]
-pub enum Action {
-    Continue = 0,
-    Pause = 1,
-}
-
-impl Action {
-    /// Decodes a callback's return value; `None` for values the Rust SDK never returns.
-    pub fn from_raw(value: u32) -> Option<Action> {
-        match value {
-            0 => Some(Action::Continue),
-            1 => Some(Action::Pause),
-            _ => None,
+/// Declares an ABI enum with its numbers and `from_raw`, which decodes a guest-supplied value
+/// (`None` for a number the ABI does not define, or the Rust SDK never sends).
+macro_rules! abi_enum {
+    (
+        $(#[$meta:meta])*
+        pub enum $name:ident { $($(#[$variant_meta:meta])* $variant:ident = $value:literal,)* }
+    ) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        #[repr(u32)]
+        pub enum $name {
+            $($(#[$variant_meta])* $variant = $value,)*
         }
+
+        impl $name {
+            /// Decodes a guest-supplied value; `None` for a number the ABI does not define.
+            pub fn from_raw(value: u32) -> Option<$name> {
+                match value {
+                    $($value => Some($name::$variant),)*
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+
+abi_enum! {
+    /// A host call's result code (`WasmResult` in Envoy).
+    pub enum Status {
+        Ok = 0,
+        NotFound = 1,
+        BadArgument = 2,
+        SerializationFailure = 3,
+        ParseFailure = 4,
+        BadExpression = 5,
+        InvalidMemoryAccess = 6,
+        Empty = 7,
+        CasMismatch = 8,
+        ResultMismatch = 9,
+        InternalFailure = 10,
+        BrokenConnection = 11,
+        Unimplemented = 12,
     }
 }
 
-/// Log levels of `proxy_log` and `proxy_get_log_level`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-#[repr(u32)]
-pub enum LogLevel {
-    Trace = 0,
-    Debug = 1,
-    Info = 2,
-    Warn = 3,
-    Error = 4,
-    Critical = 5,
+abi_enum! {
+    /// What a filter callback asks the host to do with the stream.
+    pub enum Action {
+        Continue = 0,
+        Pause = 1,
+    }
+}
+
+abi_enum! {
+    /// Log levels of `proxy_log` and `proxy_get_log_level`.
+    #[derive(PartialOrd, Ord)]
+    pub enum LogLevel {
+        Trace = 0,
+        Debug = 1,
+        Info = 2,
+        Warn = 3,
+        Error = 4,
+        Critical = 5,
+    }
 }
 
 impl LogLevel {
-    /// Decodes a guest-supplied level.
-    pub fn from_raw(value: u32) -> Option<LogLevel> {
-        Some(match value {
-            0 => LogLevel::Trace,
-            1 => LogLevel::Debug,
-            2 => LogLevel::Info,
-            3 => LogLevel::Warn,
-            4 => LogLevel::Error,
-            5 => LogLevel::Critical,
-            _ => return None,
-        })
-    }
-
     /// Lower-case name, as Envoy prints it.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -77,125 +80,65 @@ impl LogLevel {
     }
 }
 
-/// Buffers readable with `proxy_get_buffer_bytes`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u32)]
-pub enum BufferType {
-    HttpRequestBody = 0,
-    HttpResponseBody = 1,
-    DownstreamData = 2,
-    UpstreamData = 3,
-    HttpCallResponseBody = 4,
-    GrpcReceiveBuffer = 5,
-    VmConfiguration = 6,
-    PluginConfiguration = 7,
-    CallData = 8,
-}
-
-impl BufferType {
-    /// Decodes a guest-supplied buffer type.
-    pub fn from_raw(value: u32) -> Option<BufferType> {
-        Some(match value {
-            0 => BufferType::HttpRequestBody,
-            1 => BufferType::HttpResponseBody,
-            2 => BufferType::DownstreamData,
-            3 => BufferType::UpstreamData,
-            4 => BufferType::HttpCallResponseBody,
-            5 => BufferType::GrpcReceiveBuffer,
-            6 => BufferType::VmConfiguration,
-            7 => BufferType::PluginConfiguration,
-            8 => BufferType::CallData,
-            _ => return None,
-        })
+abi_enum! {
+    /// Buffers readable with `proxy_get_buffer_bytes`.
+    pub enum BufferType {
+        HttpRequestBody = 0,
+        HttpResponseBody = 1,
+        DownstreamData = 2,
+        UpstreamData = 3,
+        HttpCallResponseBody = 4,
+        GrpcReceiveBuffer = 5,
+        VmConfiguration = 6,
+        PluginConfiguration = 7,
+        CallData = 8,
     }
 }
 
-/// Header maps addressable with the `proxy_*_header_map_*` calls.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u32)]
-pub enum MapType {
-    HttpRequestHeaders = 0,
-    HttpRequestTrailers = 1,
-    HttpResponseHeaders = 2,
-    HttpResponseTrailers = 3,
-    GrpcReceiveInitialMetadata = 4,
-    GrpcReceiveTrailingMetadata = 5,
-    HttpCallResponseHeaders = 6,
-    HttpCallResponseTrailers = 7,
-}
-
-impl MapType {
-    /// Decodes a guest-supplied map type.
-    pub fn from_raw(value: u32) -> Option<MapType> {
-        Some(match value {
-            0 => MapType::HttpRequestHeaders,
-            1 => MapType::HttpRequestTrailers,
-            2 => MapType::HttpResponseHeaders,
-            3 => MapType::HttpResponseTrailers,
-            4 => MapType::GrpcReceiveInitialMetadata,
-            5 => MapType::GrpcReceiveTrailingMetadata,
-            6 => MapType::HttpCallResponseHeaders,
-            7 => MapType::HttpCallResponseTrailers,
-            _ => return None,
-        })
+abi_enum! {
+    /// Header maps addressable with the `proxy_*_header_map_*` calls.
+    pub enum MapType {
+        HttpRequestHeaders = 0,
+        HttpRequestTrailers = 1,
+        HttpResponseHeaders = 2,
+        HttpResponseTrailers = 3,
+        GrpcReceiveInitialMetadata = 4,
+        GrpcReceiveTrailingMetadata = 5,
+        HttpCallResponseHeaders = 6,
+        HttpCallResponseTrailers = 7,
     }
 }
 
-/// Metric kinds of `proxy_define_metric`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u32)]
-pub enum MetricType {
-    Counter = 0,
-    Gauge = 1,
-    Histogram = 2,
-}
-
-impl MetricType {
-    /// Decodes a guest-supplied metric type.
-    pub fn from_raw(value: u32) -> Option<MetricType> {
-        Some(match value {
-            0 => MetricType::Counter,
-            1 => MetricType::Gauge,
-            2 => MetricType::Histogram,
-            _ => return None,
-        })
+abi_enum! {
+    /// Metric kinds of `proxy_define_metric`.
+    pub enum MetricType {
+        Counter = 0,
+        Gauge = 1,
+        Histogram = 2,
     }
 }
 
-/// Streams named by `proxy_continue_stream` and `proxy_close_stream`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u32)]
-pub enum StreamType {
-    HttpRequest = 0,
-    HttpResponse = 1,
-    Downstream = 2,
-    Upstream = 3,
-}
-
-impl StreamType {
-    /// Decodes a guest-supplied stream type.
-    pub fn from_raw(value: u32) -> Option<StreamType> {
-        Some(match value {
-            0 => StreamType::HttpRequest,
-            1 => StreamType::HttpResponse,
-            2 => StreamType::Downstream,
-            3 => StreamType::Upstream,
-            _ => return None,
-        })
+abi_enum! {
+    /// Streams named by `proxy_continue_stream` and `proxy_close_stream`.
+    pub enum StreamType {
+        HttpRequest = 0,
+        HttpResponse = 1,
+        Downstream = 2,
+        Upstream = 3,
     }
 }
 
-/// How a connection closed, as `proxy_on_*_connection_close` reports it (the SDK's
-/// `PeerType`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u32)]
-pub enum CloseType {
-    /// Envoy's upstream close, seen only as the end of the upstream data.
-    Unknown = 0,
-    /// Envoy closed the connection (e.g. the filter's `proxy_close_stream`).
-    Local = 1,
-    /// The peer closed it.
-    Remote = 2,
+abi_enum! {
+    /// How a connection closed, as `proxy_on_*_connection_close` reports it (the SDK's
+    /// `PeerType`).
+    pub enum CloseType {
+        /// Envoy's upstream close, seen only as the end of the upstream data.
+        Unknown = 0,
+        /// Envoy closed the connection (e.g. the filter's `proxy_close_stream`).
+        Local = 1,
+        /// The peer closed it.
+        Remote = 2,
+    }
 }
 
 #[cfg(test)]

@@ -5,29 +5,16 @@ use wasmtime::{Caller, Linker};
 use super::memory::{copy_out, read, write_u32};
 use super::{env_fn, AbiResult};
 use crate::types::{BufferType, Status};
-use crate::vm_state::VmState;
+use crate::vm::state::VmState;
 
 type Ctx<'a> = Caller<'a, VmState>;
 
 pub(super) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
-    env_fn!(
-        linker,
-        "proxy_get_buffer_bytes",
-        get_buffer_bytes,
-        (kind, start, max_size, ptr_ptr, size_ptr)
-    );
-    env_fn!(
-        linker,
-        "proxy_set_buffer_bytes",
-        set_buffer_bytes,
-        (kind, start, size, data_ptr, data_size)
-    );
-    env_fn!(
-        linker,
-        "proxy_get_buffer_status",
-        get_buffer_status,
-        (kind, length_ptr, flags_ptr)
-    );
+    env_fn!(linker, "proxy_get_buffer_bytes" =>
+        get_buffer_bytes(kind, start, max_size, ptr_ptr, size_ptr));
+    env_fn!(linker, "proxy_set_buffer_bytes" =>
+        set_buffer_bytes(kind, start, size, data_ptr, data_size));
+    env_fn!(linker, "proxy_get_buffer_status" => get_buffer_status(kind, length_ptr, flags_ptr));
     Ok(())
 }
 

@@ -6,48 +6,23 @@ use wasmtime::{Caller, Linker};
 
 use super::memory::{copy_out, read_string, write_u32, write_u64};
 use super::{env_fn, AbiResult};
-use crate::logs::LogSource;
+use crate::plugin::logs::LogSource;
 use crate::types::{LogLevel, Status};
-use crate::vm_state::VmState;
+use crate::vm::state::VmState;
 
 type Ctx<'a> = Caller<'a, VmState>;
 
 pub(super) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
-    env_fn!(linker, "proxy_log", log, (level, ptr, size));
-    env_fn!(linker, "proxy_get_log_level", get_log_level, (ptr));
-    env_fn!(
-        linker,
-        "proxy_get_current_time_nanoseconds",
-        get_current_time,
-        (ptr)
-    );
-    env_fn!(
-        linker,
-        "proxy_set_tick_period_milliseconds",
-        set_tick_period,
-        (period)
-    );
-    env_fn!(
-        linker,
-        "proxy_set_effective_context",
-        set_effective_context,
-        (context_id)
-    );
-    env_fn!(
-        linker,
-        "proxy_get_status",
-        get_status,
-        (code_ptr, ptr_ptr, size_ptr)
-    );
-    env_fn!(linker, "proxy_done", done, ());
+    env_fn!(linker, "proxy_log" => log(level, ptr, size));
+    env_fn!(linker, "proxy_get_log_level" => get_log_level(ptr));
+    env_fn!(linker, "proxy_get_current_time_nanoseconds" => get_current_time(ptr));
+    env_fn!(linker, "proxy_set_tick_period_milliseconds" => set_tick_period(period));
+    env_fn!(linker, "proxy_set_effective_context" => set_effective_context(context_id));
+    env_fn!(linker, "proxy_get_status" => get_status(code_ptr, ptr_ptr, size_ptr));
+    env_fn!(linker, "proxy_done" => done());
     // ABI 0.1.0 name Envoy still links: the plugin configuration during
     // `proxy_on_configure`, the VM configuration otherwise.
-    env_fn!(
-        linker,
-        "proxy_get_configuration",
-        get_configuration,
-        (ptr_ptr, size_ptr)
-    );
+    env_fn!(linker, "proxy_get_configuration" => get_configuration(ptr_ptr, size_ptr));
     Ok(())
 }
 

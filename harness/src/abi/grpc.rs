@@ -11,81 +11,38 @@ use wasmtime::{Caller, Linker};
 
 use super::memory::{read, write_u32};
 use super::{env_fn, AbiResult};
-use crate::grpc::{read_service, CalloutKind, GrpcCall, GrpcStream, GrpcTarget, ServiceArg};
-use crate::headers::HeaderMap;
+use crate::grpc::{read_service, GrpcCall, GrpcOpening, GrpcStream, GrpcTarget, ServiceArg};
+use crate::http::headers::HeaderMap;
+use crate::plugin::shared::SharedState;
 use crate::types::Status;
-use crate::vm_state::VmState;
+use crate::vm::callout_ids::CalloutKind;
+use crate::vm::state::VmState;
 
 type Ctx<'a> = Caller<'a, VmState>;
 
 pub(super) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
-    env_fn!(
-        linker,
-        "proxy_grpc_call",
-        grpc_call,
-        (
-            service_ptr,
-            service_size,
-            service_name_ptr,
-            service_name_size,
-            method_ptr,
-            method_size,
-            metadata_ptr,
-            metadata_size,
-            message_ptr,
-            message_size,
-            timeout,
-            token_ptr
-        )
-    );
-    env_fn!(
-        linker,
-        "proxy_grpc_stream",
-        grpc_stream,
-        (
-            service_ptr,
-            service_size,
-            service_name_ptr,
-            service_name_size,
-            method_ptr,
-            method_size,
-            metadata_ptr,
-            metadata_size,
-            token_ptr
-        )
-    );
-    env_fn!(
-        linker,
-        "proxy_grpc_send",
-        grpc_send,
-        (token, message_ptr, message_size, end_stream)
-    );
-    env_fn!(linker, "proxy_grpc_cancel", grpc_cancel, (token));
-    env_fn!(linker, "proxy_grpc_close", grpc_close, (token));
+    env_fn!(linker, "proxy_grpc_call" => grpc_call(
+        service_ptr, service_size, service_name_ptr, service_name_size, method_ptr, method_size,
+        metadata_ptr, metadata_size, message_ptr, message_size, timeout, token_ptr));
+    env_fn!(linker, "proxy_grpc_stream" => grpc_stream(
+        service_ptr, service_size, service_name_ptr, service_name_size, method_ptr, method_size,
+        metadata_ptr, metadata_size, token_ptr));
+    env_fn!(linker, "proxy_grpc_send" => grpc_send(token, message_ptr, message_size, end_stream));
+    env_fn!(linker, "proxy_grpc_cancel" => grpc_cancel(token));
+    env_fn!(linker, "proxy_grpc_close" => grpc_close(token));
     Ok(())
 }
 
-/// What both calls read: target, service, method and initial metadata.
-struct Opening {
-    /// `None`: a proto naming no target; Envoy takes a token, then fails to make a client.
-    target: Option<GrpcTarget>,
-    service_proto: Option<Vec<u8>>,
-    service_name: String,
-    method: String,
-    initial_metadata: HeaderMap,
-}
-
-/// Reads the common arguments. As Envoy: a service argument that parses as a `GrpcService`
-/// proto is one (naming no target is `BadArgument`, after a token was taken); else it is a
-/// cluster name, and an unknown one (with `PluginBuilder::clusters`) is `ParseFailure`.
-/// Malformed metadata pairs are `BadArgument` (Envoy decodes them as no metadata).
+/// Reads what both calls take and records the opening. As Envoy: a service argument that
+/// parses as a `GrpcService` proto is one (naming no target is `BadArgument`, after a token of
+/// `kind` was taken); else it is a cluster name, and an unknown one (with
+/// `PluginBuilder::clusters`) is `ParseFailure`. Malformed metadata pairs are `BadArgument`
+/// (Envoy decodes them as no metadata).
 fn opening(
     caller: &mut Ctx<'_>,
-    service: (u32, u32),
-    service_name: (u32, u32),
-    method: (u32, u32),
-    metadata: (u32, u32),
-) -> Result<Opening, super::Fail> {
+    kind: CalloutKind,
+    [service, service_name, method, metadata]: [(u32, u32); 4],
+) -> Result<GrpcOpening, super::Fail> {
     let service = read(caller, service.0, service.1)?;
     let service_name = read(caller, service_name.0, service_name.1)?;
     let method = read(caller, method.0, method.1)?;
@@ -101,13 +58,32 @@ fn opening(
             (Some(GrpcTarget::Cluster(name)), None)
         }
     };
-    Ok(Opening {
-        target,
+    let state = caller.data_mut();
+    let token = state.take_token(kind);
+    Ok(GrpcOpening {
+        vm: state.vm,
+        context_id: state.effective,
+        token,
+        target: target.ok_or(Status::BadArgument)?,
         service_proto,
         service_name: String::from_utf8_lossy(&service_name).into_owned(),
         method: String::from_utf8_lossy(&method).into_owned(),
         initial_metadata,
     })
+}
+
+/// Writes the token back, then records the callout (a token that cannot be written back
+/// records nothing: the guest never learns of the call).
+fn record(
+    caller: &mut Ctx<'_>,
+    token_ptr: u32,
+    token: u32,
+    push: impl FnOnce(&mut SharedState),
+) -> AbiResult {
+    let shared = caller.data().shared.clone();
+    write_u32(caller, token_ptr, token)?;
+    push(&mut shared.lock());
+    Ok(())
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -127,34 +103,25 @@ fn grpc_call(
     token_ptr: u32,
 ) -> AbiResult {
     let message = read(caller, message_ptr, message_size)?;
-    let open = opening(
-        caller,
+    let opened = [
         (service_ptr, service_size),
         (service_name_ptr, service_name_size),
         (method_ptr, method_size),
         (metadata_ptr, metadata_size),
-    )?;
-    let state = caller.data_mut();
-    let token = state.take_token(CalloutKind::GrpcCall);
-    let target = open.target.ok_or(Status::BadArgument)?;
+    ];
+    let opening = opening(caller, CalloutKind::GrpcCall, opened)?;
+    let token = opening.token;
     let call = GrpcCall {
-        vm: state.vm,
-        context_id: state.effective,
-        token,
-        target,
-        service_proto: open.service_proto,
-        service_name: open.service_name,
-        method: open.method,
-        initial_metadata: open.initial_metadata,
+        opening,
         message,
         timeout: Duration::from_millis(u64::from(timeout)),
     };
-    let shared = state.shared.clone();
-    write_u32(caller, token_ptr, token)?;
-    shared.lock().grpc_calls.push(call);
-    Ok(())
+    record(caller, token_ptr, token, |shared| {
+        shared.grpc_calls.push(call)
+    })
 }
 
+/// `proxy_grpc_stream`: the arguments of `proxy_grpc_call` up to the metadata, then the token.
 #[allow(clippy::too_many_arguments)]
 fn grpc_stream(
     caller: &mut Ctx<'_>,
@@ -168,34 +135,24 @@ fn grpc_stream(
     metadata_size: u32,
     token_ptr: u32,
 ) -> AbiResult {
-    let open = opening(
-        caller,
+    let opened = [
         (service_ptr, service_size),
         (service_name_ptr, service_name_size),
         (method_ptr, method_size),
         (metadata_ptr, metadata_size),
-    )?;
-    let state = caller.data_mut();
-    let token = state.take_token(CalloutKind::GrpcStream);
-    let target = open.target.ok_or(Status::BadArgument)?;
+    ];
+    let opening = opening(caller, CalloutKind::GrpcStream, opened)?;
+    let token = opening.token;
     let stream = GrpcStream {
-        vm: state.vm,
-        context_id: state.effective,
-        token,
-        target,
-        service_proto: open.service_proto,
-        service_name: open.service_name,
-        method: open.method,
-        initial_metadata: open.initial_metadata,
+        opening,
         messages: Vec::new(),
         half_closed: false,
         local_closed: false,
         remote_closed: false,
     };
-    let shared = state.shared.clone();
-    write_u32(caller, token_ptr, token)?;
-    shared.lock().grpc_streams.push(stream);
-    Ok(())
+    record(caller, token_ptr, token, |shared| {
+        shared.grpc_streams.push(stream)
+    })
 }
 
 /// Envoy's `grpcSend`: only stream tokens (`BadArgument` otherwise); `NotFound` for a stream

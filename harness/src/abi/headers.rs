@@ -13,55 +13,23 @@ use wasmtime::{Caller, Linker};
 
 use super::memory::{copy_out, read, read_string, write_u32};
 use super::{env_fn, AbiResult};
-use crate::headers::HeaderMap;
+use crate::http::headers::HeaderMap;
 use crate::types::{MapType, Status};
-use crate::vm_state::VmState;
+use crate::vm::state::VmState;
 
 type Ctx<'a> = Caller<'a, VmState>;
 
 pub(super) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
-    env_fn!(
-        linker,
-        "proxy_get_header_map_pairs",
-        get_pairs,
-        (kind, ptr_ptr, size_ptr)
-    );
-    env_fn!(
-        linker,
-        "proxy_set_header_map_pairs",
-        set_pairs,
-        (kind, ptr, size)
-    );
-    env_fn!(
-        linker,
-        "proxy_get_header_map_value",
-        get_value,
-        (kind, key_ptr, key_size, ptr_ptr, size_ptr)
-    );
-    env_fn!(
-        linker,
-        "proxy_add_header_map_value",
-        add_value,
-        (kind, key_ptr, key_size, value_ptr, value_size)
-    );
-    env_fn!(
-        linker,
-        "proxy_replace_header_map_value",
-        replace_value,
-        (kind, key_ptr, key_size, value_ptr, value_size)
-    );
-    env_fn!(
-        linker,
-        "proxy_remove_header_map_value",
-        remove_value,
-        (kind, key_ptr, key_size)
-    );
-    env_fn!(
-        linker,
-        "proxy_get_header_map_size",
-        get_size,
-        (kind, size_ptr)
-    );
+    env_fn!(linker, "proxy_get_header_map_pairs" => get_pairs(kind, ptr_ptr, size_ptr));
+    env_fn!(linker, "proxy_set_header_map_pairs" => set_pairs(kind, ptr, size));
+    env_fn!(linker, "proxy_get_header_map_value" =>
+        get_value(kind, key_ptr, key_size, ptr_ptr, size_ptr));
+    env_fn!(linker, "proxy_add_header_map_value" =>
+        set_value(kind, key_ptr, key_size, value_ptr, value_size; HeaderMap::add));
+    env_fn!(linker, "proxy_replace_header_map_value" =>
+        set_value(kind, key_ptr, key_size, value_ptr, value_size; HeaderMap::replace));
+    env_fn!(linker, "proxy_remove_header_map_value" => remove_value(kind, key_ptr, key_size));
+    env_fn!(linker, "proxy_get_header_map_size" => get_size(kind, size_ptr));
     Ok(())
 }
 
@@ -144,46 +112,43 @@ fn get_value(
     copy_out(caller, value.as_bytes(), ptr_ptr, size_ptr)
 }
 
-fn add_value(
+/// `proxy_add_header_map_value` (`op` = add) and `proxy_replace_header_map_value` (replace).
+fn set_value(
     caller: &mut Ctx<'_>,
     kind: u32,
     key_ptr: u32,
     key_size: u32,
     value_ptr: u32,
     value_size: u32,
+    op: fn(&mut HeaderMap, &str, &str),
 ) -> AbiResult {
-    let kind = map_type(kind)?;
-    let key = read_string(caller, key_ptr, key_size)?;
-    let value = read_string(caller, value_ptr, value_size)?;
-    writable(caller.data_mut(), kind)
-        .ok_or(Status::BadArgument)?
-        .add(&key, &value);
-    Ok(())
-}
-
-fn replace_value(
-    caller: &mut Ctx<'_>,
-    kind: u32,
-    key_ptr: u32,
-    key_size: u32,
-    value_ptr: u32,
-    value_size: u32,
-) -> AbiResult {
-    let kind = map_type(kind)?;
-    let key = read_string(caller, key_ptr, key_size)?;
-    let value = read_string(caller, value_ptr, value_size)?;
-    writable(caller.data_mut(), kind)
-        .ok_or(Status::BadArgument)?
-        .replace(&key, &value);
-    Ok(())
+    let value = Some((value_ptr, value_size));
+    change(caller, kind, (key_ptr, key_size), value, op)
 }
 
 fn remove_value(caller: &mut Ctx<'_>, kind: u32, key_ptr: u32, key_size: u32) -> AbiResult {
+    change(caller, kind, (key_ptr, key_size), None, |map, key, _| {
+        map.remove(key)
+    })
+}
+
+/// Reads the map type, the key and the value (if the call has one; else empty), then applies
+/// `op` to the map if it is writable (else `BadArgument`).
+fn change(
+    caller: &mut Ctx<'_>,
+    kind: u32,
+    (key_ptr, key_size): (u32, u32),
+    value: Option<(u32, u32)>,
+    op: impl FnOnce(&mut HeaderMap, &str, &str),
+) -> AbiResult {
     let kind = map_type(kind)?;
     let key = read_string(caller, key_ptr, key_size)?;
-    writable(caller.data_mut(), kind)
-        .ok_or(Status::BadArgument)?
-        .remove(&key);
+    let value = match value {
+        Some((ptr, size)) => read_string(caller, ptr, size)?,
+        None => String::new(),
+    };
+    let map = writable(caller.data_mut(), kind).ok_or(Status::BadArgument)?;
+    op(map, &key, &value);
     Ok(())
 }
 

@@ -6,14 +6,15 @@ use wasmtime::{Caller, Linker};
 
 use super::memory::{read, read_string, write_u32};
 use super::{env_fn, to_status, AbiResult};
-use crate::callouts::{HttpCall, LocalReply};
-use crate::connection_state::ConnectionEvent;
-use crate::grpc::CalloutKind;
-use crate::headers::HeaderMap;
-use crate::logs::LogSource;
-use crate::stream_state::StreamEvent;
+use crate::http::callouts::HttpCall;
+use crate::http::headers::HeaderMap;
+use crate::http::state::LocalReply;
+use crate::http::state::StreamEvent;
+use crate::net::state::ConnectionEvent;
+use crate::plugin::logs::LogSource;
 use crate::types::{LogLevel, Status, StreamType};
-use crate::vm_state::VmState;
+use crate::vm::callout_ids::CalloutKind;
+use crate::vm::state::VmState;
 
 type Ctx<'a> = Caller<'a, VmState>;
 
@@ -43,7 +44,7 @@ pub(super) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
             to_status(send_local_response(&mut caller, args))
         },
     )?;
-    env_fn!(linker, "proxy_continue_stream", continue_stream, (stream));
+    env_fn!(linker, "proxy_continue_stream" => continue_stream(stream));
     // ABI 0.1.0 names Envoy still links.
     linker.func_wrap("env", "proxy_continue_request", |mut caller: Ctx<'_>| {
         caller.data_mut().note_host_call("proxy_continue_request");
@@ -60,24 +61,10 @@ pub(super) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
         caller.data_mut().note_host_call("proxy_clear_route_cache");
         Status::Ok as i32
     })?;
-    env_fn!(linker, "proxy_close_stream", close_stream, (stream));
-    env_fn!(
-        linker,
-        "proxy_http_call",
-        http_call,
-        (
-            upstream_ptr,
-            upstream_size,
-            headers_ptr,
-            headers_size,
-            body_ptr,
-            body_size,
-            trailers_ptr,
-            trailers_size,
-            timeout,
-            token_ptr
-        )
-    );
+    env_fn!(linker, "proxy_close_stream" => close_stream(stream));
+    env_fn!(linker, "proxy_http_call" => http_call(
+        upstream_ptr, upstream_size, headers_ptr, headers_size, body_ptr, body_size, trailers_ptr,
+        trailers_size, timeout, token_ptr));
     Ok(())
 }
 
@@ -234,7 +221,7 @@ fn http_call(
     match shared.config.upstreams.get(&call.upstream) {
         Some(&address) => {
             shared.lock().real_calls.push(call.clone());
-            crate::upstream::spawn(call, address, shared.finished_sender());
+            crate::http::upstream::spawn(call, address, shared.finished_sender());
         }
         None => shared.lock().http_calls.push(call),
     }

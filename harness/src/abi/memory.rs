@@ -4,7 +4,7 @@ use wasmtime::Caller;
 
 use super::Fail;
 use crate::types::Status;
-use crate::vm_state::VmState;
+use crate::vm::state::VmState;
 
 type Ctx<'a> = Caller<'a, VmState>;
 

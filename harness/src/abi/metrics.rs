@@ -4,51 +4,20 @@ use wasmtime::{Caller, Linker};
 
 use super::memory::{read_string, write_u32, write_u64};
 use super::{env_fn, to_status, AbiResult};
+use crate::plugin::metrics::Metrics;
 use crate::types::{MetricType, Status};
-use crate::vm_state::VmState;
+use crate::vm::state::VmState;
 
 type Ctx<'a> = Caller<'a, VmState>;
 
 pub(super) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
-    env_fn!(
-        linker,
-        "proxy_define_metric",
-        define_metric,
-        (kind, name_ptr, name_size, id_ptr)
-    );
-    env_fn!(linker, "proxy_get_metric", get_metric, (id, value_ptr));
-    linker.func_wrap(
-        "env",
-        "proxy_record_metric",
-        |mut caller: Ctx<'_>, id: i32, value: i64| {
-            caller.data_mut().note_host_call("proxy_record_metric");
-            to_status(
-                caller
-                    .data()
-                    .shared
-                    .lock()
-                    .metrics
-                    .record(id as u32, value as u64)
-                    .map_err(Into::into),
-            )
-        },
-    )?;
-    linker.func_wrap(
-        "env",
-        "proxy_increment_metric",
-        |mut caller: Ctx<'_>, id: i32, offset: i64| {
-            caller.data_mut().note_host_call("proxy_increment_metric");
-            to_status(
-                caller
-                    .data()
-                    .shared
-                    .lock()
-                    .metrics
-                    .increment(id as u32, offset)
-                    .map_err(Into::into),
-            )
-        },
-    )?;
+    env_fn!(linker, "proxy_define_metric" => define_metric(kind, name_ptr, name_size, id_ptr));
+    env_fn!(linker, "proxy_get_metric" => get_metric(id, value_ptr));
+    // The two calls with a 64-bit argument, which `env_fn!` (all `i32`) does not cover.
+    update_fn(linker, "proxy_record_metric", |metrics, id, value| {
+        metrics.record(id, value as u64)
+    })?;
+    update_fn(linker, "proxy_increment_metric", Metrics::increment)?;
     Ok(())
 }
 
@@ -69,5 +38,23 @@ fn define_metric(
 fn get_metric(caller: &mut Ctx<'_>, id: u32, value_ptr: u32) -> AbiResult {
     let value = caller.data().shared.lock().metrics.get(id)?;
     write_u64(caller, value_ptr, value)?;
+    Ok(())
+}
+
+/// Registers a metric update `(id: i32, value: i64) -> status`.
+fn update_fn(
+    linker: &mut Linker<VmState>,
+    name: &'static str,
+    update: fn(&mut Metrics, u32, i64) -> Result<(), Status>,
+) -> wasmtime::Result<()> {
+    linker.func_wrap(
+        "env",
+        name,
+        move |mut caller: Ctx<'_>, id: i32, value: i64| {
+            caller.data_mut().note_host_call(name);
+            let updated = update(&mut caller.data().shared.lock().metrics, id as u32, value);
+            to_status(updated.map_err(Into::into))
+        },
+    )?;
     Ok(())
 }

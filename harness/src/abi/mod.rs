@@ -1,4 +1,5 @@
-//! The proxy-wasm ABI 0.2.1 host functions (module `env`), one file per area.
+//! The host functions a guest imports: the proxy-wasm ABI 0.2.1 (module `env`), one file per
+//! area, and the WASI preview 1 calls a Rust `wasm32-wasip1` filter imports ([`wasi`]).
 //!
 //! Each host function reads its arguments out of guest memory, acts on the VM's store data or
 //! the plugin's shared state, and returns a [`Status`]. Bad pointers and sizes become
@@ -14,11 +15,12 @@ pub(crate) mod memory;
 mod metrics;
 mod properties;
 mod shared;
+pub(crate) mod wasi;
 
 use wasmtime::Linker;
 
 use crate::types::Status;
-use crate::vm_state::VmState;
+use crate::vm::state::VmState;
 
 /// Why a host function did not return `Ok`.
 pub(crate) enum Fail {
@@ -52,22 +54,24 @@ pub(crate) fn to_status(result: AbiResult) -> wasmtime::Result<i32> {
     }
 }
 
-/// Wraps a body `fn(&mut Caller<VmState>, u32...) -> AbiResult` as an `env` import taking i32s.
+/// Wraps a body `fn(&mut Caller<VmState>, u32...) -> AbiResult` as an `env` import taking i32s:
+/// `env_fn!(linker, "proxy_log" => log(level, ptr, size))`. Arguments after a `;` are passed
+/// to the body as they are, after the guest's (one body serving two imports).
 macro_rules! env_fn {
-    ($linker:expr, $name:literal, $body:path, ($($arg:ident),*)) => {
+    ($linker:expr, $name:literal => $body:ident($($arg:ident),* $(; $extra:expr)?)) => {
         $linker.func_wrap(
             "env",
             $name,
-            |mut caller: wasmtime::Caller<'_, crate::vm_state::VmState>, $($arg: i32),*| {
+            |mut caller: wasmtime::Caller<'_, crate::vm::state::VmState>, $($arg: i32),*| {
                 caller.data_mut().note_host_call($name);
-                crate::abi::to_status($body(&mut caller, $($arg as u32),*))
+                crate::abi::to_status($body(&mut caller, $($arg as u32,)* $($extra)?))
             },
         )?;
     };
 }
 pub(crate) use env_fn;
 
-/// Registers every `env` host function.
+/// Registers every `env` host function and the WASI calls.
 pub(crate) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
     core::add_to_linker(linker)?;
     buffers::add_to_linker(linker)?;
@@ -77,5 +81,6 @@ pub(crate) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()
     metrics::add_to_linker(linker)?;
     http::add_to_linker(linker)?;
     grpc::add_to_linker(linker)?;
+    wasi::add_to_linker(linker)?;
     Ok(())
 }

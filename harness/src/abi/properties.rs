@@ -26,32 +26,19 @@ use wasmtime::{Caller, Linker};
 
 use super::memory::{copy_out, read, read_string};
 use super::{env_fn, AbiResult};
-use crate::callouts::ForeignCall;
-use crate::stream_state::StreamState;
+use crate::http::state::StreamState;
+use crate::plugin::foreign::ForeignCall;
 use crate::types::Status;
-use crate::vm_state::VmState;
+use crate::vm::state::VmState;
 
 type Ctx<'a> = Caller<'a, VmState>;
 
 pub(super) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
-    env_fn!(
-        linker,
-        "proxy_get_property",
-        get_property,
-        (path_ptr, path_size, ptr_ptr, size_ptr)
-    );
-    env_fn!(
-        linker,
-        "proxy_set_property",
-        set_property,
-        (path_ptr, path_size, value_ptr, value_size)
-    );
-    env_fn!(
-        linker,
-        "proxy_call_foreign_function",
-        call_foreign_function,
-        (name_ptr, name_size, args_ptr, args_size, ptr_ptr, size_ptr)
-    );
+    env_fn!(linker, "proxy_get_property" => get_property(path_ptr, path_size, ptr_ptr, size_ptr));
+    env_fn!(linker, "proxy_set_property" =>
+        set_property(path_ptr, path_size, value_ptr, value_size));
+    env_fn!(linker, "proxy_call_foreign_function" =>
+        call_foreign_function(name_ptr, name_size, args_ptr, args_size, ptr_ptr, size_ptr));
     Ok(())
 }
 
@@ -98,7 +85,7 @@ fn port_of(address: Option<Vec<u8>>) -> Option<Vec<u8>> {
 }
 
 /// A body size: `content-length` if the headers have one, else the bytes seen.
-fn size(headers: &crate::headers::HeaderMap, seen: usize) -> Vec<u8> {
+fn size(headers: &crate::http::headers::HeaderMap, seen: usize) -> Vec<u8> {
     let declared = headers
         .get("content-length")
         .and_then(|v| v.trim().parse::<i64>().ok());

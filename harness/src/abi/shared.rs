@@ -4,49 +4,23 @@ use wasmtime::{Caller, Linker};
 
 use super::memory::{copy_out, read, read_string, write_u32};
 use super::{env_fn, AbiResult};
-use crate::queues::QueueOwner;
+use crate::plugin::queues::QueueOwner;
 use crate::types::Status;
-use crate::vm_state::VmState;
+use crate::vm::state::VmState;
 
 type Ctx<'a> = Caller<'a, VmState>;
 
 pub(super) fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
-    env_fn!(
-        linker,
-        "proxy_get_shared_data",
-        get_shared_data,
-        (key_ptr, key_size, ptr_ptr, size_ptr, cas_ptr)
-    );
-    env_fn!(
-        linker,
-        "proxy_set_shared_data",
-        set_shared_data,
-        (key_ptr, key_size, value_ptr, value_size, cas)
-    );
-    env_fn!(
-        linker,
-        "proxy_register_shared_queue",
-        register_queue,
-        (name_ptr, name_size, token_ptr)
-    );
-    env_fn!(
-        linker,
-        "proxy_resolve_shared_queue",
-        resolve_queue,
-        (vm_id_ptr, vm_id_size, name_ptr, name_size, token_ptr)
-    );
-    env_fn!(
-        linker,
-        "proxy_dequeue_shared_queue",
-        dequeue,
-        (token, ptr_ptr, size_ptr)
-    );
-    env_fn!(
-        linker,
-        "proxy_enqueue_shared_queue",
-        enqueue,
-        (token, value_ptr, value_size)
-    );
+    env_fn!(linker, "proxy_get_shared_data" =>
+        get_shared_data(key_ptr, key_size, ptr_ptr, size_ptr, cas_ptr));
+    env_fn!(linker, "proxy_set_shared_data" =>
+        set_shared_data(key_ptr, key_size, value_ptr, value_size, cas));
+    env_fn!(linker, "proxy_register_shared_queue" =>
+        register_queue(name_ptr, name_size, token_ptr));
+    env_fn!(linker, "proxy_resolve_shared_queue" =>
+        resolve_queue(vm_id_ptr, vm_id_size, name_ptr, name_size, token_ptr));
+    env_fn!(linker, "proxy_dequeue_shared_queue" => dequeue(token, ptr_ptr, size_ptr));
+    env_fn!(linker, "proxy_enqueue_shared_queue" => enqueue(token, value_ptr, value_size));
     Ok(())
 }
 
