@@ -14,11 +14,6 @@ use kvoy_shared::snapshot::EndpointStatus;
 fn endpoints(n: u16) -> Vec<EndpointStatus> {
     (0..n)
         .map(|slot| EndpointStatus {
-            slot,
-            address: ([10, 0, 0, 1], 8000 + slot).into(),
-            models: vec!["llama".into()],
-            ready: true,
-            stale: false,
             waiting: u32::from(slot % 3),
             running: 8,
             kv_cache_usage: 0.3,
@@ -27,7 +22,7 @@ fn endpoints(n: u16) -> Vec<EndpointStatus> {
             cached_blocks: [1000, 0, 0],
             cache_generation: 1,
             prefix_hit_rate: Some(0.5),
-            prefill_tokens_per_s: None,
+            ..EndpointStatus::ready(slot, ([10, 0, 0, 1], 8000 + slot).into(), &["llama"])
         })
         .collect()
 }

@@ -321,9 +321,6 @@ mod tests {
 
     fn status(slot: u16, port: u16, ready: bool, stale: bool) -> EndpointStatus {
         EndpointStatus {
-            slot,
-            address: ([10, 0, 0, 1], port).into(),
-            models: vec!["m".into()],
             ready,
             stale,
             waiting: 3,
@@ -333,8 +330,8 @@ mod tests {
             capacity_blocks: 100,
             cached_blocks: [1, 0, 0],
             cache_generation: 2,
-            prefix_hit_rate: None,
             prefill_tokens_per_s: Some(12_000.0),
+            ..EndpointStatus::ready(slot, ([10, 0, 0, 1], port).into(), &["m"])
         }
     }
 

@@ -15,20 +15,10 @@ fn address(i: u16) -> SocketAddr {
 
 fn status(slot: u16) -> EndpointStatus {
     EndpointStatus {
-        slot,
-        address: address(slot),
-        models: vec!["m".into()],
-        ready: true,
-        stale: false,
-        waiting: 0,
-        running: 0,
         kv_cache_usage: 0.1,
         block_size: 16,
         capacity_blocks: 10_000,
-        cached_blocks: [0; 3],
-        cache_generation: 0,
-        prefix_hit_rate: None,
-        prefill_tokens_per_s: None,
+        ..EndpointStatus::ready(slot, address(slot), &["m"])
     }
 }
 

@@ -91,20 +91,10 @@ pub fn resumed(s: &HttpStream) -> bool {
 /// A ready, idle endpoint of model `m` as kvoy-aggregator reports it.
 pub fn status(slot: u16, address: SocketAddr) -> EndpointStatus {
     EndpointStatus {
-        slot,
-        address,
-        models: vec!["m".into()],
-        ready: true,
-        stale: false,
-        waiting: 0,
-        running: 0,
         kv_cache_usage: 0.1,
         block_size: 16,
         capacity_blocks: 1000,
-        cached_blocks: [0; 3],
-        cache_generation: 0,
-        prefix_hit_rate: None,
-        prefill_tokens_per_s: None,
+        ..EndpointStatus::ready(slot, address, &["m"])
     }
 }
 

@@ -146,20 +146,9 @@ mod tests {
 
     fn status(slot: u16, address: &str) -> EndpointStatus {
         EndpointStatus {
-            slot,
-            address: address.parse().unwrap(),
-            models: vec!["m".into()],
-            ready: true,
-            stale: false,
-            waiting: 0,
-            running: 0,
-            kv_cache_usage: 0.0,
             block_size: 16,
             capacity_blocks: 1000,
-            cached_blocks: [0; 3],
-            cache_generation: 0,
-            prefix_hit_rate: None,
-            prefill_tokens_per_s: None,
+            ..EndpointStatus::ready(slot, address.parse().unwrap(), &["m"])
         }
     }
 

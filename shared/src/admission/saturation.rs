@@ -163,20 +163,13 @@ mod tests {
 
     fn endpoint(slot: u16, waiting: u32, kv: f32) -> EndpointStatus {
         EndpointStatus {
-            slot,
-            address: ([10, 0, 0, 1], 8000 + slot).into(),
-            models: vec!["m".into()],
-            ready: true,
-            stale: false,
             waiting,
             running: 4,
             kv_cache_usage: kv,
             block_size: 16,
             capacity_blocks: 1000,
-            cached_blocks: [0; 3],
             cache_generation: 1,
-            prefix_hit_rate: None,
-            prefill_tokens_per_s: None,
+            ..EndpointStatus::ready(slot, ([10, 0, 0, 1], 8000 + slot).into(), &["m"])
         }
     }
 

@@ -1133,20 +1133,11 @@ mod tests {
         // The aggregator's view: the holder's blocks moved to its CPU tier but one (enough of
         // them for what the index holds), the others empty.
         let status = |slot: u16, cached_blocks: [u32; 3]| EndpointStatus {
-            slot,
-            address: ([10, 0, 0, slot as u8 + 1], 8000).into(),
-            models: vec!["a".into()],
-            ready: true,
-            stale: false,
-            waiting: 0,
-            running: 0,
             kv_cache_usage: 0.1,
             block_size: 16,
             capacity_blocks: 10_000,
             cached_blocks,
-            cache_generation: 0,
-            prefix_hit_rate: None,
-            prefill_tokens_per_s: None,
+            ..EndpointStatus::ready(slot, ([10, 0, 0, slot as u8 + 1], 8000).into(), &["a"])
         };
         let view = |holder: [u32; 3]| {
             let mut history = SnapshotHistory::new(1);

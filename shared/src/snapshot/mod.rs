@@ -196,6 +196,27 @@ pub enum SnapshotError {
 use SnapshotError::Invalid;
 
 impl EndpointStatus {
+    /// A ready endpoint with fresh metrics, serving `models`, and nothing known yet of its load,
+    /// blocks or cache (zeros and `None`): the base of a `..` update.
+    pub fn ready(slot: u16, address: SocketAddr, models: &[&str]) -> EndpointStatus {
+        EndpointStatus {
+            slot,
+            address,
+            models: models.iter().map(|&m| m.to_owned()).collect(),
+            ready: true,
+            stale: false,
+            waiting: 0,
+            running: 0,
+            kv_cache_usage: 0.0,
+            block_size: 0,
+            capacity_blocks: 0,
+            cached_blocks: [0; 3],
+            cache_generation: 0,
+            prefix_hit_rate: None,
+            prefill_tokens_per_s: None,
+        }
+    }
+
     pub fn id(&self) -> EndpointId {
         EndpointId(self.slot)
     }
