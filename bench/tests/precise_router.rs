@@ -18,7 +18,8 @@ use std::time::Duration;
 use kvoy_bench::live::routers::{
     ensure_installed, InstallError, KvEventSource, RouterKind, RouterProcess,
 };
-use kvoy_e2e::{http, PublishingSim};
+use kvoy_sim::fleet::PublishingSim;
+use kvoy_testkit::http;
 
 const MODEL: &str = "m";
 

@@ -10,15 +10,20 @@
 //! installs both).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use kvoy_e2e::webdriver::{chromedriver, Browser};
-use kvoy_e2e::{
-    aggregator_yaml, http, AggregatedEndpoint, LocalAggregator, PoolEndpoint, SimFleet, Stack,
-    StackConfig,
+use common::AggregatorReads;
+use kvoy_aggregator::local::{aggregator_yaml, AggregatedEndpoint, LocalAggregator};
+use kvoy_sim::fleet::SimFleet;
+use kvoy_testkit::{
+    http,
+    webdriver::{chromedriver, Browser},
+    PoolEndpoint, Stack, StackConfig,
 };
 
 const NAME: &str = "admission-view";
@@ -81,8 +86,8 @@ fn the_aggregator_shows_what_the_proxies_admission_holds() {
     // counted once.
     config.admission_config = Some(
         json!({"endpoints": 1, "tick_ms": 10,
-            "aggregator": {"cluster": kvoy_e2e::AGGREGATOR_CLUSTER},
-            "allowed_destinations": [{"cidr": kvoy_e2e::LOOPBACK_CIDR}],
+            "aggregator": {"cluster": kvoy_testkit::AGGREGATOR_CLUSTER},
+            "allowed_destinations": [{"cidr": kvoy_testkit::LOOPBACK_CIDR}],
             "flow": {
             "saturation": {"max_inflight_per_endpoint": 1},
             "queue_ttl_ms": 20000}})

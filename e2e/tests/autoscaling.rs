@@ -13,6 +13,8 @@
 //! to the simulators directly (what an autoscaler sees does not depend on who routed).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -22,10 +24,11 @@ use std::time::{Duration, Instant};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use common::AggregatorReads;
+use kvoy_aggregator::local::{aggregator_yaml, AggregatedEndpoint, LocalAggregator};
 use kvoy_aggregator::prom;
-use kvoy_e2e::{
-    aggregator_yaml, http, workspace_root, AggregatedEndpoint, LocalAggregator, SimFleet,
-};
+use kvoy_sim::fleet::SimFleet;
+use kvoy_testkit::{http, workspace_root};
 
 const MODEL: &str = "m";
 /// Simulated time runs this many times faster than real time.

@@ -49,12 +49,14 @@ use hyper::Request;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::json;
 
-use kvoy_e2e::http::{self, HttpError, Part};
-use kvoy_e2e::{
-    aggregator_yaml, free_port, wait_for, AggregatedEndpoint, LocalAggregator, PoolEndpoint,
-    SimFleet, Stack, StackConfig, SERVED_BY_HEADER, SERVED_HEADER,
-};
+use kvoy_aggregator::local::{aggregator_yaml, AggregatedEndpoint, LocalAggregator};
+use kvoy_sim::fleet::SimFleet;
 use kvoy_testkit::http::server::{self, Server};
+use kvoy_testkit::{
+    free_port,
+    http::{self, HttpError, Part},
+    wait_for, PoolEndpoint, Stack, StackConfig, SERVED_BY_HEADER, SERVED_HEADER,
+};
 
 const NAME: &str = "chaos";
 const MODEL: &str = "kvoy-demo";
@@ -864,7 +866,7 @@ fn ten_thousand_requests_through_resets_kills_and_restarts() {
     // cover the canaries, Envoy's own listener and admin port).
     let ports: Vec<u16> = sims.iter().map(|s| s.addr.port()).collect();
     let allowed = json!([{"cidr": "127.0.0.1/32", "ports": ports}]);
-    let aggregator = json!({"cluster": kvoy_e2e::AGGREGATOR_CLUSTER});
+    let aggregator = json!({"cluster": kvoy_testkit::AGGREGATOR_CLUSTER});
     let static_pool = sims
         .iter()
         .map(|s| PoolEndpoint::new(s.addr, &[MODEL]))

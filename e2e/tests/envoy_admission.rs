@@ -11,8 +11,8 @@ use std::path::PathBuf;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kvoy_e2e::http;
-use kvoy_e2e::{PoolEndpoint, SimFleet, Stack, StackConfig};
+use kvoy_sim::fleet::SimFleet;
+use kvoy_testkit::{http, PoolEndpoint, Stack, StackConfig};
 use serde_json::json;
 
 const NAME: &str = "admission";

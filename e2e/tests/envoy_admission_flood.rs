@@ -21,8 +21,12 @@ use std::path::PathBuf;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kvoy_e2e::load::{self, quantile, Timing};
-use kvoy_e2e::{http, PoolEndpoint, SimFleet, Stack, StackConfig};
+use kvoy_sim::fleet::SimFleet;
+use kvoy_testkit::{
+    http,
+    load::{self, quantile, Timing},
+    PoolEndpoint, Stack, StackConfig,
+};
 use serde_json::json;
 
 const NAME: &str = "admission-flood";

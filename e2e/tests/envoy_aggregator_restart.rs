@@ -18,10 +18,11 @@ use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use kvoy_e2e::http::{self, Response};
-use kvoy_e2e::{
-    aggregator_yaml, wait_for, AggregatedEndpoint, LocalAggregator, PoolEndpoint, SimFleet, Stack,
-    StackConfig,
+use kvoy_aggregator::local::{aggregator_yaml, AggregatedEndpoint, LocalAggregator};
+use kvoy_sim::fleet::SimFleet;
+use kvoy_testkit::{
+    http::{self, Response},
+    wait_for, PoolEndpoint, Stack, StackConfig,
 };
 use serde_json::{json, Value};
 
@@ -68,7 +69,7 @@ fn request(envoy: SocketAddr, i: usize) -> Result<Response, String> {
 }
 
 fn served(r: &Response) -> String {
-    r.header(kvoy_e2e::SERVED_BY_HEADER)
+    r.header(kvoy_testkit::SERVED_BY_HEADER)
         .unwrap_or("?")
         .to_owned()
 }
@@ -91,7 +92,7 @@ fn sample(metrics: &str, series: &str) -> f64 {
 
 /// Both filters follow the aggregator; `aggregator` adds fields to their `aggregator` section.
 fn stack_config(fleet: &SimFleet, agg: SocketAddr, aggregator: Value, dir: PathBuf) -> StackConfig {
-    let mut settings = json!({"cluster": kvoy_e2e::AGGREGATOR_CLUSTER});
+    let mut settings = json!({"cluster": kvoy_testkit::AGGREGATOR_CLUSTER});
     if let (Some(s), Some(extra)) = (settings.as_object_mut(), aggregator.as_object()) {
         s.extend(extra.clone());
     }

@@ -27,8 +27,9 @@ use hyper::header::{HeaderName, HeaderValue};
 use hyper::{HeaderMap, Request};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
-use kvoy_e2e::http;
-use kvoy_e2e::{EchoConfig, EchoServer, PoolEndpoint, Stack, StackConfig, SERVED_BY_HEADER};
+use kvoy_testkit::{
+    http, EchoConfig, EchoServer, PoolEndpoint, Stack, StackConfig, SERVED_BY_HEADER,
+};
 
 const MODEL: &str = "kvoy-demo";
 const TIMEOUT: Duration = Duration::from_secs(20);

@@ -16,8 +16,11 @@ use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use kvoy_e2e::http::{self, Response};
-use kvoy_e2e::{PoolEndpoint, SimFleet, Stack, StackConfig};
+use kvoy_sim::fleet::SimFleet;
+use kvoy_testkit::{
+    http::{self, Response},
+    PoolEndpoint, Stack, StackConfig,
+};
 use serde_json::{json, Value};
 
 const MODEL: &str = "kvoy-demo";
@@ -103,7 +106,7 @@ impl Fixture {
 
     /// The simulator that served `r` through Envoy; checks that the filter reported it too.
     fn served_by(&self, r: &Response, what: &str) -> String {
-        kvoy_e2e::served_by(r, &self.sim_addrs(), self.name, what)
+        kvoy_testkit::served_by(r, &self.sim_addrs(), self.name, what)
     }
 
     /// Fails if the Envoy log shows wasm panics, traps or VM failures; on success removes the

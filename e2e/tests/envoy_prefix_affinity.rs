@@ -15,8 +15,8 @@ use std::sync::{Arc, Barrier, Mutex, MutexGuard};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kvoy_e2e::http::{self, Response};
-use kvoy_e2e::{
+use kvoy_testkit::{
+    http::{self, Response},
     EchoConfig, EchoServer, PoolEndpoint, Stack, StackConfig, DELAY_HEADER, DESTINATION_HEADER,
     PIN_HEADER, SERVED_BY_HEADER,
 };
@@ -105,7 +105,7 @@ impl Fixture {
             r.status,
             r.text()
         );
-        let served = kvoy_e2e::served_by(r, &self.pool_addrs(), self.name, what);
+        let served = kvoy_testkit::served_by(r, &self.pool_addrs(), self.name, what);
         if let Ok(v) = r.json() {
             assert_eq!(
                 v["kvoy_echo"]["destination_header"],

@@ -19,15 +19,16 @@
 //! Needs `envoy` on PATH and the built wasm filters (`make test` provides both).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kvoy_e2e::http;
-use kvoy_e2e::{
-    aggregator_yaml, AggregatedEndpoint, LocalAggregator, PoolEndpoint, SimFleet, Stack,
-    StackConfig,
-};
+use common::AggregatorReads;
+use kvoy_aggregator::local::{aggregator_yaml, AggregatedEndpoint, LocalAggregator};
+use kvoy_sim::fleet::SimFleet;
+use kvoy_testkit::{http, PoolEndpoint, Stack, StackConfig};
 use serde_json::Value;
 
 const NAME: &str = "reconfigure";
@@ -38,9 +39,9 @@ const CONVERSATIONS: usize = 40;
 const TURNS_BEFORE: usize = 3;
 const TURNS_AFTER: usize = 5;
 
-/// Turn `t` of conversation `i` ([`kvoy_e2e::conversation_turn`]).
+/// Turn `t` of conversation `i` ([`common::conversation_turn`]).
 fn turn(i: usize, t: usize) -> Vec<u8> {
-    kvoy_e2e::conversation_turn(MODEL, i, t)
+    common::conversation_turn(MODEL, i, t)
 }
 
 /// What a stretch of the workload saw.
@@ -86,7 +87,7 @@ fn run(
                 .as_u64()
                 .unwrap_or(0);
             let served = r
-                .header(kvoy_e2e::SERVED_BY_HEADER)
+                .header(kvoy_testkit::SERVED_BY_HEADER)
                 .unwrap_or("?")
                 .to_owned();
             tally.kept += usize::from(served == *previous);

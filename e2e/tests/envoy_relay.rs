@@ -9,15 +9,16 @@
 //! Needs `envoy` on PATH and the built wasm filters (`make test` provides both).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kvoy_e2e::http;
-use kvoy_e2e::{
-    aggregator_yaml, AggregatedEndpoint, LocalAggregator, PoolEndpoint, SimFleet, Stack,
-    StackConfig,
-};
+use common::AggregatorReads;
+use kvoy_aggregator::local::{aggregator_yaml, AggregatedEndpoint, LocalAggregator};
+use kvoy_sim::fleet::SimFleet;
+use kvoy_testkit::{http, PoolEndpoint, Stack, StackConfig};
 
 const NAME: &str = "relay";
 const MODEL: &str = "kvoy-demo";
@@ -28,9 +29,9 @@ const TURNS: usize = 6;
 /// round trip is two poll intervals (100 ms each) and a catch-up tick.
 const THINK: Duration = Duration::from_millis(500);
 
-/// Turn `t` of conversation `i` ([`kvoy_e2e::conversation_turn`]).
+/// Turn `t` of conversation `i` ([`common::conversation_turn`]).
 fn turn(i: usize, t: usize) -> Vec<u8> {
-    kvoy_e2e::conversation_turn(MODEL, i, t)
+    common::conversation_turn(MODEL, i, t)
 }
 
 /// Runs the workload on conversations `base..base + CONVERSATIONS`, turn `t` of the `i`th
@@ -52,7 +53,7 @@ fn follow(proxies: &[SocketAddr], base: usize) -> (usize, usize) {
             .unwrap();
             assert_eq!(r.status, 200, "{}", r.text());
             let served = r
-                .header(kvoy_e2e::SERVED_BY_HEADER)
+                .header(kvoy_testkit::SERVED_BY_HEADER)
                 .unwrap_or("?")
                 .to_owned();
             if t > 0 {
@@ -138,7 +139,7 @@ impl Pool {
         let mut config = StackConfig::new(self.endpoints.clone(), self.run_dir.join(name));
         config.aggregator = Some(self.agg.addr());
         config.extra_config = Some(serde_json::json!({"aggregator": {
-            "cluster": kvoy_e2e::AGGREGATOR_CLUSTER, "relay_decisions": false}}));
+            "cluster": kvoy_testkit::AGGREGATOR_CLUSTER, "relay_decisions": false}}));
         Stack::start(&config)
             .unwrap_or_else(|e| panic!("[{NAME}] could not start Envoy {name}: {e:#}"))
     }
@@ -220,7 +221,7 @@ fn a_restarted_proxy_gets_the_pools_decisions_back_from_the_aggregator() {
             .unwrap();
             assert_eq!(r.status, 200, "{}", r.text());
             *previous = r
-                .header(kvoy_e2e::SERVED_BY_HEADER)
+                .header(kvoy_testkit::SERVED_BY_HEADER)
                 .unwrap_or("?")
                 .to_owned();
         }
@@ -241,7 +242,7 @@ fn a_restarted_proxy_gets_the_pools_decisions_back_from_the_aggregator() {
         )
         .unwrap();
         assert_eq!(r.status, 200, "{}", r.text());
-        kept += usize::from(r.header(kvoy_e2e::SERVED_BY_HEADER) == Some(previous.as_str()));
+        kept += usize::from(r.header(kvoy_testkit::SERVED_BY_HEADER) == Some(previous.as_str()));
     }
     eprintln!("[{NAME}] after a restart {kept} of {CONVERSATIONS} conversations went back to their simulator");
     assert!(kept * 10 >= CONVERSATIONS * 9, "{kept} of {CONVERSATIONS}");

@@ -10,8 +10,10 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kvoy_e2e::http::post_json;
-use kvoy_e2e::{served_by, EchoConfig, EchoServer, FilterLayout, PoolEndpoint, Stack, StackConfig};
+use kvoy_testkit::{
+    http::post_json, served_by, EchoConfig, EchoServer, FilterLayout, PoolEndpoint, Stack,
+    StackConfig,
+};
 
 const MODEL: &str = "kvoy-demo";
 const TIMEOUT: Duration = Duration::from_secs(30);

@@ -16,12 +16,13 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use kvoy_e2e::http::{self, Response};
-use kvoy_e2e::{
-    aggregator_yaml, wait_for, AggregatedEndpoint, LocalAggregator, PoolEndpoint, SimFleet, Stack,
-    StackConfig,
-};
+use kvoy_aggregator::local::{aggregator_yaml, AggregatedEndpoint, LocalAggregator};
 use kvoy_shared::session::decode_token;
+use kvoy_sim::fleet::SimFleet;
+use kvoy_testkit::{
+    http::{self, Response},
+    wait_for, PoolEndpoint, Stack, StackConfig,
+};
 use serde_json::{json, Value};
 
 const NAME: &str = "session";
@@ -40,7 +41,7 @@ fn chat(envoy: SocketAddr, session: Option<&str>, turn: usize) -> Response {
 }
 
 fn served(r: &Response) -> String {
-    r.header(kvoy_e2e::SERVED_BY_HEADER)
+    r.header(kvoy_testkit::SERVED_BY_HEADER)
         .unwrap_or("?")
         .to_owned()
 }

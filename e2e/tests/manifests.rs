@@ -21,9 +21,7 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use sha2::{Digest, Sha256};
 
-use kvoy_e2e::{
-    default_wasm_dir, envoy_version, require_filter_wasm, validate_config, workspace_root,
-};
+use kvoy_testkit::{envoy_version, require_filter_wasm, validate_config, workspace_root};
 
 /// The manifest directories of the repository.
 const MANIFEST_DIRS: [&str; 3] = ["istio", "gateway", "deploy"];
@@ -552,7 +550,7 @@ fn envoy_validate(name: &str, chain: &Chain) -> anyhow::Result<String> {
 
 fn wasm_dir() -> PathBuf {
     envoy_version().expect("envoy must be installed (make deps)");
-    let dir = default_wasm_dir();
+    let dir = kvoy_testkit::wasm_dir();
     require_filter_wasm(&dir).expect("the filters must be built (make wasm)");
     dir.canonicalize().unwrap()
 }

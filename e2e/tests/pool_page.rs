@@ -26,6 +26,8 @@
 //! (the test fails, saying so, if the module is not in it).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -33,15 +35,17 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use kvoy_e2e::http;
-use kvoy_e2e::webdriver::{chromedriver, chromium, Browser};
-use kvoy_e2e::{
-    aggregator_yaml, free_port, wait_for, workspace_root, AggregatedEndpoint, LocalAggregator,
-    PoolEndpoint, PublishingSim, Stack, StackConfig,
-};
+use common::AggregatorReads;
+use kvoy_aggregator::local::{aggregator_yaml, AggregatedEndpoint, LocalAggregator};
 use kvoy_shared::prefix_affinity::{PluginConfig, Router};
 use kvoy_shared::request::Api;
 use kvoy_shared::Outstanding;
+use kvoy_sim::fleet::PublishingSim;
+use kvoy_testkit::{
+    free_port, http, wait_for,
+    webdriver::{chromedriver, chromium, Browser},
+    workspace_root, PoolEndpoint, Stack, StackConfig,
+};
 
 const NAME: &str = "pool-page";
 const MODEL: &str = "kvoy-demo";

@@ -1,5 +1,5 @@
 //! The runnable bootstraps `envoy/kvoy.yaml` and `envoy/kvoy-separate.yaml`: the templates in
-//! `envoy/template/` rendered with `kvoy_e2e::runnable_params` (listener 127.0.0.1:10000, admin
+//! `envoy/template/` rendered with `kvoy_testkit::runnable_params` (listener 127.0.0.1:10000, admin
 //! 9901, modules in `target/wasm32-wasip1/release` relative to the repository root, the README's
 //! kvoy-sim demo on 127.0.0.1:8001-8003 as a static pool).
 //!
@@ -19,10 +19,11 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use kvoy_e2e::{
-    default_wasm_dir, envoy_version, free_port, require_filter_wasm, runnable_bootstraps,
-    served_by, validate_config_in, wasm_failures, workspace_root, write_runnable_bootstraps,
-    EnvoyProcess, SimFleet, RUNNABLE_ADMIN_PORT, RUNNABLE_AGGREGATOR_PORT, RUNNABLE_BOOTSTRAPS,
+use kvoy_sim::fleet::SimFleet;
+use kvoy_testkit::{
+    envoy_version, free_port, require_filter_wasm, runnable_bootstraps, served_by,
+    validate_config_in, wasm_dir, wasm_failures, workspace_root, write_runnable_bootstraps,
+    EnvoyProcess, RUNNABLE_ADMIN_PORT, RUNNABLE_AGGREGATOR_PORT, RUNNABLE_BOOTSTRAPS,
     RUNNABLE_LISTEN_PORT, RUNNABLE_MODEL, RUNNABLE_POOL, RUNNABLE_WASM_DIR,
 };
 
@@ -63,7 +64,7 @@ fn committed_bootstraps_are_the_templates_rendered() {
 /// repository root when they are there, else a scratch directory laid out like it.
 fn run_dir(name: &str) -> PathBuf {
     let root = workspace_root();
-    let wasm_dir = default_wasm_dir();
+    let wasm_dir = wasm_dir();
     require_filter_wasm(&wasm_dir).expect("the filters must be built (make wasm)");
     let wasm_dir = wasm_dir.canonicalize().expect("wasm dir");
     if root.join(RUNNABLE_WASM_DIR).canonicalize().ok().as_ref() == Some(&wasm_dir) {
@@ -161,7 +162,7 @@ fn committed_bootstraps_route_a_chat_completion_to_kvoy_sim() {
         let body = format!(
             r#"{{"model":"{RUNNABLE_MODEL}","messages":[{{"role":"user","content":"Hello!"}}]}}"#
         );
-        let r = kvoy_e2e::http::post_json(
+        let r = kvoy_testkit::http::post_json(
             listen,
             "/v1/chat/completions",
             &[],

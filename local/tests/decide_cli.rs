@@ -155,7 +155,7 @@ fn the_readme_example_runs() {
     let examples = root.join("local").join("examples");
     let out = Command::new(env!("CARGO_BIN_EXE_kvoy-local"))
         .current_dir(&root)
-        .env("KVOY_WASM_DIR", kvoy_e2e::default_wasm_dir())
+        .env("KVOY_WASM_DIR", kvoy_testkit::wasm_dir())
         .args(["decide", "--config"])
         .arg(examples.join("kvoy-local.yaml"))
         .arg("--request")

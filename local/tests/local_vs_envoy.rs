@@ -20,12 +20,12 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use kvoy_e2e::http::{self, Response};
-use kvoy_e2e::{
+use kvoy_shared::session::encode_token;
+use kvoy_testkit::{
+    http::{self, Response},
     EchoConfig, EchoServer, PoolEndpoint, Stack, StackConfig, DESTINATION_HEADER, SERVED_BY_HEADER,
     SERVED_HEADER,
 };
-use kvoy_shared::session::encode_token;
 use serde_json::{json, Value};
 
 use common::prompt;

@@ -14,10 +14,11 @@ use std::net::SocketAddr;
 use std::sync::{mpsc, Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use kvoy_e2e::http::{self, Response};
-use kvoy_e2e::{
-    prefix_affinity_config, EchoConfig, EchoServer, PoolEndpoint, SimFleet, DELAY_HEADER,
-    DESTINATION_HEADER, SERVED_BY_HEADER,
+use kvoy_sim::fleet::SimFleet;
+use kvoy_testkit::{
+    http::{self, Response},
+    prefix_affinity_config, EchoConfig, EchoServer, PoolEndpoint, DELAY_HEADER, DESTINATION_HEADER,
+    SERVED_BY_HEADER,
 };
 use serde_json::{json, Value};
 
@@ -65,7 +66,7 @@ fn ok(r: &Response, pool: &[String], what: &str) -> String {
         r.status,
         r.text()
     );
-    kvoy_e2e::served_by(r, pool, "kvoy-local", what)
+    kvoy_testkit::served_by(r, pool, "kvoy-local", what)
 }
 
 fn usage(v: &Value) -> (u64, u64) {

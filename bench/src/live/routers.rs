@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 
-use kvoy_e2e::{free_port, http};
+use kvoy_testkit::{free_port, http};
 
 /// A real router package.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

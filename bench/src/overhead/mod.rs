@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use kvoy_e2e::{EchoConfig, EchoServer, PoolEndpoint, Stack, StackConfig};
+use kvoy_testkit::{EchoConfig, EchoServer, PoolEndpoint, Stack, StackConfig};
 
 use crate::live::baseline_proxy;
 use crate::metrics::percentile;
@@ -433,7 +433,7 @@ pub fn run(
     progress: &(dyn Fn(OverheadProgress<'_>) + Sync),
 ) -> Result<OverheadReport, OverheadError> {
     let setup = |e: &dyn std::fmt::Display| OverheadError::Setup(e.to_string());
-    let envoy_version = kvoy_e2e::envoy_version()
+    let envoy_version = kvoy_testkit::envoy_version()
         .map(|v| envoy_release(&v))
         .map_err(|e| setup(&format!("{e:#}")))?;
     let backends: Vec<EchoServer> = (0..grid.backends.max(1))

@@ -25,8 +25,8 @@ pub fn run_dir(name: &str) -> PathBuf {
 
 /// The three filters of `envoy/kvoy.yaml`, in its order, with these plugin configurations.
 pub fn chain_config(session: &str, admission: &str, prefix: &str, workers: usize) -> Value {
-    let wasm_dir = kvoy_e2e::default_wasm_dir();
-    kvoy_e2e::require_filter_wasm(&wasm_dir).unwrap_or_else(|e| panic!("{e:#}"));
+    let wasm_dir = kvoy_testkit::wasm_dir();
+    kvoy_testkit::require_filter_wasm(&wasm_dir).unwrap_or_else(|e| panic!("{e:#}"));
     json!({
         "wasm_dir": wasm_dir,
         "workers": workers,
@@ -105,8 +105,8 @@ pub fn kvoy_config(
     prefix: &str,
     workers: usize,
 ) -> Value {
-    let wasm_dir = kvoy_e2e::default_wasm_dir();
-    kvoy_e2e::require_filter_wasm(&wasm_dir).unwrap_or_else(|e| panic!("{e:#}"));
+    let wasm_dir = kvoy_testkit::wasm_dir();
+    kvoy_testkit::require_filter_wasm(&wasm_dir).unwrap_or_else(|e| panic!("{e:#}"));
     let mut sections = serde_json::Map::new();
     if let Some(s) = session {
         sections.insert("session".into(), serde_json::from_str(s).unwrap());

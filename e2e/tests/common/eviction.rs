@@ -9,7 +9,10 @@ use std::time::Duration;
 
 use serde_json::json;
 
-use crate::{http, FollowedPool, LocalAggregator, Stack, StackConfig};
+use kvoy_aggregator::local::LocalAggregator;
+use kvoy_testkit::{http, wait_for, Stack, StackConfig, SERVED_BY_HEADER};
+
+use super::{AggregatorReads, FollowedPool};
 
 const TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -114,10 +117,10 @@ pub fn linked_conversation(
     }
     let first = post_chat(proxy.listen, &long_turn(name, model, 0))?;
     let served = first
-        .header(crate::SERVED_BY_HEADER)
+        .header(SERVED_BY_HEADER)
         .ok_or_else(|| anyhow::anyhow!("the first turn has no served-by header"))?
         .to_owned();
-    crate::wait_for(
+    wait_for(
         "the first turn linked at the aggregator",
         Duration::from_secs(10),
         || linked_keys(&pool.agg, &served).is_ok_and(|k| k > 0),

@@ -207,6 +207,16 @@ pub const RUNNABLE_BOOTSTRAPS: [RunnableBootstrap; 2] = [
     },
 ];
 
+/// `envoy/template/kvoy.yaml` in the repository (the combined `kvoy` filter).
+pub fn bootstrap_template() -> PathBuf {
+    crate::workspace_root().join(RUNNABLE_BOOTSTRAPS[0].template)
+}
+
+/// `envoy/template/kvoy-separate.yaml` in the repository (the three separate filters).
+pub fn separate_bootstrap_template() -> PathBuf {
+    crate::workspace_root().join(RUNNABLE_BOOTSTRAPS[1].template)
+}
+
 /// The runnable bootstraps' proxy listener port (on 127.0.0.1; `make run` takes 18000).
 pub const RUNNABLE_LISTEN_PORT: u16 = 10000;
 /// The runnable bootstraps' admin port (on 127.0.0.1; `make run` takes 18900).

@@ -77,8 +77,6 @@ pub fn validate_config_in(dir: Option<&Path>, config: &Path) -> anyhow::Result<S
     Ok(text)
 }
 
-pub use kvoy_testkit::free_port;
-
 /// A running Envoy; killed when dropped.
 pub struct EnvoyProcess {
     child: Child,

@@ -11,10 +11,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::http::server::{self, read_body, Body, BodyError, Options, Server};
 use bytes::Bytes;
 use hyper::body::Incoming;
 use hyper::header::{HeaderMap, HeaderValue};
-use kvoy_testkit::http::server::{self, read_body, Body, BodyError, Options, Server};
 use serde_json::{json, Value};
 
 mod openai;

@@ -1,0 +1,148 @@
+//! What several end-to-end tests share and nothing else uses: the readings of an in-process
+//! aggregator ([`AggregatorReads`]), a pool of simulators it follows ([`FollowedPool`]), the
+//! multi-turn workload ([`conversation_turn`]) and the eviction tests' helpers ([`eviction`]).
+//! What benches and kvoy-local's tests use too lives in the kit (`kvoy_testkit`) or in the
+//! services' in-process starters (`kvoy_sim::fleet`, `kvoy_aggregator::local`).
+// Each test binary compiles this module and uses a part of it.
+#![allow(dead_code, clippy::expect_used, clippy::unwrap_used)]
+
+pub mod eviction;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use kvoy_aggregator::local::{aggregator_yaml, AggregatedEndpoint, LocalAggregator};
+use kvoy_sim::fleet::PublishingSim;
+use kvoy_testkit::{http, wait_for, PoolEndpoint};
+use serde_json::json;
+
+/// What the tests read from a running aggregator, over its HTTP API.
+pub trait AggregatorReads {
+    /// The JSON answer to `GET path` (`/v1/pool`, `/v1/endpoints`, ...); an error unless the
+    /// answer is 200 with a JSON body.
+    fn get_json(&self, path: &str) -> anyhow::Result<serde_json::Value>;
+
+    /// The value of one sample of its `/metrics` (the name with its labels, as written there),
+    /// 0 when absent.
+    fn metric(&self, sample: &str) -> anyhow::Result<f64>;
+
+    /// Waits (at most `timeout`) until its `/readyz` counts `endpoints` ready; panics past it,
+    /// as [`wait_for`] does.
+    fn wait_ready(&self, endpoints: usize, timeout: Duration);
+}
+
+impl AggregatorReads for LocalAggregator {
+    fn get_json(&self, path: &str) -> anyhow::Result<serde_json::Value> {
+        let r = http::send(self.addr(), "GET", path, &[], b"", Duration::from_secs(5))?;
+        anyhow::ensure!(r.status == 200, "GET {path}: {} {}", r.status, r.text());
+        Ok(r.json()?)
+    }
+
+    fn metric(&self, sample: &str) -> anyhow::Result<f64> {
+        let text = http::send(
+            self.addr(),
+            "GET",
+            "/metrics",
+            &[],
+            b"",
+            Duration::from_secs(5),
+        )?
+        .text();
+        let prefix = format!("{sample} ");
+        Ok(text
+            .lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0.0))
+    }
+
+    fn wait_ready(&self, endpoints: usize, timeout: Duration) {
+        let want = format!("{endpoints} ready");
+        wait_for("the endpoints ready in the aggregator", timeout, || {
+            http::send(
+                self.addr(),
+                "GET",
+                "/readyz",
+                &[],
+                b"",
+                Duration::from_secs(5),
+            )
+            .map(|r| r.text().contains(&want))
+            .unwrap_or(false)
+        });
+    }
+}
+
+/// Simulators publishing their KV events and an in-process aggregator following them, the
+/// pool most aggregator tests start from. Fields drop in order: the aggregator, then the
+/// simulators.
+pub struct FollowedPool {
+    pub agg: LocalAggregator,
+    pub sims: Vec<PublishingSim>,
+    /// A fresh directory for this run's configuration files and proxies.
+    pub run_dir: PathBuf,
+}
+
+impl FollowedPool {
+    /// `sims` simulators started with `sim_args` (serving `model`), an aggregator with
+    /// `settings` (YAML lines before its `endpoints`) following them, ready; files under
+    /// `$CARGO_TARGET_TMPDIR/kvoy-e2e/{run}-{pid}`.
+    pub fn start(
+        target_tmp: &str,
+        run: &str,
+        sims: usize,
+        sim_args: &[&str],
+        model: &str,
+        settings: &str,
+    ) -> anyhow::Result<FollowedPool> {
+        let sims: Vec<PublishingSim> = (0..sims)
+            .map(|_| PublishingSim::start(sim_args, false))
+            .collect::<anyhow::Result<_>>()
+            .with_context(|| format!("[{run}] could not start a simulator"))?;
+        let run_dir = PathBuf::from(target_tmp)
+            .join("kvoy-e2e")
+            .join(format!("{run}-{}", std::process::id()));
+        std::fs::create_dir_all(&run_dir)?;
+        let aggregated: Vec<AggregatedEndpoint> = sims
+            .iter()
+            .map(|s| AggregatedEndpoint {
+                address: s.addr,
+                models: vec![model.into()],
+                kv_events: Some((s.kv.clone(), None)),
+            })
+            .collect();
+        let agg = LocalAggregator::start(
+            &run_dir.join("aggregator.yaml"),
+            &aggregator_yaml(settings, &aggregated),
+            "127.0.0.1:0".parse()?,
+        )?;
+        agg.wait_ready(sims.len(), Duration::from_secs(10));
+        Ok(FollowedPool { agg, sims, run_dir })
+    }
+
+    /// The simulators as a proxy's configured pool.
+    pub fn endpoints(&self, model: &str) -> Vec<PoolEndpoint> {
+        self.sims
+            .iter()
+            .map(|s| PoolEndpoint::new(s.addr, &[model]))
+            .collect()
+    }
+}
+
+/// Turn `t` of conversation `i` as a chat completion body for `model`: a long system brief
+/// naming the conversation, the history of turns `0..t`, then a new question. The multi-turn
+/// workload of the relay and reconfiguration tests: each turn's prompt extends the last one's.
+pub fn conversation_turn(model: &str, i: usize, t: usize) -> Vec<u8> {
+    let mut messages = vec![json!({"role": "system", "content":
+        format!("Conversation {i}. {}", "You are a careful assistant with a long brief. ".repeat(12))})];
+    for k in 0..t {
+        messages
+            .push(json!({"role": "user", "content": format!("Question {k} of conversation {i}?")}));
+        messages.push(json!({"role": "assistant", "content": format!("Answer {k}, at some length, for conversation {i}.")}));
+    }
+    messages.push(json!({"role": "user", "content": format!("Question {t} of conversation {i}?")}));
+    json!({"model": model, "max_tokens": 2, "messages": messages})
+        .to_string()
+        .into_bytes()
+}
