@@ -56,6 +56,20 @@ pub struct AggregatedEndpoint {
     pub kv_events: Option<(String, Option<String>)>,
 }
 
+impl AggregatedEndpoint {
+    /// Servers at `addresses` serving `model`, followed by their metrics only (no KV events).
+    pub fn scraped(addresses: &[SocketAddr], model: &str) -> Vec<AggregatedEndpoint> {
+        addresses
+            .iter()
+            .map(|a| AggregatedEndpoint {
+                address: *a,
+                models: vec![model.to_owned()],
+                kv_events: None,
+            })
+            .collect()
+    }
+}
+
 /// Renders the aggregator's YAML configuration: `settings` (YAML lines, e.g.
 /// `scrape_interval_ms: 50`) and the endpoints.
 pub fn aggregator_yaml(settings: &str, endpoints: &[AggregatedEndpoint]) -> String {

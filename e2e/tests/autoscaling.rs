@@ -16,7 +16,7 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -25,7 +25,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use common::AggregatorReads;
-use kvoy_aggregator::local::{aggregator_yaml, AggregatedEndpoint, LocalAggregator};
+use kvoy_aggregator::local::AggregatedEndpoint;
 use kvoy_aggregator::prom;
 use kvoy_sim::fleet::SimFleet;
 use kvoy_testkit::{http, workspace_root};
@@ -257,13 +257,6 @@ fn scrape(aggregator: SocketAddr, at: Duration) -> Scrape {
     }
 }
 
-fn scratch() -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("kvoy-autoscaling-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
 #[test]
 fn the_manifests_agree_on_the_thresholds() {
     let p = policy();
@@ -277,11 +270,8 @@ fn saturation_crosses_the_scaled_object_threshold_under_a_flood_and_falls_back()
     let interval = p.scrape_interval / SPEEDUP;
     let speedup = SPEEDUP.to_string();
     let seqs = MAX_NUM_SEQS.to_string();
-    let fleet = SimFleet::start(
-        &[
-            "127.0.0.1:0".parse().unwrap(),
-            "127.0.0.1:0".parse().unwrap(),
-        ],
+    let fleet = SimFleet::loopback(
+        2,
         &[
             "--model",
             MODEL,
@@ -292,23 +282,13 @@ fn saturation_crosses_the_scaled_object_threshold_under_a_flood_and_falls_back()
         ],
     )
     .unwrap();
-    fleet.wait_healthy(Duration::from_secs(10)).unwrap();
     let sims = fleet.addrs().to_vec();
-    let endpoints: Vec<AggregatedEndpoint> = sims
-        .iter()
-        .map(|a| AggregatedEndpoint {
-            address: *a,
-            models: vec![MODEL.into()],
-            kv_events: None,
-        })
-        .collect();
-    let dir = scratch();
-    let aggregator = LocalAggregator::start(
-        &dir.join("pool.yaml"),
-        &aggregator_yaml("scrape_interval_ms: 50\nstale_after_ms: 1000\n", &endpoints),
-        "127.0.0.1:0".parse().unwrap(),
-    )
-    .unwrap();
+    let dir = common::run_dir("autoscaling");
+    let aggregator = common::start_aggregator(
+        &dir,
+        "scrape_interval_ms: 50\nstale_after_ms: 1000\n",
+        &AggregatedEndpoint::scraped(&sims, MODEL),
+    );
     aggregator.wait_ready(2, Duration::from_secs(10));
     eprintln!(
         "[autoscaling] saturation threshold {} (Value), queue depth {} per replica \

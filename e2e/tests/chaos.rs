@@ -31,12 +31,14 @@
 //! Needs `envoy` on PATH and the release wasm filters (`make test` provides both).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::io::Write;
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::ops::ControlFlow;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -851,10 +853,7 @@ fn ten_thousand_requests_through_resets_kills_and_restarts() {
     let decoy = canary(true);
     let mut sims: Vec<Sim> = (0..3).map(|_| start_sim()).collect();
     let pool: Vec<String> = sims.iter().map(|s| s.addr.to_string()).collect();
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("kvoy-e2e")
-        .join(format!("{NAME}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::run_dir(NAME);
     let agg_config = dir.join("aggregator.yaml");
     let yaml = aggregator_yaml(AGGREGATOR_SETTINGS, &endpoints(&sims, None));
     let yaml_with_decoy = aggregator_yaml(AGGREGATOR_SETTINGS, &endpoints(&sims, Some(decoy.addr)));

@@ -11,13 +11,14 @@
 //! (`make test` provides both).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use kvoy_aggregator::local::{aggregator_yaml, AggregatedEndpoint, LocalAggregator};
+use kvoy_aggregator::local::{aggregator_yaml, LocalAggregator};
 use kvoy_sim::fleet::PublishingSim;
 use kvoy_testkit::{
     http::{self, Response},
@@ -142,18 +143,8 @@ fn the_filter_follows_the_aggregators_view_of_the_pool() {
         start_sim(&["--speedup", "10"]),
     ];
     let addrs: Vec<SocketAddr> = sims.iter().map(|s| s.addr).collect();
-    let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("kvoy-e2e")
-        .join(format!("{NAME}-{}", std::process::id()));
-    std::fs::create_dir_all(&run_dir).unwrap();
-    let endpoints: Vec<AggregatedEndpoint> = sims
-        .iter()
-        .map(|s| AggregatedEndpoint {
-            address: s.addr,
-            models: vec![MODEL.into()],
-            kv_events: Some((s.kv.clone(), s.replay.clone())),
-        })
-        .collect();
+    let run_dir = common::run_dir(NAME);
+    let endpoints = common::followed(&sims, MODEL, true);
     let yaml = aggregator_yaml(AGGREGATOR_SETTINGS, &endpoints);
     let agg_config = run_dir.join("aggregator.yaml");
     let mut agg =

@@ -13,6 +13,8 @@
 //! Needs `envoy` on PATH and the release wasm filters (`make test` provides both).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
@@ -30,34 +32,8 @@ const MODEL: &str = "kvoy-demo";
 const TIMEOUT: Duration = Duration::from_secs(30);
 const TOKEN: &str = "e2e-token-0123456789abcdef";
 
-fn run_dir(name: &str) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("kvoy-e2e")
-        .join(format!("{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
 fn sims() -> SimFleet {
-    let addrs = [
-        "127.0.0.1:0".parse().unwrap(),
-        "127.0.0.1:0".parse().unwrap(),
-    ];
-    let fleet = SimFleet::start(&addrs, &["--model", MODEL, "--speedup", "10"]).unwrap();
-    fleet.wait_healthy(Duration::from_secs(10)).unwrap();
-    fleet
-}
-
-fn endpoints(fleet: &SimFleet) -> Vec<AggregatedEndpoint> {
-    fleet
-        .addrs()
-        .iter()
-        .map(|&address| AggregatedEndpoint {
-            address,
-            models: vec![MODEL.into()],
-            kv_events: None,
-        })
-        .collect()
+    SimFleet::loopback(2, &["--model", MODEL, "--speedup", "10"]).unwrap()
 }
 
 fn request(envoy: SocketAddr, i: usize) -> Result<Response, String> {
@@ -135,8 +111,11 @@ fn a_restarted_aggregator_that_is_not_loaded_yet_fails_no_request() {
     const NAME: &str = "aggregator-restart";
     let fleet = sims();
     let addrs: Vec<String> = fleet.addrs().iter().map(ToString::to_string).collect();
-    let dir = run_dir(NAME);
-    let yaml = aggregator_yaml("scrape_interval_ms: 50\n", &endpoints(&fleet));
+    let dir = common::run_dir(NAME);
+    let yaml = aggregator_yaml(
+        "scrape_interval_ms: 50\n",
+        &AggregatedEndpoint::scraped(fleet.addrs(), MODEL),
+    );
     let mut agg = LocalAggregator::start(
         &dir.join("aggregator.yaml"),
         &yaml,
@@ -269,7 +248,7 @@ kubernetes:
 fn the_filters_poll_with_the_aggregators_token() {
     const NAME: &str = "aggregator-token";
     let fleet = sims();
-    let dir = run_dir(NAME);
+    let dir = common::run_dir(NAME);
     let token_file = dir.join("token");
     std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
     let yaml = aggregator_yaml(
@@ -277,7 +256,7 @@ fn the_filters_poll_with_the_aggregators_token() {
             "scrape_interval_ms: 50\napi_token_file: {}\n",
             token_file.display()
         ),
-        &endpoints(&fleet),
+        &AggregatedEndpoint::scraped(fleet.addrs(), MODEL),
     );
     let agg = LocalAggregator::start(
         &dir.join("aggregator.yaml"),

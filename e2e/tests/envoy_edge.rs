@@ -12,10 +12,11 @@
 //! Needs `envoy` on PATH and the release wasm filters (`make test` provides both).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::convert::Infallible;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::{Mutex, MutexGuard};
 use std::task::{Context, Poll};
@@ -55,9 +56,7 @@ impl Fixture {
             .iter()
             .map(|b| PoolEndpoint::new(b.addr(), &[MODEL]))
             .collect();
-        let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-            .join("kvoy-e2e")
-            .join(format!("{name}-{}", std::process::id()));
+        let run_dir = common::run_dir(name);
         let stack = Stack::start(&StackConfig::new(endpoints, run_dir))
             .unwrap_or_else(|e| panic!("[{name}] could not start the kvoy stack: {e:#}"));
         Fixture {
@@ -375,9 +374,7 @@ fn an_unreachable_server_is_answered_503_with_a_reason() {
         .unwrap()
         .local_addr()
         .unwrap();
-    let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("kvoy-e2e")
-        .join(format!("unreachable-{}", std::process::id()));
+    let run_dir = common::run_dir("unreachable");
     let stack = Stack::start(&StackConfig::new(
         vec![PoolEndpoint::new(gone, &[MODEL])],
         run_dir,

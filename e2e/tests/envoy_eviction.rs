@@ -105,7 +105,6 @@ struct Fixture {
 impl Fixture {
     fn start(run: &str) -> Fixture {
         let pool = FollowedPool::start(
-            env!("CARGO_TARGET_TMPDIR"),
             &format!("{NAME}-{run}"),
             4,
             &kvoy_sim::fleet::small_cache_flags(MODEL, "128"),

@@ -10,6 +10,8 @@
 //! (`make test` provides both); without them every test fails and says so.
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -48,19 +50,10 @@ impl Fixture {
         let serial = SERIAL
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let sims = SimFleet::start(&[any; 3], &["--model", MODEL, "--speedup", SPEEDUP])
+        let sims = SimFleet::loopback(3, &["--model", MODEL, "--speedup", SPEEDUP])
             .unwrap_or_else(|e| panic!("[{name}] could not start the kvoy-sim simulators: {e:#}"));
-        sims.wait_healthy(Duration::from_secs(10))
-            .unwrap_or_else(|e| panic!("[{name}] {e:#}"));
-        let endpoints = sims
-            .addrs()
-            .iter()
-            .map(|a| PoolEndpoint::new(*a, &[MODEL]))
-            .collect();
-        let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-            .join("kvoy-e2e")
-            .join(format!("{name}-{}", std::process::id()));
+        let endpoints = PoolEndpoint::all(sims.addrs(), &[MODEL]);
+        let run_dir = common::run_dir(name);
         let config = StackConfig::new(endpoints, run_dir.clone());
         let stack = match Stack::start(&config) {
             Ok(stack) => stack,

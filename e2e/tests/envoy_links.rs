@@ -200,9 +200,7 @@ fn run(
 fn relayed_decisions_link_to_server_blocks_and_removals_name_their_keys() {
     // 256 blocks each: the conversations fit (about 120 blocks each); with the flood (about 16
     // blocks a prompt, 20 prompts) they do not, and the oldest go first.
-    let pool = FollowedPool::start(
-        env!("CARGO_TARGET_TMPDIR"),
-        NAME,
+    let pool = FollowedPool::start(NAME,
         2,
         &kvoy_sim::fleet::small_cache_flags(MODEL, "256"),
         MODEL,

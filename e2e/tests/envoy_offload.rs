@@ -68,7 +68,7 @@ fn cached_tokens(r: &http::Response) -> u64 {
 fn a_prefix_offloaded_to_the_servers_cpu_tier_keeps_its_affinity_and_is_loaded_not_recomputed() {
     let mut flags = kvoy_sim::fleet::small_cache_flags(MODEL, "128").to_vec();
     flags.extend(["--cpu-offload-blocks", "1024"]);
-    let run = linked_conversation(env!("CARGO_TARGET_TMPDIR"), "offloaded", &flags, MODEL).unwrap();
+    let run = linked_conversation("offloaded", &flags, MODEL).unwrap();
     let (agg, sims, proxy) = (&run.pool.agg, &run.pool.sims, &run.proxy);
     let (served, linked) = (run.served.clone(), run.linked);
     let sim = sims.iter().find(|s| s.addr.to_string() == served).unwrap();

@@ -8,6 +8,8 @@
 //! test measures concurrency). On failure the Envoy log tail is printed.
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -52,9 +54,7 @@ impl Fixture {
             .iter()
             .map(|b| PoolEndpoint::new(b.addr(), &[MODEL]))
             .collect();
-        let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-            .join("kvoy-e2e")
-            .join(format!("{name}-{}", std::process::id()));
+        let run_dir = common::run_dir(name);
         let mut config = StackConfig::new(endpoints, run_dir.clone());
         config.max_body_bytes = max_body_bytes;
         let stack = match Stack::start(&config) {

@@ -26,7 +26,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use common::AggregatorReads;
-use kvoy_aggregator::local::{aggregator_yaml, AggregatedEndpoint, LocalAggregator};
+use kvoy_aggregator::local::AggregatedEndpoint;
 use kvoy_sim::fleet::SimFleet;
 use kvoy_testkit::{http, PoolEndpoint, Stack, StackConfig};
 use serde_json::Value;
@@ -110,21 +110,9 @@ fn configured(stack: &Stack) -> Vec<String> {
 
 /// Four simulators, a run directory and the pool they make.
 fn fleet(run: &str) -> (SimFleet, PathBuf, Vec<PoolEndpoint>) {
-    let fleet = SimFleet::start(
-        &["127.0.0.1:0".parse().unwrap(); 4],
-        &["--model", MODEL, "--speedup", "10"],
-    )
-    .unwrap();
-    fleet.wait_healthy(Duration::from_secs(10)).unwrap();
-    let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("kvoy-e2e")
-        .join(format!("{NAME}-{run}-{}", std::process::id()));
-    std::fs::create_dir_all(&run_dir).unwrap();
-    let pool: Vec<PoolEndpoint> = fleet
-        .addrs()
-        .iter()
-        .map(|a| PoolEndpoint::new(*a, &[MODEL]))
-        .collect();
+    let fleet = SimFleet::loopback(4, &["--model", MODEL, "--speedup", "10"]).unwrap();
+    let run_dir = common::run_dir(&format!("{NAME}-{run}"));
+    let pool: Vec<PoolEndpoint> = PoolEndpoint::all(fleet.addrs(), &[MODEL]);
     (fleet, run_dir, pool)
 }
 
@@ -244,21 +232,8 @@ fn a_configuration_change_over_lds_keeps_the_hit_rate() {
 #[test]
 fn a_restarted_proxy_keeps_the_hit_rate_through_the_aggregator() {
     let (fleet, run_dir, pool) = fleet("restart");
-    let aggregated: Vec<AggregatedEndpoint> = fleet
-        .addrs()
-        .iter()
-        .map(|a| AggregatedEndpoint {
-            address: *a,
-            models: vec![MODEL.into()],
-            kv_events: None,
-        })
-        .collect();
-    let agg = LocalAggregator::start(
-        &run_dir.join("aggregator.yaml"),
-        &aggregator_yaml("scrape_interval_ms: 50\n", &aggregated),
-        "127.0.0.1:0".parse().unwrap(),
-    )
-    .unwrap();
+    let aggregated = AggregatedEndpoint::scraped(fleet.addrs(), MODEL);
+    let agg = common::start_aggregator(&run_dir, "scrape_interval_ms: 50\n", &aggregated);
     agg.wait_ready(4, Duration::from_secs(10));
     let proxy = |name: &str| {
         let mut config = StackConfig::new(pool.clone(), run_dir.join(name));

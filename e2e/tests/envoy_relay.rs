@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use common::AggregatorReads;
-use kvoy_aggregator::local::{aggregator_yaml, AggregatedEndpoint, LocalAggregator};
+use kvoy_aggregator::local::{AggregatedEndpoint, LocalAggregator};
 use kvoy_sim::fleet::SimFleet;
 use kvoy_testkit::{http, PoolEndpoint, Stack, StackConfig};
 
@@ -85,37 +85,12 @@ struct Pool {
 
 impl Pool {
     fn start(run: &str) -> Pool {
-        let fleet = SimFleet::start(
-            &["127.0.0.1:0".parse().unwrap(); 4],
-            &["--model", MODEL, "--speedup", "10"],
-        )
-        .unwrap();
-        fleet.wait_healthy(Duration::from_secs(10)).unwrap();
-        let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-            .join("kvoy-e2e")
-            .join(format!("{NAME}-{run}-{}", std::process::id()));
-        std::fs::create_dir_all(&run_dir).unwrap();
-        let aggregated: Vec<AggregatedEndpoint> = fleet
-            .addrs()
-            .iter()
-            .map(|a| AggregatedEndpoint {
-                address: *a,
-                models: vec![MODEL.into()],
-                kv_events: None,
-            })
-            .collect();
-        let agg = LocalAggregator::start(
-            &run_dir.join("aggregator.yaml"),
-            &aggregator_yaml("scrape_interval_ms: 50\n", &aggregated),
-            "127.0.0.1:0".parse().unwrap(),
-        )
-        .unwrap();
+        let fleet = SimFleet::loopback(4, &["--model", MODEL, "--speedup", "10"]).unwrap();
+        let run_dir = common::run_dir(&format!("{NAME}-{run}"));
+        let aggregated = AggregatedEndpoint::scraped(fleet.addrs(), MODEL);
+        let agg = common::start_aggregator(&run_dir, "scrape_interval_ms: 50\n", &aggregated);
         agg.wait_ready(4, Duration::from_secs(10));
-        let endpoints = fleet
-            .addrs()
-            .iter()
-            .map(|a| PoolEndpoint::new(*a, &[MODEL]))
-            .collect();
+        let endpoints = PoolEndpoint::all(fleet.addrs(), &[MODEL]);
         Pool {
             agg,
             endpoints,

@@ -55,7 +55,6 @@ fn removed_at_aggregator(agg: &LocalAggregator, endpoint: &str) -> (usize, Optio
 fn an_eviction_the_servers_report_ends_that_prefixs_affinity_at_the_proxy() {
     // The linker at its defaults: on, with its tolerance.
     let run = linked_conversation(
-        env!("CARGO_TARGET_TMPDIR"),
         "evicted",
         &kvoy_sim::fleet::small_cache_flags(MODEL, "128"),
         MODEL,

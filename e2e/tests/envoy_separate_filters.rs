@@ -6,8 +6,9 @@
 //! the combined `kvoy` filter (`envoy/kvoy.yaml`).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use kvoy_testkit::{
@@ -35,9 +36,7 @@ fn the_separate_filters_route_pin_and_guard_the_upstream() {
         .collect();
     let outsider = EchoServer::start(EchoConfig::new(any, &[MODEL])).unwrap();
     let addrs: Vec<String> = pool.iter().map(|b| b.addr().to_string()).collect();
-    let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("kvoy-e2e")
-        .join(format!("{name}-{}", std::process::id()));
+    let run_dir = common::run_dir(name);
     let mut config = StackConfig::new(
         pool.iter()
             .map(|b| PoolEndpoint::new(b.addr(), &[MODEL]))

@@ -11,12 +11,13 @@
 //! Needs `envoy` on PATH and the release wasm filters (`make test` provides both).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use kvoy_aggregator::local::{aggregator_yaml, AggregatedEndpoint, LocalAggregator};
+use kvoy_aggregator::local::AggregatedEndpoint;
 use kvoy_shared::session::decode_token;
 use kvoy_sim::fleet::SimFleet;
 use kvoy_testkit::{
@@ -50,12 +51,7 @@ fn served(r: &Response) -> String {
 fn sessions_stick_move_when_their_endpoint_dies_and_stick_again() {
     let mut fleets: Vec<Option<SimFleet>> = (0..3)
         .map(|_| {
-            let f = SimFleet::start(
-                &["127.0.0.1:0".parse().unwrap()],
-                &["--model", MODEL, "--speedup", "20"],
-            )
-            .unwrap();
-            f.wait_healthy(Duration::from_secs(10)).unwrap();
+            let f = SimFleet::loopback(1, &["--model", MODEL, "--speedup", "20"]).unwrap();
             Some(f)
         })
         .collect();
@@ -63,28 +59,14 @@ fn sessions_stick_move_when_their_endpoint_dies_and_stick_again() {
         .iter()
         .map(|f| f.as_ref().unwrap().addrs()[0])
         .collect();
-    let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("kvoy-e2e")
-        .join(format!("{NAME}-{}", std::process::id()));
-    std::fs::create_dir_all(&run_dir).unwrap();
-    let endpoints: Vec<AggregatedEndpoint> = addrs
-        .iter()
-        .map(|a| AggregatedEndpoint {
-            address: *a,
-            models: vec![MODEL.into()],
-            kv_events: None,
-        })
-        .collect();
-    let agg = LocalAggregator::start(
-        &run_dir.join("aggregator.yaml"),
-        &aggregator_yaml("scrape_interval_ms: 50\nstale_after_ms: 1000\n", &endpoints),
-        "127.0.0.1:0".parse().unwrap(),
-    )
-    .unwrap();
-    let pool = addrs
-        .iter()
-        .map(|a| PoolEndpoint::new(*a, &[MODEL]))
-        .collect();
+    let run_dir = common::run_dir(NAME);
+    let endpoints = AggregatedEndpoint::scraped(&addrs, MODEL);
+    let agg = common::start_aggregator(
+        &run_dir,
+        "scrape_interval_ms: 50\nstale_after_ms: 1000\n",
+        &endpoints,
+    );
+    let pool = PoolEndpoint::all(&addrs, &[MODEL]);
     let mut config = StackConfig::new(pool, run_dir.clone());
     config.aggregator = Some(agg.addr());
     let stack = Stack::start(&config).unwrap_or_else(|e| panic!("[{NAME}] {e:#}"));

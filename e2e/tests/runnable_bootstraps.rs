@@ -15,6 +15,8 @@
 //! repository root: `envoy/` and `target/wasm32-wasip1/release` link to the real ones.
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -116,14 +118,9 @@ fn committed_bootstraps_route_a_chat_completion_to_kvoy_sim() {
     let name = "runnable-run";
     envoy_version().expect("envoy must be installed (make deps)");
     let dir = run_dir(name);
-    let scratch = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("kvoy-e2e")
-        .join(format!("{name}-configs-{}", std::process::id()));
-    std::fs::create_dir_all(&scratch).unwrap();
-    let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-    let sims = SimFleet::start(&[any; 3], &["--model", RUNNABLE_MODEL, "--speedup", "10"])
+    let scratch = common::run_dir(&format!("{name}-configs"));
+    let sims = SimFleet::loopback(3, &["--model", RUNNABLE_MODEL, "--speedup", "10"])
         .expect("start the kvoy-sim simulators");
-    sims.wait_healthy(Duration::from_secs(10)).unwrap();
     let pool: Vec<String> = sims.addrs().iter().map(ToString::to_string).collect();
     for runnable in RUNNABLE_BOOTSTRAPS {
         let committed = std::fs::read_to_string(workspace_root().join(runnable.path)).unwrap();

@@ -21,17 +21,8 @@ const MODEL: &str = "kvoy-demo";
 fn serve_polls_a_live_aggregator_through_its_cluster() {
     let _serial = common::serial();
     let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-    let sims = SimFleet::start(&[any; 2], &["--model", MODEL, "--speedup", "20"]).unwrap();
-    sims.wait_healthy(Duration::from_secs(10)).unwrap();
-    let endpoints: Vec<AggregatedEndpoint> = sims
-        .addrs()
-        .iter()
-        .map(|a| AggregatedEndpoint {
-            address: *a,
-            models: vec![MODEL.into()],
-            kv_events: None,
-        })
-        .collect();
+    let sims = SimFleet::loopback(2, &["--model", MODEL, "--speedup", "20"]).unwrap();
+    let endpoints = AggregatedEndpoint::scraped(sims.addrs(), MODEL);
     let dir = common::run_dir("serve_aggregator");
     let aggregator = LocalAggregator::start(
         &dir.join("aggregator.yaml"),

@@ -28,18 +28,12 @@ const MODEL: &str = "kvoy-demo";
 const TIMEOUT: Duration = Duration::from_secs(30);
 
 fn sims(count: usize, speedup: &str) -> SimFleet {
-    let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-    let sims = SimFleet::start(&vec![any; count], &["--model", MODEL, "--speedup", speedup])
-        .expect("kvoy-sim simulators");
-    sims.wait_healthy(Duration::from_secs(10)).unwrap();
-    sims
+    SimFleet::loopback(count, &["--model", MODEL, "--speedup", speedup])
+        .expect("kvoy-sim simulators")
 }
 
 fn pool(addrs: &[SocketAddr]) -> Vec<PoolEndpoint> {
-    addrs
-        .iter()
-        .map(|a| PoolEndpoint::new(*a, &[MODEL]))
-        .collect()
+    PoolEndpoint::all(addrs, &[MODEL])
 }
 
 fn addrs(pool: &[PoolEndpoint]) -> Vec<String> {

@@ -9,6 +9,8 @@
 //! let fleet = SimFleet::start(&["127.0.0.1:0".parse()?], &["--model", "m", "--speedup", "10"])?;
 //! fleet.wait_healthy(Duration::from_secs(10))?;
 //! println!("a simulator on http://{}", fleet.addrs()[0]);
+//! // Or, on free ports and healthy:
+//! let three = SimFleet::loopback(3, &["--model", "m", "--speedup", "10"])?;
 //! # anyhow::Ok(())
 //! ```
 
@@ -29,7 +31,18 @@ pub struct SimFleet {
     runtime: Option<tokio::runtime::Runtime>,
 }
 
+/// How long [`SimFleet::loopback`] and [`PublishingSim::start`] wait for `/health`.
+pub const HEALTHY_WITHIN: Duration = Duration::from_secs(10);
+
 impl SimFleet {
+    /// `count` simulators on free ports of 127.0.0.1, configured by `args` as in
+    /// [`SimFleet::start`], each answering `/health` (within [`HEALTHY_WITHIN`]).
+    pub fn loopback(count: usize, args: &[&str]) -> anyhow::Result<SimFleet> {
+        let fleet = SimFleet::start(&vec![SocketAddr::from(([127, 0, 0, 1], 0)); count], args)?;
+        fleet.wait_healthy(HEALTHY_WITHIN)?;
+        Ok(fleet)
+    }
+
     /// Starts one simulator per address of `listen` (port 0 picks a free port), each configured
     /// by the `kvoy-sim` flags `args` (`--model`, `--speedup`, `--profile`, ...; not `--listen`
     /// or `--count`). With `--kv-events-endpoint tcp://ip:P`, simulator `i` publishes its KV
@@ -201,7 +214,7 @@ impl PublishingSim {
                 }
                 Err(e) => return Err(e),
             };
-            fleet.wait_healthy(Duration::from_secs(10))?;
+            fleet.wait_healthy(HEALTHY_WITHIN)?;
             let addr = fleet.addrs()[0];
             return Ok(PublishingSim {
                 fleet: Some(fleet),

@@ -150,6 +150,14 @@ impl PoolEndpoint {
             models: models.iter().map(|m| m.to_string()).collect(),
         }
     }
+
+    /// A pool of one endpoint at each of `addresses`, all serving `models`.
+    pub fn all(addresses: &[SocketAddr], models: &[&str]) -> Vec<Self> {
+        addresses
+            .iter()
+            .map(|a| PoolEndpoint::new(*a, models))
+            .collect()
+    }
 }
 
 /// The prefix-affinity filter's configuration JSON for a static pool, with an optional body

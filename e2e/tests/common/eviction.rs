@@ -87,23 +87,14 @@ pub struct LinkedConversation {
     pub linked: u64,
 }
 
-/// Starts two simulators with `sim_flags` and an aggregator following them (run `name`,
-/// files under `target_tmp`), a proxy relaying to it, then sends the conversation `name`'s
+/// Starts two simulators with `sim_flags` and an aggregator following them (run `name`), a proxy relaying to it, then sends the conversation `name`'s
 /// first turn and waits until it is linked.
 pub fn linked_conversation(
-    target_tmp: &str,
     name: &str,
     sim_flags: &[&str],
     model: &str,
 ) -> anyhow::Result<LinkedConversation> {
-    let pool = FollowedPool::start(
-        target_tmp,
-        name,
-        2,
-        sim_flags,
-        model,
-        "scrape_interval_ms: 50\n",
-    )?;
+    let pool = FollowedPool::start(name, 2, sim_flags, model, "scrape_interval_ms: 50\n")?;
     let mut config = StackConfig::new(pool.endpoints(model), pool.run_dir.join("proxy"));
     config.aggregator = Some(pool.agg.addr());
     let proxy = Stack::start(&config)?;

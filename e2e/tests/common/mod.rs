@@ -86,10 +86,9 @@ pub struct FollowedPool {
 
 impl FollowedPool {
     /// `sims` simulators started with `sim_args` (serving `model`), an aggregator with
-    /// `settings` (YAML lines before its `endpoints`) following them, ready; files under
-    /// `$CARGO_TARGET_TMPDIR/kvoy-e2e/{run}-{pid}`.
+    /// `settings` (YAML lines before its `endpoints`) following them, ready; files in
+    /// [`run_dir`]`(run)`.
     pub fn start(
-        target_tmp: &str,
         run: &str,
         sims: usize,
         sim_args: &[&str],
@@ -100,21 +99,10 @@ impl FollowedPool {
             .map(|_| PublishingSim::start(sim_args, false))
             .collect::<anyhow::Result<_>>()
             .with_context(|| format!("[{run}] could not start a simulator"))?;
-        let run_dir = PathBuf::from(target_tmp)
-            .join("kvoy-e2e")
-            .join(format!("{run}-{}", std::process::id()));
-        std::fs::create_dir_all(&run_dir)?;
-        let aggregated: Vec<AggregatedEndpoint> = sims
-            .iter()
-            .map(|s| AggregatedEndpoint {
-                address: s.addr,
-                models: vec![model.into()],
-                kv_events: Some((s.kv.clone(), None)),
-            })
-            .collect();
+        let run_dir = run_dir(run);
         let agg = LocalAggregator::start(
             &run_dir.join("aggregator.yaml"),
-            &aggregator_yaml(settings, &aggregated),
+            &aggregator_yaml(settings, &followed(&sims, model, false)),
             "127.0.0.1:0".parse()?,
         )?;
         agg.wait_ready(sims.len(), Duration::from_secs(10));
@@ -145,4 +133,48 @@ pub fn conversation_turn(model: &str, i: usize, t: usize) -> Vec<u8> {
     json!({"model": model, "max_tokens": 2, "messages": messages})
         .to_string()
         .into_bytes()
+}
+
+/// A fresh directory for run `name` of this test binary's tests:
+/// `$CARGO_TARGET_TMPDIR/kvoy-e2e/{name}-{pid}`, created.
+pub fn run_dir(name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join("kvoy-e2e")
+        .join(format!("{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// An aggregator on a free port of 127.0.0.1 with `settings` (YAML lines before its
+/// `endpoints`) following `endpoints`, its configuration in `run_dir/aggregator.yaml`.
+pub fn start_aggregator(
+    run_dir: &std::path::Path,
+    settings: &str,
+    endpoints: &[AggregatedEndpoint],
+) -> LocalAggregator {
+    LocalAggregator::start(
+        &run_dir.join("aggregator.yaml"),
+        &aggregator_yaml(settings, endpoints),
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .unwrap()
+}
+
+/// Simulators serving `model` followed by their metrics and KV events (and their replay
+/// sockets, when `replay`).
+pub fn followed(sims: &[PublishingSim], model: &str, replay: bool) -> Vec<AggregatedEndpoint> {
+    sims.iter()
+        .map(|s| AggregatedEndpoint {
+            address: s.addr,
+            models: vec![model.into()],
+            kv_events: Some((s.kv.clone(), if replay { s.replay.clone() } else { None })),
+        })
+        .collect()
+}
+
+/// [`run_dir`], emptied first.
+pub fn fresh_run_dir(name: &str) -> PathBuf {
+    let dir = run_dir(name);
+    std::fs::remove_dir_all(&dir).unwrap();
+    run_dir(name)
 }
