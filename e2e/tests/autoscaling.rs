@@ -230,15 +230,7 @@ struct Scrape {
 }
 
 fn scrape(aggregator: SocketAddr, at: Duration) -> Scrape {
-    let r = http::send(
-        aggregator,
-        "GET",
-        "/metrics",
-        &[],
-        b"",
-        Duration::from_secs(5),
-    )
-    .unwrap();
+    let r = http::get(aggregator, "/metrics", Duration::from_secs(5)).unwrap();
     assert_eq!(r.status, 200);
     let text = r.text();
     let value = |name: &str| -> f64 {

@@ -724,18 +724,11 @@ fn endpoints(sims: &[Sim], decoy: Option<SocketAddr>) -> Vec<AggregatedEndpoint>
 }
 
 fn aggregator_ready(agg: SocketAddr) -> u64 {
-    http::send(
-        agg,
-        "GET",
-        "/v1/endpoints",
-        &[],
-        b"",
-        Duration::from_secs(5),
-    )
-    .ok()
-    .and_then(|r| r.json().ok())
-    .and_then(|v| v["pool"]["ready"].as_u64())
-    .unwrap_or(0)
+    http::get(agg, "/v1/endpoints", Duration::from_secs(5))
+        .ok()
+        .and_then(|r| r.json().ok())
+        .and_then(|v| v["pool"]["ready"].as_u64())
+        .unwrap_or(0)
 }
 
 /// `/stats/prometheus` once the filters have ticked (they give Envoy their metrics on the
@@ -747,15 +740,7 @@ fn prometheus_kvoy_settled(admin: SocketAddr) -> BTreeMap<String, f64> {
 
 /// `/stats/prometheus`: every kvoy sample, by series (labels included), histograms skipped.
 fn prometheus_kvoy(admin: SocketAddr) -> BTreeMap<String, f64> {
-    let r = http::send(
-        admin,
-        "GET",
-        "/stats/prometheus",
-        &[],
-        b"",
-        Duration::from_secs(5),
-    )
-    .unwrap();
+    let r = http::get(admin, "/stats/prometheus", Duration::from_secs(5)).unwrap();
     assert_eq!(r.status, 200);
     r.text()
         .lines()

@@ -81,15 +81,7 @@ fn occupy(sim: SocketAddr, body: &[u8], n: usize) -> Vec<TcpStream> {
 }
 
 fn endpoints_view(agg: SocketAddr) -> Value {
-    let r = http::send(
-        agg,
-        "GET",
-        "/v1/endpoints",
-        &[],
-        b"",
-        Duration::from_secs(5),
-    )
-    .unwrap();
+    let r = http::get(agg, "/v1/endpoints", Duration::from_secs(5)).unwrap();
     assert_eq!(r.status, 200);
     r.json().unwrap()
 }

@@ -308,7 +308,7 @@ fn only_the_api_reaches_the_pool() {
         );
         assert!(r.text().contains("not_found"), "{}", r.text());
     }
-    let r = http::send(f.stack.listen, "GET", "/v1/models", &[], b"", TIMEOUT).unwrap();
+    let r = http::get(f.stack.listen, "/v1/models", TIMEOUT).unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
     let r = http::post_json(
         f.stack.listen,

@@ -14,11 +14,11 @@ mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kvoy_sim::fleet::SimFleet;
+use kvoy_testkit::requests::prose;
 use kvoy_testkit::{
     http::{self, Response},
     PoolEndpoint, Stack, StackConfig,
@@ -41,7 +41,6 @@ struct Fixture {
     stack: Stack,
     name: &'static str,
     sims: SimFleet,
-    run_dir: PathBuf,
     _serial: MutexGuard<'static, ()>,
 }
 
@@ -53,8 +52,7 @@ impl Fixture {
         let sims = SimFleet::loopback(3, &["--model", MODEL, "--speedup", SPEEDUP])
             .unwrap_or_else(|e| panic!("[{name}] could not start the kvoy-sim simulators: {e:#}"));
         let endpoints = PoolEndpoint::all(sims.addrs(), &[MODEL]);
-        let run_dir = common::run_dir(name);
-        let config = StackConfig::new(endpoints, run_dir.clone());
+        let config = StackConfig::new(endpoints, common::run_dir(name));
         let stack = match Stack::start(&config) {
             Ok(stack) => stack,
             Err(e) => panic!(
@@ -72,7 +70,6 @@ impl Fixture {
             stack,
             name,
             sims,
-            run_dir,
             _serial: serial,
         }
     }
@@ -105,8 +102,7 @@ impl Fixture {
     /// Fails if the Envoy log shows wasm panics, traps or VM failures; on success removes the
     /// run directory (a failed test keeps it for inspection).
     fn finish(self) {
-        self.stack.assert_no_wasm_failures(self.name);
-        let _ = std::fs::remove_dir_all(&self.run_dir);
+        self.stack.finish(self.name);
     }
 }
 
@@ -119,15 +115,12 @@ impl Drop for Fixture {
 /// About `bytes` of prose that starts with `tag`, so prompts with different tags differ from
 /// their first block on.
 fn prompt(tag: &str, bytes: usize) -> String {
-    const SENTENCE: &str = "You are the support assistant of tenant kvoy; answer precisely, \
-                            cite the relevant configuration keys, and keep answers short. ";
-    let mut text = format!("[{tag}] ");
-    let mut i = 0u64;
-    while text.len() < bytes {
-        text.push_str(&format!("{i}. {SENTENCE}"));
-        i += 1;
-    }
-    text
+    prose(
+        tag,
+        "You are the support assistant of tenant kvoy; answer precisely, cite the relevant \
+         configuration keys, and keep answers short. ",
+        bytes,
+    )
 }
 
 /// `usage.prompt_tokens` and `usage.prompt_tokens_details.cached_tokens` of a reply.
@@ -338,8 +331,7 @@ fn streaming_through_envoy_ends_with_done() {
         }
     }
 
-    let r =
-        http::send(f.stack.listen, "GET", "/v1/models", &[], b"", TIMEOUT).expect("GET /v1/models");
+    let r = http::get(f.stack.listen, "/v1/models", TIMEOUT).expect("GET /v1/models");
     assert_eq!(r.status, 200, "GET /v1/models: {}", r.text());
     assert_eq!(r.json().expect("models JSON")["data"][0]["id"], MODEL);
     f.finish();

@@ -61,7 +61,7 @@ fn flood(i: usize) -> Vec<u8> {
 }
 
 fn get_json(agg: SocketAddr, path: &str) -> Value {
-    let r = http::send(agg, "GET", path, &[], b"", TIMEOUT).unwrap();
+    let r = http::get(agg, path, TIMEOUT).unwrap();
     assert_eq!(r.status, 200, "{path}: {}", r.text());
     serde_json::from_slice(&r.body).unwrap()
 }
@@ -101,15 +101,7 @@ fn decided_keys(agg: SocketAddr) -> HashMap<String, HashSet<String>> {
     let mut out: HashMap<String, HashSet<String>> = HashMap::new();
     let mut cursor = 0;
     loop {
-        let r = http::send(
-            agg,
-            "GET",
-            &format!("/v1/decisions?after={cursor}"),
-            &[],
-            b"",
-            TIMEOUT,
-        )
-        .unwrap();
+        let r = http::get(agg, &format!("/v1/decisions?after={cursor}"), TIMEOUT).unwrap();
         let batch = DecisionBatch::decode(&r.body).unwrap();
         if batch.decisions.is_empty() || batch.cursor == cursor {
             return out;

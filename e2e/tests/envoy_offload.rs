@@ -149,7 +149,7 @@ fn a_prefix_offloaded_to_the_servers_cpu_tier_keeps_its_affinity_and_is_loaded_n
         cached >= 8 * linked,
         "[{NAME}] only {cached} prompt tokens were cached ({linked} keys linked)"
     );
-    let metrics = http::send(sim.addr, "GET", "/metrics", &[], b"", TIMEOUT).unwrap();
+    let metrics = http::get(sim.addr, "/metrics", TIMEOUT).unwrap();
     let loaded: f64 = metrics
         .text()
         .lines()

@@ -12,11 +12,11 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::{Arc, Barrier, Mutex, MutexGuard};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use kvoy_testkit::requests::{chat_body, prompt};
 use kvoy_testkit::{
     http::{self, Response},
     EchoConfig, EchoServer, PoolEndpoint, Stack, StackConfig, DELAY_HEADER, DESTINATION_HEADER,
@@ -36,7 +36,6 @@ struct Fixture {
     name: &'static str,
     pool: Vec<EchoServer>,
     outsider: EchoServer,
-    run_dir: PathBuf,
     _serial: MutexGuard<'static, ()>,
 }
 
@@ -54,8 +53,7 @@ impl Fixture {
             .iter()
             .map(|b| PoolEndpoint::new(b.addr(), &[MODEL]))
             .collect();
-        let run_dir = common::run_dir(name);
-        let mut config = StackConfig::new(endpoints, run_dir.clone());
+        let mut config = StackConfig::new(endpoints, common::run_dir(name));
         config.max_body_bytes = max_body_bytes;
         let stack = match Stack::start(&config) {
             Ok(stack) => stack,
@@ -76,7 +74,6 @@ impl Fixture {
             name,
             pool,
             outsider,
-            run_dir,
             _serial: serial,
         }
     }
@@ -91,7 +88,11 @@ impl Fixture {
     }
 
     fn chat(&self, system: &str, user: &str, headers: &[(&str, &str)]) -> Response {
-        self.post("/v1/chat/completions", headers, &chat_body(system, user))
+        self.post(
+            "/v1/chat/completions",
+            headers,
+            &chat_body(MODEL, system, user),
+        )
     }
 
     /// Checks a 200 reply came from a pool backend, that the filter reported the same endpoint
@@ -126,8 +127,7 @@ impl Fixture {
     /// Fails if the Envoy log shows wasm panics, traps or VM failures; on success removes the
     /// run directory (a failed test keeps it for inspection).
     fn finish(self) {
-        self.stack.assert_no_wasm_failures(self.name);
-        let _ = std::fs::remove_dir_all(&self.run_dir);
+        self.stack.finish(self.name);
     }
 }
 
@@ -135,32 +135,6 @@ impl Drop for Fixture {
     fn drop(&mut self) {
         self.stack.print_log_tail_if_panicking(self.name);
     }
-}
-
-fn chat_body(system: &str, user: &str) -> Vec<u8> {
-    serde_json::to_vec(&json!({
-        "model": MODEL,
-        "messages": [
-            {"role": "system", "content": system},
-            {"role": "user", "content": user},
-        ],
-    }))
-    .unwrap()
-}
-
-/// About `bytes` of prose that starts with `tag`, so prompts with different tags differ from
-/// their first block on.
-fn prompt(tag: &str, bytes: usize) -> String {
-    const SENTENCE: &str =
-        "You are a meticulous assistant for the kvoy project; answer precisely, \
-                            cite the relevant configuration keys, and keep answers short. ";
-    let mut text = format!("[{tag}] ");
-    let mut i = 0u64;
-    while text.len() < bytes {
-        text.push_str(&format!("{i}. {SENTENCE}"));
-        i += 1;
-    }
-    text
 }
 
 fn count(dist: &mut BTreeMap<String, usize>, served: String) {
@@ -231,7 +205,7 @@ fn concurrent_burst_is_not_piled_on_one_backend() {
             // Each question is 1 KB (about 260 tokens) against the 4 KB shared prompt: the
             // holder's queued prefill soon outweighs computing the prefix again elsewhere.
             let question = format!("burst question {i} {}", "detail ".repeat(146));
-            let body = chat_body(&system, &question);
+            let body = chat_body(MODEL, &system, &question);
             thread::spawn(move || {
                 barrier.wait();
                 http::post_json(
@@ -359,8 +333,7 @@ fn invalid_requests_get_openai_errors() {
     let r = f.post("/v1/chat/completions", &[], &body);
     assert_openai_error(name, &r, 404, "unknown model");
 
-    let r =
-        http::send(f.stack.listen, "GET", "/v1/models", &[], b"", TIMEOUT).expect("GET /v1/models");
+    let r = http::get(f.stack.listen, "/v1/models", TIMEOUT).expect("GET /v1/models");
     assert_eq!(r.status, 200, "GET /v1/models: {}", r.text());
     let from = r.header(SERVED_BY_HEADER).map(str::to_string);
     assert!(

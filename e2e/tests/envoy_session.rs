@@ -76,17 +76,10 @@ fn sessions_stick_move_when_their_endpoint_dies_and_stick_again() {
         agg.addr()
     );
     wait_for("the aggregator's view", Duration::from_secs(10), || {
-        http::send(
-            agg.addr(),
-            "GET",
-            "/v1/endpoints",
-            &[],
-            b"",
-            Duration::from_secs(5),
-        )
-        .ok()
-        .and_then(|r| r.json().ok())
-        .is_some_and(|v: Value| v["pool"]["ready"] == 3)
+        http::get(agg.addr(), "/v1/endpoints", Duration::from_secs(5))
+            .ok()
+            .and_then(|r| r.json().ok())
+            .is_some_and(|v: Value| v["pool"]["ready"] == 3)
     });
     std::thread::sleep(Duration::from_millis(400));
 

@@ -56,7 +56,11 @@ fn serve_polls_a_live_aggregator_through_its_cluster() {
         std::thread::sleep(Duration::from_millis(50));
     }
     let members: Vec<String> = sims.addrs().iter().map(ToString::to_string).collect();
-    let body = common::chat_body(MODEL, &common::prompt("live", 2048), "hi");
+    let body = kvoy_testkit::requests::chat_body(
+        MODEL,
+        &kvoy_testkit::requests::prompt("live", 2048),
+        "hi",
+    );
     let r = kvoy_testkit::http::post_json(
         server.addr(),
         "/v1/chat/completions",

@@ -28,7 +28,7 @@ use kvoy_testkit::{
 };
 use serde_json::{json, Value};
 
-use common::prompt;
+use kvoy_testkit::requests::{chat_body, prompt};
 
 const MODEL: &str = "kvoy-demo";
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -76,7 +76,7 @@ fn observe(r: &Response) -> Observed {
 }
 
 fn chat(system: &str, user: &str) -> Vec<u8> {
-    common::chat_body(MODEL, system, user)
+    chat_body(MODEL, system, user)
 }
 
 fn steps(pool: &[SocketAddr]) -> Vec<Step> {
@@ -145,7 +145,7 @@ fn steps(pool: &[SocketAddr]) -> Vec<Step> {
         step(
             "unknown model",
             vec![],
-            common::chat_body("no-such-model", "", "hi"),
+            chat_body("no-such-model", "", "hi"),
             Expect::Status(404),
         ),
         step(

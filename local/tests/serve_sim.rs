@@ -22,7 +22,8 @@ use kvoy_testkit::{
 };
 use serde_json::{json, Value};
 
-use common::{chat_body, prompt, serial};
+use common::serial;
+use kvoy_testkit::requests::{chat_body, prompt};
 
 const MODEL: &str = "kvoy-demo";
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -179,7 +180,7 @@ fn streams_are_relayed_and_stick() {
             );
         }
     }
-    let r = http::send(server.addr(), "GET", "/v1/models", &[], b"", TIMEOUT).unwrap();
+    let r = http::get(server.addr(), "/v1/models", TIMEOUT).unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json().unwrap()["data"][0]["id"], MODEL);
     assert!(r

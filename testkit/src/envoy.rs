@@ -169,7 +169,7 @@ impl EnvoyProcess {
                     self.log_tail(40)
                 );
             }
-            let ready = http::send(admin, "GET", "/ready", &[], b"", step * 5)
+            let ready = http::get(admin, "/ready", step * 5)
                 .map(|r| r.status == 200)
                 .unwrap_or(false);
             if ready && TcpStream::connect_timeout(&listener, step * 5).is_ok() {

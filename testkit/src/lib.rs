@@ -17,7 +17,8 @@
 //!   and kills it on drop; [`served_by`] checks where the proxy sent a request.
 //! - [`echo`]: [`EchoServer`], an OpenAI-shaped backend whose replies name the address that
 //!   served them (header `x-served-by`).
-//! - [`load`]: a streaming client that times each completion (TTFT, inter-token gaps).
+//! - [`requests`]: OpenAI request bodies the tests send ([`requests::prompt`], ...); [`load`]: a
+//!   streaming client that times each completion (TTFT, inter-token gaps).
 //! - [`webdriver`]: a headless Chromium driven through chromedriver, for the browser tests.
 //!
 //! kvoy's own services run in-process through their crates' starters, not through the kit:
@@ -49,6 +50,7 @@ pub mod envoy;
 pub mod http;
 pub mod load;
 pub mod net;
+pub mod requests;
 pub mod stack;
 pub mod wait;
 pub mod wasm;

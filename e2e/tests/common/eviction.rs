@@ -103,7 +103,7 @@ pub fn linked_conversation(
     // the shared log on its tick once it serves; before, on its first request). `GET
     // /v1/models` makes no routing decision, so the linker has nothing more to tell apart.
     for _ in 0..16 {
-        let r = http::send(proxy.listen, "GET", MODELS_PATH, &[], b"", TIMEOUT)?;
+        let r = http::get(proxy.listen, MODELS_PATH, TIMEOUT)?;
         anyhow::ensure!(r.status == 200, "GET /v1/models: {} {}", r.status, r.text());
     }
     let first = post_chat(proxy.listen, &long_turn(name, model, 0))?;

@@ -34,21 +34,13 @@ pub trait AggregatorReads {
 
 impl AggregatorReads for LocalAggregator {
     fn get_json(&self, path: &str) -> anyhow::Result<serde_json::Value> {
-        let r = http::send(self.addr(), "GET", path, &[], b"", Duration::from_secs(5))?;
+        let r = http::get(self.addr(), path, Duration::from_secs(5))?;
         anyhow::ensure!(r.status == 200, "GET {path}: {} {}", r.status, r.text());
         Ok(r.json()?)
     }
 
     fn metric(&self, sample: &str) -> anyhow::Result<f64> {
-        let text = http::send(
-            self.addr(),
-            "GET",
-            "/metrics",
-            &[],
-            b"",
-            Duration::from_secs(5),
-        )?
-        .text();
+        let text = http::get(self.addr(), "/metrics", Duration::from_secs(5))?.text();
         let prefix = format!("{sample} ");
         Ok(text
             .lines()
@@ -60,16 +52,9 @@ impl AggregatorReads for LocalAggregator {
     fn wait_ready(&self, endpoints: usize, timeout: Duration) {
         let want = format!("{endpoints} ready");
         wait_for("the endpoints ready in the aggregator", timeout, || {
-            http::send(
-                self.addr(),
-                "GET",
-                "/readyz",
-                &[],
-                b"",
-                Duration::from_secs(5),
-            )
-            .map(|r| r.text().contains(&want))
-            .unwrap_or(false)
+            http::get(self.addr(), "/readyz", Duration::from_secs(5))
+                .map(|r| r.text().contains(&want))
+                .unwrap_or(false)
         });
     }
 }

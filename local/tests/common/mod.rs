@@ -71,32 +71,6 @@ pub fn local_stats(server: &Server) -> std::collections::BTreeMap<String, i64> {
         .collect()
 }
 
-/// About `bytes` of prose that starts with `tag`, so prompts with different tags differ from
-/// their first block on.
-pub fn prompt(tag: &str, bytes: usize) -> String {
-    const SENTENCE: &str =
-        "You are a meticulous assistant for the kvoy project; answer precisely, \
-                            cite the relevant configuration keys, and keep answers short. ";
-    let mut text = format!("[{tag}] ");
-    let mut i = 0u64;
-    while text.len() < bytes {
-        text.push_str(&format!("{i}. {SENTENCE}"));
-        i += 1;
-    }
-    text
-}
-
-pub fn chat_body(model: &str, system: &str, user: &str) -> Vec<u8> {
-    serde_json::to_vec(&json!({
-        "model": model,
-        "messages": [
-            {"role": "system", "content": system},
-            {"role": "user", "content": user},
-        ],
-    }))
-    .unwrap()
-}
-
 /// The combined `kvoy` filter with the same stage configurations as [`chain_config`] (a
 /// section per stage; `None` leaves the stage out).
 pub fn kvoy_config(

@@ -68,6 +68,11 @@ pub fn send(
     )
 }
 
+/// [`send`] for a GET without a body.
+pub fn get(addr: SocketAddr, path: &str, timeout: Duration) -> Result<Response, HttpError> {
+    request(addr, &Request::get(path).timeout(timeout))
+}
+
 /// [`send`] for a POST of a JSON body (`content-type: application/json` first).
 pub fn post_json(
     addr: SocketAddr,

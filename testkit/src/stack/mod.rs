@@ -179,6 +179,13 @@ impl Stack {
         );
     }
 
+    /// The end of a passing test: [`Stack::assert_no_wasm_failures`], then the run directory
+    /// removed (a failing test panics first and keeps it for inspection).
+    pub fn finish(&self, test: &str) {
+        self.assert_no_wasm_failures(test);
+        let _ = std::fs::remove_dir_all(&self.config.run_dir);
+    }
+
     /// Envoy's stats whose names contain `filter`, from the admin interface (`name: value`
     /// lines; counters and gauges, histograms skipped), once the filters have ticked: the
     /// combined filter gives Envoy its metrics on its tick ([`METRICS_TICK_WAIT`]).
@@ -194,14 +201,7 @@ impl Stack {
         filter: &str,
     ) -> anyhow::Result<std::collections::BTreeMap<String, u64>> {
         let path = format!("/stats?filter={filter}");
-        let reply = http::send(
-            self.admin,
-            "GET",
-            &path,
-            &[],
-            &[],
-            std::time::Duration::from_secs(5),
-        )?;
+        let reply = http::get(self.admin, &path, std::time::Duration::from_secs(5))?;
         anyhow::ensure!(reply.status == 200, "GET {path}: {}", reply.status);
         Ok(reply
             .text()
