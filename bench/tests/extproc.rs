@@ -8,17 +8,15 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use kvoy_bench::overhead::extproc::ExtProcProxy;
-use kvoy_testkit::{EchoConfig, EchoServer, PoolEndpoint, DESTINATION_HEADER, SERVED_BY_HEADER};
+use kvoy_testkit::{EchoServer, PoolEndpoint, DESTINATION_HEADER, SERVED_BY_HEADER};
 
 #[test]
 fn requests_arrive_at_the_endpoint_the_picker_chose() {
-    let backends: Vec<EchoServer> = (0..3)
-        .map(|_| EchoServer::start(EchoConfig::new(([127, 0, 0, 1], 0).into(), &["m"])).unwrap())
-        .collect();
-    let pool: Vec<PoolEndpoint> = backends
-        .iter()
-        .map(|b| PoolEndpoint::new(b.addr(), &["m"]))
-        .collect();
+    let backends: Vec<EchoServer> = EchoServer::loopback(3, &["m"]).unwrap();
+    let pool: Vec<PoolEndpoint> = PoolEndpoint::all(
+        &backends.iter().map(EchoServer::addr).collect::<Vec<_>>(),
+        &["m"],
+    );
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
         .join("kvoy-bench-extproc")
         .join(std::process::id().to_string());

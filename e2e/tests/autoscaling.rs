@@ -16,12 +16,11 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use serde::Deserialize;
+use common::yaml_docs;
 use serde_json::{json, Value};
 
 use common::AggregatorReads;
@@ -47,14 +46,6 @@ const REPLICAS: f64 = 2.0;
 /// back below it after the flood's last request was sent (the queues must drain first).
 const CROSS_WITHIN_SCRAPES: usize = 3;
 const FALL_WITHIN_SCRAPES: usize = 6;
-
-fn yaml_docs(path: &Path) -> Vec<Value> {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_yaml_ng::Deserializer::from_str(&text)
-        .map(|doc| Value::deserialize(doc).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
-        .filter(|v| !v.is_null())
-        .collect()
-}
 
 fn manifest(file: &str, kind: &str) -> Value {
     let path = workspace_root().join("deploy/autoscaling").join(file);

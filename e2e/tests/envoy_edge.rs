@@ -28,9 +28,7 @@ use hyper::header::{HeaderName, HeaderValue};
 use hyper::{HeaderMap, Request};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
-use kvoy_testkit::{
-    http, EchoConfig, EchoServer, PoolEndpoint, Stack, StackConfig, SERVED_BY_HEADER,
-};
+use kvoy_testkit::{http, EchoServer, PoolEndpoint, Stack, StackConfig, SERVED_BY_HEADER};
 
 const MODEL: &str = "kvoy-demo";
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -48,14 +46,11 @@ struct Fixture {
 impl Fixture {
     fn start(name: &'static str) -> Fixture {
         let serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let pool: Vec<EchoServer> = (0..2)
-            .map(|_| EchoServer::start(EchoConfig::new(any, &[MODEL])).expect("echo backend"))
-            .collect();
-        let endpoints = pool
-            .iter()
-            .map(|b| PoolEndpoint::new(b.addr(), &[MODEL]))
-            .collect();
+        let pool: Vec<EchoServer> = EchoServer::loopback(2, &[MODEL]).expect("echo backend");
+        let endpoints = PoolEndpoint::all(
+            &pool.iter().map(EchoServer::addr).collect::<Vec<_>>(),
+            &[MODEL],
+        );
         let run_dir = common::run_dir(name);
         let stack = Stack::start(&StackConfig::new(endpoints, run_dir))
             .unwrap_or_else(|e| panic!("[{name}] could not start the kvoy stack: {e:#}"));

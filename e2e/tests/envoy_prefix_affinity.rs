@@ -45,14 +45,12 @@ impl Fixture {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let pool: Vec<EchoServer> = (0..3)
-            .map(|_| EchoServer::start(EchoConfig::new(any, &[MODEL])).expect("start echo backend"))
-            .collect();
+        let pool: Vec<EchoServer> = EchoServer::loopback(3, &[MODEL]).expect("start echo backend");
         let outsider = EchoServer::start(EchoConfig::new(any, &[MODEL])).expect("start outsider");
-        let endpoints = pool
-            .iter()
-            .map(|b| PoolEndpoint::new(b.addr(), &[MODEL]))
-            .collect();
+        let endpoints = PoolEndpoint::all(
+            &pool.iter().map(EchoServer::addr).collect::<Vec<_>>(),
+            &[MODEL],
+        );
         let mut config = StackConfig::new(endpoints, common::run_dir(name));
         config.max_body_bytes = max_body_bytes;
         let stack = match Stack::start(&config) {

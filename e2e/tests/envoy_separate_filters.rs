@@ -31,16 +31,15 @@ fn chat(user: &str) -> Vec<u8> {
 fn the_separate_filters_route_pin_and_guard_the_upstream() {
     let name = "separate-filters";
     let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-    let pool: Vec<EchoServer> = (0..3)
-        .map(|_| EchoServer::start(EchoConfig::new(any, &[MODEL])).unwrap())
-        .collect();
+    let pool: Vec<EchoServer> = EchoServer::loopback(3, &[MODEL]).unwrap();
     let outsider = EchoServer::start(EchoConfig::new(any, &[MODEL])).unwrap();
     let addrs: Vec<String> = pool.iter().map(|b| b.addr().to_string()).collect();
     let run_dir = common::run_dir(name);
     let mut config = StackConfig::new(
-        pool.iter()
-            .map(|b| PoolEndpoint::new(b.addr(), &[MODEL]))
-            .collect(),
+        PoolEndpoint::all(
+            &pool.iter().map(EchoServer::addr).collect::<Vec<_>>(),
+            &[MODEL],
+        ),
         run_dir,
     );
     config.layout = FilterLayout::Separate;

@@ -13,11 +13,13 @@
 //! - the script writes a valid OCI image layout whose digests, sizes and layer content check out.
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use serde::Deserialize;
+use common::yaml_docs;
 use serde_json::{json, Map, Value};
 use sha2::{Digest, Sha256};
 
@@ -66,14 +68,6 @@ fn validate_manifests(paths: &[PathBuf]) -> (bool, String) {
         "the validator could not run (pip install jsonschema pyyaml):\n{text}"
     );
     (out.status.success(), text)
-}
-
-fn yaml_docs(path: &Path) -> Vec<Value> {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_yaml_ng::Deserializer::from_str(&text)
-        .map(|doc| Value::deserialize(doc).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
-        .filter(|v| !v.is_null())
-        .collect()
 }
 
 /// The one document of `kind` named `name` in `path`.

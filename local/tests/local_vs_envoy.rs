@@ -23,7 +23,7 @@ use std::time::Duration;
 use kvoy_shared::session::encode_token;
 use kvoy_testkit::{
     http::{self, Response},
-    EchoConfig, EchoServer, PoolEndpoint, Stack, StackConfig, DESTINATION_HEADER, SERVED_BY_HEADER,
+    EchoServer, PoolEndpoint, Stack, StackConfig, DESTINATION_HEADER, SERVED_BY_HEADER,
     SERVED_HEADER,
 };
 use serde_json::{json, Value};
@@ -215,15 +215,9 @@ fn kvoy_only(stats: impl IntoIterator<Item = (String, i64)>) -> BTreeMap<String,
 #[test]
 fn envoy_and_kvoy_local_route_the_same_sequence_the_same_way() {
     let _serial = common::serial();
-    let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-    let backends: Vec<EchoServer> = (0..3)
-        .map(|_| EchoServer::start(EchoConfig::new(any, &[MODEL])).unwrap())
-        .collect();
+    let backends: Vec<EchoServer> = EchoServer::loopback(3, &[MODEL]).unwrap();
     let addrs: Vec<SocketAddr> = backends.iter().map(EchoServer::addr).collect();
-    let pool: Vec<PoolEndpoint> = addrs
-        .iter()
-        .map(|a| PoolEndpoint::new(*a, &[MODEL]))
-        .collect();
+    let pool: Vec<PoolEndpoint> = PoolEndpoint::all(&addrs, &[MODEL]);
     // Static queue lengths make every first choice unique.
     let endpoints: Vec<Value> = addrs
         .iter()

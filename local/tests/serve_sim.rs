@@ -301,10 +301,7 @@ fn bad_requests_get_openai_errors() {
 #[test]
 fn a_concurrent_burst_is_not_piled_on_one_backend() {
     let _serial = serial();
-    let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-    let backends: Vec<EchoServer> = (0..3)
-        .map(|_| EchoServer::start(EchoConfig::new(any, &[MODEL])).unwrap())
-        .collect();
+    let backends: Vec<EchoServer> = EchoServer::loopback(3, &[MODEL]).unwrap();
     let pool = pool(&backends.iter().map(EchoServer::addr).collect::<Vec<_>>());
     let members = addrs(&pool);
     let server = common::serve("burst", &default_chain(&pool, None));

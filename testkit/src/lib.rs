@@ -68,7 +68,8 @@ pub use echo::{
     SERVED_BY_HEADER,
 };
 pub use envoy::{
-    envoy_binary, envoy_version, validate_config, validate_config_in, wasm_failures, EnvoyProcess,
+    envoy_binary, envoy_version, terminate, validate_config, validate_config_in, wasm_failures,
+    EnvoyProcess,
 };
 pub use net::free_port;
 pub use stack::{

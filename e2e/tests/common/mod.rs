@@ -15,7 +15,8 @@ use anyhow::Context as _;
 use kvoy_aggregator::local::{aggregator_yaml, AggregatedEndpoint, LocalAggregator};
 use kvoy_sim::fleet::PublishingSim;
 use kvoy_testkit::{http, wait_for, PoolEndpoint};
-use serde_json::json;
+use serde::Deserialize;
+use serde_json::{json, Value};
 
 /// What the tests read from a running aggregator, over its HTTP API.
 pub trait AggregatorReads {
@@ -162,4 +163,14 @@ pub fn fresh_run_dir(name: &str) -> PathBuf {
     let dir = run_dir(name);
     std::fs::remove_dir_all(&dir).unwrap();
     run_dir(name)
+}
+
+/// Every document of the YAML file at `path` (empty ones skipped), as JSON values; panics
+/// naming the file when it cannot be read or parsed.
+pub fn yaml_docs(path: &std::path::Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_yaml_ng::Deserializer::from_str(&text)
+        .map(|doc| Value::deserialize(doc).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
+        .filter(|v| !v.is_null())
+        .collect()
 }
