@@ -18,6 +18,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kvoy_sim::fleet::SimFleet;
+use kvoy_testkit::http::sse_data;
 use kvoy_testkit::requests::prose;
 use kvoy_testkit::{
     http::{self, Response},
@@ -261,14 +262,6 @@ fn shared_prefix_conversations_hit_the_kv_cache() {
         blind.ratio()
     );
     f.finish();
-}
-
-/// The `data:` payloads of an SSE body.
-fn sse_data(text: &str) -> Vec<&str> {
-    text.lines()
-        .filter_map(|l| l.strip_prefix("data:"))
-        .map(str::trim)
-        .collect()
 }
 
 #[test]

@@ -23,6 +23,7 @@ use kvoy_testkit::{
 use serde_json::{json, Value};
 
 use common::serial;
+use kvoy_testkit::http::sse_data;
 use kvoy_testkit::requests::{chat_body, prompt};
 
 const MODEL: &str = "kvoy-demo";
@@ -131,13 +132,6 @@ fn shared_prefix_conversations_stick_and_hit_the_kv_cache() {
         stats["kvoy_prefix_affinity_decisions_total"],
         (groups * turns) as i64
     );
-}
-
-fn sse_data(text: &str) -> Vec<&str> {
-    text.lines()
-        .filter_map(|l| l.strip_prefix("data:"))
-        .map(str::trim)
-        .collect()
 }
 
 #[test]
