@@ -37,7 +37,7 @@ EXPLAIN_TARGET := wasm32-unknown-unknown
 TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 EXPLAIN_DIR := $(TARGET_DIR)/explain
 # Every crate with a native binary (a [[bin]], src/main.rs or src/bin/).
-BIN_CRATES := kvoy-e2e kvoy-sim kvoy-aggregator kvoy-local kvoy-bench
+BIN_CRATES := kvoy-stack kvoy-sim kvoy-aggregator kvoy-local kvoy-bench
 # Flags for kvoy-stack (`kvoy-stack --help`), e.g. RUN_ARGS='--backend echo --speedup 1'.
 RUN_ARGS ?=
 # Flags for `kvoy-bench live` and `kvoy-bench overhead` (`cargo run -p kvoy-bench -- live --help`,
@@ -69,7 +69,7 @@ build: wasm explain
 
 # Only what the demo runs (the simulators run in kvoy-stack's process): `make build` builds every binary.
 run: deps wasm explain
-	$(CARGO) run --release -j $(JOBS) -p kvoy-e2e --bin kvoy-stack -- $(RUN_ARGS)
+	$(CARGO) run --release -j $(JOBS) -p kvoy-stack --bin kvoy-stack -- $(RUN_ARGS)
 
 test: deps wasm explain
 	$(CARGO) fmt --all --check

@@ -23,6 +23,8 @@
 //!   share).
 //! - [`page`]: the pool view, a page at `GET /` drawing the live pool from `GET /v1/pool`,
 //!   with a short history ([`timeline`], pure).
+//! - [`local`]: an aggregator in another program's process, on a runtime of its own
+//!   (`kvoy-stack`, the end-to-end tests, kvoy-bench).
 //!
 //! ```no_run
 //! # async fn demo() -> std::io::Result<()> {
@@ -48,6 +50,8 @@ mod http_client;
 pub mod k8s;
 pub mod kv_index;
 pub mod kv_link;
+#[cfg(feature = "service")]
+pub mod local;
 #[cfg(feature = "service")]
 pub mod page;
 #[cfg(feature = "service")]

@@ -1,7 +1,7 @@
 //! kvoy-bench: a deterministic fleet-scale simulation of LLM request routing.
 //!
 //! Nothing depends on it: it is the top of the tree (it uses kvoy-sim's engine, kvoy-shared's
-//! router, the aggregator's estimators and kvoy-e2e's stack).
+//! router, the aggregator's estimators and the test kit's stack).
 //!
 //! N [`kvoy_sim`] engines (paged KV cache with prefix caching, continuous batching, the
 //! calibrated step-time model) run in one discrete-event loop in virtual time, behind one proxy

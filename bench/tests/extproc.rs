@@ -9,17 +9,15 @@ mod common;
 use std::time::Duration;
 
 use kvoy_bench::overhead::extproc::ExtProcProxy;
-use kvoy_e2e::{EchoConfig, EchoServer, PoolEndpoint, DESTINATION_HEADER, SERVED_BY_HEADER};
+use kvoy_testkit::{EchoServer, PoolEndpoint, DESTINATION_HEADER, SERVED_BY_HEADER};
 
 #[test]
 fn requests_arrive_at_the_endpoint_the_picker_chose() {
-    let backends: Vec<EchoServer> = (0..3)
-        .map(|_| EchoServer::start(EchoConfig::new(([127, 0, 0, 1], 0).into(), &["m"])).unwrap())
-        .collect();
-    let pool: Vec<PoolEndpoint> = backends
-        .iter()
-        .map(|b| PoolEndpoint::new(b.addr(), &["m"]))
-        .collect();
+    let backends: Vec<EchoServer> = EchoServer::loopback(3, &["m"]).unwrap();
+    let pool: Vec<PoolEndpoint> = PoolEndpoint::all(
+        &backends.iter().map(EchoServer::addr).collect::<Vec<_>>(),
+        &["m"],
+    );
     let dir = common::run_dir("kvoy-bench-extproc");
     let proxy = ExtProcProxy::start(&pool, 2, 1, &dir).unwrap();
     let timeout = Duration::from_secs(10);
@@ -37,7 +35,7 @@ fn requests_arrive_at_the_endpoint_the_picker_chose() {
         .to_string();
         let before = proxy.routed();
         // A client's own choice of endpoint is overwritten by the picker's.
-        let reply = kvoy_e2e::http::post_json(
+        let reply = kvoy_testkit::http::post_json(
             proxy.listen(),
             "/v1/chat/completions",
             &[(DESTINATION_HEADER, "127.0.0.1:9")],
@@ -63,7 +61,7 @@ fn requests_arrive_at_the_endpoint_the_picker_chose() {
         assert_eq!(reply.header(SERVED_BY_HEADER), Some(chosen[0].as_str()));
         served.push(chosen[0].clone());
         // The request is over: Envoy ends its ext_proc stream and the picker releases it.
-        kvoy_e2e::wait_for("the picker to release the request", timeout, || {
+        kvoy_testkit::wait_for("the picker to release the request", timeout, || {
             proxy.outstanding_requests() == 0
         });
     }
@@ -72,7 +70,7 @@ fn requests_arrive_at_the_endpoint_the_picker_chose() {
     let total: u64 = backends.iter().map(EchoServer::inference_requests).sum();
     assert_eq!(total, 6);
 
-    let reply = kvoy_e2e::http::post_json(
+    let reply = kvoy_testkit::http::post_json(
         proxy.listen(),
         "/v1/chat/completions",
         &[],

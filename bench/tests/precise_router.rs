@@ -17,7 +17,8 @@ use std::time::Duration;
 mod common;
 
 use kvoy_bench::live::routers::{KvEventSource, RouterKind, RouterProcess};
-use kvoy_e2e::{http, PublishingSim};
+use kvoy_sim::fleet::PublishingSim;
+use kvoy_testkit::http;
 
 const MODEL: &str = "m";
 

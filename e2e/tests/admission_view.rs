@@ -10,15 +10,19 @@
 //! installs both).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
-use std::path::PathBuf;
+mod common;
+
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use kvoy_e2e::webdriver::{chromedriver, Browser};
-use kvoy_e2e::{
-    aggregator_yaml, http, AggregatedEndpoint, LocalAggregator, PoolEndpoint, SimFleet, Stack,
-    StackConfig,
+use common::AggregatorReads;
+use kvoy_aggregator::local::{AggregatedEndpoint, LocalAggregator};
+use kvoy_sim::fleet::SimFleet;
+use kvoy_testkit::{
+    http,
+    webdriver::{chromedriver, Browser},
+    PoolEndpoint, Stack, StackConfig,
 };
 
 const NAME: &str = "admission-view";
@@ -48,31 +52,14 @@ fn wait_admission(
 
 #[test]
 fn the_aggregator_shows_what_the_proxies_admission_holds() {
-    let fleet = SimFleet::start(
-        &["127.0.0.1:0".parse().unwrap()],
-        &["--model", MODEL, "--speedup", "2"],
-    )
-    .unwrap();
-    fleet.wait_healthy(Duration::from_secs(10)).unwrap();
+    let fleet = SimFleet::loopback(1, &["--model", MODEL, "--speedup", "2"]).unwrap();
     let sim = fleet.addrs()[0];
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("kvoy-e2e")
-        .join(format!("{NAME}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let aggregator = LocalAggregator::start(
-        &dir.join("pool.yaml"),
-        &aggregator_yaml(
-            "scrape_interval_ms: 50\nstale_after_ms: 1000\n",
-            &[AggregatedEndpoint {
-                address: sim,
-                models: vec![MODEL.into()],
-                kv_events: None,
-            }],
-        ),
-        "127.0.0.1:0".parse().unwrap(),
-    )
-    .unwrap();
+    let dir = common::fresh_run_dir(NAME);
+    let aggregator = common::start_aggregator(
+        &dir,
+        "scrape_interval_ms: 50\nstale_after_ms: 1000\n",
+        &AggregatedEndpoint::scraped(&[sim], MODEL),
+    );
     aggregator.wait_ready(1, Duration::from_secs(10));
     let mut config = StackConfig::new(vec![PoolEndpoint::new(sim, &[MODEL])], dir.join("envoy"));
     config.aggregator = Some(aggregator.addr());
@@ -81,8 +68,8 @@ fn the_aggregator_shows_what_the_proxies_admission_holds() {
     // counted once.
     config.admission_config = Some(
         json!({"endpoints": 1, "tick_ms": 10,
-            "aggregator": {"cluster": kvoy_e2e::AGGREGATOR_CLUSTER},
-            "allowed_destinations": [{"cidr": kvoy_e2e::LOOPBACK_CIDR}],
+            "aggregator": {"cluster": kvoy_testkit::AGGREGATOR_CLUSTER},
+            "allowed_destinations": [{"cidr": kvoy_testkit::LOOPBACK_CIDR}],
             "flow": {
             "saturation": {"max_inflight_per_endpoint": 1},
             "queue_ttl_ms": 20000}})

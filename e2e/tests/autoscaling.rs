@@ -13,19 +13,21 @@
 //! to the simulators directly (what an autoscaler sees does not depend on who routed).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use serde::Deserialize;
+use common::yaml_docs;
 use serde_json::{json, Value};
 
+use common::AggregatorReads;
+use kvoy_aggregator::local::AggregatedEndpoint;
 use kvoy_aggregator::prom;
-use kvoy_e2e::{
-    aggregator_yaml, http, workspace_root, AggregatedEndpoint, LocalAggregator, SimFleet,
-};
+use kvoy_sim::fleet::SimFleet;
+use kvoy_testkit::{http, workspace_root};
 
 const MODEL: &str = "m";
 /// Simulated time runs this many times faster than real time.
@@ -44,14 +46,6 @@ const REPLICAS: f64 = 2.0;
 /// back below it after the flood's last request was sent (the queues must drain first).
 const CROSS_WITHIN_SCRAPES: usize = 3;
 const FALL_WITHIN_SCRAPES: usize = 6;
-
-fn yaml_docs(path: &Path) -> Vec<Value> {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_yaml_ng::Deserializer::from_str(&text)
-        .map(|doc| Value::deserialize(doc).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
-        .filter(|v| !v.is_null())
-        .collect()
-}
 
 fn manifest(file: &str, kind: &str) -> Value {
     let path = workspace_root().join("deploy/autoscaling").join(file);
@@ -227,15 +221,7 @@ struct Scrape {
 }
 
 fn scrape(aggregator: SocketAddr, at: Duration) -> Scrape {
-    let r = http::send(
-        aggregator,
-        "GET",
-        "/metrics",
-        &[],
-        b"",
-        Duration::from_secs(5),
-    )
-    .unwrap();
+    let r = http::get(aggregator, "/metrics", Duration::from_secs(5)).unwrap();
     assert_eq!(r.status, 200);
     let text = r.text();
     let value = |name: &str| -> f64 {
@@ -254,13 +240,6 @@ fn scrape(aggregator: SocketAddr, at: Duration) -> Scrape {
     }
 }
 
-fn scratch() -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("kvoy-autoscaling-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
 #[test]
 fn the_manifests_agree_on_the_thresholds() {
     let p = policy();
@@ -274,11 +253,8 @@ fn saturation_crosses_the_scaled_object_threshold_under_a_flood_and_falls_back()
     let interval = p.scrape_interval / SPEEDUP;
     let speedup = SPEEDUP.to_string();
     let seqs = MAX_NUM_SEQS.to_string();
-    let fleet = SimFleet::start(
-        &[
-            "127.0.0.1:0".parse().unwrap(),
-            "127.0.0.1:0".parse().unwrap(),
-        ],
+    let fleet = SimFleet::loopback(
+        2,
         &[
             "--model",
             MODEL,
@@ -289,23 +265,13 @@ fn saturation_crosses_the_scaled_object_threshold_under_a_flood_and_falls_back()
         ],
     )
     .unwrap();
-    fleet.wait_healthy(Duration::from_secs(10)).unwrap();
     let sims = fleet.addrs().to_vec();
-    let endpoints: Vec<AggregatedEndpoint> = sims
-        .iter()
-        .map(|a| AggregatedEndpoint {
-            address: *a,
-            models: vec![MODEL.into()],
-            kv_events: None,
-        })
-        .collect();
-    let dir = scratch();
-    let aggregator = LocalAggregator::start(
-        &dir.join("pool.yaml"),
-        &aggregator_yaml("scrape_interval_ms: 50\nstale_after_ms: 1000\n", &endpoints),
-        "127.0.0.1:0".parse().unwrap(),
-    )
-    .unwrap();
+    let dir = common::run_dir("autoscaling");
+    let aggregator = common::start_aggregator(
+        &dir,
+        "scrape_interval_ms: 50\nstale_after_ms: 1000\n",
+        &AggregatedEndpoint::scraped(&sims, MODEL),
+    );
     aggregator.wait_ready(2, Duration::from_secs(10));
     eprintln!(
         "[autoscaling] saturation threshold {} (Value), queue depth {} per replica \

@@ -6,10 +6,10 @@
 
 use std::path::PathBuf;
 
-use kvoy_e2e::{
-    bootstrap_template, default_wasm_dir, envoy_version, prefix_affinity_config,
-    render_bootstrap_file, require_filter_wasm, separate_bootstrap_template, validate_config,
-    BootstrapParams, PoolEndpoint,
+use kvoy_testkit::{
+    bootstrap_template, envoy_version, prefix_affinity_config, render_bootstrap_file,
+    require_filter_wasm, separate_bootstrap_template, validate_config, wasm_dir, BootstrapParams,
+    PoolEndpoint,
 };
 use serde_json::json;
 
@@ -17,7 +17,7 @@ use serde_json::json;
 fn rendered_bootstrap_passes_envoy_validate() {
     let version = envoy_version().expect("envoy must be installed (make deps)");
     eprintln!("using {version}");
-    let wasm_dir = default_wasm_dir();
+    let wasm_dir = wasm_dir();
     require_filter_wasm(&wasm_dir).expect("the filter must be built (make wasm)");
     let pool = vec![
         PoolEndpoint::new("127.0.0.1:18001".parse().unwrap(), &["kvoy-demo"]),

@@ -31,12 +31,14 @@
 //! Needs `envoy` on PATH and the release wasm filters (`make test` provides both).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::io::Write;
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::ops::ControlFlow;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -49,12 +51,14 @@ use hyper::Request;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::json;
 
-use kvoy_e2e::http::{self, HttpError, Part};
-use kvoy_e2e::{
-    aggregator_yaml, free_port, wait_for, AggregatedEndpoint, LocalAggregator, PoolEndpoint,
-    SimFleet, Stack, StackConfig, SERVED_BY_HEADER, SERVED_HEADER,
-};
+use kvoy_aggregator::local::{aggregator_yaml, AggregatedEndpoint, LocalAggregator};
+use kvoy_sim::fleet::SimFleet;
 use kvoy_testkit::http::server::{self, Server};
+use kvoy_testkit::{
+    free_port,
+    http::{self, HttpError, Part},
+    wait_for, PoolEndpoint, Stack, StackConfig, SERVED_BY_HEADER, SERVED_HEADER,
+};
 
 const NAME: &str = "chaos";
 const MODEL: &str = "kvoy-demo";
@@ -720,18 +724,11 @@ fn endpoints(sims: &[Sim], decoy: Option<SocketAddr>) -> Vec<AggregatedEndpoint>
 }
 
 fn aggregator_ready(agg: SocketAddr) -> u64 {
-    http::send(
-        agg,
-        "GET",
-        "/v1/endpoints",
-        &[],
-        b"",
-        Duration::from_secs(5),
-    )
-    .ok()
-    .and_then(|r| r.json().ok())
-    .and_then(|v| v["pool"]["ready"].as_u64())
-    .unwrap_or(0)
+    http::get(agg, "/v1/endpoints", Duration::from_secs(5))
+        .ok()
+        .and_then(|r| r.json().ok())
+        .and_then(|v| v["pool"]["ready"].as_u64())
+        .unwrap_or(0)
 }
 
 /// `/stats/prometheus` once the filters have ticked (they give Envoy their metrics on the
@@ -743,15 +740,7 @@ fn prometheus_kvoy_settled(admin: SocketAddr) -> BTreeMap<String, f64> {
 
 /// `/stats/prometheus`: every kvoy sample, by series (labels included), histograms skipped.
 fn prometheus_kvoy(admin: SocketAddr) -> BTreeMap<String, f64> {
-    let r = http::send(
-        admin,
-        "GET",
-        "/stats/prometheus",
-        &[],
-        b"",
-        Duration::from_secs(5),
-    )
-    .unwrap();
+    let r = http::get(admin, "/stats/prometheus", Duration::from_secs(5)).unwrap();
     assert_eq!(r.status, 200);
     r.text()
         .lines()
@@ -849,10 +838,7 @@ fn ten_thousand_requests_through_resets_kills_and_restarts() {
     let decoy = canary(true);
     let mut sims: Vec<Sim> = (0..3).map(|_| start_sim()).collect();
     let pool: Vec<String> = sims.iter().map(|s| s.addr.to_string()).collect();
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("kvoy-e2e")
-        .join(format!("{NAME}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::run_dir(NAME);
     let agg_config = dir.join("aggregator.yaml");
     let yaml = aggregator_yaml(AGGREGATOR_SETTINGS, &endpoints(&sims, None));
     let yaml_with_decoy = aggregator_yaml(AGGREGATOR_SETTINGS, &endpoints(&sims, Some(decoy.addr)));
@@ -864,7 +850,7 @@ fn ten_thousand_requests_through_resets_kills_and_restarts() {
     // cover the canaries, Envoy's own listener and admin port).
     let ports: Vec<u16> = sims.iter().map(|s| s.addr.port()).collect();
     let allowed = json!([{"cidr": "127.0.0.1/32", "ports": ports}]);
-    let aggregator = json!({"cluster": kvoy_e2e::AGGREGATOR_CLUSTER});
+    let aggregator = json!({"cluster": kvoy_testkit::AGGREGATOR_CLUSTER});
     let static_pool = sims
         .iter()
         .map(|s| PoolEndpoint::new(s.addr, &[MODEL]))

@@ -6,13 +6,14 @@
 //! TTL gets 429 with `x-kvoy-dropped-reason: ttl-expired`; a sheddable one is refused at once.
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kvoy_e2e::http;
-use kvoy_e2e::{PoolEndpoint, SimFleet, Stack, StackConfig};
+use kvoy_sim::fleet::SimFleet;
+use kvoy_testkit::{http, PoolEndpoint, Stack, StackConfig};
 use serde_json::json;
 
 const NAME: &str = "admission";
@@ -54,15 +55,8 @@ fn spawn(
 
 #[test]
 fn held_requests_resume_in_priority_order_and_expire() {
-    let sims = SimFleet::start(
-        &["127.0.0.1:0".parse().unwrap()],
-        &["--model", MODEL, "--speedup", "1"],
-    )
-    .unwrap();
-    sims.wait_healthy(Duration::from_secs(10)).unwrap();
-    let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("kvoy-e2e")
-        .join(format!("{NAME}-{}", std::process::id()));
+    let sims = SimFleet::loopback(1, &["--model", MODEL, "--speedup", "1"]).unwrap();
+    let run_dir = common::run_dir(NAME);
     let mut config = StackConfig::new(
         vec![PoolEndpoint::new(sims.addrs()[0], &[MODEL])],
         run_dir.clone(),

@@ -15,14 +15,19 @@
 //!    servers), for comparison: the interactive requests queue behind the agents' backlog.
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kvoy_e2e::load::{self, quantile, Timing};
-use kvoy_e2e::{http, PoolEndpoint, SimFleet, Stack, StackConfig};
+use kvoy_sim::fleet::SimFleet;
+use kvoy_testkit::{
+    http,
+    load::{self, quantile, Timing},
+    PoolEndpoint, Stack, StackConfig,
+};
 use serde_json::json;
 
 const NAME: &str = "admission-flood";
@@ -213,11 +218,7 @@ fn flood(envoy: SocketAddr, rate: f64, first_id: u64, agent_wait: Duration) -> F
 }
 
 fn stack(sims: &SimFleet, run_dir: &std::path::Path, admission: Option<String>) -> Stack {
-    let pool = sims
-        .addrs()
-        .iter()
-        .map(|a| PoolEndpoint::new(*a, &[MODEL]))
-        .collect();
+    let pool = PoolEndpoint::all(sims.addrs(), &[MODEL]);
     let mut config = StackConfig::new(pool, run_dir.to_path_buf());
     config.admission_config = admission;
     config.concurrency = 2;
@@ -234,9 +235,7 @@ fn interactive_ttft_holds_while_agents_flood_at_3x_capacity() {
     )
     .unwrap();
     sims.wait_healthy(Duration::from_secs(10)).unwrap();
-    let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("kvoy-e2e")
-        .join(format!("{NAME}-{}", std::process::id()));
+    let run_dir = common::run_dir(NAME);
     let limited = json!({"endpoints": SIMS, "tick_ms": 5, "flow": {
         "saturation": {"max_inflight_per_endpoint": SERVER_SEQS},
         "objectives": {"interactive": 10, "agent": 0},

@@ -11,16 +11,18 @@
 //! (`make test` provides both).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use kvoy_e2e::http::{self, Response};
-use kvoy_e2e::{
-    aggregator_yaml, wait_for, AggregatedEndpoint, LocalAggregator, PoolEndpoint, PublishingSim,
-    Stack, StackConfig,
+use kvoy_aggregator::local::{aggregator_yaml, LocalAggregator};
+use kvoy_sim::fleet::PublishingSim;
+use kvoy_testkit::{
+    http::{self, Response},
+    wait_for, PoolEndpoint, Stack, StackConfig,
 };
 use serde_json::{json, Value};
 
@@ -56,7 +58,7 @@ fn request(envoy: SocketAddr, i: usize) -> Result<Response, String> {
 }
 
 fn served(r: &Response) -> String {
-    r.header(kvoy_e2e::SERVED_BY_HEADER)
+    r.header(kvoy_testkit::SERVED_BY_HEADER)
         .unwrap_or("?")
         .to_owned()
 }
@@ -79,15 +81,7 @@ fn occupy(sim: SocketAddr, body: &[u8], n: usize) -> Vec<TcpStream> {
 }
 
 fn endpoints_view(agg: SocketAddr) -> Value {
-    let r = http::send(
-        agg,
-        "GET",
-        "/v1/endpoints",
-        &[],
-        b"",
-        Duration::from_secs(5),
-    )
-    .unwrap();
+    let r = http::get(agg, "/v1/endpoints", Duration::from_secs(5)).unwrap();
     assert_eq!(r.status, 200);
     r.json().unwrap()
 }
@@ -141,18 +135,8 @@ fn the_filter_follows_the_aggregators_view_of_the_pool() {
         start_sim(&["--speedup", "10"]),
     ];
     let addrs: Vec<SocketAddr> = sims.iter().map(|s| s.addr).collect();
-    let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("kvoy-e2e")
-        .join(format!("{NAME}-{}", std::process::id()));
-    std::fs::create_dir_all(&run_dir).unwrap();
-    let endpoints: Vec<AggregatedEndpoint> = sims
-        .iter()
-        .map(|s| AggregatedEndpoint {
-            address: s.addr,
-            models: vec![MODEL.into()],
-            kv_events: Some((s.kv.clone(), s.replay.clone())),
-        })
-        .collect();
+    let run_dir = common::run_dir(NAME);
+    let endpoints = common::followed(&sims, MODEL, true);
     let yaml = aggregator_yaml(AGGREGATOR_SETTINGS, &endpoints);
     let agg_config = run_dir.join("aggregator.yaml");
     let mut agg =

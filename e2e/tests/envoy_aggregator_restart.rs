@@ -13,15 +13,18 @@
 //! Needs `envoy` on PATH and the release wasm filters (`make test` provides both).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use kvoy_e2e::http::{self, Response};
-use kvoy_e2e::{
-    aggregator_yaml, wait_for, AggregatedEndpoint, LocalAggregator, PoolEndpoint, SimFleet, Stack,
-    StackConfig,
+use kvoy_aggregator::local::{aggregator_yaml, AggregatedEndpoint, LocalAggregator};
+use kvoy_sim::fleet::SimFleet;
+use kvoy_testkit::{
+    http::{self, Response},
+    wait_for, PoolEndpoint, Stack, StackConfig,
 };
 use serde_json::{json, Value};
 
@@ -29,34 +32,8 @@ const MODEL: &str = "kvoy-demo";
 const TIMEOUT: Duration = Duration::from_secs(30);
 const TOKEN: &str = "e2e-token-0123456789abcdef";
 
-fn run_dir(name: &str) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("kvoy-e2e")
-        .join(format!("{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
 fn sims() -> SimFleet {
-    let addrs = [
-        "127.0.0.1:0".parse().unwrap(),
-        "127.0.0.1:0".parse().unwrap(),
-    ];
-    let fleet = SimFleet::start(&addrs, &["--model", MODEL, "--speedup", "10"]).unwrap();
-    fleet.wait_healthy(Duration::from_secs(10)).unwrap();
-    fleet
-}
-
-fn endpoints(fleet: &SimFleet) -> Vec<AggregatedEndpoint> {
-    fleet
-        .addrs()
-        .iter()
-        .map(|&address| AggregatedEndpoint {
-            address,
-            models: vec![MODEL.into()],
-            kv_events: None,
-        })
-        .collect()
+    SimFleet::loopback(2, &["--model", MODEL, "--speedup", "10"]).unwrap()
 }
 
 fn request(envoy: SocketAddr, i: usize) -> Result<Response, String> {
@@ -68,7 +45,7 @@ fn request(envoy: SocketAddr, i: usize) -> Result<Response, String> {
 }
 
 fn served(r: &Response) -> String {
-    r.header(kvoy_e2e::SERVED_BY_HEADER)
+    r.header(kvoy_testkit::SERVED_BY_HEADER)
         .unwrap_or("?")
         .to_owned()
 }
@@ -91,7 +68,7 @@ fn sample(metrics: &str, series: &str) -> f64 {
 
 /// Both filters follow the aggregator; `aggregator` adds fields to their `aggregator` section.
 fn stack_config(fleet: &SimFleet, agg: SocketAddr, aggregator: Value, dir: PathBuf) -> StackConfig {
-    let mut settings = json!({"cluster": kvoy_e2e::AGGREGATOR_CLUSTER});
+    let mut settings = json!({"cluster": kvoy_testkit::AGGREGATOR_CLUSTER});
     if let (Some(s), Some(extra)) = (settings.as_object_mut(), aggregator.as_object()) {
         s.extend(extra.clone());
     }
@@ -134,8 +111,11 @@ fn a_restarted_aggregator_that_is_not_loaded_yet_fails_no_request() {
     const NAME: &str = "aggregator-restart";
     let fleet = sims();
     let addrs: Vec<String> = fleet.addrs().iter().map(ToString::to_string).collect();
-    let dir = run_dir(NAME);
-    let yaml = aggregator_yaml("scrape_interval_ms: 50\n", &endpoints(&fleet));
+    let dir = common::run_dir(NAME);
+    let yaml = aggregator_yaml(
+        "scrape_interval_ms: 50\n",
+        &AggregatedEndpoint::scraped(fleet.addrs(), MODEL),
+    );
     let mut agg = LocalAggregator::start(
         &dir.join("aggregator.yaml"),
         &yaml,
@@ -268,7 +248,7 @@ kubernetes:
 fn the_filters_poll_with_the_aggregators_token() {
     const NAME: &str = "aggregator-token";
     let fleet = sims();
-    let dir = run_dir(NAME);
+    let dir = common::run_dir(NAME);
     let token_file = dir.join("token");
     std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
     let yaml = aggregator_yaml(
@@ -276,7 +256,7 @@ fn the_filters_poll_with_the_aggregators_token() {
             "scrape_interval_ms: 50\napi_token_file: {}\n",
             token_file.display()
         ),
-        &endpoints(&fleet),
+        &AggregatedEndpoint::scraped(fleet.addrs(), MODEL),
     );
     let agg = LocalAggregator::start(
         &dir.join("aggregator.yaml"),

@@ -12,10 +12,11 @@
 //! Needs `envoy` on PATH and the release wasm filters (`make test` provides both).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::convert::Infallible;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::{Mutex, MutexGuard};
 use std::task::{Context, Poll};
@@ -27,8 +28,7 @@ use hyper::header::{HeaderName, HeaderValue};
 use hyper::{HeaderMap, Request};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
-use kvoy_e2e::http;
-use kvoy_e2e::{EchoConfig, EchoServer, PoolEndpoint, Stack, StackConfig, SERVED_BY_HEADER};
+use kvoy_testkit::{http, EchoServer, PoolEndpoint, Stack, StackConfig, SERVED_BY_HEADER};
 
 const MODEL: &str = "kvoy-demo";
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -46,17 +46,12 @@ struct Fixture {
 impl Fixture {
     fn start(name: &'static str) -> Fixture {
         let serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let pool: Vec<EchoServer> = (0..2)
-            .map(|_| EchoServer::start(EchoConfig::new(any, &[MODEL])).expect("echo backend"))
-            .collect();
-        let endpoints = pool
-            .iter()
-            .map(|b| PoolEndpoint::new(b.addr(), &[MODEL]))
-            .collect();
-        let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-            .join("kvoy-e2e")
-            .join(format!("{name}-{}", std::process::id()));
+        let pool: Vec<EchoServer> = EchoServer::loopback(2, &[MODEL]).expect("echo backend");
+        let endpoints = PoolEndpoint::all(
+            &pool.iter().map(EchoServer::addr).collect::<Vec<_>>(),
+            &[MODEL],
+        );
+        let run_dir = common::run_dir(name);
         let stack = Stack::start(&StackConfig::new(endpoints, run_dir))
             .unwrap_or_else(|e| panic!("[{name}] could not start the kvoy stack: {e:#}"));
         Fixture {
@@ -308,7 +303,7 @@ fn only_the_api_reaches_the_pool() {
         );
         assert!(r.text().contains("not_found"), "{}", r.text());
     }
-    let r = http::send(f.stack.listen, "GET", "/v1/models", &[], b"", TIMEOUT).unwrap();
+    let r = http::get(f.stack.listen, "/v1/models", TIMEOUT).unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
     let r = http::post_json(
         f.stack.listen,
@@ -374,9 +369,7 @@ fn an_unreachable_server_is_answered_503_with_a_reason() {
         .unwrap()
         .local_addr()
         .unwrap();
-    let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("kvoy-e2e")
-        .join(format!("unreachable-{}", std::process::id()));
+    let run_dir = common::run_dir("unreachable");
     let stack = Stack::start(&StackConfig::new(
         vec![PoolEndpoint::new(gone, &[MODEL])],
         run_dir,

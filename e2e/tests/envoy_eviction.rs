@@ -17,11 +17,13 @@
 //! Needs `envoy` on PATH and the built wasm filters (`make test` provides both).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use kvoy_e2e::http;
-use kvoy_e2e::{FollowedPool, Stack, StackConfig};
+use common::{AggregatorReads, FollowedPool};
+use kvoy_testkit::{http, Stack, StackConfig};
 use serde_json::json;
 
 const NAME: &str = "eviction";
@@ -57,7 +59,7 @@ fn flood(i: usize) -> Vec<u8> {
 fn send(proxy: SocketAddr, body: &[u8]) -> String {
     let r = http::post_json(proxy, "/v1/chat/completions", &[], body, TIMEOUT).unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
-    r.header(kvoy_e2e::SERVED_BY_HEADER)
+    r.header(kvoy_testkit::SERVED_BY_HEADER)
         .unwrap_or("?")
         .to_owned()
 }
@@ -103,10 +105,9 @@ struct Fixture {
 impl Fixture {
     fn start(run: &str) -> Fixture {
         let pool = FollowedPool::start(
-            env!("CARGO_TARGET_TMPDIR"),
             &format!("{NAME}-{run}"),
             4,
-            &kvoy_e2e::small_cache_flags(MODEL, "128"),
+            &kvoy_sim::fleet::small_cache_flags(MODEL, "128"),
             MODEL,
             "scrape_interval_ms: 50\n",
         )

@@ -10,14 +10,20 @@
 //! (`make test` provides both); without them every test fails and says so.
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use kvoy_e2e::http::{self, Response};
-use kvoy_e2e::{PoolEndpoint, SimFleet, Stack, StackConfig};
+use kvoy_sim::fleet::SimFleet;
+use kvoy_testkit::http::sse_data;
+use kvoy_testkit::requests::prose;
+use kvoy_testkit::{
+    http::{self, Response},
+    PoolEndpoint, Stack, StackConfig,
+};
 use serde_json::{json, Value};
 
 const MODEL: &str = "kvoy-demo";
@@ -36,7 +42,6 @@ struct Fixture {
     stack: Stack,
     name: &'static str,
     sims: SimFleet,
-    run_dir: PathBuf,
     _serial: MutexGuard<'static, ()>,
 }
 
@@ -45,20 +50,10 @@ impl Fixture {
         let serial = SERIAL
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let sims = SimFleet::start(&[any; 3], &["--model", MODEL, "--speedup", SPEEDUP])
+        let sims = SimFleet::loopback(3, &["--model", MODEL, "--speedup", SPEEDUP])
             .unwrap_or_else(|e| panic!("[{name}] could not start the kvoy-sim simulators: {e:#}"));
-        sims.wait_healthy(Duration::from_secs(10))
-            .unwrap_or_else(|e| panic!("[{name}] {e:#}"));
-        let endpoints = sims
-            .addrs()
-            .iter()
-            .map(|a| PoolEndpoint::new(*a, &[MODEL]))
-            .collect();
-        let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-            .join("kvoy-e2e")
-            .join(format!("{name}-{}", std::process::id()));
-        let config = StackConfig::new(endpoints, run_dir.clone());
+        let endpoints = PoolEndpoint::all(sims.addrs(), &[MODEL]);
+        let config = StackConfig::new(endpoints, common::run_dir(name));
         let stack = match Stack::start(&config) {
             Ok(stack) => stack,
             Err(e) => panic!(
@@ -76,7 +71,6 @@ impl Fixture {
             stack,
             name,
             sims,
-            run_dir,
             _serial: serial,
         }
     }
@@ -103,14 +97,13 @@ impl Fixture {
 
     /// The simulator that served `r` through Envoy; checks that the filter reported it too.
     fn served_by(&self, r: &Response, what: &str) -> String {
-        kvoy_e2e::served_by(r, &self.sim_addrs(), self.name, what)
+        kvoy_testkit::served_by(r, &self.sim_addrs(), self.name, what)
     }
 
     /// Fails if the Envoy log shows wasm panics, traps or VM failures; on success removes the
     /// run directory (a failed test keeps it for inspection).
     fn finish(self) {
-        self.stack.assert_no_wasm_failures(self.name);
-        let _ = std::fs::remove_dir_all(&self.run_dir);
+        self.stack.finish(self.name);
     }
 }
 
@@ -123,15 +116,12 @@ impl Drop for Fixture {
 /// About `bytes` of prose that starts with `tag`, so prompts with different tags differ from
 /// their first block on.
 fn prompt(tag: &str, bytes: usize) -> String {
-    const SENTENCE: &str = "You are the support assistant of tenant kvoy; answer precisely, \
-                            cite the relevant configuration keys, and keep answers short. ";
-    let mut text = format!("[{tag}] ");
-    let mut i = 0u64;
-    while text.len() < bytes {
-        text.push_str(&format!("{i}. {SENTENCE}"));
-        i += 1;
-    }
-    text
+    prose(
+        tag,
+        "You are the support assistant of tenant kvoy; answer precisely, cite the relevant \
+         configuration keys, and keep answers short. ",
+        bytes,
+    )
 }
 
 /// `usage.prompt_tokens` and `usage.prompt_tokens_details.cached_tokens` of a reply.
@@ -274,14 +264,6 @@ fn shared_prefix_conversations_hit_the_kv_cache() {
     f.finish();
 }
 
-/// The `data:` payloads of an SSE body.
-fn sse_data(text: &str) -> Vec<&str> {
-    text.lines()
-        .filter_map(|l| l.strip_prefix("data:"))
-        .map(str::trim)
-        .collect()
-}
-
 #[test]
 fn streaming_through_envoy_ends_with_done() {
     let f = Fixture::start("kvoy_sim_stream");
@@ -342,8 +324,7 @@ fn streaming_through_envoy_ends_with_done() {
         }
     }
 
-    let r =
-        http::send(f.stack.listen, "GET", "/v1/models", &[], b"", TIMEOUT).expect("GET /v1/models");
+    let r = http::get(f.stack.listen, "/v1/models", TIMEOUT).expect("GET /v1/models");
     assert_eq!(r.status, 200, "GET /v1/models: {}", r.text());
     assert_eq!(r.json().expect("models JSON")["data"][0]["id"], MODEL);
     f.finish();

@@ -4,7 +4,7 @@
 //! `--concurrency 2`) relaying its decisions. Multi-turn conversations, sent one request at a
 //! time, in rounds (turn `t` of every conversation, then a pause): the share of decisions
 //! linked is measured and printed, for conversations of different lengths (asserted: most
-//! link) and for [`kvoy_e2e::conversation_turn`]'s, whose turns all have one length across
+//! link) and for [`common::conversation_turn`]'s, whose turns all have one length across
 //! conversations (reported: first turns routed within the relay's lag of each other on one
 //! server cannot be told apart, so they stay unlinked, and so do the later turns, of equal
 //! lengths too, that hang under their chains). Then a
@@ -19,13 +19,15 @@
 //! Needs `envoy` on PATH and the built wasm filters (`make test` provides both).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use kvoy_e2e::http;
-use kvoy_e2e::{FollowedPool, Stack, StackConfig};
+use common::{AggregatorReads, FollowedPool};
 use kvoy_shared::relay::DecisionBatch;
+use kvoy_testkit::{http, Stack, StackConfig};
 use serde_json::{json, Value};
 
 const NAME: &str = "links";
@@ -43,7 +45,7 @@ const FLOOD: usize = 20;
 fn send(proxy: SocketAddr, body: &[u8]) -> String {
     let r = http::post_json(proxy, "/v1/chat/completions", &[], body, TIMEOUT).unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
-    r.header(kvoy_e2e::SERVED_BY_HEADER)
+    r.header(kvoy_testkit::SERVED_BY_HEADER)
         .unwrap_or("?")
         .to_owned()
 }
@@ -59,7 +61,7 @@ fn flood(i: usize) -> Vec<u8> {
 }
 
 fn get_json(agg: SocketAddr, path: &str) -> Value {
-    let r = http::send(agg, "GET", path, &[], b"", TIMEOUT).unwrap();
+    let r = http::get(agg, path, TIMEOUT).unwrap();
     assert_eq!(r.status, 200, "{path}: {}", r.text());
     serde_json::from_slice(&r.body).unwrap()
 }
@@ -99,15 +101,7 @@ fn decided_keys(agg: SocketAddr) -> HashMap<String, HashSet<String>> {
     let mut out: HashMap<String, HashSet<String>> = HashMap::new();
     let mut cursor = 0;
     loop {
-        let r = http::send(
-            agg,
-            "GET",
-            &format!("/v1/decisions?after={cursor}"),
-            &[],
-            b"",
-            TIMEOUT,
-        )
-        .unwrap();
+        let r = http::get(agg, &format!("/v1/decisions?after={cursor}"), TIMEOUT).unwrap();
         let batch = DecisionBatch::decode(&r.body).unwrap();
         if batch.decisions.is_empty() || batch.cursor == cursor {
             return out;
@@ -198,11 +192,9 @@ fn run(
 fn relayed_decisions_link_to_server_blocks_and_removals_name_their_keys() {
     // 256 blocks each: the conversations fit (about 120 blocks each); with the flood (about 16
     // blocks a prompt, 20 prompts) they do not, and the oldest go first.
-    let pool = FollowedPool::start(
-        env!("CARGO_TARGET_TMPDIR"),
-        NAME,
+    let pool = FollowedPool::start(NAME,
         2,
-        &kvoy_e2e::small_cache_flags(MODEL, "256"),
+        &kvoy_sim::fleet::small_cache_flags(MODEL, "256"),
         MODEL,
         "scrape_interval_ms: 50\nlinks: {enabled: true, tolerance: 0, slack_tokens: 0, clock_skew_ms: 0}\n",
     )
@@ -228,9 +220,9 @@ fn relayed_decisions_link_to_server_blocks_and_removals_name_their_keys() {
     let (linked_b, _) = run(
         &proxy,
         agg.addr(),
-        |i, t| kvoy_e2e::conversation_turn(MODEL, i, t),
+        |i, t| common::conversation_turn(MODEL, i, t),
         100,
-        "kvoy_e2e::conversation_turn",
+        "common::conversation_turn",
     );
     proxy.assert_no_wasm_failures(NAME);
     // The same figures on /metrics.

@@ -13,13 +13,16 @@
 //! Needs `envoy` on PATH and the built wasm filters (`make test` provides both).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::time::{Duration, Instant};
 
-use kvoy_e2e::eviction::{
-    flood_prompt, linked_conversation, long_turn, post_chat, proxy_counter, unix_now,
+use common::{
+    eviction::{flood_prompt, linked_conversation, long_turn, post_chat, proxy_counter, unix_now},
+    AggregatorReads,
 };
-use kvoy_e2e::http;
-use kvoy_e2e::LocalAggregator;
+use kvoy_aggregator::local::LocalAggregator;
+use kvoy_testkit::http;
 use serde_json::Value;
 
 const NAME: &str = "offload";
@@ -63,9 +66,9 @@ fn cached_tokens(r: &http::Response) -> u64 {
 
 #[test]
 fn a_prefix_offloaded_to_the_servers_cpu_tier_keeps_its_affinity_and_is_loaded_not_recomputed() {
-    let mut flags = kvoy_e2e::small_cache_flags(MODEL, "128").to_vec();
+    let mut flags = kvoy_sim::fleet::small_cache_flags(MODEL, "128").to_vec();
     flags.extend(["--cpu-offload-blocks", "1024"]);
-    let run = linked_conversation(env!("CARGO_TARGET_TMPDIR"), "offloaded", &flags, MODEL).unwrap();
+    let run = linked_conversation("offloaded", &flags, MODEL).unwrap();
     let (agg, sims, proxy) = (&run.pool.agg, &run.pool.sims, &run.proxy);
     let (served, linked) = (run.served.clone(), run.linked);
     let sim = sims.iter().find(|s| s.addr.to_string() == served).unwrap();
@@ -130,10 +133,10 @@ fn a_prefix_offloaded_to_the_servers_cpu_tier_keeps_its_affinity_and_is_loaded_n
     let cached = cached_tokens(&next);
     eprintln!(
         "[{NAME}] the next turn went to {:?}, matched {matched} blocks, {cached} prompt tokens cached (loaded from CPU)",
-        next.header(kvoy_e2e::SERVED_BY_HEADER)
+        next.header(kvoy_testkit::SERVED_BY_HEADER)
     );
     assert_eq!(
-        next.header(kvoy_e2e::SERVED_BY_HEADER),
+        next.header(kvoy_testkit::SERVED_BY_HEADER),
         Some(served.as_str()),
         "[{NAME}] the next turn left the simulator holding its prefix on CPU"
     );
@@ -146,7 +149,7 @@ fn a_prefix_offloaded_to_the_servers_cpu_tier_keeps_its_affinity_and_is_loaded_n
         cached >= 8 * linked,
         "[{NAME}] only {cached} prompt tokens were cached ({linked} keys linked)"
     );
-    let metrics = http::send(sim.addr, "GET", "/metrics", &[], b"", TIMEOUT).unwrap();
+    let metrics = http::get(sim.addr, "/metrics", TIMEOUT).unwrap();
     let loaded: f64 = metrics
         .text()
         .lines()

@@ -8,15 +8,17 @@
 //! test measures concurrency). On failure the Envoy log tail is printed.
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::{Arc, Barrier, Mutex, MutexGuard};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kvoy_e2e::http::{self, Response};
-use kvoy_e2e::{
+use kvoy_testkit::requests::{chat_body, prompt};
+use kvoy_testkit::{
+    http::{self, Response},
     EchoConfig, EchoServer, PoolEndpoint, Stack, StackConfig, DELAY_HEADER, DESTINATION_HEADER,
     PIN_HEADER, SERVED_BY_HEADER,
 };
@@ -34,7 +36,6 @@ struct Fixture {
     name: &'static str,
     pool: Vec<EchoServer>,
     outsider: EchoServer,
-    run_dir: PathBuf,
     _serial: MutexGuard<'static, ()>,
 }
 
@@ -44,18 +45,13 @@ impl Fixture {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let pool: Vec<EchoServer> = (0..3)
-            .map(|_| EchoServer::start(EchoConfig::new(any, &[MODEL])).expect("start echo backend"))
-            .collect();
+        let pool: Vec<EchoServer> = EchoServer::loopback(3, &[MODEL]).expect("start echo backend");
         let outsider = EchoServer::start(EchoConfig::new(any, &[MODEL])).expect("start outsider");
-        let endpoints = pool
-            .iter()
-            .map(|b| PoolEndpoint::new(b.addr(), &[MODEL]))
-            .collect();
-        let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-            .join("kvoy-e2e")
-            .join(format!("{name}-{}", std::process::id()));
-        let mut config = StackConfig::new(endpoints, run_dir.clone());
+        let endpoints = PoolEndpoint::all(
+            &pool.iter().map(EchoServer::addr).collect::<Vec<_>>(),
+            &[MODEL],
+        );
+        let mut config = StackConfig::new(endpoints, common::run_dir(name));
         config.max_body_bytes = max_body_bytes;
         let stack = match Stack::start(&config) {
             Ok(stack) => stack,
@@ -76,7 +72,6 @@ impl Fixture {
             name,
             pool,
             outsider,
-            run_dir,
             _serial: serial,
         }
     }
@@ -91,7 +86,11 @@ impl Fixture {
     }
 
     fn chat(&self, system: &str, user: &str, headers: &[(&str, &str)]) -> Response {
-        self.post("/v1/chat/completions", headers, &chat_body(system, user))
+        self.post(
+            "/v1/chat/completions",
+            headers,
+            &chat_body(MODEL, system, user),
+        )
     }
 
     /// Checks a 200 reply came from a pool backend, that the filter reported the same endpoint
@@ -105,7 +104,7 @@ impl Fixture {
             r.status,
             r.text()
         );
-        let served = kvoy_e2e::served_by(r, &self.pool_addrs(), self.name, what);
+        let served = kvoy_testkit::served_by(r, &self.pool_addrs(), self.name, what);
         if let Ok(v) = r.json() {
             assert_eq!(
                 v["kvoy_echo"]["destination_header"],
@@ -126,8 +125,7 @@ impl Fixture {
     /// Fails if the Envoy log shows wasm panics, traps or VM failures; on success removes the
     /// run directory (a failed test keeps it for inspection).
     fn finish(self) {
-        self.stack.assert_no_wasm_failures(self.name);
-        let _ = std::fs::remove_dir_all(&self.run_dir);
+        self.stack.finish(self.name);
     }
 }
 
@@ -135,32 +133,6 @@ impl Drop for Fixture {
     fn drop(&mut self) {
         self.stack.print_log_tail_if_panicking(self.name);
     }
-}
-
-fn chat_body(system: &str, user: &str) -> Vec<u8> {
-    serde_json::to_vec(&json!({
-        "model": MODEL,
-        "messages": [
-            {"role": "system", "content": system},
-            {"role": "user", "content": user},
-        ],
-    }))
-    .unwrap()
-}
-
-/// About `bytes` of prose that starts with `tag`, so prompts with different tags differ from
-/// their first block on.
-fn prompt(tag: &str, bytes: usize) -> String {
-    const SENTENCE: &str =
-        "You are a meticulous assistant for the kvoy project; answer precisely, \
-                            cite the relevant configuration keys, and keep answers short. ";
-    let mut text = format!("[{tag}] ");
-    let mut i = 0u64;
-    while text.len() < bytes {
-        text.push_str(&format!("{i}. {SENTENCE}"));
-        i += 1;
-    }
-    text
 }
 
 fn count(dist: &mut BTreeMap<String, usize>, served: String) {
@@ -231,7 +203,7 @@ fn concurrent_burst_is_not_piled_on_one_backend() {
             // Each question is 1 KB (about 260 tokens) against the 4 KB shared prompt: the
             // holder's queued prefill soon outweighs computing the prefix again elsewhere.
             let question = format!("burst question {i} {}", "detail ".repeat(146));
-            let body = chat_body(&system, &question);
+            let body = chat_body(MODEL, &system, &question);
             thread::spawn(move || {
                 barrier.wait();
                 http::post_json(
@@ -359,8 +331,7 @@ fn invalid_requests_get_openai_errors() {
     let r = f.post("/v1/chat/completions", &[], &body);
     assert_openai_error(name, &r, 404, "unknown model");
 
-    let r =
-        http::send(f.stack.listen, "GET", "/v1/models", &[], b"", TIMEOUT).expect("GET /v1/models");
+    let r = http::get(f.stack.listen, "/v1/models", TIMEOUT).expect("GET /v1/models");
     assert_eq!(r.status, 200, "GET /v1/models: {}", r.text());
     let from = r.header(SERVED_BY_HEADER).map(str::to_string);
     assert!(

@@ -19,15 +19,16 @@
 //! Needs `envoy` on PATH and the built wasm filters (`make test` provides both).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kvoy_e2e::http;
-use kvoy_e2e::{
-    aggregator_yaml, AggregatedEndpoint, LocalAggregator, PoolEndpoint, SimFleet, Stack,
-    StackConfig,
-};
+use common::AggregatorReads;
+use kvoy_aggregator::local::AggregatedEndpoint;
+use kvoy_sim::fleet::SimFleet;
+use kvoy_testkit::{http, PoolEndpoint, Stack, StackConfig};
 use serde_json::Value;
 
 const NAME: &str = "reconfigure";
@@ -38,9 +39,9 @@ const CONVERSATIONS: usize = 40;
 const TURNS_BEFORE: usize = 3;
 const TURNS_AFTER: usize = 5;
 
-/// Turn `t` of conversation `i` ([`kvoy_e2e::conversation_turn`]).
+/// Turn `t` of conversation `i` ([`common::conversation_turn`]).
 fn turn(i: usize, t: usize) -> Vec<u8> {
-    kvoy_e2e::conversation_turn(MODEL, i, t)
+    common::conversation_turn(MODEL, i, t)
 }
 
 /// What a stretch of the workload saw.
@@ -86,7 +87,7 @@ fn run(
                 .as_u64()
                 .unwrap_or(0);
             let served = r
-                .header(kvoy_e2e::SERVED_BY_HEADER)
+                .header(kvoy_testkit::SERVED_BY_HEADER)
                 .unwrap_or("?")
                 .to_owned();
             tally.kept += usize::from(served == *previous);
@@ -109,21 +110,9 @@ fn configured(stack: &Stack) -> Vec<String> {
 
 /// Four simulators, a run directory and the pool they make.
 fn fleet(run: &str) -> (SimFleet, PathBuf, Vec<PoolEndpoint>) {
-    let fleet = SimFleet::start(
-        &["127.0.0.1:0".parse().unwrap(); 4],
-        &["--model", MODEL, "--speedup", "10"],
-    )
-    .unwrap();
-    fleet.wait_healthy(Duration::from_secs(10)).unwrap();
-    let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("kvoy-e2e")
-        .join(format!("{NAME}-{run}-{}", std::process::id()));
-    std::fs::create_dir_all(&run_dir).unwrap();
-    let pool: Vec<PoolEndpoint> = fleet
-        .addrs()
-        .iter()
-        .map(|a| PoolEndpoint::new(*a, &[MODEL]))
-        .collect();
+    let fleet = SimFleet::loopback(4, &["--model", MODEL, "--speedup", "10"]).unwrap();
+    let run_dir = common::run_dir(&format!("{NAME}-{run}"));
+    let pool: Vec<PoolEndpoint> = PoolEndpoint::all(fleet.addrs(), &[MODEL]);
     (fleet, run_dir, pool)
 }
 
@@ -243,21 +232,8 @@ fn a_configuration_change_over_lds_keeps_the_hit_rate() {
 #[test]
 fn a_restarted_proxy_keeps_the_hit_rate_through_the_aggregator() {
     let (fleet, run_dir, pool) = fleet("restart");
-    let aggregated: Vec<AggregatedEndpoint> = fleet
-        .addrs()
-        .iter()
-        .map(|a| AggregatedEndpoint {
-            address: *a,
-            models: vec![MODEL.into()],
-            kv_events: None,
-        })
-        .collect();
-    let agg = LocalAggregator::start(
-        &run_dir.join("aggregator.yaml"),
-        &aggregator_yaml("scrape_interval_ms: 50\n", &aggregated),
-        "127.0.0.1:0".parse().unwrap(),
-    )
-    .unwrap();
+    let aggregated = AggregatedEndpoint::scraped(fleet.addrs(), MODEL);
+    let agg = common::start_aggregator(&run_dir, "scrape_interval_ms: 50\n", &aggregated);
     agg.wait_ready(4, Duration::from_secs(10));
     let proxy = |name: &str| {
         let mut config = StackConfig::new(pool.clone(), run_dir.join(name));

@@ -9,15 +9,16 @@
 //! Needs `envoy` on PATH and the built wasm filters (`make test` provides both).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kvoy_e2e::http;
-use kvoy_e2e::{
-    aggregator_yaml, AggregatedEndpoint, LocalAggregator, PoolEndpoint, SimFleet, Stack,
-    StackConfig,
-};
+use common::AggregatorReads;
+use kvoy_aggregator::local::{AggregatedEndpoint, LocalAggregator};
+use kvoy_sim::fleet::SimFleet;
+use kvoy_testkit::{http, PoolEndpoint, Stack, StackConfig};
 
 const NAME: &str = "relay";
 const MODEL: &str = "kvoy-demo";
@@ -28,9 +29,9 @@ const TURNS: usize = 6;
 /// round trip is two poll intervals (100 ms each) and a catch-up tick.
 const THINK: Duration = Duration::from_millis(500);
 
-/// Turn `t` of conversation `i` ([`kvoy_e2e::conversation_turn`]).
+/// Turn `t` of conversation `i` ([`common::conversation_turn`]).
 fn turn(i: usize, t: usize) -> Vec<u8> {
-    kvoy_e2e::conversation_turn(MODEL, i, t)
+    common::conversation_turn(MODEL, i, t)
 }
 
 /// Runs the workload on conversations `base..base + CONVERSATIONS`, turn `t` of the `i`th
@@ -52,7 +53,7 @@ fn follow(proxies: &[SocketAddr], base: usize) -> (usize, usize) {
             .unwrap();
             assert_eq!(r.status, 200, "{}", r.text());
             let served = r
-                .header(kvoy_e2e::SERVED_BY_HEADER)
+                .header(kvoy_testkit::SERVED_BY_HEADER)
                 .unwrap_or("?")
                 .to_owned();
             if t > 0 {
@@ -84,37 +85,12 @@ struct Pool {
 
 impl Pool {
     fn start(run: &str) -> Pool {
-        let fleet = SimFleet::start(
-            &["127.0.0.1:0".parse().unwrap(); 4],
-            &["--model", MODEL, "--speedup", "10"],
-        )
-        .unwrap();
-        fleet.wait_healthy(Duration::from_secs(10)).unwrap();
-        let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-            .join("kvoy-e2e")
-            .join(format!("{NAME}-{run}-{}", std::process::id()));
-        std::fs::create_dir_all(&run_dir).unwrap();
-        let aggregated: Vec<AggregatedEndpoint> = fleet
-            .addrs()
-            .iter()
-            .map(|a| AggregatedEndpoint {
-                address: *a,
-                models: vec![MODEL.into()],
-                kv_events: None,
-            })
-            .collect();
-        let agg = LocalAggregator::start(
-            &run_dir.join("aggregator.yaml"),
-            &aggregator_yaml("scrape_interval_ms: 50\n", &aggregated),
-            "127.0.0.1:0".parse().unwrap(),
-        )
-        .unwrap();
+        let fleet = SimFleet::loopback(4, &["--model", MODEL, "--speedup", "10"]).unwrap();
+        let run_dir = common::run_dir(&format!("{NAME}-{run}"));
+        let aggregated = AggregatedEndpoint::scraped(fleet.addrs(), MODEL);
+        let agg = common::start_aggregator(&run_dir, "scrape_interval_ms: 50\n", &aggregated);
         agg.wait_ready(4, Duration::from_secs(10));
-        let endpoints = fleet
-            .addrs()
-            .iter()
-            .map(|a| PoolEndpoint::new(*a, &[MODEL]))
-            .collect();
+        let endpoints = PoolEndpoint::all(fleet.addrs(), &[MODEL]);
         Pool {
             agg,
             endpoints,
@@ -138,7 +114,7 @@ impl Pool {
         let mut config = StackConfig::new(self.endpoints.clone(), self.run_dir.join(name));
         config.aggregator = Some(self.agg.addr());
         config.extra_config = Some(serde_json::json!({"aggregator": {
-            "cluster": kvoy_e2e::AGGREGATOR_CLUSTER, "relay_decisions": false}}));
+            "cluster": kvoy_testkit::AGGREGATOR_CLUSTER, "relay_decisions": false}}));
         Stack::start(&config)
             .unwrap_or_else(|e| panic!("[{NAME}] could not start Envoy {name}: {e:#}"))
     }
@@ -220,7 +196,7 @@ fn a_restarted_proxy_gets_the_pools_decisions_back_from_the_aggregator() {
             .unwrap();
             assert_eq!(r.status, 200, "{}", r.text());
             *previous = r
-                .header(kvoy_e2e::SERVED_BY_HEADER)
+                .header(kvoy_testkit::SERVED_BY_HEADER)
                 .unwrap_or("?")
                 .to_owned();
         }
@@ -241,7 +217,7 @@ fn a_restarted_proxy_gets_the_pools_decisions_back_from_the_aggregator() {
         )
         .unwrap();
         assert_eq!(r.status, 200, "{}", r.text());
-        kept += usize::from(r.header(kvoy_e2e::SERVED_BY_HEADER) == Some(previous.as_str()));
+        kept += usize::from(r.header(kvoy_testkit::SERVED_BY_HEADER) == Some(previous.as_str()));
     }
     eprintln!("[{NAME}] after a restart {kept} of {CONVERSATIONS} conversations went back to their simulator");
     assert!(kept * 10 >= CONVERSATIONS * 9, "{kept} of {CONVERSATIONS}");

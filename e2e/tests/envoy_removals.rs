@@ -12,12 +12,15 @@
 //! Needs `envoy` on PATH and the built wasm filters (`make test` provides both).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::time::{Duration, Instant};
 
-use kvoy_e2e::eviction::{
-    flood_prompt, linked_conversation, long_turn, post_chat, proxy_counter, unix_now,
+use common::{
+    eviction::{flood_prompt, linked_conversation, long_turn, post_chat, proxy_counter, unix_now},
+    AggregatorReads,
 };
-use kvoy_e2e::LocalAggregator;
+use kvoy_aggregator::local::LocalAggregator;
 use serde_json::Value;
 
 const NAME: &str = "removals";
@@ -52,9 +55,8 @@ fn removed_at_aggregator(agg: &LocalAggregator, endpoint: &str) -> (usize, Optio
 fn an_eviction_the_servers_report_ends_that_prefixs_affinity_at_the_proxy() {
     // The linker at its defaults: on, with its tolerance.
     let run = linked_conversation(
-        env!("CARGO_TARGET_TMPDIR"),
         "evicted",
-        &kvoy_e2e::small_cache_flags(MODEL, "128"),
+        &kvoy_sim::fleet::small_cache_flags(MODEL, "128"),
         MODEL,
     )
     .unwrap();

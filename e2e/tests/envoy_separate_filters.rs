@@ -6,12 +6,15 @@
 //! the combined `kvoy` filter (`envoy/kvoy.yaml`).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::time::Duration;
 
-use kvoy_e2e::http::post_json;
-use kvoy_e2e::{served_by, EchoConfig, EchoServer, FilterLayout, PoolEndpoint, Stack, StackConfig};
+use kvoy_testkit::{
+    http::post_json, served_by, EchoConfig, EchoServer, FilterLayout, PoolEndpoint, Stack,
+    StackConfig,
+};
 
 const MODEL: &str = "kvoy-demo";
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -28,18 +31,15 @@ fn chat(user: &str) -> Vec<u8> {
 fn the_separate_filters_route_pin_and_guard_the_upstream() {
     let name = "separate-filters";
     let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-    let pool: Vec<EchoServer> = (0..3)
-        .map(|_| EchoServer::start(EchoConfig::new(any, &[MODEL])).unwrap())
-        .collect();
+    let pool: Vec<EchoServer> = EchoServer::loopback(3, &[MODEL]).unwrap();
     let outsider = EchoServer::start(EchoConfig::new(any, &[MODEL])).unwrap();
     let addrs: Vec<String> = pool.iter().map(|b| b.addr().to_string()).collect();
-    let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("kvoy-e2e")
-        .join(format!("{name}-{}", std::process::id()));
+    let run_dir = common::run_dir(name);
     let mut config = StackConfig::new(
-        pool.iter()
-            .map(|b| PoolEndpoint::new(b.addr(), &[MODEL]))
-            .collect(),
+        PoolEndpoint::all(
+            &pool.iter().map(EchoServer::addr).collect::<Vec<_>>(),
+            &[MODEL],
+        ),
         run_dir,
     );
     config.layout = FilterLayout::Separate;

@@ -11,17 +11,19 @@
 //! Needs `envoy` on PATH and the release wasm filters (`make test` provides both).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use kvoy_e2e::http::{self, Response};
-use kvoy_e2e::{
-    aggregator_yaml, wait_for, AggregatedEndpoint, LocalAggregator, PoolEndpoint, SimFleet, Stack,
-    StackConfig,
-};
+use kvoy_aggregator::local::AggregatedEndpoint;
 use kvoy_shared::session::decode_token;
+use kvoy_sim::fleet::SimFleet;
+use kvoy_testkit::{
+    http::{self, Response},
+    wait_for, PoolEndpoint, Stack, StackConfig,
+};
 use serde_json::{json, Value};
 
 const NAME: &str = "session";
@@ -40,7 +42,7 @@ fn chat(envoy: SocketAddr, session: Option<&str>, turn: usize) -> Response {
 }
 
 fn served(r: &Response) -> String {
-    r.header(kvoy_e2e::SERVED_BY_HEADER)
+    r.header(kvoy_testkit::SERVED_BY_HEADER)
         .unwrap_or("?")
         .to_owned()
 }
@@ -49,12 +51,7 @@ fn served(r: &Response) -> String {
 fn sessions_stick_move_when_their_endpoint_dies_and_stick_again() {
     let mut fleets: Vec<Option<SimFleet>> = (0..3)
         .map(|_| {
-            let f = SimFleet::start(
-                &["127.0.0.1:0".parse().unwrap()],
-                &["--model", MODEL, "--speedup", "20"],
-            )
-            .unwrap();
-            f.wait_healthy(Duration::from_secs(10)).unwrap();
+            let f = SimFleet::loopback(1, &["--model", MODEL, "--speedup", "20"]).unwrap();
             Some(f)
         })
         .collect();
@@ -62,28 +59,14 @@ fn sessions_stick_move_when_their_endpoint_dies_and_stick_again() {
         .iter()
         .map(|f| f.as_ref().unwrap().addrs()[0])
         .collect();
-    let run_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("kvoy-e2e")
-        .join(format!("{NAME}-{}", std::process::id()));
-    std::fs::create_dir_all(&run_dir).unwrap();
-    let endpoints: Vec<AggregatedEndpoint> = addrs
-        .iter()
-        .map(|a| AggregatedEndpoint {
-            address: *a,
-            models: vec![MODEL.into()],
-            kv_events: None,
-        })
-        .collect();
-    let agg = LocalAggregator::start(
-        &run_dir.join("aggregator.yaml"),
-        &aggregator_yaml("scrape_interval_ms: 50\nstale_after_ms: 1000\n", &endpoints),
-        "127.0.0.1:0".parse().unwrap(),
-    )
-    .unwrap();
-    let pool = addrs
-        .iter()
-        .map(|a| PoolEndpoint::new(*a, &[MODEL]))
-        .collect();
+    let run_dir = common::run_dir(NAME);
+    let endpoints = AggregatedEndpoint::scraped(&addrs, MODEL);
+    let agg = common::start_aggregator(
+        &run_dir,
+        "scrape_interval_ms: 50\nstale_after_ms: 1000\n",
+        &endpoints,
+    );
+    let pool = PoolEndpoint::all(&addrs, &[MODEL]);
     let mut config = StackConfig::new(pool, run_dir.clone());
     config.aggregator = Some(agg.addr());
     let stack = Stack::start(&config).unwrap_or_else(|e| panic!("[{NAME}] {e:#}"));
@@ -93,17 +76,10 @@ fn sessions_stick_move_when_their_endpoint_dies_and_stick_again() {
         agg.addr()
     );
     wait_for("the aggregator's view", Duration::from_secs(10), || {
-        http::send(
-            agg.addr(),
-            "GET",
-            "/v1/endpoints",
-            &[],
-            b"",
-            Duration::from_secs(5),
-        )
-        .ok()
-        .and_then(|r| r.json().ok())
-        .is_some_and(|v: Value| v["pool"]["ready"] == 3)
+        http::get(agg.addr(), "/v1/endpoints", Duration::from_secs(5))
+            .ok()
+            .and_then(|r| r.json().ok())
+            .is_some_and(|v: Value| v["pool"]["ready"] == 3)
     });
     std::thread::sleep(Duration::from_millis(400));
 

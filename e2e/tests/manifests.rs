@@ -13,17 +13,17 @@
 //! - the script writes a valid OCI image layout whose digests, sizes and layer content check out.
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use serde::Deserialize;
+use common::yaml_docs;
 use serde_json::{json, Map, Value};
 use sha2::{Digest, Sha256};
 
-use kvoy_e2e::{
-    default_wasm_dir, envoy_version, require_filter_wasm, validate_config, workspace_root,
-};
+use kvoy_testkit::{envoy_version, require_filter_wasm, validate_config, workspace_root};
 
 /// The manifest directories of the repository.
 const MANIFEST_DIRS: [&str; 3] = ["istio", "gateway", "deploy"];
@@ -68,14 +68,6 @@ fn validate_manifests(paths: &[PathBuf]) -> (bool, String) {
         "the validator could not run (pip install jsonschema pyyaml):\n{text}"
     );
     (out.status.success(), text)
-}
-
-fn yaml_docs(path: &Path) -> Vec<Value> {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_yaml_ng::Deserializer::from_str(&text)
-        .map(|doc| Value::deserialize(doc).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
-        .filter(|v| !v.is_null())
-        .collect()
 }
 
 /// The one document of `kind` named `name` in `path`.
@@ -552,7 +544,7 @@ fn envoy_validate(name: &str, chain: &Chain) -> anyhow::Result<String> {
 
 fn wasm_dir() -> PathBuf {
     envoy_version().expect("envoy must be installed (make deps)");
-    let dir = default_wasm_dir();
+    let dir = kvoy_testkit::wasm_dir();
     require_filter_wasm(&dir).expect("the filters must be built (make wasm)");
     dir.canonicalize().unwrap()
 }

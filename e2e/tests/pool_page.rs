@@ -26,6 +26,8 @@
 //! (the test fails, saying so, if the module is not in it).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -33,15 +35,17 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use kvoy_e2e::http;
-use kvoy_e2e::webdriver::{chromedriver, chromium, Browser};
-use kvoy_e2e::{
-    aggregator_yaml, free_port, wait_for, workspace_root, AggregatedEndpoint, LocalAggregator,
-    PoolEndpoint, PublishingSim, Stack, StackConfig,
-};
+use common::AggregatorReads;
+use kvoy_aggregator::local::{aggregator_yaml, LocalAggregator};
 use kvoy_shared::prefix_affinity::{PluginConfig, Router};
 use kvoy_shared::request::Api;
 use kvoy_shared::Outstanding;
+use kvoy_sim::fleet::PublishingSim;
+use kvoy_testkit::{
+    free_port, http, wait_for,
+    webdriver::{chromedriver, chromium, Browser},
+    workspace_root, PoolEndpoint, Stack, StackConfig,
+};
 
 const NAME: &str = "pool-page";
 const MODEL: &str = "kvoy-demo";
@@ -372,12 +376,7 @@ fn pool_json(aggregator: &LocalAggregator) -> Value {
 }
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("kvoy-e2e")
-        .join(format!("{NAME}-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    common::fresh_run_dir(&format!("{NAME}-{name}"))
 }
 
 /// A turn of `conversation`: three groups of conversations, each with a system prompt of its
@@ -432,20 +431,12 @@ fn the_pool_page_draws_the_live_pool_and_marks_a_stale_endpoint() {
             .unwrap()
         })
         .collect();
-    let endpoints: Vec<AggregatedEndpoint> = sims
-        .iter()
-        .map(|s| AggregatedEndpoint {
-            address: s.addr,
-            models: vec![MODEL.into()],
-            kv_events: Some((s.kv.clone(), s.replay.clone())),
-        })
-        .collect();
-    let aggregator = LocalAggregator::start(
-        &dir.join("aggregator.yaml"),
-        &aggregator_yaml("scrape_interval_ms: 50\nstale_after_ms: 500\n", &endpoints),
-        "127.0.0.1:0".parse().unwrap(),
-    )
-    .unwrap();
+    let endpoints = common::followed(&sims, MODEL, true);
+    let aggregator = common::start_aggregator(
+        &dir,
+        "scrape_interval_ms: 50\nstale_after_ms: 500\n",
+        &endpoints,
+    );
     aggregator.wait_ready(3, Duration::from_secs(10));
     let mut config = StackConfig::new(
         sims.iter()

@@ -1,5 +1,5 @@
 //! The runnable bootstraps `envoy/kvoy.yaml` and `envoy/kvoy-separate.yaml`: the templates in
-//! `envoy/template/` rendered with `kvoy_e2e::runnable_params` (listener 127.0.0.1:10000, admin
+//! `envoy/template/` rendered with `kvoy_testkit::runnable_params` (listener 127.0.0.1:10000, admin
 //! 9901, modules in `target/wasm32-wasip1/release` relative to the repository root, the README's
 //! kvoy-sim demo on 127.0.0.1:8001-8003 as a static pool).
 //!
@@ -15,14 +15,17 @@
 //! repository root: `envoy/` and `target/wasm32-wasip1/release` link to the real ones.
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use kvoy_e2e::{
-    default_wasm_dir, envoy_version, free_port, require_filter_wasm, runnable_bootstraps,
-    served_by, validate_config_in, wasm_failures, workspace_root, write_runnable_bootstraps,
-    EnvoyProcess, SimFleet, RUNNABLE_ADMIN_PORT, RUNNABLE_AGGREGATOR_PORT, RUNNABLE_BOOTSTRAPS,
+use kvoy_sim::fleet::SimFleet;
+use kvoy_testkit::{
+    envoy_version, free_port, require_filter_wasm, runnable_bootstraps, served_by,
+    validate_config_in, wasm_dir, wasm_failures, workspace_root, write_runnable_bootstraps,
+    EnvoyProcess, RUNNABLE_ADMIN_PORT, RUNNABLE_AGGREGATOR_PORT, RUNNABLE_BOOTSTRAPS,
     RUNNABLE_LISTEN_PORT, RUNNABLE_MODEL, RUNNABLE_POOL, RUNNABLE_WASM_DIR,
 };
 
@@ -63,7 +66,7 @@ fn committed_bootstraps_are_the_templates_rendered() {
 /// repository root when they are there, else a scratch directory laid out like it.
 fn run_dir(name: &str) -> PathBuf {
     let root = workspace_root();
-    let wasm_dir = default_wasm_dir();
+    let wasm_dir = wasm_dir();
     require_filter_wasm(&wasm_dir).expect("the filters must be built (make wasm)");
     let wasm_dir = wasm_dir.canonicalize().expect("wasm dir");
     if root.join(RUNNABLE_WASM_DIR).canonicalize().ok().as_ref() == Some(&wasm_dir) {
@@ -115,14 +118,9 @@ fn committed_bootstraps_route_a_chat_completion_to_kvoy_sim() {
     let name = "runnable-run";
     envoy_version().expect("envoy must be installed (make deps)");
     let dir = run_dir(name);
-    let scratch = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("kvoy-e2e")
-        .join(format!("{name}-configs-{}", std::process::id()));
-    std::fs::create_dir_all(&scratch).unwrap();
-    let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-    let sims = SimFleet::start(&[any; 3], &["--model", RUNNABLE_MODEL, "--speedup", "10"])
+    let scratch = common::run_dir(&format!("{name}-configs"));
+    let sims = SimFleet::loopback(3, &["--model", RUNNABLE_MODEL, "--speedup", "10"])
         .expect("start the kvoy-sim simulators");
-    sims.wait_healthy(Duration::from_secs(10)).unwrap();
     let pool: Vec<String> = sims.addrs().iter().map(ToString::to_string).collect();
     for runnable in RUNNABLE_BOOTSTRAPS {
         let committed = std::fs::read_to_string(workspace_root().join(runnable.path)).unwrap();
@@ -161,7 +159,7 @@ fn committed_bootstraps_route_a_chat_completion_to_kvoy_sim() {
         let body = format!(
             r#"{{"model":"{RUNNABLE_MODEL}","messages":[{{"role":"user","content":"Hello!"}}]}}"#
         );
-        let r = kvoy_e2e::http::post_json(
+        let r = kvoy_testkit::http::post_json(
             listen,
             "/v1/chat/completions",
             &[],

@@ -1,7 +1,8 @@
 //! `kvoy-local`: run, inspect and debug kvoy's wasm filters under wasmtime, without Envoy.
 //!
-//! It depends on kvoy-harness and kvoy-shared; never on kvoy-e2e or the filter crates (it loads the
-//! built `.wasm`).
+//! It depends on kvoy-harness, kvoy-shared and kvoy-testkit (the one way to find the built
+//! filters); never on the filter crates (it loads the built `.wasm`), kvoy-sim or
+//! kvoy-aggregator (its tests start those in-process).
 //!
 //! The filters run in [`kvoy_harness`], a proxy-wasm ABI 0.2.1 host with Envoy's semantics, as
 //! the chain Envoy would run (the combined `kvoy` filter of `envoy/kvoy.yaml`, or

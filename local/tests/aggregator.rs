@@ -8,10 +8,11 @@ mod common;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use kvoy_e2e::{aggregator_yaml, AggregatedEndpoint, LocalAggregator, SimFleet};
+use kvoy_aggregator::local::{aggregator_yaml, AggregatedEndpoint, LocalAggregator};
 use kvoy_local::decide::{decide, DecideOptions, Outcome};
 use kvoy_local::request::Request;
 use kvoy_shared::snapshot::{EndpointStatus, SnapshotHistory};
+use kvoy_sim::fleet::SimFleet;
 use serde_json::json;
 
 const MODEL: &str = "kvoy-demo";
@@ -20,17 +21,8 @@ const MODEL: &str = "kvoy-demo";
 fn serve_polls_a_live_aggregator_through_its_cluster() {
     let _serial = common::serial();
     let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-    let sims = SimFleet::start(&[any; 2], &["--model", MODEL, "--speedup", "20"]).unwrap();
-    sims.wait_healthy(Duration::from_secs(10)).unwrap();
-    let endpoints: Vec<AggregatedEndpoint> = sims
-        .addrs()
-        .iter()
-        .map(|a| AggregatedEndpoint {
-            address: *a,
-            models: vec![MODEL.into()],
-            kv_events: None,
-        })
-        .collect();
+    let sims = SimFleet::loopback(2, &["--model", MODEL, "--speedup", "20"]).unwrap();
+    let endpoints = AggregatedEndpoint::scraped(sims.addrs(), MODEL);
     let dir = common::run_dir("serve_aggregator");
     let aggregator = LocalAggregator::start(
         &dir.join("aggregator.yaml"),
@@ -64,8 +56,12 @@ fn serve_polls_a_live_aggregator_through_its_cluster() {
         std::thread::sleep(Duration::from_millis(50));
     }
     let members: Vec<String> = sims.addrs().iter().map(ToString::to_string).collect();
-    let body = common::chat_body(MODEL, &common::prompt("live", 2048), "hi");
-    let r = kvoy_e2e::http::post_json(
+    let body = kvoy_testkit::requests::chat_body(
+        MODEL,
+        &kvoy_testkit::requests::prompt("live", 2048),
+        "hi",
+    );
+    let r = kvoy_testkit::http::post_json(
         server.addr(),
         "/v1/chat/completions",
         &[],
@@ -74,7 +70,7 @@ fn serve_polls_a_live_aggregator_through_its_cluster() {
     )
     .unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
-    kvoy_e2e::served_by(&r, &members, "serve_aggregator", "through the live pool");
+    kvoy_testkit::served_by(&r, &members, "serve_aggregator", "through the live pool");
     let stats = common::local_stats(&server);
     assert!(stats["kvoy_prefix_affinity_snapshot_polls_total"] > 0);
 }

@@ -27,7 +27,7 @@ fn files() -> (String, String) {
     .to_string();
     let config = common::chain_config("{}", &json!({"endpoints": 2}).to_string(), &prefix, 1);
     let (_, config_path) = common::load("decide_cli", &config);
-    let system = common::prompt("decide", 1024);
+    let system = kvoy_testkit::requests::prompt("decide", 1024);
     let requests = json!([
         {"body": {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": "a"}]}},
         {"body": {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": "b"}]}},
@@ -155,7 +155,7 @@ fn the_readme_example_runs() {
     let examples = root.join("local").join("examples");
     let out = Command::new(env!("CARGO_BIN_EXE_kvoy-local"))
         .current_dir(&root)
-        .env("KVOY_WASM_DIR", kvoy_e2e::default_wasm_dir())
+        .env("KVOY_WASM_DIR", kvoy_testkit::wasm_dir())
         .args(["decide", "--config"])
         .arg(examples.join("kvoy-local.yaml"))
         .arg("--request")

@@ -20,15 +20,15 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use kvoy_e2e::http::{self, Response};
-use kvoy_e2e::{
-    EchoConfig, EchoServer, PoolEndpoint, Stack, StackConfig, DESTINATION_HEADER, SERVED_BY_HEADER,
+use kvoy_shared::session::encode_token;
+use kvoy_testkit::{
+    http::{self, Response},
+    EchoServer, PoolEndpoint, Stack, StackConfig, DESTINATION_HEADER, SERVED_BY_HEADER,
     SERVED_HEADER,
 };
-use kvoy_shared::session::encode_token;
 use serde_json::{json, Value};
 
-use common::prompt;
+use kvoy_testkit::requests::{chat_body, prompt};
 
 const MODEL: &str = "kvoy-demo";
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -76,7 +76,7 @@ fn observe(r: &Response) -> Observed {
 }
 
 fn chat(system: &str, user: &str) -> Vec<u8> {
-    common::chat_body(MODEL, system, user)
+    chat_body(MODEL, system, user)
 }
 
 fn steps(pool: &[SocketAddr]) -> Vec<Step> {
@@ -145,7 +145,7 @@ fn steps(pool: &[SocketAddr]) -> Vec<Step> {
         step(
             "unknown model",
             vec![],
-            common::chat_body("no-such-model", "", "hi"),
+            chat_body("no-such-model", "", "hi"),
             Expect::Status(404),
         ),
         step(
@@ -215,15 +215,9 @@ fn kvoy_only(stats: impl IntoIterator<Item = (String, i64)>) -> BTreeMap<String,
 #[test]
 fn envoy_and_kvoy_local_route_the_same_sequence_the_same_way() {
     let _serial = common::serial();
-    let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-    let backends: Vec<EchoServer> = (0..3)
-        .map(|_| EchoServer::start(EchoConfig::new(any, &[MODEL])).unwrap())
-        .collect();
+    let backends: Vec<EchoServer> = EchoServer::loopback(3, &[MODEL]).unwrap();
     let addrs: Vec<SocketAddr> = backends.iter().map(EchoServer::addr).collect();
-    let pool: Vec<PoolEndpoint> = addrs
-        .iter()
-        .map(|a| PoolEndpoint::new(*a, &[MODEL]))
-        .collect();
+    let pool: Vec<PoolEndpoint> = PoolEndpoint::all(&addrs, &[MODEL]);
     // Static queue lengths make every first choice unique.
     let endpoints: Vec<Value> = addrs
         .iter()

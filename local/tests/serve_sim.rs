@@ -14,31 +14,28 @@ use std::net::SocketAddr;
 use std::sync::{mpsc, Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use kvoy_e2e::http::{self, Response};
-use kvoy_e2e::{
-    prefix_affinity_config, EchoConfig, EchoServer, PoolEndpoint, SimFleet, DELAY_HEADER,
-    DESTINATION_HEADER, SERVED_BY_HEADER,
+use kvoy_sim::fleet::SimFleet;
+use kvoy_testkit::{
+    http::{self, Response},
+    prefix_affinity_config, EchoConfig, EchoServer, PoolEndpoint, DELAY_HEADER, DESTINATION_HEADER,
+    SERVED_BY_HEADER,
 };
 use serde_json::{json, Value};
 
-use common::{chat_body, prompt, serial};
+use common::serial;
+use kvoy_testkit::http::sse_data;
+use kvoy_testkit::requests::{chat_body, prompt};
 
 const MODEL: &str = "kvoy-demo";
 const TIMEOUT: Duration = Duration::from_secs(30);
 
 fn sims(count: usize, speedup: &str) -> SimFleet {
-    let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-    let sims = SimFleet::start(&vec![any; count], &["--model", MODEL, "--speedup", speedup])
-        .expect("kvoy-sim simulators");
-    sims.wait_healthy(Duration::from_secs(10)).unwrap();
-    sims
+    SimFleet::loopback(count, &["--model", MODEL, "--speedup", speedup])
+        .expect("kvoy-sim simulators")
 }
 
 fn pool(addrs: &[SocketAddr]) -> Vec<PoolEndpoint> {
-    addrs
-        .iter()
-        .map(|a| PoolEndpoint::new(*a, &[MODEL]))
-        .collect()
+    PoolEndpoint::all(addrs, &[MODEL])
 }
 
 fn addrs(pool: &[PoolEndpoint]) -> Vec<String> {
@@ -65,7 +62,7 @@ fn ok(r: &Response, pool: &[String], what: &str) -> String {
         r.status,
         r.text()
     );
-    kvoy_e2e::served_by(r, pool, "kvoy-local", what)
+    kvoy_testkit::served_by(r, pool, "kvoy-local", what)
 }
 
 fn usage(v: &Value) -> (u64, u64) {
@@ -137,13 +134,6 @@ fn shared_prefix_conversations_stick_and_hit_the_kv_cache() {
     );
 }
 
-fn sse_data(text: &str) -> Vec<&str> {
-    text.lines()
-        .filter_map(|l| l.strip_prefix("data:"))
-        .map(str::trim)
-        .collect()
-}
-
 #[test]
 fn streams_are_relayed_and_stick() {
     let _serial = serial();
@@ -184,7 +174,7 @@ fn streams_are_relayed_and_stick() {
             );
         }
     }
-    let r = http::send(server.addr(), "GET", "/v1/models", &[], b"", TIMEOUT).unwrap();
+    let r = http::get(server.addr(), "/v1/models", TIMEOUT).unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json().unwrap()["data"][0]["id"], MODEL);
     assert!(r
@@ -305,10 +295,7 @@ fn bad_requests_get_openai_errors() {
 #[test]
 fn a_concurrent_burst_is_not_piled_on_one_backend() {
     let _serial = serial();
-    let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-    let backends: Vec<EchoServer> = (0..3)
-        .map(|_| EchoServer::start(EchoConfig::new(any, &[MODEL])).unwrap())
-        .collect();
+    let backends: Vec<EchoServer> = EchoServer::loopback(3, &[MODEL]).unwrap();
     let pool = pool(&backends.iter().map(EchoServer::addr).collect::<Vec<_>>());
     let members = addrs(&pool);
     let server = common::serve("burst", &default_chain(&pool, None));

@@ -8,11 +8,13 @@
 //! time (durations divided by `--speedup`) behind an OpenAI-compatible HTTP API with vLLM's
 //! `/metrics`; [`events`] publishes its KV events. Prompts become token ids through the
 //! [`tokenizer`]: a deterministic stand-in by default, or a real Hugging Face tokenizer and chat
-//! template (`--tokenizer`). The binary is `kvoy-sim` (see [`cli`]).
+//! template (`--tokenizer`). The binary is `kvoy-sim` (see [`cli`]); [`fleet`] runs simulators
+//! in another program's process (`kvoy-stack`, the end-to-end tests, kvoy-bench).
 
 pub mod cli;
 /// The engine, its own crate so that the fleet simulation links no I/O.
 pub use kvoy_sim_engine as engine;
 pub mod events;
+pub mod fleet;
 pub mod server;
 pub mod tokenizer;

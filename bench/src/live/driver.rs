@@ -17,7 +17,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvoy_e2e::load::{self, Timing};
+use kvoy_testkit::load::{self, Timing};
 use serde_json::json;
 
 use crate::metrics::Recorder;

@@ -7,10 +7,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 
-use kvoy_e2e::{
-    aggregator_yaml, free_port, http, AggregatedEndpoint, EnvoyProcess, LocalAggregator,
-    PoolEndpoint, SimFleet, Stack, StackConfig,
-};
+use kvoy_aggregator::local::{aggregator_yaml, AggregatedEndpoint, LocalAggregator};
+use kvoy_sim::fleet::SimFleet;
+use kvoy_testkit::{free_port, http, EnvoyProcess, PoolEndpoint, Stack, StackConfig};
 
 use super::routers::{KvEventSource, RouterKind, RouterProcess};
 

@@ -7,7 +7,7 @@ use kvoy_shared::protocol::CHAT_COMPLETIONS_PATH;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use kvoy_e2e::load;
+use kvoy_testkit::load;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 

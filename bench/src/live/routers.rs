@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 
-use kvoy_e2e::{free_port, http};
+use kvoy_testkit::{free_port, http};
 
 /// A real router package.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -541,25 +541,7 @@ impl RouterProcess {
 
     /// SIGTERM, then SIGKILL after 5 s (the routers wait for open requests on SIGTERM).
     pub fn stop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            let _ = Command::new("kill")
-                .arg("-TERM")
-                .arg(self.child.id().to_string())
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status();
-            for _ in 0..50 {
-                if !matches!(self.child.try_wait(), Ok(None)) {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(100));
-            }
-            if matches!(self.child.try_wait(), Ok(None)) {
-                let _ = self.child.kill();
-            }
-        }
-        let _ = self.child.wait();
+        kvoy_testkit::terminate(&mut self.child);
     }
 }
 

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use kvoy_e2e::{EchoConfig, EchoServer, PoolEndpoint, Stack, StackConfig};
+use kvoy_testkit::{EchoServer, PoolEndpoint, Stack, StackConfig};
 
 use crate::live::baseline_proxy;
 use crate::metrics::percentile;
@@ -438,21 +438,16 @@ pub fn run(
     progress: &(dyn Fn(OverheadProgress<'_>) + Sync),
 ) -> Result<OverheadReport, OverheadError> {
     let setup = |e: &dyn std::fmt::Display| OverheadError::Setup(e.to_string());
-    let envoy_version = kvoy_e2e::envoy_version()
+    let envoy_version = kvoy_testkit::envoy_version()
         .map(|v| envoy_release(&v))
         .map_err(|e| setup(&format!("{e:#}")))?;
-    let backends: Vec<EchoServer> = (0..grid.backends.max(1))
-        .map(|_| EchoServer::start(EchoConfig::new(([127, 0, 0, 1], 0).into(), &[MODEL])))
-        .collect::<Result<_, _>>()
-        .map_err(|e| setup(&e))?;
+    let backends: Vec<EchoServer> =
+        EchoServer::loopback(grid.backends.max(1), &[MODEL]).map_err(|e| setup(&e))?;
     let addrs: Vec<SocketAddr> = backends.iter().map(EchoServer::addr).collect();
     std::fs::create_dir_all(&grid.run_dir).map_err(|e| setup(&e))?;
     let plain = baseline_proxy("ROUND_ROBIN", &addrs, &grid.run_dir)
         .map_err(|e| setup(&format!("plain Envoy: {e:#}")))?;
-    let pool: Vec<PoolEndpoint> = addrs
-        .iter()
-        .map(|a| PoolEndpoint::new(*a, &[MODEL]))
-        .collect();
+    let pool: Vec<PoolEndpoint> = PoolEndpoint::all(&addrs, &[MODEL]);
     let mut config = StackConfig::new(pool.clone(), grid.run_dir.join("kvoy"));
     config.concurrency = grid.workers;
     let floor_config = config.clone();

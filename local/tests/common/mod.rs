@@ -25,8 +25,8 @@ pub fn run_dir(name: &str) -> PathBuf {
 
 /// The three filters of `envoy/kvoy.yaml`, in its order, with these plugin configurations.
 pub fn chain_config(session: &str, admission: &str, prefix: &str, workers: usize) -> Value {
-    let wasm_dir = kvoy_e2e::default_wasm_dir();
-    kvoy_e2e::require_filter_wasm(&wasm_dir).unwrap_or_else(|e| panic!("{e:#}"));
+    let wasm_dir = kvoy_testkit::wasm_dir();
+    kvoy_testkit::require_filter_wasm(&wasm_dir).unwrap_or_else(|e| panic!("{e:#}"));
     json!({
         "wasm_dir": wasm_dir,
         "workers": workers,
@@ -71,32 +71,6 @@ pub fn local_stats(server: &Server) -> std::collections::BTreeMap<String, i64> {
         .collect()
 }
 
-/// About `bytes` of prose that starts with `tag`, so prompts with different tags differ from
-/// their first block on.
-pub fn prompt(tag: &str, bytes: usize) -> String {
-    const SENTENCE: &str =
-        "You are a meticulous assistant for the kvoy project; answer precisely, \
-                            cite the relevant configuration keys, and keep answers short. ";
-    let mut text = format!("[{tag}] ");
-    let mut i = 0u64;
-    while text.len() < bytes {
-        text.push_str(&format!("{i}. {SENTENCE}"));
-        i += 1;
-    }
-    text
-}
-
-pub fn chat_body(model: &str, system: &str, user: &str) -> Vec<u8> {
-    serde_json::to_vec(&json!({
-        "model": model,
-        "messages": [
-            {"role": "system", "content": system},
-            {"role": "user", "content": user},
-        ],
-    }))
-    .unwrap()
-}
-
 /// The combined `kvoy` filter with the same stage configurations as [`chain_config`] (a
 /// section per stage; `None` leaves the stage out).
 pub fn kvoy_config(
@@ -105,8 +79,8 @@ pub fn kvoy_config(
     prefix: &str,
     workers: usize,
 ) -> Value {
-    let wasm_dir = kvoy_e2e::default_wasm_dir();
-    kvoy_e2e::require_filter_wasm(&wasm_dir).unwrap_or_else(|e| panic!("{e:#}"));
+    let wasm_dir = kvoy_testkit::wasm_dir();
+    kvoy_testkit::require_filter_wasm(&wasm_dir).unwrap_or_else(|e| panic!("{e:#}"));
     let mut sections = serde_json::Map::new();
     if let Some(s) = session {
         sections.insert("session".into(), serde_json::from_str(s).unwrap());

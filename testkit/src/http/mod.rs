@@ -68,6 +68,11 @@ pub fn send(
     )
 }
 
+/// [`send`] for a GET without a body.
+pub fn get(addr: SocketAddr, path: &str, timeout: Duration) -> Result<Response, HttpError> {
+    request(addr, &Request::get(path).timeout(timeout))
+}
+
 /// [`send`] for a POST of a JSON body (`content-type: application/json` first).
 pub fn post_json(
     addr: SocketAddr,
@@ -76,14 +81,16 @@ pub fn post_json(
     body: &[u8],
     timeout: Duration,
 ) -> Result<Response, HttpError> {
-    request(
-        addr,
-        &Request::post(path)
-            .header("content-type", "application/json")
-            .headers(headers)
-            .body(Bytes::copy_from_slice(body))
-            .timeout(timeout),
-    )
+    let headers = [&[("content-type", "application/json")], headers].concat();
+    send(addr, "POST", path, &headers, body, timeout)
+}
+
+/// The `data:` payloads of a server-sent-events body, in order.
+pub fn sse_data(text: &str) -> Vec<&str> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("data:"))
+        .map(str::trim)
+        .collect()
 }
 
 /// One request on a fresh connection, its response handed to `on` as it arrives: the head,

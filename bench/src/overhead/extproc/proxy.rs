@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
-use kvoy_e2e::{free_port, prefix_affinity_config, EnvoyProcess, PoolEndpoint, LOOPBACK_CIDR};
+use kvoy_testkit::{free_port, prefix_affinity_config, EnvoyProcess, PoolEndpoint, LOOPBACK_CIDR};
 
 use super::{ExtProcServer, Picker};
 

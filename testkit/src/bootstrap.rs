@@ -150,6 +150,14 @@ impl PoolEndpoint {
             models: models.iter().map(|m| m.to_string()).collect(),
         }
     }
+
+    /// A pool of one endpoint at each of `addresses`, all serving `models`.
+    pub fn all(addresses: &[SocketAddr], models: &[&str]) -> Vec<Self> {
+        addresses
+            .iter()
+            .map(|a| PoolEndpoint::new(*a, models))
+            .collect()
+    }
 }
 
 /// The prefix-affinity filter's configuration JSON for a static pool, with an optional body
@@ -206,6 +214,16 @@ pub const RUNNABLE_BOOTSTRAPS: [RunnableBootstrap; 2] = [
         modules: "{kvoy_session,kvoy_admission,kvoy_prefix_affinity}.wasm",
     },
 ];
+
+/// `envoy/template/kvoy.yaml` in the repository (the combined `kvoy` filter).
+pub fn bootstrap_template() -> PathBuf {
+    crate::workspace_root().join(RUNNABLE_BOOTSTRAPS[0].template)
+}
+
+/// `envoy/template/kvoy-separate.yaml` in the repository (the three separate filters).
+pub fn separate_bootstrap_template() -> PathBuf {
+    crate::workspace_root().join(RUNNABLE_BOOTSTRAPS[1].template)
+}
 
 /// The runnable bootstraps' proxy listener port (on 127.0.0.1; `make run` takes 18000).
 pub const RUNNABLE_LISTEN_PORT: u16 = 10000;

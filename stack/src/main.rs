@@ -24,10 +24,9 @@ use std::time::Duration;
 
 use anyhow::{bail, Context as _};
 use clap::{Parser, ValueEnum};
-use kvoy_e2e::{
-    aggregator_yaml, AggregatedEndpoint, EchoConfig, EchoServer, LocalAggregator, PoolEndpoint,
-    SimFleet, Stack, StackConfig,
-};
+use kvoy_aggregator::local::{aggregator_yaml, AggregatedEndpoint, LocalAggregator};
+use kvoy_sim::fleet::SimFleet;
+use kvoy_testkit::{EchoConfig, EchoServer, PoolEndpoint, Stack, StackConfig};
 
 /// Offset of the simulators' replay sockets from their KV-event ports.
 const REPLAY_PORT_OFFSET: u16 = 10;

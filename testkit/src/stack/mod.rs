@@ -1,51 +1,34 @@
 //! A kvoy stack: the bootstrap template `envoy/template/kvoy.yaml` (or `kvoy-separate.yaml`),
 //! rendered for a pool, running in a real Envoy in front of it.
-//! Used by `kvoy-stack` (`make run`) and by the end-to-end tests; the backends are started by
-//! the caller.
+//! Used by `kvoy-stack` (`make run`), the end-to-end tests and the benchmarks; the backends are
+//! started by the caller.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context as _};
 use serde_json::Value;
 
 use crate::bootstrap::{
-    prefix_affinity_config, render_bootstrap_file, BootstrapParams, PoolEndpoint,
-    RunnableBootstrap, RUNNABLE_BOOTSTRAPS,
+    bootstrap_template, prefix_affinity_config, render_bootstrap, render_bootstrap_file,
+    separate_bootstrap_template, BootstrapParams, PoolEndpoint, RunnableBootstrap,
+    RUNNABLE_BOOTSTRAPS,
 };
-use crate::envoy::{free_port, EnvoyProcess};
+use crate::envoy::{envoy_version, wasm_failures, EnvoyProcess};
+use crate::http::{self, Response};
+use crate::wasm::{require_filter_wasm, stale_sources, wasm_dir, KVOY_WASM};
+use crate::{free_port, SERVED_BY_HEADER};
+
+mod lds;
+use lds::Lds;
+pub use lds::LDS_FILE;
 
 /// The `allowed_destinations` of the kit's pools (simulators and echo backends on loopback).
 pub const LOOPBACK_CIDR: &str = "127.0.0.0/8";
 
 /// The bootstrap's cluster for kvoy-aggregator.
 pub const AGGREGATOR_CLUSTER: &str = "kvoy_aggregator";
-
-/// File name of the combined filter module.
-pub const KVOY_WASM: &str = "kvoy.wasm";
-
-/// File name of the admission filter module.
-pub const ADMISSION_WASM: &str = "kvoy_admission.wasm";
-
-/// File name of the session filter module.
-pub const SESSION_WASM: &str = "kvoy_session.wasm";
-
-/// File name of the prefix-affinity filter module.
-pub const PREFIX_AFFINITY_WASM: &str = "kvoy_prefix_affinity.wasm";
-
-/// The repository root (this crate's parent directory, as built).
-pub use kvoy_testkit::workspace_root;
-
-/// `envoy/template/kvoy.yaml` in the repository (the combined `kvoy` filter).
-pub fn bootstrap_template() -> PathBuf {
-    workspace_root().join(RUNNABLE_BOOTSTRAPS[0].template)
-}
-
-/// `envoy/template/kvoy-separate.yaml` in the repository (the three separate filters).
-pub fn separate_bootstrap_template() -> PathBuf {
-    workspace_root().join(RUNNABLE_BOOTSTRAPS[1].template)
-}
 
 /// Which filters run the stages.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -80,71 +63,6 @@ impl FilterLayout {
 /// How long a read of the filters' metrics waits: two of the combined filter's longest tick
 /// (200 ms, a static pool without admission), as it keeps its metrics in the VM until then.
 pub const METRICS_TICK_WAIT: std::time::Duration = std::time::Duration::from_millis(400);
-
-/// Where the release wasm filters are: `$KVOY_WASM_DIR`, else
-/// `$CARGO_TARGET_DIR/wasm32-wasip1/release`, else `<root>/target/wasm32-wasip1/release` (the
-/// kit's one finder).
-pub use kvoy_testkit::wasm_dir as default_wasm_dir;
-
-/// The combined module in `wasm_dir` (the separate ones checked too), or an error that says how
-/// to build them.
-pub fn require_filter_wasm(wasm_dir: &Path) -> anyhow::Result<PathBuf> {
-    for module in [
-        KVOY_WASM,
-        SESSION_WASM,
-        ADMISSION_WASM,
-        PREFIX_AFFINITY_WASM,
-    ] {
-        let path = wasm_dir.join(module);
-        if !path.is_file() {
-            bail!(
-                "the filter module {} is missing: build it with `make wasm` \
-                 (cargo build --release --target wasm32-wasip1 -p kvoy-filter -p kvoy-prefix-affinity -p kvoy-session -p kvoy-admission)",
-                path.display()
-            );
-        }
-    }
-    Ok(wasm_dir.join(KVOY_WASM))
-}
-
-/// Source files (under `filters/` and `shared/`, outside `benches/` and `tests/`) newer than the built module at `wasm`: when
-/// there are any, the module is stale and `make wasm` should run first. Empty if `wasm` is
-/// missing or times are unavailable.
-pub fn stale_sources(wasm: &Path) -> Vec<PathBuf> {
-    let Ok(built) = std::fs::metadata(wasm).and_then(|m| m.modified()) else {
-        return Vec::new();
-    };
-    let root = workspace_root();
-    let mut newer = Vec::new();
-    let mut dirs = vec![(root.join("filters"), 0u32), (root.join("shared"), 0u32)];
-    // Bounded walk: a few levels deep, a few thousand entries at most.
-    let mut budget = 5000u32;
-    while let Some((dir, depth)) = dirs.pop() {
-        let Ok(entries) = std::fs::read_dir(&dir) else {
-            continue;
-        };
-        for entry in entries.flatten() {
-            budget = budget.saturating_sub(1);
-            if budget == 0 {
-                return newer;
-            }
-            let path = entry.path();
-            let Ok(meta) = entry.metadata() else { continue };
-            if meta.is_dir() {
-                // Benches and integration tests are not compiled into the module.
-                let name = entry.file_name();
-                if depth < 6 && !["target", "benches", "tests"].iter().any(|n| name == *n) {
-                    dirs.push((path, depth + 1));
-                }
-            } else if path.extension().is_some_and(|e| e == "rs" || e == "toml")
-                && meta.modified().is_ok_and(|m| m > built)
-            {
-                newer.push(path);
-            }
-        }
-    }
-    newer
-}
 
 /// How to start a stack.
 #[derive(Clone, Debug)]
@@ -200,7 +118,7 @@ impl StackConfig {
             listen_port: 0,
             admin_port: 0,
             run_dir,
-            wasm_dir: default_wasm_dir(),
+            wasm_dir: wasm_dir(),
             concurrency: 2,
             layout: FilterLayout::default(),
             ready_timeout: Duration::from_secs(60),
@@ -231,10 +149,10 @@ pub use kvoy_shared::protocol::SERVED_HEADER;
 /// The backend that answered `r` through the proxy (its `x-served-by`), checked to be a member
 /// of `pool` and to be what the filter reported in [`SERVED_HEADER`]; panics, naming `test` and
 /// `what`, otherwise.
-pub fn served_by(r: &crate::http::Response, pool: &[String], test: &str, what: &str) -> String {
+pub fn served_by(r: &Response, pool: &[String], test: &str, what: &str) -> String {
     let served = r
-        .header(crate::SERVED_BY_HEADER)
-        .unwrap_or_else(|| panic!("[{test}] {what}: no {} header", crate::SERVED_BY_HEADER))
+        .header(SERVED_BY_HEADER)
+        .unwrap_or_else(|| panic!("[{test}] {what}: no {} header", SERVED_BY_HEADER))
         .to_string();
     assert!(
         pool.contains(&served),
@@ -252,13 +170,20 @@ impl Stack {
     /// The end-of-test check every end-to-end test makes: panics, naming the test, if Envoy's
     /// log shows wasm panics, traps or VM failures.
     pub fn assert_no_wasm_failures(&self, test: &str) {
-        let failures = crate::envoy::wasm_failures(&self.envoy.log_text());
+        let failures = wasm_failures(&self.envoy.log_text());
         assert!(
             failures.is_empty(),
             "[{test}] wasm failures in the Envoy log ({}):\n{}",
             self.envoy.log_path().display(),
             failures.join("\n")
         );
+    }
+
+    /// The end of a passing test: [`Stack::assert_no_wasm_failures`], then the run directory
+    /// removed (a failing test panics first and keeps it for inspection).
+    pub fn finish(&self, test: &str) {
+        self.assert_no_wasm_failures(test);
+        let _ = std::fs::remove_dir_all(&self.config.run_dir);
     }
 
     /// Envoy's stats whose names contain `filter`, from the admin interface (`name: value`
@@ -276,14 +201,7 @@ impl Stack {
         filter: &str,
     ) -> anyhow::Result<std::collections::BTreeMap<String, u64>> {
         let path = format!("/stats?filter={filter}");
-        let reply = crate::http::send(
-            self.admin,
-            "GET",
-            &path,
-            &[],
-            &[],
-            std::time::Duration::from_secs(5),
-        )?;
+        let reply = http::get(self.admin, &path, std::time::Duration::from_secs(5))?;
         anyhow::ensure!(reply.status == 200, "GET {path}: {}", reply.status);
         Ok(reply
             .text()
@@ -309,7 +227,7 @@ impl Stack {
     /// Renders the template `envoy/template/kvoy.yaml` (or `kvoy-separate.yaml`, per `layout`) into
     /// `run_dir/envoy.yaml`, starts Envoy and waits until it is ready.
     pub fn start(config: &StackConfig) -> anyhow::Result<Stack> {
-        crate::envoy::envoy_version()?;
+        envoy_version()?;
         let wasm = require_filter_wasm(&config.wasm_dir)?;
         let stale = stale_sources(&wasm);
         if !stale.is_empty() {
@@ -405,83 +323,6 @@ impl Stack {
     }
 }
 
-/// The file, in `run_dir/lds/`, that a stack started with
-/// [`StackConfig::listeners_over_lds`] takes its listener from.
-pub const LDS_FILE: &str = "listeners.yaml";
-
-/// A listener served to Envoy from a watched file (`path_config_source`).
-struct Lds {
-    dir: PathBuf,
-    path: PathBuf,
-    listen_port: u16,
-    admin_port: u16,
-}
-
-impl Lds {
-    /// Moves the rendered bootstrap's listeners into the LDS file; returns the bootstrap
-    /// that points Envoy at it.
-    fn split(&self, rendered: &str) -> anyhow::Result<String> {
-        let mut bootstrap: Value =
-            serde_yaml_ng::from_str(rendered).context("parsing the rendered bootstrap")?;
-        self.write(rendered)?;
-        let statics = bootstrap
-            .get_mut("static_resources")
-            .and_then(Value::as_object_mut)
-            .context("the bootstrap has no static_resources")?;
-        statics.remove("listeners");
-        let root = bootstrap
-            .as_object_mut()
-            .context("the bootstrap is not a mapping")?;
-        // LDS needs a node identity, even from a file.
-        root.entry("node")
-            .or_insert_with(|| serde_json::json!({"id": "kvoy-e2e", "cluster": "kvoy-e2e"}));
-        root.insert(
-            "dynamic_resources".into(),
-            serde_json::json!({"lds_config": {
-                "resource_api_version": "V3",
-                "path_config_source": {
-                    "path": self.path,
-                    "watched_directory": {"path": self.dir},
-                },
-            }}),
-        );
-        Ok(serde_json::to_string_pretty(&bootstrap)?)
-    }
-
-    /// Writes the listeners of `rendered` (a whole bootstrap) as an LDS response: to a file
-    /// beside, then renamed over [`LDS_FILE`], the move Envoy's watch reacts to.
-    fn write(&self, rendered: &str) -> anyhow::Result<()> {
-        let bootstrap: Value =
-            serde_yaml_ng::from_str(rendered).context("parsing the rendered bootstrap")?;
-        let listeners = bootstrap
-            .pointer("/static_resources/listeners")
-            .and_then(Value::as_array)
-            .context("the bootstrap has no static_resources.listeners")?;
-        let resources: Vec<Value> = listeners
-            .iter()
-            .map(|l| {
-                let mut l = l.clone();
-                if let Value::Object(map) = &mut l {
-                    map.insert(
-                        "@type".into(),
-                        "type.googleapis.com/envoy.config.listener.v3.Listener".into(),
-                    );
-                }
-                l
-            })
-            .collect();
-        let staged = self.dir.join(".listeners.yaml.new");
-        std::fs::write(
-            &staged,
-            serde_json::to_string_pretty(&serde_json::json!({ "resources": resources }))?,
-        )
-        .with_context(|| format!("writing {}", staged.display()))?;
-        std::fs::rename(&staged, &self.path)
-            .with_context(|| format!("moving {} into place", staged.display()))?;
-        Ok(())
-    }
-}
-
 /// The bootstrap of `config` on these ports, and the filter configuration it carries.
 fn render(
     config: &StackConfig,
@@ -540,7 +381,7 @@ fn render(
                 );
             }
             let template = template.replace(&combined, &format!("\"{{{{WASM_DIR}}}}/{module}\""));
-            crate::bootstrap::render_bootstrap(&template, &params)?
+            render_bootstrap(&template, &params)?
         }
     };
     Ok((rendered, filter_config))

@@ -9,7 +9,10 @@ use std::time::Duration;
 
 use serde_json::json;
 
-use crate::{http, FollowedPool, LocalAggregator, Stack, StackConfig};
+use kvoy_aggregator::local::LocalAggregator;
+use kvoy_testkit::{http, wait_for, Stack, StackConfig, SERVED_BY_HEADER};
+
+use super::{AggregatorReads, FollowedPool};
 
 const TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -84,23 +87,14 @@ pub struct LinkedConversation {
     pub linked: u64,
 }
 
-/// Starts two simulators with `sim_flags` and an aggregator following them (run `name`,
-/// files under `target_tmp`), a proxy relaying to it, then sends the conversation `name`'s
+/// Starts two simulators with `sim_flags` and an aggregator following them (run `name`), a proxy relaying to it, then sends the conversation `name`'s
 /// first turn and waits until it is linked.
 pub fn linked_conversation(
-    target_tmp: &str,
     name: &str,
     sim_flags: &[&str],
     model: &str,
 ) -> anyhow::Result<LinkedConversation> {
-    let pool = FollowedPool::start(
-        target_tmp,
-        name,
-        2,
-        sim_flags,
-        model,
-        "scrape_interval_ms: 50\n",
-    )?;
+    let pool = FollowedPool::start(name, 2, sim_flags, model, "scrape_interval_ms: 50\n")?;
     let mut config = StackConfig::new(pool.endpoints(model), pool.run_dir.join("proxy"));
     config.aggregator = Some(pool.agg.addr());
     let proxy = Stack::start(&config)?;
@@ -109,15 +103,15 @@ pub fn linked_conversation(
     // the shared log on its tick once it serves; before, on its first request). `GET
     // /v1/models` makes no routing decision, so the linker has nothing more to tell apart.
     for _ in 0..16 {
-        let r = http::send(proxy.listen, "GET", MODELS_PATH, &[], b"", TIMEOUT)?;
+        let r = http::get(proxy.listen, MODELS_PATH, TIMEOUT)?;
         anyhow::ensure!(r.status == 200, "GET /v1/models: {} {}", r.status, r.text());
     }
     let first = post_chat(proxy.listen, &long_turn(name, model, 0))?;
     let served = first
-        .header(crate::SERVED_BY_HEADER)
+        .header(SERVED_BY_HEADER)
         .ok_or_else(|| anyhow::anyhow!("the first turn has no served-by header"))?
         .to_owned();
-    crate::wait_for(
+    wait_for(
         "the first turn linked at the aggregator",
         Duration::from_secs(10),
         || linked_keys(&pool.agg, &served).is_ok_and(|k| k > 0),

@@ -77,8 +77,6 @@ pub fn validate_config_in(dir: Option<&Path>, config: &Path) -> anyhow::Result<S
     Ok(text)
 }
 
-pub use kvoy_testkit::free_port;
-
 /// A running Envoy; killed when dropped.
 pub struct EnvoyProcess {
     child: Child,
@@ -171,7 +169,7 @@ impl EnvoyProcess {
                     self.log_tail(40)
                 );
             }
-            let ready = http::send(admin, "GET", "/ready", &[], b"", step * 5)
+            let ready = http::get(admin, "/ready", step * 5)
                 .map(|r| r.status == 200)
                 .unwrap_or(false);
             if ready && TcpStream::connect_timeout(&listener, step * 5).is_ok() {
@@ -208,27 +206,10 @@ impl EnvoyProcess {
         all[all.len().saturating_sub(lines)..].join("\n")
     }
 
-    /// Stops Envoy: SIGTERM (so it flushes its log), then SIGKILL after a bounded wait.
+    /// Stops Envoy: SIGTERM (so it flushes its log), then SIGKILL after a bounded wait
+    /// ([`terminate`]).
     pub fn stop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            let _ = Command::new("kill")
-                .arg("-TERM")
-                .arg(self.child.id().to_string())
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status();
-            for _ in 0..50 {
-                if !matches!(self.child.try_wait(), Ok(None)) {
-                    break;
-                }
-                thread::sleep(Duration::from_millis(100));
-            }
-            if matches!(self.child.try_wait(), Ok(None)) {
-                let _ = self.child.kill();
-            }
-        }
-        let _ = self.child.wait();
+        terminate(&mut self.child);
     }
 }
 
@@ -236,6 +217,30 @@ impl Drop for EnvoyProcess {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Stops a child process the way Envoy and the routers want it: SIGTERM (they flush logs and
+/// finish open requests), SIGKILL if it still runs 5 s later; then reaps it.
+pub fn terminate(child: &mut Child) {
+    if matches!(child.try_wait(), Ok(None)) {
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(child.id().to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        for _ in 0..50 {
+            if !matches!(child.try_wait(), Ok(None)) {
+                break;
+            }
+            thread::sleep(Duration::from_millis(100));
+        }
+        if matches!(child.try_wait(), Ok(None)) {
+            let _ = child.kill();
+        }
+    }
+    let _ = child.wait();
 }
 
 /// Envoy's startup list of statically linked extensions: long and never useful in a failure.

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context as _};
 use clap::Parser;
-use kvoy_e2e::{EchoConfig, EchoServer, MAX_DELAY};
+use kvoy_testkit::{EchoConfig, EchoServer, MAX_DELAY};
 
 /// kvoy-echo-backend: an OpenAI-shaped HTTP/1.1 backend that says who served each request
 #[derive(Parser)]

@@ -3,7 +3,7 @@
 //! page's script drew. WebDriver is JSON over HTTP, so [`crate::http`] is the whole client.
 //!
 //! ```no_run
-//! use kvoy_e2e::webdriver::Browser;
+//! use kvoy_testkit::webdriver::Browser;
 //! let browser = Browser::start(std::path::Path::new("/tmp/profile"))?;
 //! browser.navigate("http://127.0.0.1:8080/")?;
 //! let field = browser.find("#explain-body")?;

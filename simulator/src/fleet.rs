@@ -1,14 +1,29 @@
-//! In-process kvoy-sim simulators (crate `kvoy-sim`, through its library API) for `kvoy-stack`
-//! and the end-to-end tests: one tokio runtime (two workers) serves them all; each simulator has
-//! its own engine thread. Dropping the [`SimFleet`] stops them.
+//! Simulators in-process, for programs and tests that embed them (`kvoy-stack`, the end-to-end
+//! tests, kvoy-bench, kvoy-local's tests): one tokio runtime (two workers) serves them all; each
+//! simulator has its own engine thread. Dropping the [`SimFleet`] stops them.
+//!
+//! ```no_run
+//! use kvoy_sim::fleet::SimFleet;
+//! use std::time::Duration;
+//!
+//! let fleet = SimFleet::start(&["127.0.0.1:0".parse()?], &["--model", "m", "--speedup", "10"])?;
+//! fleet.wait_healthy(Duration::from_secs(10))?;
+//! println!("a simulator on http://{}", fleet.addrs()[0]);
+//! // Or, on free ports and healthy:
+//! let three = SimFleet::loopback(3, &["--model", "m", "--speedup", "10"])?;
+//! # anyhow::Ok(())
+//! ```
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
+use bytes::Bytes;
+use http_body_util::Empty;
+use hyper_util::rt::TokioIo;
 
-use kvoy_sim::server::runtime::EngineHandle;
-use kvoy_sim::server::{self, Simulator};
+use crate::server::runtime::EngineHandle;
+use crate::server::{self, Simulator};
 
 /// Several kvoy-sim servers on 127.0.0.1 in this process.
 pub struct SimFleet {
@@ -16,7 +31,18 @@ pub struct SimFleet {
     runtime: Option<tokio::runtime::Runtime>,
 }
 
+/// How long [`SimFleet::loopback`] and [`PublishingSim::start`] wait for `/health`.
+pub const HEALTHY_WITHIN: Duration = Duration::from_secs(10);
+
 impl SimFleet {
+    /// `count` simulators on free ports of 127.0.0.1, configured by `args` as in
+    /// [`SimFleet::start`], each answering `/health` (within [`HEALTHY_WITHIN`]).
+    pub fn loopback(count: usize, args: &[&str]) -> anyhow::Result<SimFleet> {
+        let fleet = SimFleet::start(&vec![SocketAddr::from(([127, 0, 0, 1], 0)); count], args)?;
+        fleet.wait_healthy(HEALTHY_WITHIN)?;
+        Ok(fleet)
+    }
+
     /// Starts one simulator per address of `listen` (port 0 picks a free port), each configured
     /// by the `kvoy-sim` flags `args` (`--model`, `--speedup`, `--profile`, ...; not `--listen`
     /// or `--count`). With `--kv-events-endpoint tcp://ip:P`, simulator `i` publishes its KV
@@ -34,7 +60,7 @@ impl SimFleet {
                  in {args:?}"
             );
         }
-        let options = kvoy_sim::cli::parse(&args)
+        let options = crate::cli::parse(&args)
             .context("kvoy-sim options")?
             .context("kvoy-sim options: --help is not an option here")?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -50,7 +76,7 @@ impl SimFleet {
                 .block_on(tokio::net::TcpListener::bind(want))
                 .with_context(|| format!("kvoy-sim cannot listen on {want}"))?;
             let addr = listener.local_addr()?;
-            let sink = kvoy_sim::events::sink(&options, index, addr)
+            let sink = crate::events::sink(&options, index, addr)
                 .with_context(|| format!("KV events of the simulator on {addr}"))?;
             let engine =
                 EngineHandle::start(options.profile.clone(), options.http.speedup, sink)
@@ -72,20 +98,16 @@ impl SimFleet {
 
     /// Waits (bounded by `timeout`) until every simulator answers `GET /health` with 200.
     pub fn wait_healthy(&self, timeout: Duration) -> anyhow::Result<()> {
+        let runtime = self
+            .runtime
+            .as_ref()
+            .context("the simulators are stopped")?;
         let deadline = Instant::now() + timeout;
         for addr in &self.addrs {
             loop {
-                let last = match crate::http::send(
-                    *addr,
-                    "GET",
-                    "/health",
-                    &[],
-                    b"",
-                    Duration::from_secs(2),
-                ) {
-                    Ok(r) if r.status == 200 => break,
-                    Ok(r) => format!("status {}", r.status),
-                    Err(e) => e.to_string(),
+                let last = match runtime.block_on(health(*addr, Duration::from_secs(2))) {
+                    Ok(()) => break,
+                    Err(e) => e,
                 };
                 if Instant::now() >= deadline {
                     bail!("kvoy-sim on {addr} is not healthy after {timeout:?}: {last}");
@@ -95,6 +117,37 @@ impl SimFleet {
         }
         Ok(())
     }
+}
+
+/// One `GET /health` to `addr`, bounded by `timeout`: Ok on 200, else what went wrong.
+async fn health(addr: SocketAddr, timeout: Duration) -> Result<(), String> {
+    let probe = async {
+        let stream = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(|e| e.to_string())?;
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| e.to_string())?;
+        // Ends when the sender is dropped or the server closes.
+        tokio::spawn(conn);
+        let request = hyper::Request::get("/health")
+            .header(hyper::header::HOST, addr.to_string())
+            .body(Empty::<Bytes>::new())
+            .map_err(|e| e.to_string())?;
+        let status = sender
+            .send_request(request)
+            .await
+            .map_err(|e| e.to_string())?
+            .status();
+        if status == hyper::StatusCode::OK {
+            Ok(())
+        } else {
+            Err(format!("status {}", status.as_u16()))
+        }
+    };
+    tokio::time::timeout(timeout, probe)
+        .await
+        .unwrap_or_else(|_| Err(format!("no answer within {timeout:?}")))
 }
 
 impl Drop for SimFleet {
@@ -135,16 +188,16 @@ pub struct PublishingSim {
 
 impl PublishingSim {
     /// Starts a simulator configured by `flags` (as [`SimFleet::start`]) that publishes its KV
-    /// events, and answers replays too when `replay` is set. A port [`crate::free_port`] picked
+    /// events, and answers replays too when `replay` is set. A port [`free_port`] picked
     /// can be taken by someone else before the simulator binds it (another test's listener on
     /// port 0): then it tries again with new ports, four times at most.
     pub fn start(flags: &[&str], replay: bool) -> anyhow::Result<PublishingSim> {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let kv = format!("tcp://127.0.0.1:{}", crate::free_port()?);
+            let kv = format!("tcp://127.0.0.1:{}", free_port()?);
             let replay = if replay {
-                Some(format!("tcp://127.0.0.1:{}", crate::free_port()?))
+                Some(format!("tcp://127.0.0.1:{}", free_port()?))
             } else {
                 None
             };
@@ -156,12 +209,12 @@ impl PublishingSim {
             let fleet = match SimFleet::start(&["127.0.0.1:0".parse()?], &args) {
                 Ok(fleet) => fleet,
                 Err(e) if attempt < 4 && format!("{e:#}").contains("Address already in use") => {
-                    eprintln!("kvoy-e2e: simulator ports taken, trying others: {e:#}");
+                    eprintln!("kvoy-sim fleet: simulator ports taken, trying others: {e:#}");
                     continue;
                 }
                 Err(e) => return Err(e),
             };
-            fleet.wait_healthy(Duration::from_secs(10))?;
+            fleet.wait_healthy(HEALTHY_WITHIN)?;
             let addr = fleet.addrs()[0];
             return Ok(PublishingSim {
                 fleet: Some(fleet),
@@ -171,4 +224,12 @@ impl PublishingSim {
             });
         }
     }
+}
+
+/// A free TCP port on 127.0.0.1 for a KV-event socket (ZMQ binds it itself, by number): bound
+/// and released, so another process can take it first (see [`PublishingSim::start`]).
+fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
 }

@@ -11,10 +11,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::http::server::{self, read_body, Body, BodyError, Options, Server};
 use bytes::Bytes;
 use hyper::body::Incoming;
 use hyper::header::{HeaderMap, HeaderValue};
-use kvoy_testkit::http::server::{self, read_body, Body, BodyError, Options, Server};
 use serde_json::{json, Value};
 
 mod openai;
@@ -82,6 +82,18 @@ pub struct EchoServer {
 }
 
 impl EchoServer {
+    /// `count` backends on free ports of 127.0.0.1 serving `models`, without delay.
+    pub fn loopback(count: usize, models: &[&str]) -> io::Result<Vec<EchoServer>> {
+        (0..count)
+            .map(|_| {
+                EchoServer::start(EchoConfig::new(
+                    SocketAddr::from(([127, 0, 0, 1], 0)),
+                    models,
+                ))
+            })
+            .collect()
+    }
+
     /// Binds and starts serving in background threads.
     pub fn start(config: EchoConfig) -> io::Result<EchoServer> {
         // The address to name is only known once bound; the handler reads it from here.

@@ -42,26 +42,15 @@ fn chat_reply_names_the_server() {
 #[test]
 fn completions_and_responses_shapes() {
     let s = server();
-    let r = post_json(
-        s.addr(),
-        "/v1/completions",
-        &[],
-        br#"{"model":"m2","prompt":"x"}"#,
-        T,
-    )
-    .unwrap();
-    let v = r.json().unwrap();
+    let reply = |path: &str, body: &[u8]| post_json(s.addr(), path, &[], body, T).unwrap();
+    let v = reply("/v1/completions", br#"{"model":"m2","prompt":"x"}"#)
+        .json()
+        .unwrap();
     assert_eq!(v["object"], "text_completion");
     assert!(v["kvoy_echo"]["destination_header"].is_null());
-    let r = post_json(
-        s.addr(),
-        "/v1/responses",
-        &[],
-        br#"{"model":"m2","input":"x"}"#,
-        T,
-    )
-    .unwrap();
-    let v = r.json().unwrap();
+    let v = reply("/v1/responses", br#"{"model":"m2","input":"x"}"#)
+        .json()
+        .unwrap();
     assert_eq!(v["object"], "response");
     assert_eq!(v["output"][0]["content"][0]["type"], "output_text");
 }
