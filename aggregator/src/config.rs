@@ -21,7 +21,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use thiserror::Error;
 
-use kvoy_shared::config::{EndpointAddresses, EndpointListError};
+use kvoy_shared::config::{out_of_range, EndpointAddresses, EndpointListError, OutOfRange};
 use kvoy_shared::prefix::KeySchedule;
 use kvoy_shared::snapshot::{MAX_MODELS, MAX_MODEL_NAME_BYTES};
 
@@ -148,20 +148,19 @@ fn links(raw: &RawLinks) -> Result<LinkSettings, ConfigError> {
         raw.clock_skew_ms,
         (0, 60_000, "within 0..=60000"),
     )?;
-    // Floats are reported by their integer part: the messages name the field and range.
     if !(raw.bytes_per_token.is_finite() && (0.1..=100.0).contains(&raw.bytes_per_token)) {
-        return Err(ConfigError::OutOfRange {
-            field: "links.bytes_per_token",
-            expected: "within 0.1..=100",
-            value: raw.bytes_per_token.max(0.0) as u64,
-        });
+        return Err(out_of_range(
+            "links.bytes_per_token",
+            "within 0.1..=100",
+            raw.bytes_per_token,
+        ));
     }
     if !(raw.tolerance.is_finite() && (0.0..=1.0).contains(&raw.tolerance)) {
-        return Err(ConfigError::OutOfRange {
-            field: "links.tolerance",
-            expected: "within 0..=1",
-            value: raw.tolerance.max(0.0) as u64,
-        });
+        return Err(out_of_range(
+            "links.tolerance",
+            "within 0..=1",
+            raw.tolerance,
+        ));
     }
     Ok(LinkSettings {
         enabled: raw.enabled,
@@ -368,12 +367,8 @@ pub enum ConfigError {
     Syntax(String),
     #[error("`listen` {0:?} is not an ip:port address")]
     BadListen(String),
-    #[error("`{field}` must be {expected}, got {value}")]
-    OutOfRange {
-        field: &'static str,
-        expected: &'static str,
-        value: u64,
-    },
+    #[error(transparent)]
+    OutOfRange(#[from] OutOfRange),
     #[error(transparent)]
     Endpoints(#[from] EndpointListError),
     #[error("`endpoints[{index}].models` must name 1 to {MAX_MODELS} models of 1 to {MAX_MODEL_NAME_BYTES} bytes")]
@@ -442,11 +437,7 @@ fn in_range(
     if (min..=max).contains(&value) {
         Ok(value)
     } else {
-        Err(ConfigError::OutOfRange {
-            field,
-            expected,
-            value,
-        })
+        Err(out_of_range(field, expected, value))
     }
 }
 

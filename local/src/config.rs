@@ -30,6 +30,8 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+use crate::document::{self, DocumentError};
+
 /// What the file holds, as written.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -88,13 +90,8 @@ pub const MAX_WORKERS: usize = 64;
 /// Why a configuration was refused; each message names the field.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("reading {}: {source}", path.display())]
-    Read {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("{}: {message}", path.display())]
-    Syntax { path: PathBuf, message: String },
+    #[error(transparent)]
+    Document(#[from] DocumentError),
     #[error("`filters`: at least one filter is required")]
     NoFilters,
     #[error("`workers`: {0} is out of range (1-{MAX_WORKERS})")]
@@ -112,32 +109,15 @@ pub enum ConfigError {
 impl Config {
     /// Reads and checks a configuration file; relative paths in it are relative to the file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
+        let text = document::read(path)?;
         let base = path.parent().unwrap_or(Path::new("."));
-        let json = path.extension().is_some_and(|e| e == "json");
-        Config::parse(&text, json, base).map_err(|e| match e {
-            ConfigError::Syntax { message, .. } => ConfigError::Syntax {
-                path: path.to_owned(),
-                message,
-            },
-            other => other,
-        })
+        let raw = document::parse(&text, document::is_json(path), path)?;
+        Config::check(raw, base)
     }
 
     /// Parses configuration text (JSON or YAML); `base` resolves relative paths.
     pub fn parse(text: &str, json: bool, base: &Path) -> Result<Config, ConfigError> {
-        let syntax = |message: String| ConfigError::Syntax {
-            path: PathBuf::from("<configuration>"),
-            message,
-        };
-        let raw: RawConfig = if json {
-            serde_json::from_str(text).map_err(|e| syntax(e.to_string()))?
-        } else {
-            serde_yaml_ng::from_str(text).map_err(|e| syntax(e.to_string()))?
-        };
+        let raw = document::parse(text, json, Path::new("<configuration>"))?;
         Config::check(raw, base)
     }
 

@@ -28,6 +28,7 @@
 pub mod chain;
 pub mod config;
 pub mod decide;
+pub mod document;
 pub mod mirror;
 pub mod report;
 pub mod request;

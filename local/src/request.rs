@@ -17,6 +17,8 @@ use serde::Deserialize;
 
 use kvoy_harness::HeaderMap;
 
+use crate::document::{self, DocumentError};
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawRequest {
@@ -51,13 +53,8 @@ pub struct Request {
 /// Why a request file was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum RequestError {
-    #[error("reading {}: {source}", path.display())]
-    Read {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("{}: {message}", path.display())]
-    Syntax { path: PathBuf, message: String },
+    #[error(transparent)]
+    Document(#[from] DocumentError),
     #[error("{}: request {index}: `body` and `body_text` are exclusive", path.display())]
     TwoBodies { path: PathBuf, index: usize },
     #[error("{}: request {index}: `{field}`: {reason}", path.display())]
@@ -74,24 +71,13 @@ pub enum RequestError {
 impl Request {
     /// Reads a request file (a request or a list).
     pub fn load(path: &Path) -> Result<Vec<Request>, RequestError> {
-        let text = std::fs::read_to_string(path).map_err(|source| RequestError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
+        let text = document::read(path)?;
         Request::parse(&text, path)
     }
 
     /// Parses request text; `path` only names the file in errors.
     pub fn parse(text: &str, path: &Path) -> Result<Vec<Request>, RequestError> {
-        let syntax = |message: String| RequestError::Syntax {
-            path: path.to_owned(),
-            message,
-        };
-        let value: serde_json::Value = if path.extension().is_some_and(|e| e == "json") {
-            serde_json::from_str(text).map_err(|e| syntax(e.to_string()))?
-        } else {
-            serde_yaml_ng::from_str(text).map_err(|e| syntax(e.to_string()))?
-        };
+        let value: serde_json::Value = document::parse(text, document::is_json(path), path)?;
         let values = match value {
             serde_json::Value::Array(v) => v,
             one => vec![one],
@@ -103,8 +89,10 @@ impl Request {
         }
         let mut raws = Vec::with_capacity(values.len());
         for (index, v) in values.into_iter().enumerate() {
-            let raw: RawRequest =
-                serde_json::from_value(v).map_err(|e| syntax(format!("request {index}: {e}")))?;
+            let raw: RawRequest = serde_json::from_value(v).map_err(|e| DocumentError::Syntax {
+                path: path.to_owned(),
+                message: format!("request {index}: {e}"),
+            })?;
             raws.push(raw);
         }
         raws.into_iter()
