@@ -3,7 +3,7 @@
 use std::fmt::Write as _;
 
 use crate::decide::{Outcome, RequestReport};
-use crate::mirror::ScoreTable;
+use crate::mirror::{ScoreRow, ScoreTable};
 
 /// The reports as one JSON document: `{"requests": [...]}`.
 pub fn json(reports: &[RequestReport]) -> String {
@@ -101,29 +101,17 @@ fn scores_text(out: &mut String, t: &ScoreTable) {
         return;
     }
     let width = endpoint_width(t);
+    head_columns(out, width);
     let _ = writeln!(
         out,
-        "    {:width$}  {:>7}  {:>8}  {:>7}  {:>6}  {:>8}  {:>6}  {:>8}  {:>7}  {:>7}",
-        "endpoint",
-        "matched",
-        "inflight",
-        "waiting",
-        "prefix",
-        "inflight",
-        "queue",
-        "kv_cache",
-        "session",
-        "total"
+        "  {:>6}  {:>8}  {:>6}  {:>8}  {:>7}  {:>7}",
+        "prefix", "inflight", "queue", "kv_cache", "session", "total"
     );
     for r in &t.rows {
+        row_columns(out, t, r, width);
         let _ = writeln!(
             out,
-            "  {} {:width$}  {:>7}  {:>8}  {:>7}  {:>6.3}  {:>8.3}  {:>6.3}  {:>8.3}  {:>7.1}  {:>7.3}{}",
-            if r.best { "*" } else { " " },
-            r.endpoint,
-            format!("{}/{}", r.matched_blocks, t.request_blocks),
-            r.inflight,
-            opt(r.waiting),
+            "  {:>6.3}  {:>8.3}  {:>6.3}  {:>8.3}  {:>7.1}  {:>7.3}{}",
             r.prefix,
             r.inflight_score,
             r.queue,
@@ -133,6 +121,27 @@ fn scores_text(out: &mut String, t: &ScoreTable) {
             if r.hot { "  (hot: prefix ignored)" } else { "" },
         );
     }
+}
+
+/// The columns both tables open with: endpoint, matched blocks, in flight, waiting.
+fn head_columns(out: &mut String, width: usize) {
+    let _ = write!(
+        out,
+        "    {:width$}  {:>7}  {:>8}  {:>7}",
+        "endpoint", "matched", "inflight", "waiting"
+    );
+}
+
+fn row_columns(out: &mut String, t: &ScoreTable, r: &ScoreRow, width: usize) {
+    let _ = write!(
+        out,
+        "  {} {:width$}  {:>7}  {:>8}  {:>7}",
+        if r.best { "*" } else { " " },
+        r.endpoint,
+        format!("{}/{}", r.matched_blocks, t.request_blocks),
+        r.inflight,
+        opt(r.waiting),
+    );
 }
 
 /// The endpoint column's width: the longest address, at least the header's.
@@ -172,36 +181,28 @@ fn costs_text(out: &mut String, t: &ScoreTable) {
         return;
     }
     let width = endpoint_width(t);
+    head_columns(out, width);
     let _ = writeln!(
         out,
-        "    {:width$}  {:>7}  {:>8}  {:>7}  {:>8}  {:>8}  {:>7}  {:>10}  {:>9}  {:>7}",
-        "endpoint",
-        "matched",
-        "inflight",
-        "waiting",
-        "uncached",
-        "queued",
-        "running",
-        "prefill ms",
-        "decode ms",
-        "cost ms"
+        "  {:>8}  {:>8}  {:>7}  {:>10}  {:>9}  {:>7}",
+        "uncached", "queued", "running", "prefill ms", "decode ms", "cost ms"
     );
     for r in &t.rows {
+        row_columns(out, t, r, width);
         let _ = writeln!(
             out,
-            "  {} {:width$}  {:>7}  {:>8}  {:>7}  {:>8.0}  {:>8.0}  {:>7}  {:>10.2}  {:>9.2}  {:>7.2}{}",
-            if r.best { "*" } else { " " },
-            r.endpoint,
-            format!("{}/{}", r.matched_blocks, t.request_blocks),
-            r.inflight,
-            opt(r.waiting),
+            "  {:>8.0}  {:>8.0}  {:>7}  {:>10.2}  {:>9.2}  {:>7.2}{}",
             r.uncached_tokens,
             r.queued_tokens,
             r.running,
             r.prefill_s * 1e3,
             r.decode_s * 1e3,
             r.cost_s * 1e3,
-            if r.session > 0.0 { "  (session pin)" } else { "" },
+            if r.session > 0.0 {
+                "  (session pin)"
+            } else {
+                ""
+            },
         );
     }
 }
