@@ -15,13 +15,14 @@
 //! ```
 
 use std::net::SocketAddr;
+use std::ops::RangeInclusive;
 use std::path::Path;
 use std::time::Duration;
 
 use serde::Deserialize;
 use thiserror::Error;
 
-use kvoy_shared::config::{out_of_range, EndpointAddresses, EndpointListError, OutOfRange};
+use kvoy_shared::config::{out_of_range, within, EndpointAddresses, EndpointListError, OutOfRange};
 use kvoy_shared::prefix::KeySchedule;
 use kvoy_shared::snapshot::{MAX_MODELS, MAX_MODEL_NAME_BYTES};
 
@@ -108,46 +109,18 @@ impl Default for RawLinks {
 }
 
 fn links(raw: &RawLinks) -> Result<LinkSettings, ConfigError> {
-    let block_size = count_in(
-        "links.block_size",
-        raw.block_size,
-        (1, 65_536, "within 1..=65536"),
-    )?;
-    let max_keys = count_in(
-        "links.max_blocks",
-        raw.max_blocks,
-        (1, 65_536, "within 1..=65536"),
-    )?;
-    let dense = count_in(
-        "links.dense_blocks",
-        raw.dense_blocks,
-        (0, 65_536, "within 0..=65536"),
-    )?;
+    let block_size = count_in("links.block_size", raw.block_size, 1..=65_536)?;
+    let max_keys = count_in("links.max_blocks", raw.max_blocks, 1..=65_536)?;
+    let dense = count_in("links.dense_blocks", raw.dense_blocks, 0..=65_536)?;
     let group = count_in(
         "links.blocks_per_doubling",
         raw.blocks_per_doubling,
-        (1, 65_536, "within 1..=65536"),
+        1..=65_536,
     )?;
-    let window_ms = count_in(
-        "links.window_ms",
-        raw.window_ms,
-        (100, 600_000, "within 100..=600000"),
-    )?;
-    let relay_lag_ms = count_in(
-        "links.relay_lag_ms",
-        raw.relay_lag_ms,
-        (0, 60_000, "within 0..=60000"),
-    )?;
-    let slack_tokens = count_in(
-        "links.slack_tokens",
-        raw.slack_tokens,
-        (0, 65_536, "within 0..=65536"),
-    )?;
-    let clock_skew_ms = count_in(
-        "links.clock_skew_ms",
-        raw.clock_skew_ms,
-        (0, 60_000, "within 0..=60000"),
-    )?;
+    let window_ms = count_in("links.window_ms", raw.window_ms, 100..=600_000)?;
+    let relay_lag_ms = count_in("links.relay_lag_ms", raw.relay_lag_ms, 0..=60_000)?;
+    let slack_tokens = count_in("links.slack_tokens", raw.slack_tokens, 0..=65_536)?;
+    let clock_skew_ms = count_in("links.clock_skew_ms", raw.clock_skew_ms, 0..=60_000)?;
     if !(raw.bytes_per_token.is_finite() && (0.1..=100.0).contains(&raw.bytes_per_token)) {
         return Err(out_of_range(
             "links.bytes_per_token",
@@ -428,35 +401,23 @@ impl AggregatorConfig {
     }
 }
 
-/// `value` if it is within `min..=max`; `expected` says that range in words, for the message.
-fn in_range(
-    field: &'static str,
-    value: u64,
-    (min, max, expected): (u64, u64, &'static str),
-) -> Result<u64, ConfigError> {
-    if (min..=max).contains(&value) {
-        Ok(value)
-    } else {
-        Err(out_of_range(field, expected, value))
-    }
-}
-
-/// [`in_range`], a number of milliseconds.
+/// [`within`], a number of milliseconds.
 pub(crate) fn ms_in(
     field: &'static str,
     value: u64,
-    range: (u64, u64, &'static str),
+    range: RangeInclusive<u64>,
 ) -> Result<Duration, ConfigError> {
-    in_range(field, value, range).map(Duration::from_millis)
+    Ok(Duration::from_millis(within(field, range, value)?))
 }
 
-/// [`in_range`], a count.
+/// [`within`], a count.
 fn count_in(
     field: &'static str,
     value: u64,
-    range: (u64, u64, &'static str),
+    range: RangeInclusive<u64>,
 ) -> Result<usize, ConfigError> {
-    in_range(field, value, range).map(|v| usize::try_from(v).unwrap_or(usize::MAX))
+    let v = within(field, range, value)?;
+    Ok(usize::try_from(v).unwrap_or(usize::MAX))
 }
 
 fn zmq_endpoint(index: usize, field: &'static str, value: String) -> Result<String, ConfigError> {
@@ -536,30 +497,14 @@ impl TryFrom<RawConfig> for AggregatorConfig {
             .listen
             .map(|l| l.trim().parse().map_err(|_| ConfigError::BadListen(l)))
             .transpose()?;
-        let scrape_interval = ms_in(
-            "scrape_interval_ms",
-            raw.scrape_interval_ms,
-            (10, 60_000, "within 10..=60000"),
-        )?;
-        let scrape_timeout = ms_in(
-            "scrape_timeout_ms",
-            raw.scrape_timeout_ms,
-            (10, 60_000, "within 10..=60000"),
-        )?;
-        let stale_after = ms_in(
-            "stale_after_ms",
-            raw.stale_after_ms,
-            (10, 600_000, "within 10..=600000"),
-        )?;
-        let reload_interval = ms_in(
-            "reload_interval_ms",
-            raw.reload_interval_ms,
-            (100, 600_000, "within 100..=600000"),
-        )?;
-        in_range(
+        let scrape_interval = ms_in("scrape_interval_ms", raw.scrape_interval_ms, 10..=60_000)?;
+        let scrape_timeout = ms_in("scrape_timeout_ms", raw.scrape_timeout_ms, 10..=60_000)?;
+        let stale_after = ms_in("stale_after_ms", raw.stale_after_ms, 10..=600_000)?;
+        let reload_interval = ms_in("reload_interval_ms", raw.reload_interval_ms, 100..=600_000)?;
+        within(
             "unready_after_failures",
+            1..=1000,
             u64::from(raw.unready_after_failures),
-            (1, 1000, "within 1..=1000"),
         )?;
         if raw.kubernetes.is_some() && !raw.endpoints.is_empty() {
             return Err(ConfigError::KubernetesWithEndpoints);
@@ -598,42 +543,42 @@ fn limits(raw: &RawLimits) -> Result<Limits, ConfigError> {
         kv_events_max_message_bytes: count_in(
             "limits.kv_events_max_message_bytes",
             raw.kv_events_max_message_bytes,
-            (4096, 1 << 30, "within 4096..=1073741824"),
+            4096..=1 << 30,
         )?,
         replay_max_batches: count_in(
             "limits.replay_max_batches",
             raw.replay_max_batches,
-            (1, 1_000_000, "within 1..=1000000"),
+            1..=1_000_000,
         )?,
         replay_max_bytes: count_in(
             "limits.replay_max_bytes",
             raw.replay_max_bytes,
-            (4096, 1 << 32, "within 4096..=4294967296"),
+            4096..=1 << 32,
         )?,
         replay_timeout: ms_in(
             "limits.replay_timeout_ms",
             raw.replay_timeout_ms,
-            (10, 60_000, "within 10..=60000"),
+            10..=60_000,
         )?,
         blocks_per_capacity_block: count_in(
             "limits.blocks_per_capacity_block",
             raw.blocks_per_capacity_block,
-            (1, 1024, "within 1..=1024"),
+            1..=1024,
         )?,
         blocks_without_capacity: count_in(
             "limits.blocks_without_capacity",
             raw.blocks_without_capacity,
-            (1, 1 << 32, "within 1..=4294967296"),
+            1..=1 << 32,
         )?,
         http_max_connections: count_in(
             "limits.http_max_connections",
             raw.http_max_connections,
-            (1, 1_000_000, "within 1..=1000000"),
+            1..=1_000_000,
         )?,
         http_header_read_timeout: ms_in(
             "limits.http_header_read_timeout_ms",
             raw.http_header_read_timeout_ms,
-            (10, 600_000, "within 10..=600000"),
+            10..=600_000,
         )?,
     })
 }

@@ -3,8 +3,11 @@
 //! configured endpoint list's addresses (the filters' static pool and the aggregator's
 //! endpoints).
 
+use std::borrow::Cow;
 use std::collections::HashSet;
+use std::fmt::Display;
 use std::net::SocketAddr;
+use std::ops::RangeInclusive;
 
 use thiserror::Error;
 
@@ -15,7 +18,7 @@ use crate::MAX_ENDPOINTS;
 #[error("`{field}` must be {expected}, got {value}")]
 pub struct OutOfRange {
     pub field: &'static str,
-    pub expected: &'static str,
+    pub expected: Cow<'static, str>,
     pub value: String,
 }
 
@@ -27,7 +30,24 @@ pub fn out_of_range<E: From<OutOfRange>>(
 ) -> E {
     E::from(OutOfRange {
         field,
-        expected,
+        expected: Cow::Borrowed(expected),
+        value: value.to_string(),
+    })
+}
+
+/// `value` if `range` holds it; else the error naming `field`, the range (`within lo..=hi`, so
+/// the message cannot drift from the check) and `value`. A NaN is never within.
+pub fn within<T: PartialOrd + Display>(
+    field: &'static str,
+    range: RangeInclusive<T>,
+    value: T,
+) -> Result<T, OutOfRange> {
+    if range.contains(&value) {
+        return Ok(value);
+    }
+    Err(OutOfRange {
+        field,
+        expected: Cow::Owned(format!("within {}..={}", range.start(), range.end())),
         value: value.to_string(),
     })
 }
@@ -89,6 +109,18 @@ mod tests {
     fn names_the_field_the_range_and_the_value() {
         let e: OutOfRange = out_of_range("tick_ms", "between 1 and 1000", 0);
         assert_eq!(e.to_string(), "`tick_ms` must be between 1 and 1000, got 0");
+    }
+
+    #[test]
+    fn within_says_the_range_it_checked() {
+        assert_eq!(within("ttl_ms", 1_000..=86_400_000, 1_000), Ok(1_000));
+        let e = within("ttl_ms", 1_000..=86_400_000, 999).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "`ttl_ms` must be within 1000..=86400000, got 999"
+        );
+        let e = within("kv_high", 0.0..=1.0, f64::NAN).unwrap_err();
+        assert_eq!(e.to_string(), "`kv_high` must be within 0..=1, got NaN");
     }
 
     #[test]

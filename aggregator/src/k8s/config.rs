@@ -261,7 +261,7 @@ impl TryFrom<RawKubernetes> for KubernetesConfig {
         let request_timeout = ms_in(
             "kubernetes.request_timeout_ms",
             raw.request_timeout_ms,
-            (100, 600_000, "within 100..=600000"),
+            100..=600_000,
         )?;
         Ok(KubernetesConfig {
             inference_pool,

@@ -19,7 +19,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 use thiserror::Error;
 
-use crate::config::{out_of_range, OutOfRange};
+use crate::config::{out_of_range, within, OutOfRange};
 
 /// How a band shares its releases among flows (fairness ids).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
@@ -256,13 +256,7 @@ impl TryFrom<RawAdmissionConfig> for AdmissionConfig {
             }
         }
         let s = raw.saturation;
-        if !(1..=1_000_000).contains(&s.queue_depth) {
-            return Err(out_of_range(
-                "saturation.queue_depth",
-                "within 1..=1000000",
-                s.queue_depth,
-            ));
-        }
+        within("saturation.queue_depth", 1..=1_000_000, s.queue_depth)?;
         if !(s.kv_cache_usage > 0.0 && s.kv_cache_usage <= 1.0) {
             return Err(out_of_range(
                 "saturation.kv_cache_usage",
@@ -284,20 +278,12 @@ impl TryFrom<RawAdmissionConfig> for AdmissionConfig {
                 0,
             ));
         }
-        if !(1..=86_400_000).contains(&raw.queue_ttl_ms) {
-            return Err(out_of_range(
-                "queue_ttl_ms",
-                "within 1..=86400000",
-                raw.queue_ttl_ms,
-            ));
-        }
+        within("queue_ttl_ms", 1..=86_400_000, raw.queue_ttl_ms)?;
         for (field, value) in [
             ("band_max_requests", raw.band_max_requests),
             ("max_requests", raw.max_requests),
         ] {
-            if !(1..=MAX_QUEUED).contains(&value) {
-                return Err(out_of_range(field, "within 1..=1000000", value));
-            }
+            within(field, 1..=MAX_QUEUED, value)?;
         }
         if raw.band_max_bytes == 0 {
             return Err(out_of_range("band_max_bytes", "at least 1", 0));

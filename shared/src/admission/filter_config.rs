@@ -14,8 +14,10 @@ use serde_json::value::RawValue;
 
 use super::{AdmissionConfig, AdmissionConfigError};
 use crate::allow::{Allowlist, RawAllowlist};
+use crate::config::within;
 use crate::prefix_affinity::config::AggregatorSettings;
 use crate::snapshot::{EndpointStatus, Snapshot};
+use crate::MAX_ENDPOINTS;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -54,18 +56,8 @@ impl AdmissionFilterConfig {
     pub fn from_json(bytes: &[u8]) -> Result<Self, AdmissionConfigError> {
         let raw: RawFilterConfig<'_> =
             serde_json::from_slice(bytes).map_err(|e| AdmissionConfigError::Json(e.to_string()))?;
-        if !(1..=4096).contains(&raw.endpoints) {
-            return Err(AdmissionConfigError::Json(format!(
-                "`endpoints` must be within 1..=4096, got {}",
-                raw.endpoints
-            )));
-        }
-        if !(1..=10_000).contains(&raw.tick_ms) {
-            return Err(AdmissionConfigError::Json(format!(
-                "`tick_ms` must be within 1..=10000, got {}",
-                raw.tick_ms
-            )));
-        }
+        within("endpoints", 1..=MAX_ENDPOINTS as u32, raw.endpoints)?;
+        within("tick_ms", 1..=10_000, raw.tick_ms)?;
         let flow = match raw.flow {
             Some(f) => AdmissionConfig::from_json(f.get().as_bytes())
                 .map_err(|e| AdmissionConfigError::Json(format!("`flow`: {e}")))?,

@@ -12,7 +12,7 @@ use std::net::SocketAddr;
 use serde::Deserialize;
 use thiserror::Error;
 
-use crate::config::{out_of_range, EndpointAddresses, EndpointListError, OutOfRange};
+use crate::config::{out_of_range, within, EndpointAddresses, EndpointListError, OutOfRange};
 
 use crate::allow::{Allowlist, AllowlistError, RawAllowlist, Refusal};
 use crate::endpoint::{Endpoint, EndpointLoad, Pool};
@@ -159,9 +159,7 @@ impl TryFrom<RawCost> for CostParams {
                 raw.pressure_time_constant_s,
             ));
         }
-        if !(0.0..=1.0).contains(&raw.kv_high) {
-            return Err(out_of_range("cost.kv_high", "within 0..=1", raw.kv_high));
-        }
+        within("cost.kv_high", 0.0..=1.0, raw.kv_high)?;
         if !(raw.kv_full_s.is_finite() && raw.kv_full_s >= 0.0) {
             return Err(out_of_range(
                 "cost.kv_full_s",
@@ -183,9 +181,7 @@ impl TryFrom<RawCost> for CostParams {
             ));
         }
         let RawTierCredit { cpu, storage } = raw.tier_credit;
-        if !(0.0..=1.0).contains(&cpu) {
-            return Err(out_of_range("cost.tier_credit.cpu", "within 0..=1", cpu));
-        }
+        within("cost.tier_credit.cpu", 0.0..=1.0, cpu)?;
         if !(0.0..=cpu).contains(&storage) {
             return Err(out_of_range(
                 "cost.tier_credit.storage",
@@ -564,26 +560,18 @@ impl TryFrom<RawConfig> for PluginConfig {
             None if raw.aggregator.is_some() => return Err(ConfigError::AllowlistRequired),
             None => Allowlist::any(),
         };
-        if !(1..=MAX_ENDPOINTS).contains(&raw.max_endpoints) {
-            return Err(out_of_range(
-                "max_endpoints",
-                "within 1..=4096",
-                raw.max_endpoints,
-            ));
-        }
+        within("max_endpoints", 1..=MAX_ENDPOINTS, raw.max_endpoints)?;
         if raw.endpoints.len() > raw.max_endpoints {
             return Err(ConfigError::OverMaxEndpoints {
                 count: raw.endpoints.len(),
                 max: raw.max_endpoints,
             });
         }
-        if !(16..=1_048_576).contains(&raw.max_prompt_segments) {
-            return Err(out_of_range(
-                "max_prompt_segments",
-                "within 16..=1048576",
-                raw.max_prompt_segments,
-            ));
-        }
+        within(
+            "max_prompt_segments",
+            16..=1_048_576,
+            raw.max_prompt_segments,
+        )?;
         let configured = raw.endpoints.len();
         let mut refused_endpoints = Vec::new();
         let mut endpoints = Vec::with_capacity(raw.endpoints.len());
@@ -649,40 +637,20 @@ impl TryFrom<RawConfig> for PluginConfig {
                 raw.hotspot.rel,
             ));
         }
-        if !(1..=65_536).contains(&raw.block_size) {
-            return Err(out_of_range(
-                "block_size",
-                "within 1..=65536",
-                raw.block_size,
-            ));
-        }
-        if !(1..=65_536).contains(&raw.max_blocks) {
-            return Err(out_of_range(
-                "max_blocks",
-                "within 1..=65536",
-                raw.max_blocks,
-            ));
-        }
+        within("block_size", 1..=65_536, raw.block_size)?;
+        within("max_blocks", 1..=65_536, raw.max_blocks)?;
         if raw.blocks_per_doubling == 0 {
             return Err(out_of_range("blocks_per_doubling", "at least 1", 0));
         }
-        if !(1..=16_000_000).contains(&raw.lru_blocks_per_endpoint) {
-            return Err(out_of_range(
-                "lru_blocks_per_endpoint",
-                "within 1..=16000000",
-                raw.lru_blocks_per_endpoint,
-            ));
-        }
+        within(
+            "lru_blocks_per_endpoint",
+            1..=16_000_000,
+            raw.lru_blocks_per_endpoint,
+        )?;
         if raw.max_body_bytes == 0 {
             return Err(out_of_range("max_body_bytes", "> 0", raw.max_body_bytes));
         }
-        if !(1..=1_000_000).contains(&raw.decision_log_slots) {
-            return Err(out_of_range(
-                "decision_log_slots",
-                "within 1..=1000000",
-                raw.decision_log_slots,
-            ));
-        }
+        within("decision_log_slots", 1..=1_000_000, raw.decision_log_slots)?;
         if configured > 0 && endpoints.is_empty() && raw.aggregator.is_none() {
             let first = refused_endpoints
                 .first()
@@ -739,13 +707,11 @@ pub(crate) fn check_aggregator(a: &AggregatorSettings) -> Result<(), ConfigError
             &a.path,
         ));
     }
-    if !(1024..=(64 << 20)).contains(&a.max_snapshot_bytes) {
-        return Err(out_of_range(
-            "aggregator.max_snapshot_bytes",
-            "within 1024..=67108864",
-            a.max_snapshot_bytes,
-        ));
-    }
+    within(
+        "aggregator.max_snapshot_bytes",
+        1024..=(64 << 20),
+        a.max_snapshot_bytes,
+    )?;
     if let Some(t) = &a.token {
         let t = t.as_str();
         if !(16..=4096).contains(&t.len()) || !t.bytes().all(|b| b.is_ascii_graphic()) {
@@ -757,32 +723,25 @@ pub(crate) fn check_aggregator(a: &AggregatorSettings) -> Result<(), ConfigError
             ));
         }
     }
-    // Each bound sits beside the text that names it.
-    for (field, value, (min, max, expected)) in [
+    for (field, value, range) in [
         (
             "aggregator.poll_interval_ms",
             a.poll_interval_ms,
-            (10, 60_000, "within 10..=60000"),
+            10..=60_000,
         ),
-        (
-            "aggregator.timeout_ms",
-            a.timeout_ms,
-            (10, 60_000, "within 10..=60000"),
-        ),
+        ("aggregator.timeout_ms", a.timeout_ms, 10..=60_000),
         (
             "aggregator.load_max_age_ms",
             a.load_max_age_ms,
-            (10, 3_600_000, "within 10..=3600000"),
+            10..=3_600_000,
         ),
         (
             "aggregator.snapshot_max_age_ms",
             a.snapshot_max_age_ms,
-            (10, 86_400_000, "within 10..=86400000"),
+            10..=86_400_000,
         ),
     ] {
-        if !(min..=max).contains(&value) {
-            return Err(out_of_range(field, expected, value));
-        }
+        within(field, range, value)?;
     }
     Ok(())
 }

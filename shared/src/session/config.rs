@@ -9,7 +9,7 @@
 use serde::Deserialize;
 use thiserror::Error;
 
-use crate::config::{out_of_range, OutOfRange};
+use crate::config::{out_of_range, within, OutOfRange};
 
 /// Where a session key comes from, in the order of [`SessionConfig::key_sources`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Deserialize)]
@@ -173,16 +173,8 @@ impl SessionConfig {
                 return Err(out_of_range("cookie", "a cookie name", c));
             }
         }
-        if !(1_000..=86_400_000).contains(&raw.ttl_ms) {
-            return Err(out_of_range("ttl_ms", "within 1000..=86400000", raw.ttl_ms));
-        }
-        if !(BINDINGS_MIN..=4_194_304).contains(&raw.max_bindings) {
-            return Err(out_of_range(
-                "max_bindings",
-                "within 8..=4194304",
-                raw.max_bindings,
-            ));
-        }
+        within("ttl_ms", 1_000..=86_400_000, raw.ttl_ms)?;
+        within("max_bindings", BINDINGS_MIN..=4_194_304, raw.max_bindings)?;
         if raw.max_body_bytes == 0 {
             return Err(out_of_range("max_body_bytes", "> 0", 0));
         }
