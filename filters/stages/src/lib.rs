@@ -9,6 +9,8 @@
 //!   or sheds it (429 / 503);
 //! - [`prefix_affinity`]: routes a request to the endpoint most likely to hold its prompt
 //!   prefix (sets `x-gateway-destination-endpoint`).
+//! - [`root`]: the root context a separate filter runs its stage under (configure, tick, answer
+//!   the stage's HTTP calls, start a stream per request).
 //!
 //! Each stage has a per-VM state (`*Vm`, configured from the stage's JSON) and a per-request
 //! state (`*Stage`). The separate filters (`kvoy_session`, `kvoy_admission`,
