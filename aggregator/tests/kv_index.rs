@@ -1,7 +1,8 @@
 //! The KV block index against (a) a plain reference model on random event sequences and (b) the
 //! simulator's engine: after every step, the index built from the engine's published events
 //! (through the msgpack wire forms) holds exactly the engine's cached blocks, under the keys
-//! computed independently from the request tokens.
+//! computed independently from the request tokens (the engine's hashes by the engine's own
+//! `block_hash`, whose bytes the engine's tests pin).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::{HashMap, HashSet};
@@ -9,7 +10,7 @@ use std::time::Duration;
 
 use kvoy_aggregator::kv_index::{block_key, hash_key, root_key, ApplyStats, EndpointCache, Tier};
 use kvoy_kvevents::{decode_batch, encode_batch, BlockHash, EventBatch, KvEvent, Medium, WireForm};
-use kvoy_sim::engine::{Engine, EngineRequest, OutputKind, Profile};
+use kvoy_sim::engine::{block_hash, Engine, EngineRequest, OutputKind, Profile};
 use proptest::prelude::*;
 
 // ---------------------------------------------------------------------------------------------
@@ -334,23 +335,6 @@ impl Rng {
     }
 }
 
-/// The simulator's block hash (`engine/kv_cache.rs`), written again from its documentation:
-/// `h_0 = xxh3(0x00 ‖ tokens_0)`, `h_i = xxh3(0x01 ‖ le64(h_{i-1}) ‖ tokens_i)`.
-fn sim_hash(parent: Option<u64>, tokens: &[u32]) -> u64 {
-    let mut bytes = Vec::new();
-    match parent {
-        None => bytes.push(0),
-        Some(p) => {
-            bytes.push(1);
-            bytes.extend_from_slice(&p.to_le_bytes());
-        }
-    }
-    for t in tokens {
-        bytes.extend_from_slice(&t.to_le_bytes());
-    }
-    xxhash_rust::xxh3::xxh3_64(&bytes)
-}
-
 /// One request's tokens and the (engine hash, key) chain of its full blocks so far.
 struct Tracked {
     tokens: Vec<u32>,
@@ -367,6 +351,7 @@ struct Expected {
 impl Expected {
     fn extend(&mut self, id: u64, new_tokens: &[u32]) {
         let bs = self.block_size;
+        let mut scratch = Vec::new();
         let r = self.requests.entry(id).or_insert(Tracked {
             tokens: Vec::new(),
             chain: Vec::new(),
@@ -375,10 +360,9 @@ impl Expected {
         while r.tokens.len() >= (r.chain.len() + 1) * bs {
             let i = r.chain.len();
             let span = &r.tokens[i * bs..(i + 1) * bs];
-            let (engine, key) = match r.chain.last() {
-                None => (sim_hash(None, span), block_key(root_key(None), span)),
-                Some(&(ph, pk)) => (sim_hash(Some(ph), span), block_key(pk, span)),
-            };
+            let parent = r.chain.last();
+            let engine = block_hash(&mut scratch, parent.map(|&(h, _)| h), span);
+            let key = block_key(parent.map_or(root_key(None), |&(_, k)| k), span);
             if let Some(old) = self.keys.insert(engine, key) {
                 assert_eq!(old, key, "one engine hash, two contents");
             }

@@ -591,15 +591,10 @@ mod tests {
 
     #[test]
     fn removals_round_trip_in_format_2_and_every_truncation_fails_cleanly() {
-        let batch = DecisionBatch {
-            proxy: 0,
-            cursor: 4,
-            decisions: vec![decision(8000, &[1])],
-            removals: Some(Removals {
-                cursor: 17,
-                removals: vec![removal(8001, &[2, 3], None), removal(8000, &[9], None)],
-            }),
-        };
+        let batch = with_removals(vec![
+            removal(8001, &[2, 3], None),
+            removal(8000, &[9], None),
+        ]);
         let bytes = encoded(&batch);
         assert_eq!(bytes[4], 2);
         assert_eq!(
@@ -619,6 +614,20 @@ mod tests {
         );
     }
 
+    /// A batch of one decision (port 8000, key 1) from proxy 0 at cursor 4, and `removals` at
+    /// cursor 17.
+    fn with_removals(removals: Vec<RelayedRemoval>) -> DecisionBatch {
+        DecisionBatch {
+            proxy: 0,
+            cursor: 4,
+            decisions: vec![decision(8000, &[1])],
+            removals: Some(Removals {
+                cursor: 17,
+                removals,
+            }),
+        }
+    }
+
     fn removal(port: u16, keys: &[u64], offloaded_to: Option<Tier>) -> RelayedRemoval {
         let d = decision(port, keys);
         RelayedRemoval {
@@ -630,19 +639,11 @@ mod tests {
 
     #[test]
     fn offloads_round_trip_in_format_3_and_every_truncation_fails_cleanly() {
-        let batch = DecisionBatch {
-            proxy: 0,
-            cursor: 4,
-            decisions: vec![decision(8000, &[1])],
-            removals: Some(Removals {
-                cursor: 17,
-                removals: vec![
-                    removal(8001, &[2, 3], Some(Tier::Cpu)),
-                    removal(8000, &[9], None),
-                    removal(8002, &[4], Some(Tier::Storage)),
-                ],
-            }),
-        };
+        let batch = with_removals(vec![
+            removal(8001, &[2, 3], Some(Tier::Cpu)),
+            removal(8000, &[9], None),
+            removal(8002, &[4], Some(Tier::Storage)),
+        ]);
         let bytes = encoded(&batch);
         assert_eq!(bytes[4], 3);
         // Format 2's bytes, then one fate byte per record.

@@ -367,35 +367,21 @@ mod tests {
 
         let s = settings();
         assert_eq!(choose(None, false, 5_000, &s, false), PoolChoice::Static);
-        assert_eq!(
-            choose(Some(meta), true, 6_000, &s, false),
-            PoolChoice::Live { with_loads: true }
-        );
-        assert_eq!(
-            choose(Some(meta), true, 5_000 + s.load_max_age_ms + 1, &s, false),
-            PoolChoice::Live { with_loads: false }
-        );
-        assert_eq!(
-            choose(
-                Some(meta),
-                true,
-                5_000 + s.snapshot_max_age_ms + 1,
-                &s,
-                false
-            ),
-            PoolChoice::Static
-        );
-        assert_eq!(
-            choose(
-                Some(meta),
-                true,
-                5_000 + s.snapshot_max_age_ms + 1,
-                &s,
-                true
-            ),
-            PoolChoice::Live { with_loads: false },
-            "no static pool: keep the last snapshot"
-        );
+        let loads_stale = 5_000 + s.load_max_age_ms + 1;
+        let snapshot_stale = 5_000 + s.snapshot_max_age_ms + 1;
+        // (now, static pool empty, choice); with no static pool the last snapshot is kept
+        for (now_ms, static_pool_empty, want) in [
+            (6_000, false, PoolChoice::Live { with_loads: true }),
+            (loads_stale, false, PoolChoice::Live { with_loads: false }),
+            (snapshot_stale, false, PoolChoice::Static),
+            (snapshot_stale, true, PoolChoice::Live { with_loads: false }),
+        ] {
+            assert_eq!(
+                choose(Some(meta), true, now_ms, &s, static_pool_empty),
+                want,
+                "at {now_ms} ms, static pool empty: {static_pool_empty}"
+            );
+        }
     }
 
     #[test]

@@ -6,11 +6,14 @@
 mod common;
 
 use std::net::SocketAddr;
+use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
 
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::MutexGuard;
 
-use common::{assert_unknown_model, request, request_on, start};
+use common::{assert_unknown_model, request, request_on, start, Reply};
+use kvoy_kvevents::{decode_batch, KvEvent as Wire, Subscriber, ZmqContext};
 use kvoy_sim::engine::tokenizer::tokenize_bytes;
 use kvoy_sim::engine::{Engine, EngineRequest, OutputKind, Profile};
 use kvoy_sim::server::runtime::EngineHandle;
@@ -21,11 +24,36 @@ use kvoy_testkit::http::{aio, Request};
 /// The tests measure real time on a 2-core machine: one at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// Waits for the other tests to finish, then starts a simulator; the test holds the guard to
+/// its end.
+async fn start_serial(profile: Profile, speedup: f64) -> (MutexGuard<'static, ()>, SocketAddr) {
+    let serial = SERIAL.lock().await;
+    let (addr, _) = start(profile, speedup).await;
+    (serial, addr)
+}
+
 fn chat(system: &str, user: &str, max_tokens: u32, stream: bool) -> String {
     serde_json::json!({"model": "m", "max_tokens": max_tokens, "stream": stream,
         "stream_options": {"include_usage": true},
         "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]})
     .to_string()
+}
+
+/// Sends [`chat`] to `/v1/chat/completions`.
+async fn chat_request(
+    addr: SocketAddr,
+    system: &str,
+    user: &str,
+    max_tokens: u32,
+    stream: bool,
+) -> Reply {
+    request(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        &chat(system, user, max_tokens, stream),
+    )
+    .await
 }
 
 fn usage(body: &str) -> serde_json::Value {
@@ -35,21 +63,14 @@ fn usage(body: &str) -> serde_json::Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn openai_api_shapes() {
-    let _serial = SERIAL.lock().await;
-    let (addr, _) = start(Profile::llama_8b_h100(), 50.0).await;
+    let (_serial, addr) = start_serial(Profile::llama_8b_h100(), 50.0).await;
     let r = request(addr, "GET", "/health", "").await;
     assert_eq!(r.status, 200);
     let r = request(addr, "GET", "/v1/models", "").await;
     assert!(r.body.contains("\"id\":\"m\""), "{}", r.body);
 
     let system = "A long shared system prompt. ".repeat(200);
-    let r = request(
-        addr,
-        "POST",
-        "/v1/chat/completions",
-        &chat(&system, "q1", 5, false),
-    )
-    .await;
+    let r = chat_request(addr, &system, "q1", 5, false).await;
     assert_eq!(r.status, 200, "{}", r.body);
     assert!(r.head.contains(&format!("x-served-by: {addr}")));
     let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
@@ -57,25 +78,13 @@ async fn openai_api_shapes() {
     let u = usage(&r.body);
     assert_eq!(u["completion_tokens"], 5);
     assert_eq!(u["prompt_tokens_details"]["cached_tokens"], 0);
-    let r = request(
-        addr,
-        "POST",
-        "/v1/chat/completions",
-        &chat(&system, "q2", 5, false),
-    )
-    .await;
+    let r = chat_request(addr, &system, "q2", 5, false).await;
     let cached = usage(&r.body)["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
         .unwrap();
     assert!(cached >= 1400, "warm prefix: {cached} cached tokens");
 
-    let r = request(
-        addr,
-        "POST",
-        "/v1/chat/completions",
-        &chat(&system, "q3", 4, true),
-    )
-    .await;
+    let r = chat_request(addr, &system, "q3", 4, true).await;
     assert_eq!(r.status, 200);
     assert!(r.head.contains("text/event-stream"));
     assert_eq!(
@@ -109,13 +118,7 @@ async fn openai_api_shapes() {
     // the admin reset drops the cache: the same prompt is cold again
     let r = request(addr, "POST", "/reset_prefix_cache", "").await;
     assert_eq!(r.status, 200);
-    let r = request(
-        addr,
-        "POST",
-        "/v1/chat/completions",
-        &chat(&system, "q2", 5, false),
-    )
-    .await;
+    let r = chat_request(addr, &system, "q2", 5, false).await;
     assert_eq!(usage(&r.body)["prompt_tokens_details"]["cached_tokens"], 0);
 }
 
@@ -185,7 +188,7 @@ async fn server_ttft(addr: SocketAddr, body: &str, speedup: f64) -> Duration {
 /// `tolerance`.
 async fn calibration(speedup: f64, tolerance: f64, server_overhead: Duration) {
     let profile = Profile::llama_8b_h100();
-    let (addr, _) = start(profile.clone(), speedup).await;
+    let (_serial, addr) = start_serial(profile.clone(), speedup).await;
     let mut cold = Vec::new();
     let mut warm = Vec::new();
     let mut itl = Vec::new();
@@ -206,13 +209,7 @@ async fn calibration(speedup: f64, tolerance: f64, server_overhead: Duration) {
         expected.get_or_insert_with(|| model_ttft(&profile, &prompt));
         cold.push(server_ttft(addr, &body, speedup).await);
         warm.push(server_ttft(addr, &body, speedup).await);
-        let r = request(
-            addr,
-            "POST",
-            "/v1/chat/completions",
-            &chat(&format!("decode {round}"), "x", 40, true),
-        )
-        .await;
+        let r = chat_request(addr, &format!("decode {round}"), "x", 40, true).await;
         let tokens = &r.events[..40];
         itl.push((tokens[39] - tokens[0]).mul_f64(speedup) / 39);
     }
@@ -247,18 +244,21 @@ async fn calibration(speedup: f64, tolerance: f64, server_overhead: Duration) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calibration_at_speedup_1() {
-    let _serial = SERIAL.lock().await;
     calibration(1.0, 0.20, Duration::from_millis(1)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calibration_at_speedup_20() {
+    calibration(20.0, 0.25, Duration::from_micros(500)).await;
 }
 
 /// 200 concurrent streams: the makespan in simulated time matches the engine's virtual-time
 /// run of the same workload within 10%.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_hundred_concurrent_streams_keep_time() {
-    let _serial = SERIAL.lock().await;
     let speedup = 1.0;
     let profile = Profile::llama_8b_h100();
-    let (addr, _) = start(profile.clone(), speedup).await;
+    let (_serial, addr) = start_serial(profile.clone(), speedup).await;
     let bodies: Vec<String> = (0..200)
         .map(|i| {
             chat(
@@ -331,18 +331,8 @@ async fn two_hundred_concurrent_streams_keep_time() {
 /// admin reset as `AllBlocksCleared`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_events_reach_a_zmq_subscriber() {
-    use kvoy_kvevents::{decode_batch, KvEvent as Wire, ZmqContext};
     let _serial = SERIAL.lock().await;
-    let port = free_port().unwrap();
-    let addr = start_with_flags(&format!(
-        "--kv-events-endpoint tcp://127.0.0.1:{port} --model m --speedup 50"
-    ))
-    .await;
-
-    let ctx = ZmqContext::new();
-    let sub =
-        kvoy_kvevents::Subscriber::connect(&ctx, &format!("tcp://127.0.0.1:{port}"), b"").unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await; // let the subscription propagate
+    let (addr, sub) = start_publishing("").await;
     let r = request(
         addr,
         "POST",
@@ -361,19 +351,9 @@ async fn kv_events_reach_a_zmq_subscriber() {
 
     let mut stored = 0;
     let mut cleared = false;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < deadline && !cleared {
-        let Some(msg) =
-            tokio::task::block_in_place(|| sub.recv(Duration::from_millis(200))).unwrap()
-        else {
-            continue;
-        };
-        assert!(
-            msg.topic.is_empty(),
-            "vLLM's default topic is empty: {:?}",
-            msg.topic
-        );
-        for e in decode_batch(&msg.payload).unwrap().events {
+    receive_events(&sub, |topic, events| {
+        assert!(topic.is_empty(), "vLLM's default topic is empty: {topic:?}");
+        for e in events {
             match e {
                 Wire::BlockStored {
                     block_hashes,
@@ -387,7 +367,12 @@ async fn kv_events_reach_a_zmq_subscriber() {
                 _ => {}
             }
         }
-    }
+        if cleared {
+            ControlFlow::Break(())
+        } else {
+            ControlFlow::Continue(())
+        }
+    });
     // 160 prompt tokens = 10 full blocks
     assert_eq!(stored, 10);
     assert!(cleared);
@@ -398,19 +383,10 @@ async fn kv_events_reach_a_zmq_subscriber() {
 /// stream carries its blocks stored on CPU, then loaded back to GPU.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cpu_offload_by_flag() {
-    use kvoy_kvevents::{decode_batch, KvEvent as Wire, Medium, ZmqContext};
+    use kvoy_kvevents::Medium;
     let _serial = SERIAL.lock().await;
-    let port = free_port().unwrap();
-    let addr = start_with_flags(&format!(
-        "--kv-events-endpoint tcp://127.0.0.1:{port} --model m --speedup 50 \
-         --num-gpu-blocks 64 --cpu-offload-blocks 1000"
-    ))
-    .await;
-    let ctx = ZmqContext::new();
-    let sub =
-        kvoy_kvevents::Subscriber::connect(&ctx, &format!("tcp://127.0.0.1:{port}"), b"").unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await; // let the subscription propagate
-                                                          // 800 tokens (50 blocks) each: b, c and d evict a from the GPU.
+    let (addr, sub) = start_publishing("--num-gpu-blocks 64 --cpu-offload-blocks 1000").await;
+    // 800 tokens (50 blocks) each: b, c and d evict a from the GPU.
     let body = |c: &str| {
         serde_json::json!({"model": "m", "prompt": c.repeat(4 * 800), "max_tokens": 1}).to_string()
     };
@@ -431,14 +407,8 @@ async fn cpu_offload_by_flag() {
     }
 
     let (mut gpu_stored, mut cpu_stored, mut gpu_removed) = (0, 0, 0);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < deadline && (gpu_stored < 250 || cpu_stored < 200) {
-        let Some(msg) =
-            tokio::task::block_in_place(|| sub.recv(Duration::from_millis(200))).unwrap()
-        else {
-            continue;
-        };
-        for e in decode_batch(&msg.payload).unwrap().events {
+    receive_events(&sub, |_, events| {
+        for e in events {
             match e {
                 Wire::BlockStored {
                     block_hashes,
@@ -457,12 +427,48 @@ async fn cpu_offload_by_flag() {
                 _ => {}
             }
         }
-    }
+        if gpu_stored < 250 || cpu_stored < 200 {
+            ControlFlow::Continue(())
+        } else {
+            ControlFlow::Break(())
+        }
+    });
     // 4 prompts stored once on CPU; on GPU, a's second time too (49 blocks loaded back, its
     // last block computed again; on CPU already).
     assert_eq!(cpu_stored, 200);
     assert_eq!(gpu_stored, 250);
     assert!(gpu_removed >= 50, "{gpu_removed}");
+}
+
+/// A simulator for model `m` at speedup 50, started from `--kv-events-endpoint` on a free port
+/// and `more_flags`, and a subscriber to its KV events, given time to subscribe.
+async fn start_publishing(more_flags: &str) -> (SocketAddr, Subscriber) {
+    let port = free_port().unwrap();
+    let endpoint = format!("tcp://127.0.0.1:{port}");
+    let addr = start_with_flags(&format!(
+        "--kv-events-endpoint {endpoint} --model m --speedup 50 {more_flags}"
+    ))
+    .await;
+    // The socket keeps its context alive.
+    let sub = Subscriber::connect(&ZmqContext::new(), &endpoint, b"").unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await; // let the subscription propagate
+    (addr, sub)
+}
+
+/// Hands the events of each batch `sub` receives, with its message's topic, to `take` until
+/// `take` breaks or 10 s pass.
+fn receive_events(sub: &Subscriber, mut take: impl FnMut(&[u8], Vec<Wire>) -> ControlFlow<()>) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        let Some(msg) =
+            tokio::task::block_in_place(|| sub.recv(Duration::from_millis(200))).unwrap()
+        else {
+            continue;
+        };
+        if take(&msg.topic, decode_batch(&msg.payload).unwrap().events).is_break() {
+            return;
+        }
+    }
 }
 
 /// Starts a simulator from command-line flags, as the binary does.
@@ -525,9 +531,7 @@ async fn fault_injection_by_flag() {
 /// The older array form by flag, and a late subscriber recovering through the replay socket.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_events_array_form_and_replay() {
-    use kvoy_kvevents::{
-        decode_batch, encode_batch, KvEvent as Wire, ReplayClient, WireForm, ZmqContext,
-    };
+    use kvoy_kvevents::{encode_batch, ReplayClient, WireForm};
     let _serial = SERIAL.lock().await;
     let (pub_port, replay_port) = (free_port().unwrap(), free_port().unwrap());
     let addr = start_with_flags(&format!(
@@ -567,19 +571,12 @@ async fn kv_events_array_form_and_replay() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn calibration_at_speedup_20() {
-    let _serial = SERIAL.lock().await;
-    calibration(20.0, 0.25, Duration::from_micros(500)).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prompts_over_the_context_are_refused_before_streaming() {
-    let _serial = SERIAL.lock().await;
     let profile = Profile {
         max_model_len: 100,
         ..Profile::llama_8b_h100()
     };
-    let (addr, _) = start(profile, 50.0).await;
+    let (_serial, addr) = start_serial(profile, 50.0).await;
     let body = |tokens: usize| {
         serde_json::json!({"model": "m", "prompt": "abcd".repeat(tokens), "max_tokens": 2,
             "stream": true})
@@ -602,8 +599,7 @@ async fn prompts_over_the_context_are_refused_before_streaming() {
 /// before routing by token ids).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokenize_and_render_give_the_prompt_tokens() {
-    let _serial = SERIAL.lock().await;
-    let (addr, _) = start(Profile::llama_8b_h100(), 50.0).await;
+    let (_serial, addr) = start_serial(Profile::llama_8b_h100(), 50.0).await;
     let body = chat(
         "A system prompt. ".repeat(20).as_str(),
         "a question",
@@ -647,8 +643,7 @@ async fn stream_on(c: &mut aio::Connection, body: &str) -> Duration {
 /// unless the server sets TCP_NODELAY, as vLLM and SGLang do.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_on_kept_alive_connections_do_not_wait_for_acks() {
-    let _serial = SERIAL.lock().await;
-    let (addr, _) = start(Profile::llama_8b_h100(), 100.0).await;
+    let (_serial, addr) = start_serial(Profile::llama_8b_h100(), 100.0).await;
     let s = TcpStream::connect(addr).await.unwrap();
     s.set_nodelay(true).unwrap();
     let mut c = aio::Connection::handshake(s).await.unwrap();

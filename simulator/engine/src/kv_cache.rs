@@ -326,6 +326,21 @@ mod tests {
             .collect()
     }
 
+    /// The chain in the module's doc, its bytes written out: other crates' tests compute the
+    /// engine's hashes with [`block_hash`] and rely on it.
+    #[test]
+    fn block_hash_is_xxh3_of_the_documented_bytes() {
+        use xxhash_rust::xxh3::xxh3_64;
+        let mut scratch = Vec::new();
+        let first = block_hash(&mut scratch, None, &[1, 0x0302]);
+        assert_eq!(first, xxh3_64(&[0, 1, 0, 0, 0, 2, 3, 0, 0]));
+        let parent = 0x0807_0605_0403_0201;
+        assert_eq!(
+            block_hash(&mut scratch, Some(parent), &[9]),
+            xxh3_64(&[1, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 0, 0])
+        );
+    }
+
     #[test]
     fn prefix_hit_is_capped_below_the_last_token_and_whole_blocks() {
         let mut cache = KvCache::new(16, 4, 0);
