@@ -12,6 +12,8 @@
 
 mod common;
 
+use common::{MODEL, TIMEOUT};
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::sync::{Mutex, MutexGuard};
@@ -26,9 +28,7 @@ use kvoy_testkit::{
 };
 use serde_json::{json, Value};
 
-const MODEL: &str = "kvoy-demo";
 const SPEEDUP: &str = "20";
-const TIMEOUT: Duration = Duration::from_secs(30);
 const GROUPS: usize = 6;
 const TURNS: usize = 5;
 /// About 6k tokens: kvoy-sim's tokenizer makes one token of every 4 bytes.
@@ -54,12 +54,7 @@ impl Fixture {
             .unwrap_or_else(|e| panic!("[{name}] could not start the kvoy-sim simulators: {e:#}"));
         let endpoints = PoolEndpoint::all(sims.addrs(), &[MODEL]);
         let config = StackConfig::new(endpoints, common::run_dir(name));
-        let stack = match Stack::start(&config) {
-            Ok(stack) => stack,
-            Err(e) => panic!(
-                "[{name}] could not start the kvoy stack (Envoy + kvoy_prefix_affinity.wasm): {e:#}"
-            ),
-        };
+        let stack = common::start_stack(name, &config);
         eprintln!(
             "[{name}] envoy on {} (admin {}), simulators {:?} (speedup {SPEEDUP}), config {}",
             stack.listen,
