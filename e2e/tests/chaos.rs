@@ -44,7 +44,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use hyper::body::{Body, Frame, Incoming};
+use hyper::body::{Body, Incoming};
 use hyper::Request;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::json;

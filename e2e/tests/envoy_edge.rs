@@ -21,7 +21,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use bytes::Bytes;
-use hyper::body::{Body, Frame, Incoming};
+use hyper::body::{Body, Incoming};
 use hyper::header::{HeaderName, HeaderValue};
 use hyper::{HeaderMap, Request};
 use hyper_util::rt::{TokioExecutor, TokioIo};

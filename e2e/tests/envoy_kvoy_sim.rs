@@ -17,7 +17,7 @@ use common::{MODEL, TIMEOUT};
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::sync::{Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use kvoy_sim::fleet::SimFleet;
 use kvoy_testkit::http::sse_data;

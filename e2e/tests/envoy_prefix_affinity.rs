@@ -15,7 +15,7 @@ use common::{MODEL, TIMEOUT};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::{Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use kvoy_testkit::requests::{chat_body, prompt};
 use kvoy_testkit::scenario;

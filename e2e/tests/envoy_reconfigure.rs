@@ -21,7 +21,7 @@
 
 mod common;
 
-use common::{MODEL, TIMEOUT};
+use common::MODEL;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -30,7 +30,7 @@ use std::time::Duration;
 use common::AggregatorReads;
 use kvoy_aggregator::local::AggregatedEndpoint;
 use kvoy_sim::fleet::SimFleet;
-use kvoy_testkit::{http, PoolEndpoint, Stack, StackConfig};
+use kvoy_testkit::{PoolEndpoint, Stack, StackConfig};
 use serde_json::Value;
 
 const NAME: &str = "reconfigure";
