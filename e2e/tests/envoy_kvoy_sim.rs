@@ -79,14 +79,7 @@ impl Fixture {
         let body = serde_json::to_vec(body).unwrap();
         let r = http::post_json(addr, "/v1/chat/completions", &[], &body, TIMEOUT)
             .unwrap_or_else(|e| panic!("[{}] {what}: POST to {addr} failed: {e}", self.name));
-        assert_eq!(
-            r.status,
-            200,
-            "[{}] {what}: status {}, body {}",
-            self.name,
-            r.status,
-            r.text()
-        );
+        common::assert_ok(self.name, what, &r);
         r
     }
 

@@ -90,14 +90,7 @@ impl Fixture {
     /// Checks a 200 reply came from a pool backend, that the filter reported the same endpoint
     /// and that the backend saw it as the destination; returns the backend address.
     fn served_ok(&self, r: &Response, what: &str) -> String {
-        assert_eq!(
-            r.status,
-            200,
-            "[{}] {what}: status {}, body {}",
-            self.name,
-            r.status,
-            r.text()
-        );
+        common::assert_ok(self.name, what, r);
         let served = kvoy_testkit::served_by(r, &self.pool_addrs(), self.name, what);
         if let Ok(v) = r.json() {
             assert_eq!(

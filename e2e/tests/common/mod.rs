@@ -34,6 +34,17 @@ pub fn start_stack(name: &str, config: &StackConfig) -> Stack {
     })
 }
 
+/// Checks that `r`, the answer to `what` in test `name`, is a 200 (saying what came instead).
+pub fn assert_ok(name: &str, what: &str, r: &http::Response) {
+    assert_eq!(
+        r.status,
+        200,
+        "[{name}] {what}: status {}, body {}",
+        r.status,
+        r.text()
+    );
+}
+
 /// What the tests read from a running aggregator, over its HTTP API.
 pub trait AggregatorReads {
     /// The JSON answer to `GET path` (`/v1/pool`, `/v1/endpoints`, ...); an error unless the
