@@ -34,7 +34,6 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::convert::Infallible;
 use std::io::Write;
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::ops::ControlFlow;
@@ -42,11 +41,10 @@ use std::path::Path;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use hyper::body::{Body, Frame, Incoming};
+use hyper::body::{Body, Incoming};
 use hyper::Request;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::json;
@@ -397,32 +395,6 @@ fn h1(t: &Target, i: usize, p: &Plan) -> Outcome {
     )
 }
 
-/// A request body: one DATA frame, then the end (or, `stall`, nothing more ever).
-struct ReqBody {
-    first: Option<Bytes>,
-    stall: bool,
-}
-
-impl Body for ReqBody {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        match self.first.take() {
-            Some(b) => Poll::Ready(Some(Ok(Frame::data(b)))),
-            None if self.stall => Poll::Pending,
-            None => Poll::Ready(None),
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.first.is_none() && !self.stall
-    }
-}
-
 async fn read_all(mut body: Incoming) -> Result<Vec<u8>, hyper::Error> {
     use std::future::poll_fn;
     let mut out = Vec::new();
@@ -474,10 +446,7 @@ async fn h2(t: &Target, i: usize, p: &Plan) -> Outcome {
         // (RST_STREAM CANCEL). Admission may answer first (a 429 at the headers).
         let half = Bytes::copy_from_slice(&body[..body.len() / 2]);
         let request = request
-            .body(ReqBody {
-                first: Some(half),
-                stall: true,
-            })
+            .body(server::Body::chunks([half]).stalled())
             .unwrap();
         let answered =
             tokio::time::timeout(Duration::from_millis(20), sender.send_request(request)).await;
@@ -504,10 +473,7 @@ async fn h2(t: &Target, i: usize, p: &Plan) -> Outcome {
         return outcome;
     }
     let request = request
-        .body(ReqBody {
-            first: Some(Bytes::from(body)),
-            stall: false,
-        })
+        .body(server::Body::chunks([Bytes::from(body)]))
         .unwrap();
     let response = match sender.send_request(request).await {
         Ok(r) => r,

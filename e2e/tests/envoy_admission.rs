@@ -8,50 +8,12 @@
 
 mod common;
 
-use std::net::SocketAddr;
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use common::MODEL;
 
 use kvoy_sim::fleet::SimFleet;
-use kvoy_testkit::{http, PoolEndpoint, Stack, StackConfig};
-use serde_json::json;
+use kvoy_testkit::{scenario, PoolEndpoint, Stack, StackConfig};
 
 const NAME: &str = "admission";
-const MODEL: &str = "kvoy-demo";
-
-fn body(tokens: u32) -> Vec<u8> {
-    serde_json::to_vec(&json!({"model": MODEL, "max_tokens": tokens,
-        "messages": [{"role": "user", "content": "hello there"}]}))
-    .unwrap()
-}
-
-/// Sends a request in the background; reports (label, status, reason header, finished at).
-fn spawn(
-    envoy: SocketAddr,
-    label: &'static str,
-    objective: &'static str,
-    tokens: u32,
-    start: Instant,
-    tx: &mpsc::Sender<(&'static str, u16, Option<String>, Duration)>,
-) {
-    let tx = tx.clone();
-    std::thread::spawn(move || {
-        let headers = [
-            ("x-gateway-inference-objective", objective),
-            ("x-gateway-inference-fairness-id", label),
-        ];
-        let r = http::post_json(
-            envoy,
-            "/v1/chat/completions",
-            &headers,
-            &body(tokens),
-            Duration::from_secs(60),
-        )
-        .unwrap();
-        let reason = r.header("x-kvoy-dropped-reason").map(str::to_owned);
-        let _ = tx.send((label, r.status, reason, start.elapsed()));
-    });
-}
 
 #[test]
 fn held_requests_resume_in_priority_order_and_expire() {
@@ -61,48 +23,16 @@ fn held_requests_resume_in_priority_order_and_expire() {
         vec![PoolEndpoint::new(sims.addrs()[0], &[MODEL])],
         run_dir.clone(),
     );
-    config.admission_config = Some(
-        json!({"endpoints": 1, "tick_ms": 10, "flow": {
-            "saturation": {"max_inflight_per_endpoint": 2},
-            "objectives": {"interactive": 10, "batch": 0, "scavenger": -1},
-            "queue_ttl_ms": 1500}})
-        .to_string(),
-    );
+    config.admission_config = Some(scenario::admission_config());
     config.concurrency = 1;
     let stack = Stack::start(&config).unwrap_or_else(|e| panic!("[{NAME}] {e:#}"));
-    let (tx, rx) = mpsc::channel();
-    let start = Instant::now();
     // Two batch requests take both slots and end one after the other (~0.7 s, ~1.4 s).
-    spawn(stack.listen, "batch-running-1", "batch", 100, start, &tx);
-    spawn(stack.listen, "batch-running-2", "batch", 200, start, &tx);
-    std::thread::sleep(Duration::from_millis(150));
     // Then a batch request and an interactive one wait; the interactive one must go first.
-    spawn(stack.listen, "batch-held", "batch", 2, start, &tx);
-    std::thread::sleep(Duration::from_millis(50));
-    spawn(
-        stack.listen,
-        "interactive-held",
-        "interactive",
-        2,
-        start,
-        &tx,
-    );
-    std::thread::sleep(Duration::from_millis(50));
     // A sheddable request is refused at once.
-    let shed = http::post_json(
-        stack.listen,
-        "/v1/chat/completions",
-        &[("x-gateway-inference-objective", "scavenger")],
-        &body(2),
-        Duration::from_secs(10),
-    )
-    .unwrap();
+    let scenario::PriorityRun { shed, done } =
+        scenario::priority_order(stack.listen, MODEL).unwrap();
     assert_eq!(shed.status, 429, "{}", shed.text());
     assert_eq!(shed.header("x-kvoy-dropped-reason"), Some("saturated"));
-    let mut done = Vec::new();
-    for _ in 0..4 {
-        done.push(rx.recv_timeout(Duration::from_secs(30)).unwrap());
-    }
     eprintln!("[{NAME}] completions: {done:?}");
     for (label, status, _, _) in &done {
         assert_eq!(*status, 200, "{label}");
@@ -117,19 +47,7 @@ fn held_requests_resume_in_priority_order_and_expire() {
     );
 
     // Hold one behind two long ones for longer than the TTL (1.5 s): 429 ttl-expired.
-    let start = Instant::now();
-    spawn(stack.listen, "long-1", "batch", 300, start, &tx);
-    spawn(stack.listen, "long-2", "batch", 300, start, &tx);
-    std::thread::sleep(Duration::from_millis(150));
-    spawn(stack.listen, "expires", "batch", 2, start, &tx);
-    let mut expired = None;
-    for _ in 0..3 {
-        let d = rx.recv_timeout(Duration::from_secs(30)).unwrap();
-        if d.0 == "expires" {
-            expired = Some(d);
-        }
-    }
-    let (_, status, reason, at) = expired.unwrap();
+    let (_, status, reason, at) = scenario::held_past_ttl(stack.listen, MODEL).unwrap();
     eprintln!("[{NAME}] held past the TTL: {status} {reason:?} after {at:?}");
     assert_eq!((status, reason.as_deref()), (429, Some("ttl-expired")));
     stack.assert_no_wasm_failures(NAME);

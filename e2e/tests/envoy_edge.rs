@@ -14,20 +14,19 @@
 
 mod common;
 
-use std::convert::Infallible;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::pin::Pin;
 use std::sync::{Mutex, MutexGuard};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use hyper::body::{Body, Frame, Incoming};
+use hyper::body::{Body, Incoming};
 use hyper::header::{HeaderName, HeaderValue};
 use hyper::{HeaderMap, Request};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
+use kvoy_testkit::http::server;
 use kvoy_testkit::{http, EchoServer, PoolEndpoint, Stack, StackConfig, SERVED_BY_HEADER};
 
 const MODEL: &str = "kvoy-demo";
@@ -91,32 +90,6 @@ fn chat(text: &str) -> Vec<u8> {
         .into_bytes()
 }
 
-/// A request body sent as two DATA frames, then trailers (which end the stream).
-struct TrailedBody {
-    frames: Vec<Bytes>,
-    trailers: Option<HeaderMap>,
-}
-
-impl Body for TrailedBody {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        if !self.frames.is_empty() {
-            let data = self.frames.remove(0);
-            return Poll::Ready(Some(Ok(Frame::data(data))));
-        }
-        Poll::Ready(self.trailers.take().map(|t| Ok(Frame::trailers(t))))
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.frames.is_empty() && self.trailers.is_none()
-    }
-}
-
 struct H2Reply {
     status: u16,
     headers: HeaderMap,
@@ -163,14 +136,15 @@ async fn h2_post(
         }
         map
     });
+    let frames = server::Body::chunks([
+        Bytes::copy_from_slice(&body[..half]),
+        Bytes::copy_from_slice(&body[half..]),
+    ]);
     let request = Request::post(format!("http://{addr}{path}"))
         .header("content-type", "application/json")
-        .body(TrailedBody {
-            frames: vec![
-                Bytes::copy_from_slice(&body[..half]),
-                Bytes::copy_from_slice(&body[half..]),
-            ],
-            trailers,
+        .body(match trailers {
+            Some(trailers) => frames.with_trailers(trailers),
+            None => frames,
         })?;
     let response = sender.send_request(request).await?;
     let status = response.status().as_u16();

@@ -19,6 +19,8 @@
 
 mod common;
 
+use common::{MODEL, TIMEOUT};
+
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -27,8 +29,6 @@ use kvoy_testkit::{http, Stack, StackConfig};
 use serde_json::json;
 
 const NAME: &str = "eviction";
-const MODEL: &str = "kvoy-demo";
-const TIMEOUT: Duration = Duration::from_secs(30);
 const CONVERSATIONS: usize = 24;
 const FLOOD: usize = 96;
 /// What the acceptance allows between the eviction and the routing that no longer counts on it.
@@ -46,24 +46,6 @@ fn conversation(i: usize, turn: usize) -> Vec<u8> {
     serde_json::to_vec(&json!({"model": MODEL, "max_tokens": 2, "messages": messages})).unwrap()
 }
 
-fn flood(i: usize) -> Vec<u8> {
-    let text = format!(
-        "Unrelated prompt {i}. {}",
-        "Other work fills the cache. ".repeat(36)
-    );
-    serde_json::to_vec(&json!({"model": MODEL, "max_tokens": 2,
-        "messages": [{"role": "user", "content": text}]}))
-    .unwrap()
-}
-
-fn send(proxy: SocketAddr, body: &[u8]) -> String {
-    let r = http::post_json(proxy, "/v1/chat/completions", &[], body, TIMEOUT).unwrap();
-    assert_eq!(r.status, 200, "{}", r.text());
-    r.header(kvoy_testkit::SERVED_BY_HEADER)
-        .unwrap_or("?")
-        .to_owned()
-}
-
 /// Places conversations `base..base + CONVERSATIONS` (two turns, checking that the second
 /// found the first), returning where each was served. Each conversation's second turn follows
 /// its first at once: a simulator that drew more than its share of conversations evicts the
@@ -72,8 +54,8 @@ fn send(proxy: SocketAddr, body: &[u8]) -> String {
 fn place(proxy: SocketAddr, base: usize) -> Vec<String> {
     let (first, second): (Vec<String>, Vec<String>) = (0..CONVERSATIONS)
         .map(|i| {
-            let first = send(proxy, &conversation(base + i, 0));
-            (first, send(proxy, &conversation(base + i, 1)))
+            let first = common::send_chat(proxy, &conversation(base + i, 0));
+            (first, common::send_chat(proxy, &conversation(base + i, 1)))
         })
         .unzip();
     let kept = first.iter().zip(&second).filter(|(a, b)| a == b).count();
@@ -89,7 +71,7 @@ fn back(proxy: SocketAddr, base: usize, placed: &[String]) -> usize {
     placed
         .iter()
         .enumerate()
-        .filter(|(i, at)| send(proxy, &conversation(base + i, 2)) == **at)
+        .filter(|(i, at)| common::send_chat(proxy, &conversation(base + i, 2)) == **at)
         .count()
 }
 
@@ -154,7 +136,7 @@ fn an_evicted_prefix_stops_attracting_its_requests() {
     // Through the counted proxy only: its index sees what the servers see (two proxies that
     // do not relay each see only their own share of what filled the caches).
     for i in 0..FLOOD {
-        send(f.counted.listen, &flood(i));
+        common::send_chat(f.counted.listen, &common::flood_prompt(i));
     }
     let flood_s = flood_started.elapsed().as_secs_f64();
     let (bytes, polls) = (

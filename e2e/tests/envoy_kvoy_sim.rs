@@ -12,10 +12,12 @@
 
 mod common;
 
+use common::{MODEL, TIMEOUT};
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::sync::{Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use kvoy_sim::fleet::SimFleet;
 use kvoy_testkit::http::sse_data;
@@ -26,9 +28,7 @@ use kvoy_testkit::{
 };
 use serde_json::{json, Value};
 
-const MODEL: &str = "kvoy-demo";
 const SPEEDUP: &str = "20";
-const TIMEOUT: Duration = Duration::from_secs(30);
 const GROUPS: usize = 6;
 const TURNS: usize = 5;
 /// About 6k tokens: kvoy-sim's tokenizer makes one token of every 4 bytes.
@@ -54,12 +54,7 @@ impl Fixture {
             .unwrap_or_else(|e| panic!("[{name}] could not start the kvoy-sim simulators: {e:#}"));
         let endpoints = PoolEndpoint::all(sims.addrs(), &[MODEL]);
         let config = StackConfig::new(endpoints, common::run_dir(name));
-        let stack = match Stack::start(&config) {
-            Ok(stack) => stack,
-            Err(e) => panic!(
-                "[{name}] could not start the kvoy stack (Envoy + kvoy_prefix_affinity.wasm): {e:#}"
-            ),
-        };
+        let stack = common::start_stack(name, &config);
         eprintln!(
             "[{name}] envoy on {} (admin {}), simulators {:?} (speedup {SPEEDUP}), config {}",
             stack.listen,
@@ -84,14 +79,7 @@ impl Fixture {
         let body = serde_json::to_vec(body).unwrap();
         let r = http::post_json(addr, "/v1/chat/completions", &[], &body, TIMEOUT)
             .unwrap_or_else(|e| panic!("[{}] {what}: POST to {addr} failed: {e}", self.name));
-        assert_eq!(
-            r.status,
-            200,
-            "[{}] {what}: status {}, body {}",
-            self.name,
-            r.status,
-            r.text()
-        );
+        common::assert_ok(self.name, what, &r);
         r
     }
 

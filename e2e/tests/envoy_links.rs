@@ -21,6 +21,8 @@
 
 mod common;
 
+use common::{MODEL, TIMEOUT};
+
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -31,8 +33,6 @@ use kvoy_testkit::{http, Stack, StackConfig};
 use serde_json::{json, Value};
 
 const NAME: &str = "links";
-const MODEL: &str = "kvoy-demo";
-const TIMEOUT: Duration = Duration::from_secs(30);
 const CONVERSATIONS: usize = 8;
 const TURNS: usize = 5;
 /// Between rounds of turns: the relay's round trip is a poll interval or two (100 ms each).
@@ -41,24 +41,6 @@ const THINK: Duration = Duration::from_millis(300);
 const SETTLE: Duration = Duration::from_millis(1_500);
 /// Prompts of about 16 blocks each that evict some of the conversations (the oldest first).
 const FLOOD: usize = 20;
-
-fn send(proxy: SocketAddr, body: &[u8]) -> String {
-    let r = http::post_json(proxy, "/v1/chat/completions", &[], body, TIMEOUT).unwrap();
-    assert_eq!(r.status, 200, "{}", r.text());
-    r.header(kvoy_testkit::SERVED_BY_HEADER)
-        .unwrap_or("?")
-        .to_owned()
-}
-
-fn flood(i: usize) -> Vec<u8> {
-    let text = format!(
-        "Unrelated prompt {i}. {}",
-        "Other work fills the cache. ".repeat(36)
-    );
-    serde_json::to_vec(&json!({"model": MODEL, "max_tokens": 2,
-        "messages": [{"role": "user", "content": text}]}))
-    .unwrap()
-}
 
 fn get_json(agg: SocketAddr, path: &str) -> Value {
     let r = http::get(agg, path, TIMEOUT).unwrap();
@@ -148,7 +130,7 @@ fn run(
     let mut last = vec![String::new(); CONVERSATIONS];
     for t in 0..TURNS {
         for (i, previous) in last.iter_mut().enumerate() {
-            let served = send(proxy.listen, &body(base + i, t));
+            let served = common::send_chat(proxy.listen, &body(base + i, t));
             kept += usize::from(t > 0 && served == *previous);
             *previous = served;
         }
@@ -235,7 +217,7 @@ fn relayed_decisions_link_to_server_blocks_and_removals_name_their_keys() {
     // Cache pressure: the flood evicts linked blocks; each removal names only keys that were
     // decided for its endpoint.
     for i in 0..FLOOD {
-        send(proxy.listen, &flood(i));
+        common::send_chat(proxy.listen, &common::flood_prompt(i));
     }
     std::thread::sleep(SETTLE);
     let decided = decided_keys(agg.addr());

@@ -10,22 +10,21 @@
 
 mod common;
 
+use common::{MODEL, TIMEOUT};
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Barrier, Mutex, MutexGuard};
-use std::thread;
-use std::time::{Duration, Instant};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Instant;
 
 use kvoy_testkit::requests::{chat_body, prompt};
+use kvoy_testkit::scenario;
 use kvoy_testkit::{
     http::{self, Response},
-    EchoConfig, EchoServer, PoolEndpoint, Stack, StackConfig, DELAY_HEADER, DESTINATION_HEADER,
-    PIN_HEADER, SERVED_BY_HEADER,
+    EchoConfig, EchoServer, PoolEndpoint, Stack, StackConfig, DESTINATION_HEADER, PIN_HEADER,
+    SERVED_BY_HEADER,
 };
 use serde_json::{json, Value};
-
-const MODEL: &str = "kvoy-demo";
-const TIMEOUT: Duration = Duration::from_secs(30);
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -53,12 +52,7 @@ impl Fixture {
         );
         let mut config = StackConfig::new(endpoints, common::run_dir(name));
         config.max_body_bytes = max_body_bytes;
-        let stack = match Stack::start(&config) {
-            Ok(stack) => stack,
-            Err(e) => panic!(
-                "[{name}] could not start the kvoy stack (Envoy + kvoy_prefix_affinity.wasm): {e:#}"
-            ),
-        };
+        let stack = common::start_stack(name, &config);
         eprintln!(
             "[{name}] envoy on {} (admin {}), pool {:?}, outsider {}, config {}",
             stack.listen,
@@ -96,14 +90,7 @@ impl Fixture {
     /// Checks a 200 reply came from a pool backend, that the filter reported the same endpoint
     /// and that the backend saw it as the destination; returns the backend address.
     fn served_ok(&self, r: &Response, what: &str) -> String {
-        assert_eq!(
-            r.status,
-            200,
-            "[{}] {what}: status {}, body {}",
-            self.name,
-            r.status,
-            r.text()
-        );
+        common::assert_ok(self.name, what, r);
         let served = kvoy_testkit::served_by(r, &self.pool_addrs(), self.name, what);
         if let Ok(v) = r.json() {
             assert_eq!(
@@ -193,35 +180,11 @@ fn concurrent_burst_is_not_piled_on_one_backend() {
     // Bind the prefix first, so the burst meets an established affinity.
     let first = f.chat(&system, "warm-up", &[]);
     let home = f.served_ok(&first, "warm-up");
-    let listen = f.stack.listen;
-    let n = 50;
-    let barrier = Arc::new(Barrier::new(n));
     let start = Instant::now();
-    let handles: Vec<_> = (0..n)
-        .map(|i| {
-            let barrier = Arc::clone(&barrier);
-            // Each question is 1 KB (about 260 tokens) against the 4 KB shared prompt: the
-            // holder's queued prefill soon outweighs computing the prefix again elsewhere.
-            let question = format!("burst question {i} {}", "detail ".repeat(146));
-            let body = chat_body(MODEL, &system, &question);
-            thread::spawn(move || {
-                barrier.wait();
-                http::post_json(
-                    listen,
-                    "/v1/chat/completions",
-                    &[(DELAY_HEADER, "300")],
-                    &body,
-                    TIMEOUT,
-                )
-            })
-        })
-        .collect();
+    let burst = scenario::same_prefix_burst(f.stack.listen, MODEL, &system, 50, TIMEOUT);
     let mut dist = BTreeMap::new();
-    for (i, h) in handles.into_iter().enumerate() {
-        let r = h
-            .join()
-            .expect("client thread")
-            .unwrap_or_else(|e| panic!("burst request {i} failed: {e}"));
+    for (i, r) in burst.into_iter().enumerate() {
+        let r = r.unwrap_or_else(|e| panic!("burst request {i} failed: {e}"));
         count(&mut dist, f.served_ok(&r, &format!("burst request {i}")));
     }
     eprintln!(

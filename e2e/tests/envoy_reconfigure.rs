@@ -21,6 +21,8 @@
 
 mod common;
 
+use common::MODEL;
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -28,12 +30,10 @@ use std::time::Duration;
 use common::AggregatorReads;
 use kvoy_aggregator::local::AggregatedEndpoint;
 use kvoy_sim::fleet::SimFleet;
-use kvoy_testkit::{http, PoolEndpoint, Stack, StackConfig};
+use kvoy_testkit::{PoolEndpoint, Stack, StackConfig};
 use serde_json::Value;
 
 const NAME: &str = "reconfigure";
-const MODEL: &str = "kvoy-demo";
-const TIMEOUT: Duration = Duration::from_secs(30);
 const CONVERSATIONS: usize = 40;
 /// Turns before the change, and after it (5 x 40 = the next 200 requests).
 const TURNS_BEFORE: usize = 3;
@@ -70,14 +70,7 @@ fn run(
     let mut tally = Tally::default();
     for t in turns {
         for (i, previous) in last.iter_mut().enumerate() {
-            let r = http::post_json(
-                proxy,
-                "/v1/chat/completions",
-                &[],
-                &turn(base + i, t),
-                TIMEOUT,
-            )
-            .unwrap();
+            let r = common::post_chat(proxy, &turn(base + i, t));
             assert_eq!(r.status, 200, "[{NAME}] {}", r.text());
             let body: Value = serde_json::from_slice(&r.body).unwrap();
             let usage = &body["usage"];

@@ -11,6 +11,8 @@
 
 mod common;
 
+use common::{MODEL, TIMEOUT};
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -21,8 +23,6 @@ use kvoy_sim::fleet::SimFleet;
 use kvoy_testkit::{http, PoolEndpoint, Stack, StackConfig};
 
 const NAME: &str = "relay";
-const MODEL: &str = "kvoy-demo";
-const TIMEOUT: Duration = Duration::from_secs(30);
 const CONVERSATIONS: usize = 30;
 const TURNS: usize = 6;
 /// Between two turns of one conversation (an agent's tool call, a person typing): the relay's
@@ -43,14 +43,7 @@ fn follow(proxies: &[SocketAddr], base: usize) -> (usize, usize) {
     for t in 0..TURNS {
         for (i, previous) in last.iter_mut().enumerate() {
             let proxy = proxies[(i + t) % proxies.len()];
-            let r = http::post_json(
-                proxy,
-                "/v1/chat/completions",
-                &[],
-                &turn(base + i, t),
-                TIMEOUT,
-            )
-            .unwrap();
+            let r = common::post_chat(proxy, &turn(base + i, t));
             assert_eq!(r.status, 200, "{}", r.text());
             let served = r
                 .header(kvoy_testkit::SERVED_BY_HEADER)

@@ -75,19 +75,21 @@ fn headless_sized(bin: &Path, profile: &Path, height: u32) -> Command {
     c
 }
 
-/// The page's DOM after [`BUDGET_MS`] of its script running.
-fn dump_dom(bin: &Path, scratch: &Path, url: &str) -> String {
-    let out = headless(bin, &scratch.join("profile"))
-        .arg("--dump-dom")
-        .arg(url)
-        .output()
-        .unwrap();
+/// Runs `chromium` to its end; checks that it succeeded; its standard output.
+fn run_chromium(chromium: &mut Command) -> Vec<u8> {
+    let out = chromium.output().unwrap();
     assert!(
         out.status.success(),
         "chromium failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    String::from_utf8(out.stdout).unwrap()
+    out.stdout
+}
+
+/// The page's DOM after [`BUDGET_MS`] of its script running.
+fn dump_dom(bin: &Path, scratch: &Path, url: &str) -> String {
+    let mut chromium = headless(bin, &scratch.join("profile"));
+    String::from_utf8(run_chromium(chromium.arg("--dump-dom").arg(url))).unwrap()
 }
 
 fn screenshot(bin: &Path, scratch: &Path, url: &str, path: &Path) {
@@ -95,15 +97,11 @@ fn screenshot(bin: &Path, scratch: &Path, url: &str, path: &Path) {
 }
 
 fn screenshot_sized(bin: &Path, scratch: &Path, url: &str, path: &Path, height: u32) {
-    let out = headless_sized(bin, &scratch.join("profile"), height)
-        .arg(format!("--screenshot={}", path.display()))
-        .arg(url)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "chromium failed: {}",
-        String::from_utf8_lossy(&out.stderr)
+    let mut chromium = headless_sized(bin, &scratch.join("profile"), height);
+    run_chromium(
+        chromium
+            .arg(format!("--screenshot={}", path.display()))
+            .arg(url),
     );
     let png = std::fs::read(path).unwrap();
     assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");

@@ -11,13 +11,12 @@ mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
-use std::sync::{mpsc, Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use kvoy_sim::fleet::SimFleet;
 use kvoy_testkit::{
     http::{self, Response},
-    prefix_affinity_config, EchoConfig, EchoServer, PoolEndpoint, DELAY_HEADER, DESTINATION_HEADER,
+    prefix_affinity_config, EchoConfig, EchoServer, PoolEndpoint, DESTINATION_HEADER,
     SERVED_BY_HEADER,
 };
 use serde_json::{json, Value};
@@ -25,6 +24,7 @@ use serde_json::{json, Value};
 use common::serial;
 use kvoy_testkit::http::sse_data;
 use kvoy_testkit::requests::{chat_body, prompt};
+use kvoy_testkit::scenario;
 
 const MODEL: &str = "kvoy-demo";
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -310,35 +310,11 @@ fn a_concurrent_burst_is_not_piled_on_one_backend() {
         &members,
         "warm-up",
     );
-    let n = 50;
-    let barrier = Arc::new(Barrier::new(n));
-    let listen = server.addr();
     let start = Instant::now();
-    let handles: Vec<_> = (0..n)
-        .map(|i| {
-            let barrier = barrier.clone();
-            // Each question is 1 KB (about 260 tokens) against the 4 KB shared prompt: the
-            // holder's queue soon outweighs computing the prefix again elsewhere.
-            let question = format!("burst question {i} {}", "detail ".repeat(146));
-            let body = chat_body(MODEL, &system, &question);
-            std::thread::spawn(move || {
-                barrier.wait();
-                http::post_json(
-                    listen,
-                    "/v1/chat/completions",
-                    &[(DELAY_HEADER, "300")],
-                    &body,
-                    TIMEOUT,
-                )
-            })
-        })
-        .collect();
+    let burst = scenario::same_prefix_burst(server.addr(), MODEL, &system, 50, TIMEOUT);
     let mut dist: BTreeMap<String, usize> = BTreeMap::new();
-    for (i, h) in handles.into_iter().enumerate() {
-        let r = h
-            .join()
-            .unwrap()
-            .unwrap_or_else(|e| panic!("burst request {i}: {e}"));
+    for (i, r) in burst.into_iter().enumerate() {
+        let r = r.unwrap_or_else(|e| panic!("burst request {i}: {e}"));
         *dist
             .entry(ok(&r, &members, &format!("burst request {i}")))
             .or_default() += 1;
@@ -362,65 +338,16 @@ fn admission_holds_releases_in_priority_order_and_sheds() {
     let _serial = serial();
     let fleet = sims(1, "1");
     let pool = pool(fleet.addrs());
-    let admission = json!({"endpoints": 1, "tick_ms": 10, "flow": {
-        "saturation": {"max_inflight_per_endpoint": 2},
-        "objectives": {"interactive": 10, "batch": 0, "scavenger": -1},
-        "queue_ttl_ms": 1500}})
-    .to_string();
+    let admission = scenario::admission_config();
     let prefix = prefix_affinity_config(&pool, None, None);
     let server = common::serve(
         "admission",
         &common::chain_config("{}", &admission, &prefix, 1),
     );
-    let listen = server.addr();
-    let body = |tokens: u32| {
-        serde_json::to_vec(&json!({"model": MODEL, "max_tokens": tokens,
-            "messages": [{"role": "user", "content": "hello there"}]}))
-        .unwrap()
-    };
-    let (tx, rx) = mpsc::channel();
-    let start = Instant::now();
-    let spawn = |label: &'static str, objective: &'static str, tokens: u32| {
-        let tx = tx.clone();
-        let body = body(tokens);
-        std::thread::spawn(move || {
-            let headers = [
-                ("x-gateway-inference-objective", objective),
-                ("x-gateway-inference-fairness-id", label),
-            ];
-            let r = http::post_json(
-                listen,
-                "/v1/chat/completions",
-                &headers,
-                &body,
-                Duration::from_secs(60),
-            )
-            .unwrap();
-            let reason = r.header("x-kvoy-dropped-reason").map(str::to_owned);
-            let _ = tx.send((label, r.status, reason, start.elapsed()));
-        });
-    };
-    spawn("batch-running-1", "batch", 100);
-    spawn("batch-running-2", "batch", 200);
-    std::thread::sleep(Duration::from_millis(150));
-    spawn("batch-held", "batch", 2);
-    std::thread::sleep(Duration::from_millis(50));
-    spawn("interactive-held", "interactive", 2);
-    std::thread::sleep(Duration::from_millis(50));
-    let shed = http::post_json(
-        listen,
-        "/v1/chat/completions",
-        &[("x-gateway-inference-objective", "scavenger")],
-        &body(2),
-        Duration::from_secs(10),
-    )
-    .unwrap();
+    let scenario::PriorityRun { shed, done } =
+        scenario::priority_order(server.addr(), MODEL).unwrap();
     assert_eq!(shed.status, 429, "{}", shed.text());
     assert_eq!(shed.header("x-kvoy-dropped-reason"), Some("saturated"));
-    let mut done = Vec::new();
-    for _ in 0..4 {
-        done.push(rx.recv_timeout(Duration::from_secs(30)).unwrap());
-    }
     eprintln!("[admission] completions: {done:?}");
     for (label, status, _, _) in &done {
         assert_eq!(*status, 200, "{label}");
@@ -433,35 +360,7 @@ fn admission_holds_releases_in_priority_order_and_sheds() {
     );
 
     // Both slots busy for longer than the TTL: the next batch request expires with 429.
-    let start2 = Instant::now();
-    let (tx2, rx2) = mpsc::channel();
-    for (label, tokens) in [("long-1", 300), ("long-2", 300), ("expires", 2)] {
-        if label == "expires" {
-            std::thread::sleep(Duration::from_millis(150));
-        }
-        let tx2 = tx2.clone();
-        let body = body(tokens);
-        std::thread::spawn(move || {
-            let r = http::post_json(
-                listen,
-                "/v1/chat/completions",
-                &[("x-gateway-inference-objective", "batch")],
-                &body,
-                Duration::from_secs(60),
-            )
-            .unwrap();
-            let reason = r.header("x-kvoy-dropped-reason").map(str::to_owned);
-            let _ = tx2.send((label, r.status, reason, start2.elapsed()));
-        });
-    }
-    let mut expired = None;
-    for _ in 0..3 {
-        let d = rx2.recv_timeout(Duration::from_secs(30)).unwrap();
-        if d.0 == "expires" {
-            expired = Some(d);
-        }
-    }
-    let (_, status, reason, at) = expired.unwrap();
+    let (_, status, reason, at) = scenario::held_past_ttl(server.addr(), MODEL).unwrap();
     assert_eq!(
         (status, reason.as_deref()),
         (429, Some("ttl-expired")),

@@ -18,7 +18,9 @@
 //! - [`echo`]: [`EchoServer`], an OpenAI-shaped backend whose replies name the address that
 //!   served them (header `x-served-by`).
 //! - [`requests`]: OpenAI request bodies the tests send ([`requests::prompt`], ...); [`load`]: a
-//!   streaming client that times each completion (TTFT, inter-token gaps).
+//!   streaming client that times each completion (TTFT, inter-token gaps); [`scenario`]: the
+//!   request patterns the Envoy tests and kvoy-local's both run (a same-prefix burst,
+//!   admission's priority and TTL runs).
 //! - [`webdriver`]: a headless Chromium driven through chromedriver, for the browser tests.
 //!
 //! kvoy's own services run in-process through their crates' starters, not through the kit:
@@ -51,6 +53,7 @@ pub mod http;
 pub mod load;
 pub mod net;
 pub mod requests;
+pub mod scenario;
 pub mod stack;
 pub mod wait;
 pub mod wasm;

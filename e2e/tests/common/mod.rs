@@ -1,4 +1,5 @@
-//! What several end-to-end tests share and nothing else uses: a run directory per test
+//! What several end-to-end tests share and nothing else uses: their model and request bound
+//! ([`MODEL`], [`TIMEOUT`]), starting a stack ([`start_stack`]), a run directory per test
 //! ([`run_dir`]), the readings of an in-process aggregator ([`AggregatorReads`]), starting one
 //! ([`start_aggregator`], [`followed`]) or a pool of simulators it follows ([`FollowedPool`]),
 //! the multi-turn workload ([`conversation_turn`]), the manifests' YAML ([`yaml_docs`]) and the
@@ -16,9 +17,33 @@ use std::time::Duration;
 use anyhow::Context as _;
 use kvoy_aggregator::local::{aggregator_yaml, AggregatedEndpoint, LocalAggregator};
 use kvoy_sim::fleet::PublishingSim;
-use kvoy_testkit::{http, wait_for, PoolEndpoint};
+use kvoy_testkit::{http, wait_for, PoolEndpoint, Stack, StackConfig};
 use serde::Deserialize;
 use serde_json::{json, Value};
+
+/// The model the tests' backends serve and their requests ask for.
+pub const MODEL: &str = "kvoy-demo";
+/// Bounds each request of the tests that wait for a backend's answer (connecting, each read).
+pub const TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Starts the kvoy stack `config` describes for test `name`; panics saying what could not
+/// start.
+pub fn start_stack(name: &str, config: &StackConfig) -> Stack {
+    Stack::start(config).unwrap_or_else(|e| {
+        panic!("[{name}] could not start the kvoy stack (Envoy + kvoy_prefix_affinity.wasm): {e:#}")
+    })
+}
+
+/// Checks that `r`, the answer to `what` in test `name`, is a 200 (saying what came instead).
+pub fn assert_ok(name: &str, what: &str, r: &http::Response) {
+    assert_eq!(
+        r.status,
+        200,
+        "[{name}] {what}: status {}, body {}",
+        r.status,
+        r.text()
+    );
+}
 
 /// What the tests read from a running aggregator, over its HTTP API.
 pub trait AggregatorReads {
@@ -121,6 +146,33 @@ pub fn conversation_turn(model: &str, i: usize, t: usize) -> Vec<u8> {
     json!({"model": model, "max_tokens": 2, "messages": messages})
         .to_string()
         .into_bytes()
+}
+
+/// A prompt of about 1 KB (16 blocks of the simulators' caches) unrelated to any
+/// conversation, number `i` of a flood that fills the caches and makes the simulators evict.
+pub fn flood_prompt(i: usize) -> Vec<u8> {
+    let text = format!(
+        "Unrelated prompt {i}. {}",
+        "Other work fills the cache. ".repeat(36)
+    );
+    serde_json::to_vec(&json!({"model": MODEL, "max_tokens": 2,
+        "messages": [{"role": "user", "content": text}]}))
+    .unwrap()
+}
+
+/// POSTs a chat completion `body` to `proxy` within [`TIMEOUT`]; panics when no answer comes.
+pub fn post_chat(proxy: std::net::SocketAddr, body: &[u8]) -> http::Response {
+    http::post_json(proxy, "/v1/chat/completions", &[], body, TIMEOUT).unwrap()
+}
+
+/// [`post_chat`], answered 200; the address of the backend that served it (`?` when it did not
+/// say).
+pub fn send_chat(proxy: std::net::SocketAddr, body: &[u8]) -> String {
+    let r = post_chat(proxy, body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.header(kvoy_testkit::SERVED_BY_HEADER)
+        .unwrap_or("?")
+        .to_owned()
 }
 
 /// A fresh directory for run `name` of this test binary's tests:

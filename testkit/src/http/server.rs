@@ -24,12 +24,16 @@ use tokio::sync::oneshot;
 /// test's needs).
 const MAX_ACCEPTS: u64 = 1 << 40;
 
-/// A response body: whole (sent with a `content-length`) or a list of pieces (sent chunked,
-/// one chunk each, as a streamed reply is).
+/// A body for hyper, a server's response or a client's request: whole (sent with a
+/// `content-length`) or a list of pieces (sent chunked on HTTP/1.1, one chunk or DATA frame
+/// each, as a streamed reply is), optionally ended by trailers, or never ended (a stalled
+/// upload: it stays pending after its pieces).
 #[derive(Debug, Default)]
 pub struct Body {
     pieces: VecDeque<Bytes>,
     whole: bool,
+    trailers: Option<hyper::HeaderMap>,
+    stall: bool,
 }
 
 impl Body {
@@ -46,6 +50,7 @@ impl Body {
                 VecDeque::from([bytes])
             },
             whole: true,
+            ..Body::default()
         }
     }
 
@@ -53,7 +58,23 @@ impl Body {
     pub fn chunks(pieces: impl IntoIterator<Item = Bytes>) -> Body {
         Body {
             pieces: pieces.into_iter().filter(|p| !p.is_empty()).collect(),
-            whole: false,
+            ..Body::default()
+        }
+    }
+
+    /// This body, its pieces followed by `trailers` (which end it).
+    pub fn with_trailers(self, trailers: hyper::HeaderMap) -> Body {
+        Body {
+            trailers: Some(trailers),
+            ..self
+        }
+    }
+
+    /// This body, never ending after its pieces: a client that stops sending mid-upload.
+    pub fn stalled(self) -> Body {
+        Body {
+            stall: true,
+            ..self
         }
     }
 }
@@ -66,11 +87,21 @@ impl hyper::body::Body for Body {
         mut self: Pin<&mut Self>,
         _cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        Poll::Ready(self.pieces.pop_front().map(|p| Ok(Frame::data(p))))
+        if let Some(piece) = self.pieces.pop_front() {
+            return Poll::Ready(Some(Ok(Frame::data(piece))));
+        }
+        if let Some(trailers) = self.trailers.take() {
+            return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
+        }
+        if self.stall {
+            // Nothing will wake it: the stream stays open until the other side gives up.
+            return Poll::Pending;
+        }
+        Poll::Ready(None)
     }
 
     fn is_end_stream(&self) -> bool {
-        self.pieces.is_empty()
+        self.pieces.is_empty() && self.trailers.is_none() && !self.stall
     }
 
     fn size_hint(&self) -> SizeHint {
