@@ -222,9 +222,18 @@ pub struct SimCli {
     /// mooncake: replay only the first N requests
     #[arg(long, value_name = "N", value_parser = positive_usize())]
     pub limit: Option<usize>,
-    /// Seed of every random draw
+    /// Seed of every random draw (one seed; see --seeds)
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub seed: u64,
+    /// Run every cell once per seed: a comma-separated list of seeds and ranges, `1,2,3,4,5`
+    /// or `1-5`; the summary gives each cell's median and worst over them, `results.json`
+    /// every run. The first seed's plan sets the saturation estimate and the SLO
+    #[arg(long, value_name = "LIST", conflicts_with = "seed", value_parser = seed_list)]
+    pub seeds: Option<SeedList>,
+    /// The TTFT SLO in seconds of model time that the "SLO met" share and goodput count
+    /// against [default: 5 x the idle TTFT of each workload's median prompt]
+    #[arg(long, value_name = "S", value_parser = kvoy_sim::cli::positive_f64)]
+    pub slo_ttft: Option<f64>,
     /// Runs in parallel
     #[arg(long, value_name = "N", default_value_t = 2, value_parser = positive_usize())]
     pub threads: usize,
@@ -238,6 +247,50 @@ pub struct SimCli {
     /// No progress lines on stderr
     #[arg(long)]
     pub quiet: bool,
+}
+
+/// The seeds of `--seeds`, in the order given.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SeedList(pub Vec<u64>);
+
+/// The most seeds `--seeds` takes (each is a whole grid of runs).
+pub const MAX_SEEDS: usize = 1000;
+
+fn seed_list(v: &str) -> Result<SeedList, String> {
+    let number = |s: &str| {
+        s.trim()
+            .parse::<u64>()
+            .map_err(|_| format!("`{}` is not a seed (a whole number)", s.trim()))
+    };
+    let mut seeds = Vec::new();
+    for item in v.split(',') {
+        let item = item.trim();
+        if item.is_empty() {
+            return Err("expected seeds like 1,2,3 or 1-5; an item is empty".to_owned());
+        }
+        match item.split_once('-') {
+            Some((a, b)) => {
+                let (a, b) = (number(a)?, number(b)?);
+                if a > b {
+                    return Err(format!("the range `{item}` ends before it starts"));
+                }
+                if b - a >= MAX_SEEDS as u64 {
+                    return Err(format!("at most {MAX_SEEDS} seeds"));
+                }
+                seeds.extend(a..=b);
+            }
+            None => seeds.push(number(item)?),
+        }
+        if seeds.len() > MAX_SEEDS {
+            return Err(format!("at most {MAX_SEEDS} seeds"));
+        }
+    }
+    for (i, s) in seeds.iter().enumerate() {
+        if seeds[..i].contains(s) {
+            return Err(format!("seed {s} is given twice"));
+        }
+    }
+    Ok(SeedList(seeds))
 }
 
 fn workload(name: &str) -> Result<String, CliError> {
@@ -306,7 +359,10 @@ pub struct SimArgs {
     pub count: Option<Count>,
     pub trace: Option<PathBuf>,
     pub limit: Option<usize>,
-    pub seed: u64,
+    /// Every cell runs once per seed; the first is the nominal one.
+    pub seeds: Vec<u64>,
+    /// `--slo-ttft`, seconds; `None`: the default rule.
+    pub slo_ttft_s: Option<f64>,
     pub threads: usize,
     pub sglang_tree_chars: Option<usize>,
     pub out: PathBuf,
@@ -359,7 +415,8 @@ impl SimCli {
             count,
             trace: self.trace,
             limit: self.limit,
-            seed: self.seed,
+            seeds: self.seeds.map_or_else(|| vec![self.seed], |s| s.0),
+            slo_ttft_s: self.slo_ttft,
             threads: self.threads,
             sglang_tree_chars: self.sglang_tree_chars,
             out: self.out,
@@ -434,7 +491,8 @@ impl SimArgs {
             },
             replicas: self.replicas,
             fleet: self.fleet,
-            seed: self.seed,
+            seeds: self.seeds.clone(),
+            slo_ttft_s: self.slo_ttft_s,
             threads: self.threads,
             sglang_tree_chars: self.sglang_tree_chars,
             envoy_workers: None,
@@ -459,7 +517,8 @@ mod tests {
         let a = sim("sim");
         assert_eq!(a.workloads, ["shared-prefix"]);
         assert_eq!(a.policies.len(), PolicyKind::ALL.len());
-        assert_eq!((a.replicas, a.threads, a.seed), (16, 2, 1));
+        assert_eq!((a.replicas, a.threads, a.seeds.as_slice()), (16, 2, &[1][..]));
+        assert_eq!(a.slo_ttft_s, None);
         let a = sim("sim --workload agents,no-sharing --rates 0.5x,2t,12 --replicas 8 --policies kvoy,round-robin --requests 40 --scale 0.1");
         assert_eq!(a.workloads, ["agents", "no-sharing"]);
         assert_eq!(
@@ -485,6 +544,37 @@ mod tests {
         let a = sim("sim --slow-factor 3 --fleet half-slow --replicas 4");
         assert_eq!(a.fleet, FleetKind::HalfSlow { slow_factor: 3.0 });
         assert_eq!(a.grid().unwrap().fleet, a.fleet);
+    }
+
+    #[test]
+    fn seeds_and_the_slo() {
+        assert_eq!(sim("sim --seed 7").seeds, [7]);
+        assert_eq!(sim("sim --seeds 1,2,3,4,5").seeds, [1, 2, 3, 4, 5]);
+        assert_eq!(sim("sim --seeds 1-5").seeds, [1, 2, 3, 4, 5]);
+        assert_eq!(sim("sim --seeds 9,1-3").seeds, [9, 1, 2, 3]);
+        assert_eq!(sim("sim --seeds 4").seeds, [4]);
+        let a = sim("sim --seeds 3-4 --slo-ttft 2.5");
+        assert_eq!((a.slo_ttft_s, a.grid().unwrap().seeds), (Some(2.5), vec![3, 4]));
+        let err = |s: &str| parse(&words(s)).unwrap_err().to_string();
+        for (args, why) in [
+            ("sim --seeds 5-1", "ends before it starts"),
+            ("sim --seeds 1,x", "`x` is not a seed"),
+            ("sim --seeds 1,,2", "empty"),
+            ("sim --seeds 1-", "is not a seed"),
+            ("sim --seeds 2,1-3", "seed 2 is given twice"),
+            ("sim --seeds 0-5000", "at most 1000 seeds"),
+            ("sim --seeds -1", "is not a seed"),
+        ] {
+            let e = err(args);
+            assert!(e.contains("--seeds") && e.contains(why), "{args}: {e}");
+        }
+        assert!(err("sim --seeds").contains("needs a value"));
+        let e = err("sim --seed 1 --seeds 1-3");
+        assert!(e.contains("--seed") && e.contains("--seeds"), "{e}");
+        for bad in ["0", "-1", "x"] {
+            let e = err(&format!("sim --slo-ttft {bad}"));
+            assert!(e.contains("--slo-ttft"), "{bad}: {e}");
+        }
     }
 
     #[test]

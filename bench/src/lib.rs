@@ -45,6 +45,7 @@ pub mod report;
 pub mod runner;
 pub mod saturation;
 pub mod sim;
+pub mod slo;
 pub mod workload;
 
 pub use report::Report;

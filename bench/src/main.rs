@@ -52,7 +52,7 @@ fn run(command: CliCommand) -> Result<(), Box<dyn std::error::Error>> {
         let mut err = std::io::stderr().lock();
         let _ = writeln!(
             err,
-            "[{:>6.1}s] run {:>3}/{} done | {} {} at {:.2}x ({:.2} req/s): {pct}% ({}/{})",
+            "[{:>6.1}s] run {:>3}/{} done | {} {} at {:.2}x ({:.2} req/s) seed {}: {pct}% ({}/{})",
             started.elapsed().as_secs_f64(),
             p.finished_runs,
             p.runs,
@@ -60,6 +60,7 @@ fn run(command: CliCommand) -> Result<(), Box<dyn std::error::Error>> {
             p.policy,
             p.load,
             p.rate,
+            p.seed,
             p.done,
             p.total
         );

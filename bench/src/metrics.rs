@@ -15,6 +15,10 @@ pub struct Recorder {
     pub itl: Vec<f32>,
     /// TTFT per request class.
     pub class_ttft: BTreeMap<&'static str, Vec<f64>>,
+    /// Every request that produced its first token, for the SLO figures.
+    pub served: Vec<Served>,
+    /// Refused requests per class (they miss any SLO).
+    pub class_rejected: BTreeMap<&'static str, u64>,
     pub per_endpoint: Vec<u64>,
     pub prompt_tokens: u64,
     /// Prompt tokens served from the cache at a request's first admission (see `RunFigures`).
@@ -43,6 +47,33 @@ pub struct Recorder {
     /// Ideal (infinite single cache) hit tokens and the prompt tokens they count against.
     pub ideal_hit_tokens: u64,
     pub ideal_prompt_tokens: u64,
+}
+
+/// One request that produced its first token: what the SLO figures need of it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Served {
+    pub class: &'static str,
+    /// Its TTFT, seconds.
+    pub ttft_s: f64,
+    /// Every output token it generated.
+    pub output_tokens: u64,
+    /// The ones generated up to `Recorder::window_end` (what `window_output_tokens` counts).
+    pub window_output_tokens: u64,
+}
+
+/// How a run (or a class) did against a TTFT SLO.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SloFigures {
+    /// The SLO: a request meets it when its TTFT is at most this, seconds.
+    pub ttft_s: f64,
+    /// Requests counted: those that produced a first token plus the refused ones (which miss).
+    pub requests: u64,
+    pub met_requests: u64,
+    /// `met_requests / requests`.
+    pub met: f64,
+    /// Output tokens per second of the requests that met the SLO, over the same window as
+    /// `RunFigures::output_tokens_per_s`.
+    pub goodput_tokens_per_s: f64,
 }
 
 /// p50 / p90 / p99 of a sample, seconds.
@@ -79,6 +110,9 @@ impl Percentiles {
 pub struct ClassFigures {
     pub requests: usize,
     pub ttft_s: Percentiles,
+    /// The class's SLO figures (absent in reports written before they existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slo: Option<SloFigures>,
 }
 
 /// How evenly requests spread over the endpoints.
@@ -96,6 +130,9 @@ pub struct Spread {
 pub struct RunFigures {
     pub workload: String,
     pub policy: String,
+    /// The seed of the run (absent in reports written before several seeds ran: the report's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
     /// Offered load, requests per second.
     pub rate: f64,
     /// `rate` / the workload's estimated saturation rate.
@@ -135,6 +172,9 @@ pub struct RunFigures {
     pub output_tokens: u64,
     pub spread: Spread,
     pub classes: BTreeMap<String, ClassFigures>,
+    /// The run against its TTFT SLO (absent in reports written before SLOs existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slo: Option<SloFigures>,
 }
 
 fn ratio(a: f64, b: f64) -> f64 {
@@ -153,8 +193,64 @@ impl Recorder {
         }
     }
 
-    /// The run's summary.
-    pub fn figures(&self, workload: &str, policy: &str, rate: f64, load: f64) -> RunFigures {
+    /// The window throughput is measured over, seconds, and whether it is the load stage
+    /// (`window_end` after the first arrival) rather than the makespan.
+    fn window(&self) -> (f64, bool) {
+        let first = self.first_arrival.unwrap_or_default();
+        let window = self.window_end.saturating_sub(first).as_secs_f64();
+        if window > 0.0 {
+            (window, true)
+        } else {
+            (self.last_completion.saturating_sub(first).as_secs_f64(), false)
+        }
+    }
+
+    /// The requests of `class` (all when `None`) against a TTFT SLO of `slo` seconds: a
+    /// request meets it when its TTFT is at most `slo`; refused requests miss it. Goodput counts
+    /// the met requests' output tokens over the window `output_tokens_per_s` uses (their tokens
+    /// up to `window_end` over the load stage; all their tokens over the makespan when there is
+    /// no stage).
+    pub fn slo_figures(&self, slo: f64, class: Option<&str>) -> SloFigures {
+        let (window, stage) = self.window();
+        let (mut served, mut met, mut tokens) = (0u64, 0u64, 0u64);
+        for s in self
+            .served
+            .iter()
+            .filter(|s| class.is_none_or(|c| c == s.class))
+        {
+            served += 1;
+            if s.ttft_s <= slo {
+                met += 1;
+                tokens += if stage {
+                    s.window_output_tokens
+                } else {
+                    s.output_tokens
+                };
+            }
+        }
+        let refused = match class {
+            None => self.rejected,
+            Some(c) => self.class_rejected.get(c).copied().unwrap_or(0),
+        };
+        let requests = served + refused;
+        SloFigures {
+            ttft_s: slo,
+            requests,
+            met_requests: met,
+            met: ratio(met as f64, requests as f64),
+            goodput_tokens_per_s: ratio(tokens as f64, window),
+        }
+    }
+
+    /// The run's summary; `slo`: the TTFT SLO in seconds, if the run is judged by one.
+    pub fn figures(
+        &self,
+        workload: &str,
+        policy: &str,
+        rate: f64,
+        load: f64,
+        slo: Option<f64>,
+    ) -> RunFigures {
         let first = self.first_arrival.unwrap_or_default();
         let makespan = self.last_completion.saturating_sub(first).as_secs_f64();
         let window = self.window_end.saturating_sub(first).as_secs_f64();
@@ -182,6 +278,7 @@ impl Recorder {
         RunFigures {
             workload: workload.to_owned(),
             policy: policy.to_owned(),
+            seed: None,
             rate,
             load,
             requests: self.completed + self.rejected,
@@ -224,10 +321,12 @@ impl Recorder {
                         ClassFigures {
                             requests: v.len(),
                             ttft_s: Percentiles::of(v),
+                            slo: slo.map(|t| self.slo_figures(t, Some(class))),
                         },
                     )
                 })
                 .collect(),
+            slo: slo.map(|t| self.slo_figures(t, None)),
         }
     }
 }
@@ -253,7 +352,7 @@ mod tests {
         r.output_tokens = 40;
         r.first_arrival = Some(Duration::from_secs(1));
         r.last_completion = Duration::from_secs(5);
-        let f = r.figures("w", "p", 1.0, 0.5);
+        let f = r.figures("w", "p", 1.0, 0.5, None);
         assert_eq!(f.spread.max_over_mean, 1.5);
         assert!((f.spread.cv - 0.5).abs() < 1e-12);
         // No window (one arrival): over the makespan.
@@ -261,9 +360,60 @@ mod tests {
         r.window_end = Duration::from_secs(3);
         r.window_output_tokens = 30;
         r.window_completed = 3;
-        let f = r.figures("w", "p", 1.0, 0.5);
+        let f = r.figures("w", "p", 1.0, 0.5, None);
         assert_eq!((f.output_tokens_per_s, f.requests_per_s), (15.0, 1.5));
         assert_eq!(f.overall_output_tokens_per_s, 10.0);
         assert_eq!(f.hit_rate, 0.0);
+    }
+
+    #[test]
+    fn goodput_counts_the_requests_that_met_the_slo() {
+        let served = |class, ttft_s, output_tokens, window_output_tokens| Served {
+            class,
+            ttft_s,
+            output_tokens,
+            window_output_tokens,
+        };
+        let mut r = Recorder::new(1);
+        r.served = vec![
+            served("chat", 1.0, 40, 30),
+            served("chat", 2.0, 20, 20), // exactly at the SLO: met
+            served("agent", 2.5, 50, 50),
+            served("agent", 0.5, 15, 10),
+        ];
+        r.completed = 4;
+        r.rejected = 1;
+        r.class_rejected.insert("agent", 1);
+        for s in &r.served {
+            r.class_ttft.entry(s.class).or_default().push(s.ttft_s);
+        }
+        r.first_arrival = Some(Duration::ZERO);
+        r.window_end = Duration::from_secs(10);
+        r.last_completion = Duration::from_secs(20);
+        let all = r.slo_figures(2.0, None);
+        assert_eq!((all.requests, all.met_requests), (5, 3));
+        assert_eq!(all.met, 0.6);
+        // (30 + 20 + 10) tokens of the met requests in the 10 s stage.
+        assert_eq!(all.goodput_tokens_per_s, 6.0);
+        let chat = r.slo_figures(2.0, Some("chat"));
+        assert_eq!((chat.requests, chat.met_requests, chat.met), (2, 2, 1.0));
+        assert_eq!(chat.goodput_tokens_per_s, 5.0);
+        let agent = r.slo_figures(2.0, Some("agent"));
+        assert_eq!((agent.requests, agent.met_requests), (3, 1));
+        assert!((agent.met - 1.0 / 3.0).abs() < 1e-15);
+        assert_eq!(agent.goodput_tokens_per_s, 1.0);
+        // A tighter SLO: only the 0.5 s request.
+        let tight = r.slo_figures(0.5, None);
+        assert_eq!((tight.met_requests, tight.goodput_tokens_per_s), (1, 1.0));
+        // In the figures, for the run and each class; none without an SLO.
+        let f = r.figures("w", "p", 1.0, 1.0, Some(2.0));
+        assert_eq!(f.slo, Some(all));
+        assert_eq!(f.classes["agent"].slo, Some(agent));
+        let f = r.figures("w", "p", 1.0, 1.0, None);
+        assert_eq!((f.slo, f.classes["chat"].slo), (None, None));
+        // No stage (one arrival): all their tokens over the makespan, as throughput does.
+        r.window_end = Duration::ZERO;
+        let f = r.figures("w", "p", 1.0, 1.0, Some(2.0));
+        assert_eq!(f.slo.unwrap().goodput_tokens_per_s, (40.0 + 20.0 + 15.0) / 20.0);
     }
 }

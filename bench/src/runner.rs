@@ -1,5 +1,5 @@
-//! The grid of runs: every (workload, rate, policy), spread over a few threads, collected in a
-//! fixed order so that the report does not depend on the thread count.
+//! The grid of runs: every (workload, rate, policy, seed), spread over a few threads, collected
+//! in a fixed order so that the report does not depend on the thread count.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
@@ -12,6 +12,7 @@ use crate::policy::{PolicyKind, PolicyOptions};
 use crate::report::{Report, WorkloadReport};
 use crate::saturation::{fleet_capacity, measure};
 use crate::sim::{self, SimConfig, SimError};
+use crate::slo::Slo;
 use crate::workload::Workload;
 
 /// A rate on the command line.
@@ -35,7 +36,11 @@ pub struct Grid {
     pub profile: Profile,
     pub replicas: usize,
     pub fleet: FleetKind,
-    pub seed: u64,
+    /// Every cell runs once per seed (which drives the plan and every random draw); the first is
+    /// the nominal seed, whose plan gives the shape, the saturation estimate and the SLO.
+    pub seeds: Vec<u64>,
+    /// The TTFT SLO, seconds; `None`: the default rule of [`crate::slo`].
+    pub slo_ttft_s: Option<f64>,
     pub threads: usize,
     pub sglang_tree_chars: Option<usize>,
     /// Model the cache-blind baselines as Envoy runs them on this many worker threads (see
@@ -53,6 +58,7 @@ pub struct Progress<'a> {
     pub policy: &'a str,
     pub load: f64,
     pub rate: f64,
+    pub seed: u64,
     pub done: u64,
     pub total: u64,
     /// Runs finished so far, of `runs`.
@@ -80,6 +86,8 @@ pub enum RunError {
     },
     #[error("a worker thread panicked")]
     Panicked,
+    #[error("no seed to run")]
+    NoSeed,
 }
 
 struct Job {
@@ -87,13 +95,17 @@ struct Job {
     rate: f64,
     load: f64,
     policy: PolicyKind,
-    /// Shared by the runs with the same requests (open-loop workloads): the ideal hit tokens
-    /// and prompt tokens, computed once by whichever run needs them first.
+    seed: u64,
+    /// Shared by the runs with the same requests (open-loop workloads, same seed): the ideal
+    /// hit tokens and prompt tokens, computed once by whichever run needs them first.
     ideal: Option<usize>,
+    slo: Option<f64>,
 }
 
 /// Runs the grid; `progress` is called from the worker threads.
 pub fn run(grid: &Grid, progress: &(dyn Fn(Progress<'_>) + Sync)) -> Result<Report, RunError> {
+    let nominal = *grid.seeds.first().ok_or(RunError::NoSeed)?;
+    let seeds = grid.seeds.len();
     let mut reports = Vec::new();
     let mut jobs = Vec::new();
     let mut ideals = 0usize;
@@ -103,10 +115,10 @@ pub fn run(grid: &Grid, progress: &(dyn Fn(Progress<'_>) + Sync)) -> Result<Repo
     for (wi, w) in grid.workloads.iter().enumerate() {
         // The shape can depend on the number of requests (a cycled pool repeats prompts): measure
         // it at a first estimate of saturation, then once more at that rate.
-        let mut shape = measure(&w.plan(1.0, grid.seed), &grid.profile);
+        let mut shape = measure(&w.plan(1.0, nominal), &grid.profile);
         let mut cap = fleet_capacity(&grid.profile, &shape, &slowdowns);
         if w.content_depends_on_rate() {
-            shape = measure(&w.plan(cap.rate, grid.seed), &grid.profile);
+            shape = measure(&w.plan(cap.rate, nominal), &grid.profile);
             cap = fleet_capacity(&grid.profile, &shape, &slowdowns);
         }
         let mut rates = Vec::new();
@@ -121,14 +133,16 @@ pub fn run(grid: &Grid, progress: &(dyn Fn(Progress<'_>) + Sync)) -> Result<Repo
             };
             rates.push(rate);
         }
+        let slo = Slo::for_workload(&shape, &grid.profile, grid.slo_ttft_s);
         let shared_content = !w.content_depends_on_rate();
         let first_ideal = ideals;
         if shared_content && w.open_loop() {
-            // The same requests at every rate: the shape's ideal is every run's.
-            known.push((ideals, (shape.ideal_hit_tokens, shape.prompt_tokens)));
+            // The same requests at every rate: the shape's ideal is every nominal run's.
+            known.push((ideals * seeds, (shape.ideal_hit_tokens, shape.prompt_tokens)));
         }
         for &rate in &rates {
-            // One ideal per rate, or one for all rates when only the timing changes.
+            // One ideal per rate and seed, or one per seed for all rates when only the timing
+            // changes; seed `k`'s of slot `i` is cell `i * seeds + k`.
             let ideal = w.open_loop().then(|| {
                 if !shared_content || ideals == first_ideal {
                     ideals += 1;
@@ -136,13 +150,17 @@ pub fn run(grid: &Grid, progress: &(dyn Fn(Progress<'_>) + Sync)) -> Result<Repo
                 ideals - 1
             });
             for &policy in &grid.policies {
-                jobs.push(Job {
-                    workload: wi,
-                    rate,
-                    load: rate / cap.rate,
-                    policy,
-                    ideal,
-                });
+                for (k, &seed) in grid.seeds.iter().enumerate() {
+                    jobs.push(Job {
+                        workload: wi,
+                        rate,
+                        load: rate / cap.rate,
+                        policy,
+                        seed,
+                        ideal: ideal.map(|i| i * seeds + k),
+                        slo: slo.map(|s| s.ttft_s),
+                    });
+                }
             }
         }
         reports.push(WorkloadReport {
@@ -152,6 +170,7 @@ pub fn run(grid: &Grid, progress: &(dyn Fn(Progress<'_>) + Sync)) -> Result<Repo
             saturation: cap,
             rates,
             runs: Vec::new(),
+            slo,
         });
     }
 
@@ -169,7 +188,8 @@ pub fn run(grid: &Grid, progress: &(dyn Fn(Progress<'_>) + Sync)) -> Result<Repo
 
     let results: Mutex<Vec<Option<Result<RunFigures, RunError>>>> =
         Mutex::new((0..jobs.len()).map(|_| None).collect());
-    let ideal_cells: Vec<OnceLock<(u64, u64)>> = (0..ideals).map(|_| OnceLock::new()).collect();
+    let ideal_cells: Vec<OnceLock<(u64, u64)>> =
+        (0..ideals * seeds).map(|_| OnceLock::new()).collect();
     for (i, totals) in known {
         if let Some(cell) = ideal_cells.get(i) {
             let _ = cell.set(totals);
@@ -216,7 +236,7 @@ pub fn run(grid: &Grid, progress: &(dyn Fn(Progress<'_>) + Sync)) -> Result<Repo
         profile: grid.profile.name.clone(),
         replicas: grid.replicas,
         fleet: grid.fleet,
-        seed: grid.seed,
+        seed: nominal,
         scrape_interval_ms: grid.scrape_interval.as_millis() as u64,
         policies: grid.policies.iter().map(|p| p.name().to_owned()).collect(),
         workloads: reports,
@@ -235,12 +255,12 @@ fn run_job(
     progress: &(dyn Fn(Progress<'_>) + Sync),
 ) -> Result<RunFigures, RunError> {
     let w = &grid.workloads[job.workload];
-    let plan = w.plan(job.rate, grid.seed);
+    let plan = w.plan(job.rate, job.seed);
     let mut policy = job
         .policy
         .build(&PolicyOptions {
             replicas: grid.replicas,
-            seed: grid.seed,
+            seed: job.seed,
             profile: grid.profile.clone(),
             replica_profiles: profiles.to_vec(),
             sglang_tree_chars: grid.sglang_tree_chars,
@@ -265,6 +285,7 @@ fn run_job(
             policy: job.policy.name(),
             load: job.load,
             rate: job.rate,
+            seed: job.seed,
             done,
             total,
             finished_runs: finished.load(Ordering::Relaxed),
@@ -292,5 +313,7 @@ fn run_job(
     if let Some((hit, prompt)) = ideal {
         (recorder.ideal_hit_tokens, recorder.ideal_prompt_tokens) = (hit, prompt);
     }
-    Ok(recorder.figures(w.name(), job.policy.name(), job.rate, job.load))
+    let mut figures = recorder.figures(w.name(), job.policy.name(), job.rate, job.load, job.slo);
+    figures.seed = Some(job.seed);
+    Ok(figures)
 }

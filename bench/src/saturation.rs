@@ -35,6 +35,9 @@ use crate::workload::Plan;
 pub struct Shape {
     pub requests: usize,
     pub mean_prompt_tokens: f64,
+    /// The median prompt (nearest rank), tokens (0 in reports written before it was kept).
+    #[serde(default)]
+    pub median_prompt_tokens: u64,
     pub mean_output_tokens: f64,
     /// Ideal hit rate with the sessions replayed one after the other.
     pub ideal_hit_rate: f64,
@@ -52,6 +55,7 @@ pub fn measure(plan: &Plan, profile: &Profile) -> Shape {
     let mut ideal = IdealCache::new(profile.block_size);
     let (mut prompt, mut output, mut footprint, mut prefill, mut n) = (0u64, 0u64, 0f64, 0f64, 0);
     let mut text = String::new();
+    let mut prompts = Vec::with_capacity(plan.requests());
     for s in &plan.sessions {
         text.clear();
         for t in &s.turns {
@@ -60,6 +64,7 @@ pub fn measure(plan: &Plan, profile: &Profile) -> Shape {
             let tokens = text.len().div_ceil(4) as u64;
             let uncached = tokens as f64 - hit;
             prompt += tokens;
+            prompts.push(tokens as f64);
             output += u64::from(t.max_tokens);
             footprint += uncached + f64::from(t.max_tokens);
             prefill += uncached / profile.prefill_tokens_per_s
@@ -68,9 +73,11 @@ pub fn measure(plan: &Plan, profile: &Profile) -> Shape {
         }
     }
     let d = n.max(1) as f64;
+    prompts.sort_by(f64::total_cmp);
     Shape {
         requests: n,
         mean_prompt_tokens: prompt as f64 / d,
+        median_prompt_tokens: crate::metrics::percentile(&prompts, 0.5) as u64,
         mean_output_tokens: output as f64 / d,
         ideal_hit_rate: ideal.hit_rate(),
         mean_footprint_tokens: footprint / d,

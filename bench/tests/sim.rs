@@ -45,7 +45,8 @@ fn small_grid(threads: usize) -> Grid {
         profile: Profile::llama_8b_h100(),
         replicas: 3,
         fleet: FleetKind::Uniform,
-        seed: 11,
+        seeds: vec![11],
+        slo_ttft_s: None,
         threads,
         sglang_tree_chars: None,
         envoy_workers: None,
@@ -71,7 +72,7 @@ fn same_seed_same_json_whatever_the_threads() {
         2 * PolicyKind::ALL.len()
     );
     let mut other = small_grid(2);
-    other.seed = 12;
+    other.seeds = vec![12];
     let c = runner::run(&other, &quiet).unwrap().to_json().unwrap();
     assert_ne!(a, c, "the seed matters");
 }
@@ -155,7 +156,7 @@ fn kvoy_finds_the_shared_prefixes_round_robin_scatters() {
     let cfg = SimConfig::new(Profile::llama_8b_h100(), 4);
     let hit = |kind: PolicyKind| {
         let rec = simulate(&plan, kind, &cfg).unwrap();
-        rec.figures("shared-prefix", kind.name(), 10.0, 1.0)
+        rec.figures("shared-prefix", kind.name(), 10.0, 1.0, None)
     };
     let kvoy = hit(PolicyKind::Kvoy);
     let rr = hit(PolicyKind::RoundRobin);

@@ -210,6 +210,7 @@ pub fn record(outcomes: &[Outcome], pool: &[SocketAddr], recorder: &mut Recorder
         .map(|(i, a)| (a.to_string(), i))
         .collect();
     let mut last_sent = Duration::ZERO;
+    let first_served = recorder.served.len();
     for o in outcomes {
         recorder.first_arrival = Some(recorder.first_arrival.map_or(o.sent, |f| f.min(o.sent)));
         last_sent = last_sent.max(o.sent);
@@ -223,6 +224,12 @@ pub fn record(outcomes: &[Outcome], pool: &[SocketAddr], recorder: &mut Recorder
         let ttft = t.ttft.unwrap_or_default().as_secs_f64();
         recorder.ttft.push(ttft);
         recorder.class_ttft.entry(o.class).or_default().push(ttft);
+        recorder.served.push(crate::metrics::Served {
+            class: o.class,
+            ttft_s: ttft,
+            output_tokens: u64::from(t.tokens),
+            window_output_tokens: 0,
+        });
         recorder.e2e.push(t.total.as_secs_f64());
         recorder
             .itl
@@ -249,12 +256,21 @@ pub fn record(outcomes: &[Outcome], pool: &[SocketAddr], recorder: &mut Recorder
     // their gaps), so an end before the last completion counts what came out by then.
     let end = recorder.last_completion.max(last_sent);
     recorder.window_end = end;
+    let mut served = first_served;
     for o in outcomes {
         let Ok(t) = &o.timing else { continue };
         if t.status != 200 {
             continue;
         }
-        recorder.window_output_tokens += tokens_by(o.sent, t, end);
+        let tokens = tokens_by(o.sent, t, end);
+        recorder.window_output_tokens += tokens;
+        // The requests the first pass recorded as served, in the same order.
+        if t.ttft.is_some() {
+            if let Some(s) = recorder.served.get_mut(served) {
+                s.window_output_tokens = tokens;
+            }
+            served += 1;
+        }
         if o.sent + t.total <= end {
             recorder.window_completed += 1;
         }

@@ -285,6 +285,7 @@ pub fn run(
         reports.push(WorkloadReport {
             name: w.name().to_owned(),
             description: w.describe(),
+            slo: crate::slo::Slo::for_workload(&shape, &grid.profile, None),
             shape,
             saturation,
             rates,
@@ -390,7 +391,8 @@ pub fn run(
                 scale_recorder(&mut recorder, speedup);
                 recorder.ideal_hit_tokens = ideal.ideal_hit_tokens;
                 recorder.ideal_prompt_tokens = ideal.prompt_tokens;
-                let figures = recorder.figures(w.name(), policy.name(), rate, load);
+                let slo = report.slo.map(|s| s.ttft_s);
+                let figures = recorder.figures(w.name(), policy.name(), rate, load, slo);
                 finished_runs += 1;
                 tick(
                     figures.completed as usize,
@@ -451,6 +453,9 @@ fn scale_recorder(r: &mut Recorder, factor: f64) {
     }
     for v in r.class_ttft.values_mut().flatten() {
         *v *= factor;
+    }
+    for s in &mut r.served {
+        s.ttft_s *= factor;
     }
     for v in &mut r.itl {
         *v *= factor as f32;

@@ -1,5 +1,6 @@
 //! Output: the JSON with every figure, a Markdown summary and SVG plots.
 
+pub mod seeds;
 mod summary;
 pub mod svg;
 pub mod table;
@@ -90,11 +91,16 @@ pub struct WorkloadReport {
     pub saturation: Capacity,
     /// Offered rates, requests per second.
     pub rates: Vec<f64>,
-    /// Every run, by rate then policy.
+    /// Every run, by rate, policy, then seed.
     pub runs: Vec<RunFigures>,
+    /// The TTFT SLO the runs were judged by (absent in reports written before SLOs existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slo: Option<crate::slo::Slo>,
 }
 
 impl WorkloadReport {
+    /// The first run of (`policy`, `rate`): on a report with several seeds, the nominal seed's;
+    /// see [`seeds`] for the cells' medians.
     pub fn run(&self, policy: &str, rate: f64) -> Option<&RunFigures> {
         self.runs
             .iter()
@@ -142,6 +148,22 @@ fn write(path: PathBuf, bytes: &[u8]) -> Result<(), WriteError> {
 }
 
 impl Report {
+    /// The seeds the runs ran with, in the order they first appear (runs that name none ran
+    /// with `seed`).
+    pub fn seeds(&self) -> Vec<u64> {
+        let mut seen = Vec::new();
+        for r in self.workloads.iter().flat_map(|w| &w.runs) {
+            let s = r.seed.unwrap_or(self.seed);
+            if !seen.contains(&s) {
+                seen.push(s);
+            }
+        }
+        if seen.is_empty() {
+            seen.push(self.seed);
+        }
+        seen
+    }
+
     /// Reads a `results.json` written by [`Report::write_all`].
     pub fn load(path: &Path) -> Result<Report, ReadError> {
         let text = std::fs::read_to_string(path).map_err(|source| ReadError::Io {
@@ -184,7 +206,8 @@ impl Report {
             Ok(())
         };
         put("summary.md".into(), summary(self).as_bytes())?;
-        for w in &self.workloads {
+        // The plots show each cell's median over the seeds.
+        for w in &seeds::medians(self).workloads {
             for (kind, chart) in svg::charts(w, &self.policies) {
                 put(format!("{}-{kind}.svg", w.name), chart.as_bytes())?;
             }

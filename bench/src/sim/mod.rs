@@ -19,7 +19,7 @@ use std::time::Duration;
 use kvoy_sim_engine::{tokenizer, Engine, EngineRequest, OutputKind, Profile, ProfileError};
 
 use crate::ideal::IdealCache;
-use crate::metrics::Recorder;
+use crate::metrics::{Recorder, Served};
 use crate::policy::{EndpointMetrics, Policy, PrefillTotals, Prefilled, RouteRequest, View};
 use crate::workload::text::render_all;
 use crate::workload::Plan;
@@ -96,6 +96,8 @@ struct Live {
     preempted_early: bool,
     /// First scheduling to first token, as the engine reported it.
     prefill_time: Duration,
+    /// Its entry in `Recorder::served`, once its first token is out.
+    served: Option<usize>,
 }
 
 struct Sim<'a> {
@@ -301,6 +303,7 @@ impl Sim<'_> {
                     first_token: false,
                     preempted_early: false,
                     prefill_time: Duration::ZERO,
+                    served: None,
                 });
                 self.open += 1;
                 if !self.busy[e] {
@@ -311,6 +314,7 @@ impl Sim<'_> {
                 log::debug!("request {} refused by the engine: {err}", turn.id);
                 policy.on_finished(turn.id, e, now);
                 self.rec.rejected += 1;
+                *self.rec.class_rejected.entry(session.class).or_default() += 1;
                 self.rec.refused.push(turn.id);
                 self.done += 1;
                 self.next_turn(now, si, turn.id);
@@ -385,6 +389,13 @@ impl Sim<'_> {
                     live.last_token = now;
                     live.first_token = true;
                     let class = self.plan.sessions[si].class;
+                    live.served = Some(self.rec.served.len());
+                    self.rec.served.push(Served {
+                        class,
+                        ttft_s: ttft.as_secs_f64(),
+                        output_tokens: 1,
+                        window_output_tokens: u64::from(in_window),
+                    });
                     self.rec.ttft.push(ttft.as_secs_f64());
                     self.rec
                         .class_ttft
@@ -400,6 +411,10 @@ impl Sim<'_> {
                 OutputKind::Token { .. } => {
                     let gap = now.saturating_sub(live.last_token);
                     self.rec.itl.push(gap.as_secs_f32());
+                    if let Some(served) = live.served.and_then(|i| self.rec.served.get_mut(i)) {
+                        served.output_tokens += 1;
+                        served.window_output_tokens += u64::from(in_window);
+                    }
                     live.last_token = now;
                 }
                 OutputKind::Finished { usage, latency } => {
