@@ -517,7 +517,10 @@ mod tests {
         let a = sim("sim");
         assert_eq!(a.workloads, ["shared-prefix"]);
         assert_eq!(a.policies.len(), PolicyKind::ALL.len());
-        assert_eq!((a.replicas, a.threads, a.seeds.as_slice()), (16, 2, &[1][..]));
+        assert_eq!(
+            (a.replicas, a.threads, a.seeds.as_slice()),
+            (16, 2, &[1][..])
+        );
         assert_eq!(a.slo_ttft_s, None);
         let a = sim("sim --workload agents,no-sharing --rates 0.5x,2t,12 --replicas 8 --policies kvoy,round-robin --requests 40 --scale 0.1");
         assert_eq!(a.workloads, ["agents", "no-sharing"]);
@@ -554,7 +557,10 @@ mod tests {
         assert_eq!(sim("sim --seeds 9,1-3").seeds, [9, 1, 2, 3]);
         assert_eq!(sim("sim --seeds 4").seeds, [4]);
         let a = sim("sim --seeds 3-4 --slo-ttft 2.5");
-        assert_eq!((a.slo_ttft_s, a.grid().unwrap().seeds), (Some(2.5), vec![3, 4]));
+        assert_eq!(
+            (a.slo_ttft_s, a.grid().unwrap().seeds),
+            (Some(2.5), vec![3, 4])
+        );
         let err = |s: &str| parse(&words(s)).unwrap_err().to_string();
         for (args, why) in [
             ("sim --seeds 5-1", "ends before it starts"),

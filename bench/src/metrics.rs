@@ -201,7 +201,10 @@ impl Recorder {
         if window > 0.0 {
             (window, true)
         } else {
-            (self.last_completion.saturating_sub(first).as_secs_f64(), false)
+            (
+                self.last_completion.saturating_sub(first).as_secs_f64(),
+                false,
+            )
         }
     }
 
@@ -414,6 +417,9 @@ mod tests {
         // No stage (one arrival): all their tokens over the makespan, as throughput does.
         r.window_end = Duration::ZERO;
         let f = r.figures("w", "p", 1.0, 1.0, Some(2.0));
-        assert_eq!(f.slo.unwrap().goodput_tokens_per_s, (40.0 + 20.0 + 15.0) / 20.0);
+        assert_eq!(
+            f.slo.unwrap().goodput_tokens_per_s,
+            (40.0 + 20.0 + 15.0) / 20.0
+        );
     }
 }

@@ -138,7 +138,10 @@ pub fn run(grid: &Grid, progress: &(dyn Fn(Progress<'_>) + Sync)) -> Result<Repo
         let first_ideal = ideals;
         if shared_content && w.open_loop() {
             // The same requests at every rate: the shape's ideal is every nominal run's.
-            known.push((ideals * seeds, (shape.ideal_hit_tokens, shape.prompt_tokens)));
+            known.push((
+                ideals * seeds,
+                (shape.ideal_hit_tokens, shape.prompt_tokens),
+            ));
         }
         for &rate in &rates {
             // One ideal per rate and seed, or one per seed for all rates when only the timing

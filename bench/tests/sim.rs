@@ -77,6 +77,101 @@ fn same_seed_same_json_whatever_the_threads() {
     assert_ne!(a, c, "the seed matters");
 }
 
+#[test]
+fn several_seeds_same_json_whatever_the_threads() {
+    let quiet = |_: runner::Progress<'_>| {};
+    let grid = |threads: usize, seeds: Vec<u64>| Grid {
+        policies: vec![PolicyKind::Kvoy, PolicyKind::RoundRobin, PolicyKind::LlmD1],
+        seeds,
+        ..small_grid(threads)
+    };
+    let run = |g: &Grid| runner::run(g, &quiet).unwrap();
+    let one = run(&grid(1, vec![11, 12, 13]));
+    let a = one.to_json().unwrap();
+    for threads in [2, 3] {
+        assert_eq!(a, run(&grid(threads, vec![11, 12, 13])).to_json().unwrap());
+    }
+    assert_eq!(one.seeds(), [11, 12, 13]);
+    // Every (rate, policy) cell once per seed, by rate, policy, then seed.
+    let runs = &one.workloads[1].runs;
+    assert_eq!(runs.len(), 2 * 3 * 3);
+    let seeds: Vec<Option<u64>> = runs[..3].iter().map(|r| r.seed).collect();
+    assert_eq!(seeds, [Some(11), Some(12), Some(13)]);
+    assert!(runs[..3].iter().all(|r| r.policy == "kvoy"));
+    assert_ne!(runs[0].ttft_s, runs[1].ttft_s, "each seed its own plan");
+    // The nominal seed's runs are what a grid of that seed alone gives.
+    let alone = run(&grid(2, vec![11]));
+    for (w, w1) in one.workloads.iter().zip(&alone.workloads) {
+        assert_eq!(w.rates, w1.rates);
+        let nominal: Vec<_> = w.runs.iter().filter(|r| r.seed == Some(11)).collect();
+        assert_eq!(nominal.len(), w1.runs.len());
+        for (r, r1) in nominal.into_iter().zip(&w1.runs) {
+            assert_eq!(r, r1);
+        }
+    }
+    // Every run is judged by the workload's SLO, the default rule's.
+    for w in &one.workloads {
+        let slo = w.slo.expect("a default SLO");
+        assert!(!slo.from_flag && slo.ttft_s > 0.0);
+        assert!(w
+            .runs
+            .iter()
+            .all(|r| r.slo.is_some_and(|f| f.ttft_s == slo.ttft_s)));
+    }
+    let md = kvoy_bench::report::summary(&one);
+    assert!(md.contains("seeds 11, 12, 13"), "{md}");
+    assert!(md.contains("median (worst seed)"));
+    assert!(md.contains("TTFT SLO:") && md.contains("goodput tok/s"));
+    assert!(md.contains("kvoy against the reference routers"));
+    // The median in the summary is the middle seed's TTFT p90 at saturation.
+    let mut p90: Vec<f64> = runs[..3].iter().map(|r| r.ttft_s.p90).collect();
+    p90.sort_by(f64::total_cmp);
+    let medians = kvoy_bench::report::seeds::medians(&one);
+    assert_eq!(medians.workloads[1].runs[0].ttft_s.p90, p90[1]);
+    let worst = kvoy_bench::report::seeds::worst(&one);
+    assert_eq!(worst.workloads[1].runs[0].ttft_s.p90, p90[2]);
+}
+
+#[test]
+fn a_given_slo_is_every_runs() {
+    let quiet = |_: runner::Progress<'_>| {};
+    let mut grid = small_grid(2);
+    grid.workloads.truncate(1);
+    grid.policies = vec![PolicyKind::RoundRobin];
+    grid.slo_ttft_s = Some(1e-9);
+    let report = runner::run(&grid, &quiet).unwrap();
+    let w = &report.workloads[0];
+    assert!(w.slo.unwrap().from_flag);
+    for r in &w.runs {
+        let slo = r.slo.unwrap();
+        assert_eq!(
+            (slo.ttft_s, slo.met_requests, slo.goodput_tokens_per_s),
+            (1e-9, 0, 0.0)
+        );
+    }
+    grid.slo_ttft_s = Some(1e9);
+    let report = runner::run(&grid, &quiet).unwrap();
+    for r in &report.workloads[0].runs {
+        let slo = r.slo.unwrap();
+        assert_eq!((slo.met, slo.requests), (1.0, r.requests));
+        // Everyone met it: goodput is the throughput.
+        assert!((slo.goodput_tokens_per_s - r.output_tokens_per_s).abs() < 1e-9);
+    }
+}
+
+#[test]
+fn the_reference_results_written_before_seeds_read_back() {
+    let path = Path::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/results/sim/results.json"
+    ));
+    let report = kvoy_bench::Report::load(path).unwrap();
+    assert_eq!(report.seeds(), [report.seed]);
+    let md = kvoy_bench::report::summary(&report);
+    assert!(md.contains(&format!("seed {}", report.seed)));
+    assert!(!md.contains("TTFT SLO:"), "no SLO was recorded then");
+}
+
 /// Wraps a policy and counts what it is asked to route.
 struct Counting<'a> {
     inner: Box<dyn Policy>,

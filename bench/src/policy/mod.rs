@@ -183,6 +183,19 @@ impl PolicyKind {
         PolicyKind::ALL.into_iter().find(|p| p.name() == name)
     }
 
+    /// One of the published prefix-aware routers kvoy is measured against (llm-d before and
+    /// since 1.0, SGLang's, Dynamo's): the references of the summary's verdict.
+    pub fn is_reference_router(self) -> bool {
+        matches!(
+            self,
+            PolicyKind::LlmD
+                | PolicyKind::Sglang
+                | PolicyKind::LlmD1
+                | PolicyKind::LlmD1Calibrated
+                | PolicyKind::Dynamo
+        )
+    }
+
     /// A fresh policy for one run. Fails only when kvoy-shared refuses the pool.
     pub fn build(self, o: &PolicyOptions) -> Result<Box<dyn Policy>, ConfigError> {
         let rng = Rng::derive(o.seed, "policy", self as u64);

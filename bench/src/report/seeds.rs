@@ -267,7 +267,10 @@ mod tests {
         assert_eq!(m.output_tokens_per_s, 200.0);
         assert_eq!(m.rejected, 1);
         let slo = m.slo.unwrap();
-        assert_eq!((slo.met, slo.goodput_tokens_per_s, slo.met_requests), (0.7, 90.0, 7));
+        assert_eq!(
+            (slo.met, slo.goodput_tokens_per_s, slo.met_requests),
+            (0.7, 90.0, 7)
+        );
         assert_eq!(m.classes["chat"].ttft_s.p90, 3.0);
         assert_eq!(m.spread.requests, [2, 8]);
         let w = fold(&refs, Fold::Worst).unwrap();
