@@ -333,4 +333,38 @@ mod tests {
         };
         assert_eq!(tokens_by(ms(0), &no_first, ms(9000)), 0);
     }
+
+    #[test]
+    fn record_keeps_each_served_request_for_the_slo() {
+        let ms = Duration::from_millis;
+        let ok = |ttft| Timing {
+            status: 200,
+            ttft: Some(ms(ttft)),
+            token_gaps: vec![ms(10); 4],
+            tokens: 5,
+            total: ms(ttft + 40),
+            ..Timing::default()
+        };
+        let outcome = |class, timing| Outcome {
+            class,
+            sent: ms(0),
+            timing,
+            served_by: None,
+        };
+        let outcomes = [
+            outcome("chat", Ok(ok(100))),
+            outcome("chat", Err("refused".into())),
+            outcome("agent", Ok(ok(300))),
+        ];
+        let mut r = Recorder::new(1);
+        record(&outcomes, &[], &mut r);
+        let served: Vec<_> = r
+            .served
+            .iter()
+            .map(|s| (s.class, s.ttft_s, s.output_tokens, s.window_output_tokens))
+            .collect();
+        assert_eq!(served, [("chat", 0.1, 5, 5), ("agent", 0.3, 5, 5)]);
+        let slo = r.slo_figures(0.2, None);
+        assert_eq!((slo.requests, slo.met_requests), (3, 1));
+    }
 }
