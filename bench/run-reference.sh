@@ -10,6 +10,14 @@
 # replaces the workload options, e.g. for a small check:
 #   RESULTS=/tmp/ref WORKLOADS="--workload no-sharing" bench/run-reference.sh --requests 40
 # (`--slow-factor F` applies to the half-slow run only: pass it with FLEETS=half-slow).
+# SEEDS (default 1-5) is passed as `--seeds`: every cell runs once per seed and the summaries
+# give each cell's median and worst seed; SEEDS=1 is the single-seed run of before.
+#
+# Wall time: the runs grow with the seeds. The single-seed reference with `--rates 1x,2x` (88
+# runs per fleet) took 14 min 42 s (uniform) and 6 min 18 s (half-slow) on the shared 2-core
+# machine, so seeds 1-5 (440 runs per fleet) take about 75 and 32 min: budget 1 h 45 min. A
+# reference-size agents run (1x, 60 s stage, 13.6k requests) costs about 2.4 s of CPU; the
+# Mooncake runs are the heaviest (about 45% of the CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TRACE=${TRACE:-../shared/data/mooncake/conversation_trace.jsonl}
@@ -28,5 +36,5 @@ for fleet in ${FLEETS:-uniform half-slow}; do
         *) echo "run-reference.sh: unknown fleet \`$fleet' (uniform or half-slow)" >&2; exit 2 ;;
     esac
     time "$CARGO_TARGET_DIR/release/kvoy-bench" sim "${workloads[@]}" --replicas 16 \
-        --profile llama-8b-h100 --fleet "$fleet" --seed 1 --threads 2 --out "$out" "$@"
+        --profile llama-8b-h100 --fleet "$fleet" --seeds "${SEEDS:-1-5}" --threads 2 --out "$out" "$@"
 done
