@@ -181,6 +181,8 @@ impl Explainer {
                         "decode_s": t.decode_s,
                         "kv_s": t.kv_s,
                         "footprint_s": t.footprint_s,
+                        "claimed": t.claimed,
+                        "seat_s": t.seat_s,
                         "total_s": t.total_s,
                     });
                 }

@@ -21,6 +21,8 @@ use std::time::Duration;
 const RATE_TIME_CONSTANT_S: f64 = 20.0;
 /// The measured rate stands once this many answered tokens back it.
 const RATE_MIN_TOKENS: f32 = 50_000.0;
+/// The weight of each finished request in the hold-time average.
+const HOLD_ALPHA: f64 = 0.05;
 /// An entry with nothing in flight is kept this long after its last change, for its measured
 /// rate (an endpoint idle for a moment keeps what was learned of it).
 pub const IDLE_KEEP: Duration = Duration::from_secs(60);
@@ -37,6 +39,14 @@ pub struct Outstanding {
     /// Estimated prompt tokens of every request in flight: the KV cache they hold while they
     /// decode (the prompt's part of it).
     pub prompt_tokens: u32,
+    /// The KV cache every request in flight will still claim, estimated at routing: its
+    /// uncached prompt tokens plus the output tokens it is expected to generate (the cost
+    /// model's KV-growth term, [`crate::prefix_affinity::cost`]).
+    pub kv_tokens: u32,
+    /// How long a request stays there, seconds: an average over the answered requests that
+    /// finished (0: none yet). Requests past the server's seats wait about this long, shared
+    /// among them, for one to free (the cost model's seat term).
+    pub hold_s: f32,
     /// The prefill clock, microseconds on the caller's clock (0: never set).
     pub drained_at_us: u64,
     /// The rate the last request sent here was costed at, tokens/s: the clock's rate until a
@@ -56,8 +66,12 @@ pub struct Charge {
     pub prefill_tokens: u32,
     /// Estimated prompt tokens.
     pub prompt_tokens: u32,
+    /// The KV cache it will claim: uncached prompt tokens plus expected output tokens.
+    pub kv_tokens: u32,
     /// The endpoint's prefill rate as the cost model used it, tokens/s.
     pub rate: f32,
+    /// When it was sent, microseconds on the caller's clock (for the hold time).
+    pub sent_us: u64,
 }
 
 /// A change to an [`Outstanding`] entry.
@@ -127,6 +141,7 @@ impl Outstanding {
             && self.prefilling == 0
             && self.prefill_tokens == 0
             && self.prompt_tokens == 0
+            && self.kv_tokens == 0
             && micros(now).saturating_sub(self.measured_at_us) >= micros(IDLE_KEEP)
     }
 
@@ -161,6 +176,7 @@ impl Outstanding {
                 self.prefilling = self.prefilling.saturating_add(1);
                 self.prefill_tokens = self.prefill_tokens.saturating_add(c.prefill_tokens);
                 self.prompt_tokens = self.prompt_tokens.saturating_add(c.prompt_tokens);
+                self.kv_tokens = self.kv_tokens.saturating_add(c.kv_tokens);
                 if c.rate.is_finite() && c.rate > 0.0 {
                     self.nominal_rate = c.rate;
                 }
@@ -179,8 +195,18 @@ impl Outstanding {
                 self.reset_clock(now_us);
             }
             OutstandingDelta::Finished { charge, answered } => {
+                if answered && charge.sent_us > 0 {
+                    let held = now_us.saturating_sub(charge.sent_us) as f64 / 1e6;
+                    self.hold_s = if self.hold_s > 0.0 {
+                        (f64::from(self.hold_s) + HOLD_ALPHA * (held - f64::from(self.hold_s)))
+                            as f32
+                    } else {
+                        held as f32
+                    };
+                }
                 self.requests = self.requests.saturating_sub(1);
                 self.prompt_tokens = self.prompt_tokens.saturating_sub(charge.prompt_tokens);
+                self.kv_tokens = self.kv_tokens.saturating_sub(charge.kv_tokens);
                 if !answered {
                     self.prefilling = self.prefilling.saturating_sub(1);
                     self.prefill_tokens = self.prefill_tokens.saturating_sub(charge.prefill_tokens);
@@ -203,7 +229,9 @@ mod tests {
         Charge {
             prefill_tokens,
             prompt_tokens: prefill_tokens + 100,
+            kv_tokens: prefill_tokens + 50,
             rate,
+            sent_us: 0,
         }
     }
 
@@ -216,10 +244,12 @@ mod tests {
             (o.requests, o.prefilling, o.prefill_tokens, o.prompt_tokens),
             (1, 1, 1_000, 1_100)
         );
+        assert_eq!(o.kv_tokens, 1_050);
         o.apply(OutstandingDelta::answered(c), ms(50));
         assert_eq!((o.requests, o.prefilling, o.prefill_tokens), (1, 0, 0));
+        assert_eq!(o.kv_tokens, 1_050, "held until the request finishes");
         o.apply(OutstandingDelta::finished(c, true), ms(90));
-        assert_eq!((o.requests, o.prompt_tokens), (0, 0));
+        assert_eq!((o.requests, o.prompt_tokens, o.kv_tokens), (0, 0, 0));
         // Finishing unanswered releases the prefill too; nothing goes below zero.
         o.apply(OutstandingDelta::sent(c), ms(100));
         o.apply(OutstandingDelta::finished(c, false), ms(110));

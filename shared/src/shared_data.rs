@@ -185,7 +185,9 @@ impl InflightTable {
 /// [`DecisionLog`]'s head (8 bytes, little-endian). The head comes last so that a reader that
 /// walks whole entries never mistakes it for one (it is shorter than an entry).
 pub fn state_key(namespace: &str) -> String {
-    format!("{namespace}.outstanding")
+    // The entry layout's version: a module of another layout on the same VM id (an upgrade in
+    // place) keeps a table of its own instead of misreading this one.
+    format!("{namespace}.outstanding.2")
 }
 
 /// Bytes of the log head at the end of the routing state value.
@@ -226,9 +228,9 @@ pub struct OutstandingTable {
     primed: Option<u32>,
 }
 
-/// Bytes of one entry: family (1), address (16), port (2), four counts (16), the clock (8),
-/// three rates (12), the measurement's time (8).
-pub const OUTSTANDING_ENTRY_BYTES: usize = 63;
+/// Bytes of one entry: family (1), address (16), port (2), five counts (20), the clock (8),
+/// three rates (12), the measurement's time (8), the hold time (4).
+pub const OUTSTANDING_ENTRY_BYTES: usize = 71;
 /// Entries the table holds at most (twice the largest pool: a pool change may leave the old
 /// endpoints' work outstanding for a while).
 const OUTSTANDING_MAX_ENTRIES: usize = 2 * crate::MAX_ENDPOINTS;
@@ -267,11 +269,13 @@ fn encode_entry(address: SocketAddr, o: &Outstanding, out: &mut Vec<u8>) {
     out.extend_from_slice(&o.prefilling.to_le_bytes());
     out.extend_from_slice(&o.prefill_tokens.to_le_bytes());
     out.extend_from_slice(&o.prompt_tokens.to_le_bytes());
+    out.extend_from_slice(&o.kv_tokens.to_le_bytes());
     out.extend_from_slice(&o.drained_at_us.to_le_bytes());
     out.extend_from_slice(&o.nominal_rate.to_le_bytes());
     out.extend_from_slice(&o.answered_tokens.to_le_bytes());
     out.extend_from_slice(&o.busy_s.to_le_bytes());
     out.extend_from_slice(&o.measured_at_us.to_le_bytes());
+    out.extend_from_slice(&o.hold_s.to_le_bytes());
 }
 
 fn decode_entry(c: &[u8]) -> Option<(SocketAddr, Outstanding)> {
@@ -293,11 +297,13 @@ fn decode_entry(c: &[u8]) -> Option<(SocketAddr, Outstanding)> {
             prefilling: word(23)?,
             prefill_tokens: word(27)?,
             prompt_tokens: word(31)?,
-            drained_at_us: long(35)?,
-            nominal_rate: rate(43)?,
-            answered_tokens: rate(47)?,
-            busy_s: rate(51)?,
-            measured_at_us: long(55)?,
+            kv_tokens: word(35)?,
+            drained_at_us: long(39)?,
+            nominal_rate: rate(47)?,
+            answered_tokens: rate(51)?,
+            busy_s: rate(55)?,
+            measured_at_us: long(59)?,
+            hold_s: rate(67)?,
         },
     ))
 }
@@ -1093,7 +1099,9 @@ mod tests {
         Charge {
             prefill_tokens: tokens,
             prompt_tokens: tokens * 2,
+            kv_tokens: tokens + 100,
             rate: 1_000.0,
+            sent_us: 0,
         }
     }
 
@@ -1144,11 +1152,11 @@ mod tests {
         // An endpoint with nothing in flight keeps its entry (its measured rate) for a while,
         // then only live work is stored: one entry left (port 3). The log's head follows the
         // entries.
-        let (bytes, _) = store.get("ns.outstanding").unwrap();
+        let (bytes, _) = store.get("ns.outstanding.2").unwrap();
         assert_eq!(bytes.len(), 2 * OUTSTANDING_ENTRY_BYTES + HEAD_BYTES);
         let later = T0 + crate::outstanding::IDLE_KEEP;
         t.add(&store, at(3), sent(0), later).unwrap();
-        let (bytes, _) = store.get("ns.outstanding").unwrap();
+        let (bytes, _) = store.get("ns.outstanding.2").unwrap();
         assert_eq!(bytes.len(), OUTSTANDING_ENTRY_BYTES + HEAD_BYTES);
         // Work at addresses outside the pool is kept for whoever routes there.
         t.add(&store, at(9), sent(1), later).unwrap();
@@ -1162,7 +1170,7 @@ mod tests {
         t.read(&store, &pool_of(&[9, 3]), &mut out);
         assert_eq!(counts(&out), vec![(1, 1, 1), (2, 2, 50)]);
         // A garbled value reads as what it can decode, padded with zeros.
-        store.set("ns.outstanding", &[1, 2, 3], 0).unwrap();
+        store.set("ns.outstanding.2", &[1, 2, 3], 0).unwrap();
         t.read(&store, &pool, &mut out);
         assert_eq!(out, vec![Outstanding::default(); 3]);
     }
@@ -1174,18 +1182,20 @@ mod tests {
             prefilling: 2,
             prefill_tokens: 4_000,
             prompt_tokens: 9_000,
+            kv_tokens: 5_500,
             drained_at_us: 1_234_567_890,
             nominal_rate: 25_000.0,
             answered_tokens: 61_000.5,
             busy_s: 3.25,
             measured_at_us: 1_234_000_000,
+            hold_s: 31.5,
         };
         let mut bytes = Vec::new();
         encode_entry(at(7), &o, &mut bytes);
         assert_eq!(bytes.len(), OUTSTANDING_ENTRY_BYTES);
         assert_eq!(decode_entry(&bytes), Some((at(7), o)));
-        // The nominal rate's bytes (after the address, four counts and the clock) as NaN.
-        bytes[43..47].copy_from_slice(&f32::NAN.to_bits().to_le_bytes());
+        // The nominal rate's bytes (after the address, five counts and the clock) as NaN.
+        bytes[47..51].copy_from_slice(&f32::NAN.to_bits().to_le_bytes());
         let (_, garbled) = decode_entry(&bytes).unwrap();
         assert_eq!(garbled.nominal_rate, 0.0);
         assert_eq!(decode_entry(&bytes[..OUTSTANDING_ENTRY_BYTES - 1]), None);

@@ -98,7 +98,7 @@ fn destination(stream: &HttpStream) -> String {
 /// family, 16 address bytes, port, three counts per entry) and holds only live work.
 fn outstanding(plugin: &Plugin, config: &str) -> Vec<(u32, u32, u32)> {
     let key = format!(
-        "{}.outstanding",
+        "{}.outstanding.2",
         shared_data::pool_namespace(
             "kvoy.pa",
             &kvoy_shared::prefix_affinity::PluginConfig::from_json(config.as_bytes()).unwrap()

@@ -50,6 +50,8 @@ struct RawModelCost {
     bytes_per_token: Option<f64>,
     #[serde(default)]
     kv_capacity_tokens: Option<u32>,
+    #[serde(default)]
+    output_tokens: Option<f64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -68,6 +70,9 @@ struct RawCost {
     kv_capacity_tokens: Option<u32>,
     footprint_high: f64,
     tier_credit: RawTierCredit,
+    output_tokens: f64,
+    claim_weight: f64,
+    max_num_seqs: u32,
 }
 
 /// `cost.tier_credit`: what a matched block offloaded from the GPU counts for (GPU: 1).
@@ -102,6 +107,9 @@ impl Default for RawCost {
             kv_capacity_tokens: d.kv_capacity_tokens,
             footprint_high: d.footprint_high,
             tier_credit: RawTierCredit::default(),
+            output_tokens: d.output_tokens,
+            claim_weight: d.claim_weight,
+            max_num_seqs: d.max_num_seqs,
         }
     }
 }
@@ -138,11 +146,16 @@ impl TryFrom<RawCost> for CostParams {
                     f64::from(v),
                 )?;
             }
+            let output = m
+                .output_tokens
+                .map(|v| positive(&format!("cost.models.{model}.output_tokens"), v))
+                .transpose()?;
             models.push(ModelCost {
                 model,
                 prefill_tokens_per_s: rate,
                 bytes_per_token: bpt,
                 kv_capacity_tokens: m.kv_capacity_tokens,
+                output_tokens: output,
             });
         }
         if !(raw.decode_s_per_sequence.is_finite() && raw.decode_s_per_sequence >= 0.0) {
@@ -180,6 +193,8 @@ impl TryFrom<RawCost> for CostParams {
                 raw.footprint_high,
             ));
         }
+        within("cost.output_tokens", 0.0..=1e7, raw.output_tokens)?;
+        within("cost.claim_weight", 0.0..=100.0, raw.claim_weight)?;
         let RawTierCredit { cpu, storage } = raw.tier_credit;
         within("cost.tier_credit.cpu", 0.0..=1.0, cpu)?;
         if !(0.0..=cpu).contains(&storage) {
@@ -203,6 +218,9 @@ impl TryFrom<RawCost> for CostParams {
             kv_capacity_tokens: raw.kv_capacity_tokens,
             footprint_high: raw.footprint_high,
             tier_credit: [cpu, storage],
+            output_tokens: raw.output_tokens,
+            claim_weight: raw.claim_weight,
+            max_num_seqs: raw.max_num_seqs,
         })
     }
 }
@@ -896,6 +914,38 @@ mod tests {
             r#"{"endpoints":[{"address":"127.0.0.1:1","models":["m"],"kv_capacity_tokens":0}]}"#,
         );
         assert!(e.contains("endpoints[0].kv_capacity_tokens"), "{e}");
+    }
+
+    #[test]
+    fn kv_growth_and_seat_settings_resolve_and_are_checked() {
+        let cfg = PluginConfig::from_json(
+            br#"{"endpoints":[{"address":"127.0.0.1:1","models":["m","n"]}],
+                "cost":{"output_tokens":500,"claim_weight":1.5,"max_num_seqs":64,
+                        "models":{"m":{"output_tokens":2000}}}}"#,
+        )
+        .unwrap();
+        assert_eq!(cfg.cost.model_output_tokens("m"), 2000.0);
+        assert_eq!(cfg.cost.model_output_tokens("n"), 500.0);
+        assert_eq!(cfg.cost.claim_weight, 1.5);
+        assert_eq!(cfg.cost.max_num_seqs, 64);
+        let ep = r#""endpoints":[{"address":"127.0.0.1:1","models":["m"]}]"#;
+        let default = PluginConfig::from_json(format!("{{{ep}}}").as_bytes()).unwrap();
+        assert_eq!(default.cost.model_output_tokens("m"), 256.0);
+        assert_eq!(default.cost.claim_weight, 3.0);
+        assert_eq!(default.cost.max_num_seqs, 256);
+        for (bad, field) in [
+            (r#""cost":{"output_tokens":-1}"#, "cost.output_tokens"),
+            (r#""cost":{"claim_weight":-0.5}"#, "cost.claim_weight"),
+            (r#""cost":{"claim_weight":1000}"#, "cost.claim_weight"),
+            (
+                r#""cost":{"models":{"m":{"output_tokens":0}}}"#,
+                "cost.models.m.output_tokens",
+            ),
+            (r#""cost":{"max_num_seqs":-1}"#, "expected u32"),
+        ] {
+            let e = err(&format!("{{{ep},{bad}}}"));
+            assert!(e.contains(field), "{bad}: {e}");
+        }
     }
 
     #[test]

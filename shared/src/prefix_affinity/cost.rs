@@ -8,10 +8,13 @@
 //! uncached_e = max(T - M_e, 1)                       the last token is always computed
 //! queued_e   = max(this proxy's prefill tokens pending at e,  server waiting x typical request)
 //! work_e     = queued_e + uncached_e
-//! prefill_e  = work_e / rate_e                        the prefill ahead of the first token
+//! claimed_e  = (KV claimed_e + uncached_e + expected output) / KV capacity_e,  at most 1.5
+//! w_e        = w x (1 + claim_weight x claimed_e)      w: see the pressure below
+//! prefill_e  = (queued_e + w_e x uncached_e) / rate_e  the prefill ahead of the first token
 //! decode_e   = (1 + work_e / step_tokens) x running_e x decode_s_per_sequence
 //! kv_e       = kv_full_s x (kv_use_e - kv_high) / (1 - kv_high)   when kv_use_e > kv_high
-//! cost_e     = prefill_e + decode_e + kv_e + footprint_e
+//! seat_e     = (held_e + 1 - max_num_seqs) x hold_e / max_num_seqs  when held_e >= max_num_seqs
+//! cost_e     = prefill_e + decode_e + kv_e + footprint_e + seat_e
 //! ```
 //!
 //! A request that *matches nowhere* (no candidate holds any of its blocks: no prefix at
@@ -38,6 +41,19 @@
 //!   decoding from taking every request that shares its prefix.
 //! - The *KV term* (aggregator figures only): a nearly full cache admits a new sequence only
 //!   once running ones free blocks.
+//! - The *KV-growth weight* ([`claimed_share`]): `KV claimed_e` is what this proxy's requests
+//!   in flight at `e` will hold by the time they finish, each one's uncached prompt tokens and
+//!   expected output tokens (`cost.output_tokens`, per model `cost.models.<m>.output_tokens`).
+//!   A prefix computed again where the decodes in flight will fill the cache takes blocks they
+//!   grow into: the server preempts them and later requests wait for the recomputation. So
+//!   recomputing weighs more where the cache is claimed, and a request stays on its prefix's
+//!   holder longer there (the half-slow fleet's shared-prefix: 962 preemptions and a 24 s TTFT
+//!   p90 without it, none and 0.39 s with it; bench/README.md).
+//! - The *seat term*: a server runs `max_num_seqs` sequences at once (vLLM's setting); a
+//!   request sent where this proxy and the server's own counts hold that many waits for one to
+//!   finish, about `hold_e / max_num_seqs` per request ahead of it, `hold_e` the measured time a
+//!   request stays there ([`crate::Outstanding::hold_s`]). Queued prefill tokens do not show
+//!   that wait: a fast endpoint busy decoding at its seat limit looked idle.
 //! - The uncached tokens are weighted by `uncached_weight x (1 + pressure)` ([`Pressure`]: the
 //!   work queued at the least busy candidate, in typical requests, now or on recent average,
 //!   whichever is larger; 0 while the fleet has idle endpoints, growing once none is).
@@ -90,6 +106,15 @@ pub struct CostParams {
     /// `[CPU, storage]` (the server loads it back instead of computing it; see
     /// [`crate::PrefixIndex::demote`]).
     pub tier_credit: [f64; 2],
+    /// Output tokens a request is expected to generate, for a model with no figure of its own
+    /// (the claim on the KV cache its decode grows into).
+    pub output_tokens: f64,
+    /// How much the uncached tokens' weight grows with the share of an endpoint's KV cache
+    /// that the requests in flight there claim (the KV-growth term, [`claimed_share`]).
+    pub claim_weight: f64,
+    /// Sequences an endpoint runs at once (vLLM `max_num_seqs`): requests past them wait for
+    /// one to finish (the seat term; 0: no term).
+    pub max_num_seqs: u32,
 }
 
 /// A model's own figures.
@@ -99,6 +124,7 @@ pub struct ModelCost {
     pub prefill_tokens_per_s: Option<f64>,
     pub bytes_per_token: Option<f64>,
     pub kv_capacity_tokens: Option<u32>,
+    pub output_tokens: Option<f64>,
 }
 
 impl Default for CostParams {
@@ -127,6 +153,12 @@ impl Default for CostParams {
             // vLLM's router's (its `kv_aware` policy: 1.0 / 0.8 / 0.3); Dynamo's KV router
             // credits 1.0 / 0.75 / 0.25.
             tier_credit: [0.8, 0.3],
+            output_tokens: 256.0,
+            // Measured on the fleet simulation (bench/README.md): 2 still let the half-slow
+            // fleet's shared-prefix preempt on one seed in three, 3 and 4 were level, 6 lost
+            // on agents at 2x.
+            claim_weight: 3.0,
+            max_num_seqs: 256,
         }
     }
 }
@@ -159,6 +191,13 @@ impl CostParams {
             .unwrap_or(self.prefill_tokens_per_s)
     }
 
+    /// The configured output tokens of a request to `model`.
+    pub fn model_output_tokens(&self, model: &str) -> f64 {
+        self.model(model)
+            .and_then(|m| m.output_tokens)
+            .unwrap_or(self.output_tokens)
+    }
+
     /// The configured KV capacity of `model`'s endpoints, tokens.
     pub fn model_kv_capacity(&self, model: &str) -> Option<u32> {
         self.model(model)
@@ -185,6 +224,13 @@ pub struct CostTerms {
     /// The footprint term (a request that matches nowhere only): the KV this proxy's
     /// requests in flight hold there.
     pub footprint_s: f64,
+    /// The share of the KV cache the requests in flight there claim, this one included
+    /// ([`claimed_share`]; 0 without a capacity): the uncached tokens weigh `1 +
+    /// claim_weight x claimed` more.
+    pub claimed: f64,
+    /// The seat term: the wait for a running sequence to finish when the endpoint already
+    /// holds `max_num_seqs` requests.
+    pub seat_s: f64,
     /// Predicted time to first token (the cost), seconds.
     pub total_s: f64,
 }
@@ -198,6 +244,8 @@ pub struct RequestSize {
     pub bytes_per_token: f64,
     /// Uncached tokens of a typical request of this proxy (to size a server queue).
     pub typical_tokens: f64,
+    /// Output tokens it is expected to generate.
+    pub output_tokens: f64,
 }
 
 /// Prefill tokens queued at `c` ahead of a new request: this proxy's by the prefill clock for
@@ -268,6 +316,25 @@ impl Pressure {
     }
 }
 
+/// The claimed share is capped: past a cache claimed half again over, the endpoint preempts
+/// whatever is sent, and an uncapped weight would only make it harder to leave.
+const CLAIM_CAP: f64 = 1.5;
+
+/// The share of `c`'s KV cache that the requests in flight there will claim by the time they
+/// finish, this one included: each one's uncached prompt tokens and expected output tokens
+/// (a cached prefix claims no new blocks), over the capacity; 0 without a capacity. A prefix
+/// computed again where that share is high claims blocks the decodes in flight there grow
+/// into: the server preempts them, and every later request waits for the recomputation.
+pub fn claimed_share(c: &Candidate, uncached: f64, req: &RequestSize) -> f64 {
+    match c.kv_capacity_tokens {
+        Some(capacity) if capacity > 0 => {
+            let claimed = c.kv_tokens as f64 + uncached + req.output_tokens.max(0.0);
+            (claimed / f64::from(capacity)).min(CLAIM_CAP)
+        }
+        _ => 0.0,
+    }
+}
+
 /// The cost terms of one candidate, its own uncached tokens weighted by `weight` (see
 /// [`Pressure`]); `unmatched`: the request matches no candidate (module doc).
 pub fn terms(
@@ -292,6 +359,8 @@ pub fn terms(
         params.prefill_tokens_per_s
     };
     let work = queued + uncached;
+    let claimed = claimed_share(c, uncached, req);
+    let weight = weight * (1.0 + params.claim_weight * claimed);
     let prefill_s = (queued + weight * uncached) / rate;
     let steps = 1.0 + work / f64::from(params.step_tokens.max(1));
     let decode_s = steps * f64::from(running) * params.decode_s_per_sequence;
@@ -312,6 +381,13 @@ pub fn terms(
         }
         _ => 0.0,
     };
+    let seats = params.max_num_seqs;
+    let holding = c.guard_load();
+    let seat_s = if seats > 0 && c.hold_s > 0.0 && holding >= u64::from(seats) {
+        (holding + 1 - u64::from(seats)) as f64 * c.hold_s / f64::from(seats)
+    } else {
+        0.0
+    };
     CostTerms {
         uncached_tokens: uncached,
         queued_tokens: queued,
@@ -321,7 +397,9 @@ pub fn terms(
         decode_s,
         kv_s,
         footprint_s,
-        total_s: prefill_s + decode_s + kv_s + footprint_s,
+        claimed,
+        seat_s,
+        total_s: prefill_s + decode_s + kv_s + footprint_s + seat_s,
     }
 }
 
@@ -446,6 +524,8 @@ mod tests {
             prefill_tokens,
             queued_tokens: prefill_tokens as f64,
             prompt_tokens: prefill_tokens,
+            kv_tokens: prefill_tokens,
+            hold_s: 0.0,
             kv_capacity_tokens: None,
             prefill_rate: 20_000.0,
             load: EndpointLoad::default(),
@@ -458,6 +538,7 @@ mod tests {
             prompt_tokens: tokens,
             bytes_per_token: 4.0,
             typical_tokens: 1000.0,
+            output_tokens: 0.0,
         }
     }
 
@@ -593,6 +674,86 @@ mod tests {
         // A request with a match anywhere: no term either.
         a.kv_capacity_tokens = p.kv_capacity_tokens;
         assert_eq!(terms(&a, &r, &p, 1.0, false).footprint_s, 0.0);
+    }
+
+    #[test]
+    fn requests_past_the_seats_wait_for_one_to_free() {
+        let r = req(1000.0);
+        let p = CostParams {
+            max_num_seqs: 4,
+            ..CostParams::default()
+        };
+        // Six requests held where four run at once, each staying 2 s: this one is the third
+        // past the seats, 3 x 2 / 4 s.
+        let mut c = cand(0, 0, 6, 0);
+        c.hold_s = 2.0;
+        let t = terms(&c, &r, &p, 1.0, false);
+        assert!((t.seat_s - 1.5).abs() < 1e-12, "{t:?}");
+        assert!(t.total_s >= t.seat_s);
+        // Below the seats, an unknown hold time, or no seat limit: no term.
+        c.inflight = 3;
+        assert_eq!(terms(&c, &r, &p, 1.0, false).seat_s, 0.0);
+        c.inflight = 6;
+        c.hold_s = 0.0;
+        assert_eq!(terms(&c, &r, &p, 1.0, false).seat_s, 0.0);
+        c.hold_s = 2.0;
+        let off = CostParams {
+            max_num_seqs: 0,
+            ..p.clone()
+        };
+        assert_eq!(terms(&c, &r, &off, 1.0, false).seat_s, 0.0);
+        // The server's own count, when larger, is what is held.
+        c.inflight = 1;
+        c.load.waiting = Some(3);
+        c.load.running = Some(4);
+        assert!((terms(&c, &r, &p, 1.0, false).seat_s - 2.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn uncached_tokens_weigh_more_where_the_requests_in_flight_claim_the_cache() {
+        let p = CostParams {
+            claim_weight: 2.0,
+            ..CostParams::default()
+        };
+        let mut r = req(1000.0);
+        r.output_tokens = 1000.0;
+        let mut c = cand(0, 0, 3, 0);
+        c.kv_capacity_tokens = Some(10_000);
+        // 6,000 tokens claimed, plus this request's 1,000 + 1,000: 0.8 of the cache, so each
+        // uncached token weighs 1 + 2 x 0.8 = 2.6.
+        c.kv_tokens = 6_000;
+        let t = terms(&c, &r, &p, 1.0, false);
+        assert!((t.claimed - 0.8).abs() < 1e-12, "{t:?}");
+        assert!(
+            (t.prefill_s - 2.6 * 1000.0 / 20_000.0).abs() < 1e-12,
+            "{t:?}"
+        );
+        // A cached prefix claims nothing new: 3,000 of 4,000 bytes matched leaves 250 tokens.
+        c.matched = 47;
+        c.matched_bytes = 3_000;
+        let t = terms(&c, &r, &p, 1.0, false);
+        assert!((t.claimed - 0.725).abs() < 1e-12, "{t:?}");
+        // The pressure's weight multiplies it.
+        let t = terms(&c, &r, &p, 2.0, false);
+        assert!(
+            (t.prefill_s - 2.0 * 2.45 * 250.0 / 20_000.0).abs() < 1e-12,
+            "{t:?}"
+        );
+        // Capped at 1.5 claimed.
+        c.kv_tokens = 100_000;
+        assert_eq!(terms(&c, &r, &p, 1.0, false).claimed, 1.5);
+        // No capacity, or no weight: the plain cost.
+        c.kv_capacity_tokens = None;
+        let t = terms(&c, &r, &p, 1.0, false);
+        assert_eq!(t.claimed, 0.0);
+        assert!((t.prefill_s - 250.0 / 20_000.0).abs() < 1e-12, "{t:?}");
+        c.kv_capacity_tokens = Some(10_000);
+        let off = CostParams {
+            claim_weight: 0.0,
+            ..p
+        };
+        let t = terms(&c, &r, &off, 1.0, false);
+        assert!((t.prefill_s - 250.0 / 20_000.0).abs() < 1e-12, "{t:?}");
     }
 
     #[test]

@@ -396,6 +396,8 @@ impl Router {
                 prefill_tokens: u64::from(o.prefill_tokens),
                 queued_tokens: o.queued_tokens_at(now),
                 prompt_tokens: u64::from(o.prompt_tokens),
+                kv_tokens: u64::from(o.kv_tokens),
+                hold_s: f64::from(o.hold_s),
                 kv_capacity_tokens: load.kv_capacity_tokens.or(kv_capacity),
                 prefill_rate: load.prefill_tokens_per_s.unwrap_or(model_rate),
                 load,
@@ -492,6 +494,7 @@ impl Router {
             prompt_tokens,
             bytes_per_token,
             typical_tokens: self.typical_tokens.unwrap_or(prompt_tokens),
+            output_tokens: self.config.cost.model_output_tokens(&req.model),
         };
         let hard = self.config.session.hard;
         let pinned = self.candidates.iter().position(|c| c.pinned);
@@ -560,7 +563,9 @@ impl Router {
             charge: Charge {
                 prefill_tokens: tokens(uncached),
                 prompt_tokens: tokens(size.prompt_tokens),
+                kv_tokens: tokens(uncached + size.output_tokens),
                 rate: rate as f32,
+                sent_us: u64::try_from(now.as_micros()).unwrap_or(u64::MAX).max(1),
             },
         })
     }

@@ -42,6 +42,12 @@ pub struct Candidate {
     pub queued_tokens: f64,
     /// Estimated prompt tokens of every request this proxy has in flight there.
     pub prompt_tokens: u64,
+    /// The KV cache those requests will still claim: uncached prompt plus expected output
+    /// tokens ([`crate::Outstanding::kv_tokens`]).
+    pub kv_tokens: u64,
+    /// How long a request stays there, seconds, as this proxy measured it (0: unknown;
+    /// [`crate::Outstanding::hold_s`]).
+    pub hold_s: f64,
     /// The endpoint's KV cache in tokens, when known (configured, or the aggregator's).
     pub kv_capacity_tokens: Option<u32>,
     /// The endpoint's prefill rate, tokens/s (see [`crate::prefix_affinity::cost`]).
@@ -221,6 +227,8 @@ mod tests {
             prefill_tokens: 0,
             queued_tokens: 0.0,
             prompt_tokens: 0,
+            kv_tokens: 0,
+            hold_s: 0.0,
             kv_capacity_tokens: None,
             prefill_rate: 20_000.0,
             load: EndpointLoad::default(),
