@@ -241,6 +241,11 @@ pub struct SimCli {
     /// characters)
     #[arg(long, value_name = "N", value_parser = positive_usize())]
     pub sglang_tree_chars: Option<usize>,
+    /// kvoy, kvoy-aggregator, kvoy-weighted: fields set in their `cost` configuration, a JSON
+    /// object with the filter's field names, e.g. '{"uncached_weight": 2}' (default: the
+    /// filter's defaults)
+    #[arg(long, value_name = "JSON")]
+    pub kvoy_cost: Option<crate::policy::kvoy::CostOverrides>,
     /// Output directory
     #[arg(long, value_name = "DIR", default_value = "bench/results/sim")]
     pub out: PathBuf,
@@ -365,6 +370,7 @@ pub struct SimArgs {
     pub slo_ttft_s: Option<f64>,
     pub threads: usize,
     pub sglang_tree_chars: Option<usize>,
+    pub kvoy_cost: crate::policy::kvoy::CostOverrides,
     pub out: PathBuf,
     pub quiet: bool,
 }
@@ -419,6 +425,7 @@ impl SimCli {
             slo_ttft_s: self.slo_ttft,
             threads: self.threads,
             sglang_tree_chars: self.sglang_tree_chars,
+            kvoy_cost: self.kvoy_cost.unwrap_or_default(),
             out: self.out,
             quiet: self.quiet,
         })
@@ -495,6 +502,7 @@ impl SimArgs {
             slo_ttft_s: self.slo_ttft_s,
             threads: self.threads,
             sglang_tree_chars: self.sglang_tree_chars,
+            kvoy_cost: self.kvoy_cost.clone(),
             envoy_workers: None,
             scrape_interval: std::time::Duration::from_millis(50),
         })

@@ -26,6 +26,7 @@
 //!     profile: Profile::llama_8b_h100(),
 //!     replica_profiles: vec![Profile::llama_8b_h100(); 2],
 //!     sglang_tree_chars: None,
+//!     kvoy_cost: Default::default(),
 //!     envoy_workers: None,
 //! };
 //! let mut policy = PolicyKind::Kvoy.build(&options).unwrap();

@@ -43,6 +43,8 @@ pub struct Grid {
     pub slo_ttft_s: Option<f64>,
     pub threads: usize,
     pub sglang_tree_chars: Option<usize>,
+    /// kvoy's `cost` fields set over the bench's (`--kvoy-cost`).
+    pub kvoy_cost: crate::policy::kvoy::CostOverrides,
     /// Model the cache-blind baselines as Envoy runs them on this many worker threads (see
     /// [`crate::policy::basic`]); `None`: the textbook algorithms.
     pub envoy_workers: Option<usize>,
@@ -267,6 +269,7 @@ fn run_job(
             profile: grid.profile.clone(),
             replica_profiles: profiles.to_vec(),
             sglang_tree_chars: grid.sglang_tree_chars,
+            kvoy_cost: grid.kvoy_cost.clone(),
             envoy_workers: grid.envoy_workers,
         })
         .map_err(|source| RunError::Policy {

@@ -24,6 +24,7 @@ fn options(replicas: usize) -> PolicyOptions {
         profile: Profile::llama_8b_h100(),
         replica_profiles: vec![Profile::llama_8b_h100(); replicas],
         sglang_tree_chars: None,
+        kvoy_cost: Default::default(),
         envoy_workers: None,
     }
 }
@@ -49,6 +50,7 @@ fn small_grid(threads: usize) -> Grid {
         slo_ttft_s: None,
         threads,
         sglang_tree_chars: None,
+        kvoy_cost: Default::default(),
         envoy_workers: None,
         scrape_interval: std::time::Duration::from_millis(50),
     }
@@ -438,4 +440,46 @@ fn the_command_line_refuses_an_unknown_fleet() {
         .output()
         .unwrap();
     assert!(String::from_utf8_lossy(&out.stdout).contains("--fleet KIND"));
+}
+
+/// The half-slow fleet's shared-prefix at its saturation, 1,500 requests: kvoy with `cost`
+/// set over its defaults. Returns (TTFT p90, preemptions).
+fn half_slow_shared_prefix(cost: &str) -> (f64, u64) {
+    let grid = Grid {
+        workloads: vec![Workload::SharedPrefix(SharedPrefix::new(
+            1.0,
+            Count::Fixed(1500),
+        ))],
+        policies: vec![PolicyKind::Kvoy],
+        rates: vec![Rate::Saturation(1.0)],
+        profile: Profile::llama_8b_h100(),
+        replicas: 16,
+        fleet: FleetKind::HalfSlow { slow_factor: 2.0 },
+        seeds: vec![1],
+        slo_ttft_s: None,
+        threads: 1,
+        sglang_tree_chars: None,
+        kvoy_cost: cost.parse().unwrap(),
+        envoy_workers: None,
+        scrape_interval: std::time::Duration::from_millis(50),
+    };
+    let report = runner::run(&grid, &|_| {}).unwrap();
+    let run = &report.workloads[0].runs[0];
+    assert_eq!(run.completed, 1500);
+    (run.ttft_s.p90, run.preemptions)
+}
+
+/// The collapse of issue 37: requests for a prefix spilled from its busy holder computed it
+/// again on caches the decodes in flight there were about to fill, the servers preempted, and
+/// the queues grew (7.8 s TTFT p90 and 133 preemptions at this size, 24 s at the reference's).
+/// The KV-growth weight and the seat term (bench/README.md) keep it at the idle figure.
+#[test]
+fn the_half_slow_fleets_shared_prefix_does_not_collapse() {
+    let (ttft, preemptions) = half_slow_shared_prefix("{}");
+    assert!(ttft < 1.5, "TTFT p90 {ttft} s");
+    assert!(preemptions < 20, "{preemptions} preemptions");
+    // Without both, it still does: the check above can fail.
+    let (ttft, preemptions) = half_slow_shared_prefix(r#"{"claim_weight": 0, "max_num_seqs": 0}"#);
+    assert!(ttft > 4.0, "TTFT p90 {ttft} s");
+    assert!(preemptions > 50, "{preemptions} preemptions");
 }

@@ -51,8 +51,25 @@ pub fn address(i: usize) -> SocketAddr {
     SocketAddr::from((Ipv4Addr::new(10, 1, a, b), 8000))
 }
 
+/// Fields merged into the simulated kvoy's `cost` configuration (`--kvoy-cost`): a JSON object
+/// with the filter's own field names, checked as the filter checks its configuration.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CostOverrides(pub serde_json::Map<String, serde_json::Value>);
+
+impl std::str::FromStr for CostOverrides {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match serde_json::from_str(s) {
+            Ok(serde_json::Value::Object(fields)) => Ok(CostOverrides(fields)),
+            Ok(_) => Err("expected a JSON object, e.g. '{\"uncached_weight\": 2}'".to_owned()),
+            Err(e) => Err(format!("not JSON: {e}")),
+        }
+    }
+}
+
 /// How the simulated kvoy is configured.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct KvoyOptions {
     /// Fed the aggregator's view (`kvoy-aggregator`).
     pub aggregator: bool,
@@ -62,6 +79,8 @@ pub struct KvoyOptions {
     /// `cost.kv_capacity_tokens`, as an operator reads it from vLLM's start-up log ("GPU KV
     /// cache size: N tokens"); every replica has the same geometry.
     pub kv_capacity_tokens: u32,
+    /// Set last, over the two above.
+    pub cost: CostOverrides,
 }
 
 /// A kvoy configuration over `replicas` simulated endpoints with the crate's defaults but for
@@ -85,15 +104,18 @@ pub fn config(
         Scorer::Cost => "cost",
         Scorer::Weighted => "weighted",
     };
-    let json = serde_json::json!({
+    let mut json = serde_json::json!({
         "endpoints": endpoints,
         "scorer": scorer,
         "cost": {
             "prefill_tokens_per_s": o.prefill_tokens_per_s,
             "kv_capacity_tokens": o.kv_capacity_tokens,
         },
-    })
-    .to_string();
+    });
+    for (field, value) in &o.cost.0 {
+        json["cost"][field] = value.clone();
+    }
+    let json = json.to_string();
     PluginConfig::from_json(json.as_bytes())
 }
 
@@ -417,7 +439,24 @@ mod tests {
             scorer,
             prefill_tokens_per_s: 25_000.0,
             kv_capacity_tokens: 409_600,
+            cost: CostOverrides::default(),
         }
+    }
+
+    #[test]
+    fn cost_overrides_reach_the_filter_configuration_and_are_checked_as_it_checks_them() {
+        let mut o = aggregator_mode(Scorer::Cost);
+        o.cost = r#"{"uncached_weight": 2, "max_num_seqs": 64}"#.parse().unwrap();
+        let c = config(2, &o, &[]).unwrap();
+        assert_eq!(c.cost.uncached_weight, 2.0);
+        assert_eq!(c.cost.max_num_seqs, 64);
+        // The bench's own figures stay unless overridden.
+        assert_eq!(c.cost.prefill_tokens_per_s, 25_000.0);
+        o.cost = r#"{"uncached_wieght": 2}"#.parse().unwrap();
+        let e = config(2, &o, &[]).unwrap_err().to_string();
+        assert!(e.contains("uncached_wieght"), "{e}");
+        assert!("[1]".parse::<CostOverrides>().is_err());
+        assert!("{".parse::<CostOverrides>().is_err());
     }
 
     fn body(text: &str) -> Vec<u8> {

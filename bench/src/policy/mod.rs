@@ -142,6 +142,8 @@ pub struct PolicyOptions {
     /// SGLang's per-worker tree bound in characters (`None`: the replica's KV capacity in
     /// characters, see [`sglang`]).
     pub sglang_tree_chars: Option<usize>,
+    /// kvoy's `cost` fields set over the bench's (`--kvoy-cost`).
+    pub kvoy_cost: kvoy::CostOverrides,
     /// Round-robin and least-request as Envoy runs them on this many worker threads
     /// ([`basic::EnvoyRoundRobin`], [`basic::PowerOfTwo`]); `None`: strict rotation and a full
     /// scan.
@@ -222,6 +224,7 @@ impl PolicyKind {
                         .profile
                         .num_gpu_blocks
                         .saturating_mul(o.profile.block_size),
+                    cost: o.kvoy_cost.clone(),
                 };
                 let rates: Vec<f64> = o
                     .replica_profiles
