@@ -58,8 +58,8 @@ pub struct LiveCli {
     #[arg(long, value_name = "F", default_value_t = 2.0, value_parser = positive_f64)]
     pub speedup: f64,
     /// `1.5x` multiples of the estimated saturation rate, or requests/s of the model's time
-    #[arg(long, value_name = "LIST", value_delimiter = ',', value_parser = rate,
-          default_values = ["1x", "1.5x"])]
+    #[arg(long, visible_alias = "loads", value_name = "LIST", value_delimiter = ',',
+          value_parser = rate, default_values = ["1x", "1.5x"])]
     pub rates: Vec<Rate>,
     /// Runs of every policy in each (workload, load) cell; repeat r starts with policy r mod
     /// the number of policies, and the report gives each cell's median
@@ -246,6 +246,10 @@ mod tests {
         assert!(!a.grid.policies.contains(&LivePolicy::VllmRouterKvAware));
         assert_eq!(a.grid.repeats, 3);
         assert_eq!(parse(&words("--repeats 1")).unwrap().grid.repeats, 1);
+        assert_eq!(
+            parse(&words("--loads 1.5x")).unwrap().grid.rates,
+            vec![Rate::Saturation(1.5)]
+        );
         assert_eq!(a.grid.replicas, 4);
         assert_eq!(a.grid.workloads.len(), 2);
         match &a.grid.workloads[0] {

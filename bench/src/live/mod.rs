@@ -5,12 +5,16 @@
 //! the simulators (`bench/envoy/baseline.yaml`, no kvoy filter), `envoy/kvoy.yaml` with the
 //! kvoy filters, once with the per-proxy index only (`kvoy`) and once polling the aggregator
 //! (`kvoy-aggregator`), and the real peer routers as processes of their own ([`routers`]):
-//! SGLang's model gateway with its `cache_aware` and `round_robin` policies and vLLM's router
-//! with `cache_aware`, at their published defaults, and, when asked for, vLLM's router in its
+//! SGLang's model gateway with its `cache_aware` and `round_robin` policies, its 1.13 release
+//! with `cache_aware` (plain, and with dispatch bookings and overlap decay) and `least_load`,
+//! and vLLM's router with `cache_aware`, at their published defaults but for the flags a
+//! variant names ([`LivePolicy::command_line`]), and, when asked for, vLLM's router in its
 //! precise mode (`kv_aware`, fed by the simulators' KV events; the simulators then tokenize
 //! with a real tokenizer, `LiveGrid::tokenizer`). Every run starts a fresh proxy (no routing
 //! state left from an earlier run), measures its hop ([`hop`]), then empties the simulators'
-//! prefix caches once the fleet is idle, and sends the plan.
+//! prefix caches once the fleet is idle, and sends the plan, sampling where the decodes run
+//! ([`placement`]). Each cell runs every policy `repeats` times in a rotating order
+//! ([`rotation`]); the report reads each cell's median ([`tables`]).
 //!
 //! Time: the simulators run `speedup` times faster than the modelled GPU, and the plan is sent
 //! `speedup` times faster too (arrival times and delays divided by it); every duration

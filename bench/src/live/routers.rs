@@ -18,7 +18,7 @@
 //! `/metrics` (`vllm:num_requests_running`, `_waiting`, `kv_cache_usage_perc`) every 10 s, its
 //! default `--load-monitor-interval`, for `least_load` and the cache-aware overlap decay; it
 //! also asks once for SGLang's `/v1/loads` and `/loads` (404). Without `/version` it registers
-//! a `generic` worker and polls no load at all. On SIGTERM it takes about 6.5 s to exit, idle.
+//! a `generic` worker and polls no load at all. On SIGTERM it takes 5-6.5 s to exit, idle.
 //!
 //! vLLM's router also runs in its precise mode, `--policy kv_aware`, fed by each simulator's
 //! ZMQ KV events through static `--kv-event-source WORKER_URL=ENDPOINT` (with
