@@ -88,8 +88,12 @@ fn run_live(options: kvoy_bench::live::cli::LiveArgs) -> Result<(), Box<dyn std:
         }
         let elapsed = started.elapsed().as_secs_f64();
         let what = format!(
-            "{} | {} at {:.2}x ({:.1} req/s)",
-            p.workload, p.policy, p.load, p.rate
+            "{} | {} at {:.2}x ({:.1} req/s), repeat {}",
+            p.workload,
+            p.policy,
+            p.load,
+            p.rate,
+            p.repeat + 1
         );
         if let Some(f) = p.finished {
             // One line per finished run, with its result and the time left.

