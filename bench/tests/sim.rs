@@ -472,7 +472,7 @@ fn half_slow_shared_prefix(cost: &str) -> (f64, u64) {
 /// The collapse of issue 37: requests for a prefix spilled from its busy holder computed it
 /// again on caches the decodes in flight there were about to fill, the servers preempted, and
 /// the queues grew (7.8 s TTFT p90 and 133 preemptions at this size, 24 s at the reference's).
-/// The KV-growth weight and the seat term (bench/README.md) keep it at the idle figure.
+/// The KV-growth weight (bench/README.md) keeps it at the idle figure.
 #[test]
 fn the_half_slow_fleets_shared_prefix_does_not_collapse() {
     let (ttft, preemptions) = half_slow_shared_prefix("{}");

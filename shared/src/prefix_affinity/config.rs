@@ -932,7 +932,7 @@ mod tests {
         let default = PluginConfig::from_json(format!("{{{ep}}}").as_bytes()).unwrap();
         assert_eq!(default.cost.model_output_tokens("m"), 256.0);
         assert_eq!(default.cost.claim_weight, 3.0);
-        assert_eq!(default.cost.max_num_seqs, 256);
+        assert_eq!(default.cost.max_num_seqs, 0);
         for (bad, field) in [
             (r#""cost":{"output_tokens":-1}"#, "cost.output_tokens"),
             (r#""cost":{"claim_weight":-0.5}"#, "cost.claim_weight"),

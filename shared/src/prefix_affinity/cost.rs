@@ -53,7 +53,8 @@
 //!   request sent where this proxy and the server's own counts hold that many waits for one to
 //!   finish, about `hold_e / max_num_seqs` per request ahead of it, `hold_e` the measured time a
 //!   request stays there ([`crate::Outstanding::hold_s`]). Queued prefill tokens do not show
-//!   that wait: a fast endpoint busy decoding at its seat limit looked idle.
+//!   that wait: a fast endpoint busy decoding at its seat limit looked idle. Off by default
+//!   (`max_num_seqs` 0): beside the KV-growth weight it only cost (bench/README.md).
 //! - The uncached tokens are weighted by `uncached_weight x (1 + pressure)` ([`Pressure`]: the
 //!   work queued at the least busy candidate, in typical requests, now or on recent average,
 //!   whichever is larger; 0 while the fleet has idle endpoints, growing once none is).
@@ -158,7 +159,9 @@ impl Default for CostParams {
             // fleet's shared-prefix preempt on one seed in three, 3 and 4 were level, 6 lost
             // on agents at 2x.
             claim_weight: 3.0,
-            max_num_seqs: 256,
+            // Off: with the KV-growth weight it only cost (the half-slow fleet's shared-prefix at
+            // 2x 108 s without, 138 s with 256 seats; bench/README.md).
+            max_num_seqs: 0,
         }
     }
 }
