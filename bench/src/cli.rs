@@ -246,6 +246,17 @@ pub struct SimCli {
     /// filter's defaults)
     #[arg(long, value_name = "JSON")]
     pub kvoy_cost: Option<crate::policy::kvoy::CostOverrides>,
+    /// Put this share (0-1, exclusive) of each plan's sessions in a sheddable band (objective
+    /// `sheddable`, priority -1; the rest `interactive`, priority 0) and run each policy behind
+    /// its admission stage: kvoy's own, llm-d's legacy admission controller, none for the
+    /// routers without bands. Figures come per class (the band is class `sheddable`)
+    #[arg(long, value_name = "SHARE", value_parser = open_unit)]
+    pub sheddable: Option<f64>,
+    /// kvoy, kvoy-aggregator, kvoy-weighted with --sheddable: fields set in their admission
+    /// stage's `flow` configuration, a JSON object with the filter's field names, e.g.
+    /// '{"queue_sheddable": true}' (default: the filter's defaults)
+    #[arg(long, value_name = "JSON", requires = "sheddable", value_parser = json_object)]
+    pub kvoy_flow: Option<serde_json::Map<String, serde_json::Value>>,
     /// Output directory
     #[arg(long, value_name = "DIR", default_value = "bench/results/sim")]
     pub out: PathBuf,
@@ -371,8 +382,29 @@ pub struct SimArgs {
     pub threads: usize,
     pub sglang_tree_chars: Option<usize>,
     pub kvoy_cost: crate::policy::kvoy::CostOverrides,
+    pub sheddable: Option<f64>,
+    pub kvoy_flow: serde_json::Map<String, serde_json::Value>,
     pub out: PathBuf,
     pub quiet: bool,
+}
+
+/// A share strictly between 0 and 1.
+fn open_unit(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(x) if x > 0.0 && x < 1.0 => Ok(x),
+        _ => Err(format!(
+            "expected a share between 0 and 1 (exclusive), got `{s}`"
+        )),
+    }
+}
+
+/// A JSON object.
+fn json_object(s: &str) -> Result<serde_json::Map<String, serde_json::Value>, String> {
+    match serde_json::from_str(s) {
+        Ok(serde_json::Value::Object(m)) => Ok(m),
+        Ok(_) => Err("expected a JSON object".to_owned()),
+        Err(e) => Err(format!("not JSON: {e}")),
+    }
 }
 
 impl SimCli {
@@ -426,6 +458,8 @@ impl SimCli {
             threads: self.threads,
             sglang_tree_chars: self.sglang_tree_chars,
             kvoy_cost: self.kvoy_cost.unwrap_or_default(),
+            sheddable: self.sheddable,
+            kvoy_flow: self.kvoy_flow.unwrap_or_default(),
             out: self.out,
             quiet: self.quiet,
         })
@@ -505,6 +539,8 @@ impl SimArgs {
             kvoy_cost: self.kvoy_cost.clone(),
             envoy_workers: None,
             scrape_interval: std::time::Duration::from_millis(50),
+            sheddable: self.sheddable,
+            kvoy_flow: self.kvoy_flow.clone(),
         })
     }
 }

@@ -35,6 +35,7 @@
 //! assert_eq!(record.completed, 10);
 //! ```
 
+pub mod admission;
 pub mod cli;
 pub mod fleet;
 pub mod ideal;

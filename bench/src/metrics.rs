@@ -47,6 +47,12 @@ pub struct Recorder {
     /// Ideal (infinite single cache) hit tokens and the prompt tokens they count against.
     pub ideal_hit_tokens: u64,
     pub ideal_prompt_tokens: u64,
+    /// The admission stage: requests it held, shed at arrival (429), let expire in its queue
+    /// (429), and the seconds the released ones waited in all.
+    pub held: u64,
+    pub shed: u64,
+    pub expired: u64,
+    pub held_s: f64,
 }
 
 /// One request that produced its first token: what the SLO figures need of it.
@@ -175,6 +181,22 @@ pub struct RunFigures {
     /// The run against its TTFT SLO (absent in reports written before SLOs existed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slo: Option<SloFigures>,
+    /// What the admission stage did (absent when nothing met one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub admission: Option<AdmissionFigures>,
+}
+
+/// What the admission stage did in one run.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct AdmissionFigures {
+    /// Requests held for a while before they were routed (or expired).
+    pub held: u64,
+    /// Refused at arrival (429: saturated and sheddable).
+    pub shed: u64,
+    /// Held longer than the queue's TTL (429).
+    pub expired: u64,
+    /// Mean wait of the held requests that were routed, seconds.
+    pub mean_held_s: f64,
 }
 
 fn ratio(a: f64, b: f64) -> f64 {
@@ -317,8 +339,10 @@ impl Recorder {
             },
             classes: self
                 .class_ttft
-                .iter()
-                .map(|(&class, v)| {
+                .keys()
+                .chain(self.class_rejected.keys())
+                .map(|&class| {
+                    let v = self.class_ttft.get(class).map_or(&[][..], Vec::as_slice);
                     (
                         class.to_owned(),
                         ClassFigures {
@@ -330,6 +354,12 @@ impl Recorder {
                 })
                 .collect(),
             slo: slo.map(|t| self.slo_figures(t, None)),
+            admission: (self.held + self.shed + self.expired > 0).then(|| AdmissionFigures {
+                held: self.held,
+                shed: self.shed,
+                expired: self.expired,
+                mean_held_s: ratio(self.held_s, self.held.saturating_sub(self.expired) as f64),
+            }),
         }
     }
 }

@@ -51,6 +51,11 @@ pub struct Grid {
     /// How often the servers' figures are read (the reference picker's and kvoy-aggregator's
     /// scrape interval, 50 ms).
     pub scrape_interval: std::time::Duration,
+    /// Put this share of each plan's sessions in the sheddable band and run every policy
+    /// behind its admission stage (see [`crate::admission`]); `None`: no bands, no stage.
+    pub sheddable: Option<f64>,
+    /// kvoy's `flow` fields set over the bench's (`--kvoy-flow`).
+    pub kvoy_flow: serde_json::Map<String, serde_json::Value>,
 }
 
 /// Progress of the grid, for a progress line.
@@ -85,6 +90,11 @@ pub enum RunError {
     Policy {
         policy: &'static str,
         source: kvoy_shared::prefix_affinity::ConfigError,
+    },
+    #[error("cannot build the {policy} policy's admission stage: {message}")]
+    Gate {
+        policy: &'static str,
+        message: String,
     },
     #[error("a worker thread panicked")]
     Panicked,
@@ -262,7 +272,19 @@ fn run_job(
     progress: &(dyn Fn(Progress<'_>) + Sync),
 ) -> Result<RunFigures, RunError> {
     let w = &grid.workloads[job.workload];
-    let plan = w.plan(job.rate, job.seed);
+    let mut plan = w.plan(job.rate, job.seed);
+    let mut gate = match grid.sheddable {
+        Some(share) => {
+            plan.mark_sheddable(share, job.seed);
+            crate::admission::for_policy(job.policy, grid.replicas, &grid.kvoy_flow).map_err(
+                |message| RunError::Gate {
+                    policy: job.policy.name(),
+                    message,
+                },
+            )?
+        }
+        None => None,
+    };
     let mut policy = job
         .policy
         .build(&PolicyOptions {
@@ -309,14 +331,15 @@ fn run_job(
             report(done, total);
         }
     };
-    let mut recorder =
-        sim::run(&plan, policy.as_mut(), &cfg, &mut on_progress).map_err(|source| {
-            RunError::Sim {
-                workload: w.name(),
-                policy: job.policy.name(),
-                rate: job.rate,
-                source,
-            }
+    let gate = gate
+        .as_deref_mut()
+        .map(|g| g as &mut dyn crate::admission::Gate);
+    let mut recorder = sim::run_gated(&plan, policy.as_mut(), gate, &cfg, &mut on_progress)
+        .map_err(|source| RunError::Sim {
+            workload: w.name(),
+            policy: job.policy.name(),
+            rate: job.rate,
+            source,
         })?;
     if let Some((hit, prompt)) = ideal {
         (recorder.ideal_hit_tokens, recorder.ideal_prompt_tokens) = (hit, prompt);

@@ -53,6 +53,8 @@ fn small_grid(threads: usize) -> Grid {
         kvoy_cost: Default::default(),
         envoy_workers: None,
         scrape_interval: std::time::Duration::from_millis(50),
+        sheddable: None,
+        kvoy_flow: Default::default(),
     }
 }
 
@@ -331,6 +333,7 @@ fn same_request_twice() -> Plan {
     let session = |si: u64| Session {
         start: std::time::Duration::ZERO,
         class: "chat",
+        sheddable: false,
         turns: vec![Turn {
             id: si * TURN_SLOTS,
             append: vec![Part::Text {
@@ -462,6 +465,8 @@ fn half_slow_shared_prefix(cost: &str) -> (f64, u64) {
         kvoy_cost: cost.parse().unwrap(),
         envoy_workers: None,
         scrape_interval: std::time::Duration::from_millis(50),
+        sheddable: None,
+        kvoy_flow: Default::default(),
     };
     let report = runner::run(&grid, &|_| {}).unwrap();
     let run = &report.workloads[0].runs[0];

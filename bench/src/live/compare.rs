@@ -110,6 +110,8 @@ pub fn simulate(grid: &LiveGrid, rates: &[(String, Vec<f64>)]) -> Result<Report,
             scrape_interval: std::time::Duration::from_secs_f64(
                 grid.speedup * (AGGREGATOR_SCRAPE_MS + FILTER_POLL_MS) as f64 / 1000.0,
             ),
+            sheddable: None,
+            kvoy_flow: Default::default(),
         };
         let report = runner::run(&sim, &|_| {})?;
         match &mut out {

@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 
 use super::{Report, WorkloadReport};
-use crate::metrics::{ClassFigures, Percentiles, RunFigures, SloFigures, Spread};
+use crate::metrics::{AdmissionFigures, ClassFigures, Percentiles, RunFigures, SloFigures, Spread};
 
 /// How the seeds of a cell are folded into one figure each.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -184,6 +184,21 @@ pub fn fold(runs: &[&RunFigures], how: Fold) -> Option<RunFigures> {
             .map(|(name, v)| (name, fold_class(&v, how)))
             .collect(),
         slo: fold_slo(&slo, how),
+        admission: fold_admission(runs, how),
+    })
+}
+
+fn fold_admission(runs: &[&RunFigures], how: Fold) -> Option<AdmissionFigures> {
+    let a: Vec<AdmissionFigures> = runs.iter().filter_map(|r| r.admission).collect();
+    if a.is_empty() {
+        return None;
+    }
+    let v = |f: &dyn Fn(&AdmissionFigures) -> f64| -> Vec<f64> { a.iter().map(f).collect() };
+    Some(AdmissionFigures {
+        held: count(neutral(v(&|x| x.held as f64))),
+        shed: count(how.high_bad(v(&|x| x.shed as f64))),
+        expired: count(how.high_bad(v(&|x| x.expired as f64))),
+        mean_held_s: how.high_bad(v(&|x| x.mean_held_s)),
     })
 }
 

@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use kvoy_sim_engine::{tokenizer, Engine, EngineRequest, OutputKind, Profile, ProfileError};
 
+use crate::admission::{Gate, Gated};
 use crate::ideal::IdealCache;
 use crate::metrics::{Recorder, Served};
 use crate::policy::{EndpointMetrics, Policy, PrefillTotals, Prefilled, RouteRequest, View};
@@ -98,9 +99,19 @@ struct Live {
     prefill_time: Duration,
     /// Its entry in `Recorder::served`, once its first token is out.
     served: Option<usize>,
+    /// How long the admission stage held it before it was routed (counted in its TTFT).
+    held: Duration,
 }
 
-struct Sim<'a> {
+/// A request the admission stage holds: its session, turn and arrival.
+#[derive(Clone, Copy)]
+struct Held {
+    session: u32,
+    turn: u32,
+    arrived: Duration,
+}
+
+struct Sim<'a, 'g> {
     plan: &'a Plan,
     engines: Vec<Engine>,
     busy: Vec<bool>,
@@ -126,6 +137,12 @@ struct Sim<'a> {
     rec: Recorder,
     done: u64,
     total: u64,
+    gate: Option<&'g mut dyn Gate>,
+    held: std::collections::HashMap<u64, Held>,
+    /// A gate tick is queued.
+    ticking: bool,
+    resume: Vec<u64>,
+    expired: Vec<u64>,
 }
 
 /// Runs `plan` through `policy` on the fleet; `progress(done, total)` is called as requests
@@ -133,6 +150,19 @@ struct Sim<'a> {
 pub fn run(
     plan: &Plan,
     policy: &mut dyn Policy,
+    cfg: &SimConfig,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<Recorder, SimError> {
+    run_gated(plan, policy, None, cfg, progress)
+}
+
+/// [`run`] with an admission stage in front of the policy: each request meets `gate` at its
+/// arrival, before it is routed; a held one is routed when a release (on the gate's tick, or
+/// at a completion) lets it go, and its TTFT counts the wait.
+pub fn run_gated(
+    plan: &Plan,
+    policy: &mut dyn Policy,
+    gate: Option<&mut dyn Gate>,
     cfg: &SimConfig,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<Recorder, SimError> {
@@ -187,6 +217,11 @@ pub fn run(
         rec: Recorder::new(n),
         done: 0,
         total: plan.requests() as u64,
+        gate,
+        held: std::collections::HashMap::new(),
+        ticking: false,
+        resume: Vec::new(),
+        expired: Vec::new(),
     };
     for (i, s) in plan.sessions.iter().enumerate() {
         if !s.turns.is_empty() {
@@ -210,7 +245,12 @@ pub fn run(
         match event {
             Event::Arrival { session, turn } => sim.arrival(now, session, turn, policy)?,
             Event::StepEnd { engine } => {
-                sim.step_end(now, engine as usize, policy);
+                sim.step_end(now, engine as usize, policy)?;
+                progress(sim.done, sim.total);
+            }
+            Event::Tick => {
+                sim.ticking = false;
+                sim.release(now, policy)?;
                 progress(sim.done, sim.total);
             }
             Event::Scrape => {
@@ -221,13 +261,13 @@ pub fn run(
             }
         }
     }
-    if sim.open > 0 {
-        return Err(SimError::Unfinished(sim.open));
+    if sim.open > 0 || !sim.held.is_empty() {
+        return Err(SimError::Unfinished(sim.open + sim.held.len()));
     }
     Ok(sim.finish())
 }
 
-impl Sim<'_> {
+impl Sim<'_, '_> {
     fn finish(mut self) -> Recorder {
         if let Some(ideal) = &self.ideal {
             (self.rec.ideal_hit_tokens, self.rec.ideal_prompt_tokens) = ideal.totals();
@@ -250,6 +290,116 @@ impl Sim<'_> {
             return Ok(());
         };
         self.rec.first_arrival.get_or_insert(now);
+        let gated = match self.gate.as_deref_mut() {
+            None => Gated::Admit,
+            Some(gate) => {
+                let view = View {
+                    now,
+                    inflight: &self.inflight,
+                    metrics: &self.metrics,
+                };
+                gate.arrive(turn.id, session.sheddable, &view)
+            }
+        };
+        match gated {
+            Gated::Admit => self.dispatch(now, si, ti, Duration::ZERO, policy),
+            Gated::Held => {
+                self.rec.held += 1;
+                self.held.insert(
+                    turn.id,
+                    Held {
+                        session: si,
+                        turn: ti,
+                        arrived: now,
+                    },
+                );
+                self.schedule_tick(now);
+                Ok(())
+            }
+            Gated::Shed => {
+                self.rec.shed += 1;
+                self.refuse(now, si, turn.id);
+                Ok(())
+            }
+        }
+    }
+
+    /// Request `id` of session `si` is answered without being served (shed, expired or refused
+    /// by its engine): it misses any SLO, and the session's next turn follows.
+    fn refuse(&mut self, now: Duration, si: u32, id: u64) {
+        let class = self.plan.sessions[si as usize].class;
+        self.rec.rejected += 1;
+        *self.rec.class_rejected.entry(class).or_default() += 1;
+        self.rec.refused.push(id);
+        self.done += 1;
+        self.next_turn(now, si, id);
+    }
+
+    fn schedule_tick(&mut self, now: Duration) {
+        if let Some(gate) = self.gate.as_deref() {
+            if !self.ticking {
+                self.ticking = true;
+                self.queue.push(now + gate.tick(), Event::Tick);
+            }
+        }
+    }
+
+    /// What the gate lets go now is routed; what waited too long is answered 429.
+    fn release(&mut self, now: Duration, policy: &mut dyn Policy) -> Result<(), SimError> {
+        let Some(gate) = self.gate.as_deref_mut() else {
+            return Ok(());
+        };
+        if !gate.holds_any() {
+            return Ok(());
+        }
+        let view = View {
+            now,
+            inflight: &self.inflight,
+            metrics: &self.metrics,
+        };
+        gate.release(&view, &mut self.resume, &mut self.expired);
+        let holds = gate.holds_any();
+        let (resume, expired) = (
+            std::mem::take(&mut self.resume),
+            std::mem::take(&mut self.expired),
+        );
+        for &id in &expired {
+            if let Some(h) = self.held.remove(&id) {
+                self.rec.expired += 1;
+                self.refuse(now, h.session, id);
+            }
+        }
+        for &id in &resume {
+            if let Some(h) = self.held.remove(&id) {
+                let waited = now.saturating_sub(h.arrived);
+                self.rec.held_s += waited.as_secs_f64();
+                self.dispatch(now, h.session, h.turn, waited, policy)?;
+            }
+        }
+        (self.resume, self.expired) = (resume, expired);
+        if holds {
+            self.schedule_tick(now);
+        }
+        Ok(())
+    }
+
+    /// Routes turn `ti` of session `si` and submits it to the chosen engine; `held`: how long
+    /// the admission stage held it.
+    fn dispatch(
+        &mut self,
+        now: Duration,
+        si: u32,
+        ti: u32,
+        held: Duration,
+        policy: &mut dyn Policy,
+    ) -> Result<(), SimError> {
+        let plan = self.plan;
+        let Some(session) = plan.sessions.get(si as usize) else {
+            return Ok(());
+        };
+        let Some(turn) = session.turns.get(ti as usize) else {
+            return Ok(());
+        };
         // The prompt: the session's context so far plus this turn's parts.
         self.text.clear();
         std::mem::swap(&mut self.text, &mut self.contexts[si as usize]);
@@ -304,6 +454,7 @@ impl Sim<'_> {
                     preempted_early: false,
                     prefill_time: Duration::ZERO,
                     served: None,
+                    held,
                 });
                 self.open += 1;
                 if !self.busy[e] {
@@ -313,11 +464,7 @@ impl Sim<'_> {
             Err(err) => {
                 log::debug!("request {} refused by the engine: {err}", turn.id);
                 policy.on_finished(turn.id, e, now);
-                self.rec.rejected += 1;
-                *self.rec.class_rejected.entry(session.class).or_default() += 1;
-                self.rec.refused.push(turn.id);
-                self.done += 1;
-                self.next_turn(now, si, turn.id);
+                self.refuse(now, si, turn.id);
             }
         }
         Ok(())
@@ -359,8 +506,14 @@ impl Sim<'_> {
             .push(now + step.duration, Event::StepEnd { engine: e as u32 });
     }
 
-    fn step_end(&mut self, now: Duration, e: usize, policy: &mut dyn Policy) {
+    fn step_end(
+        &mut self,
+        now: Duration,
+        e: usize,
+        policy: &mut dyn Policy,
+    ) -> Result<(), SimError> {
         let outputs = std::mem::take(&mut self.pending[e]);
+        let mut completed = false;
         let in_window = now <= self.rec.window_end;
         for out in outputs {
             let id = out.id;
@@ -385,6 +538,7 @@ impl Sim<'_> {
                 OutputKind::FirstToken {
                     ttft, prefill_time, ..
                 } => {
+                    let ttft = ttft + live.held;
                     live.prefill_time = prefill_time;
                     live.last_token = now;
                     live.first_token = true;
@@ -429,7 +583,8 @@ impl Sim<'_> {
                     totals.requests += 1;
                     totals.computed_tokens +=
                         u64::from(usage.prompt_tokens.saturating_sub(usage.cached_tokens));
-                    self.rec.e2e.push(latency.as_secs_f64());
+                    self.rec.e2e.push((latency + live.held).as_secs_f64());
+                    completed = true;
                     self.rec.prompt_tokens += u64::from(usage.prompt_tokens);
                     let cached = if live.preempted_early {
                         self.rec.estimated_hit_requests += 1;
@@ -463,6 +618,11 @@ impl Sim<'_> {
         } else {
             self.busy[e] = false;
         }
+        if completed {
+            // The filter looks at its held requests whenever one of its requests completes.
+            self.release(now, policy)?;
+        }
+        Ok(())
     }
 
     fn scrape(&mut self, now: Duration, policy: &mut dyn Policy) {

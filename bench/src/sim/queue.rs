@@ -13,6 +13,9 @@ pub enum Event {
     StepEnd { engine: u32 },
     /// The metrics scrape (and the aggregator's refresh).
     Scrape,
+    /// The admission stage's tick: held requests are looked at (queued only while some are
+    /// held).
+    Tick,
 }
 
 #[derive(Debug, Default)]

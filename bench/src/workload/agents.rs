@@ -166,6 +166,7 @@ impl Agents {
                 sessions.push(Session {
                     start: Duration::from_secs_f64((t + offset).min(1e9)),
                     class: "agent",
+                    sheddable: false,
                     turns,
                 });
             }

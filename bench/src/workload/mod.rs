@@ -72,8 +72,12 @@ pub struct Turn {
 pub struct Session {
     /// Arrival of the first turn.
     pub start: Duration,
-    /// A label for per-class figures (`chat`, `agent`, ...).
+    /// A label for per-class figures (`chat`, `agent`, ...; [`SHEDDABLE_CLASS`] for the
+    /// sheddable band).
     pub class: &'static str,
+    /// In the sheddable band (objective `sheddable`, priority -1): set by
+    /// [`Plan::mark_sheddable`].
+    pub sheddable: bool,
     pub turns: Vec<Turn>,
 }
 
@@ -83,6 +87,7 @@ impl Session {
         Session {
             start,
             class,
+            sheddable: false,
             turns: vec![Turn {
                 id: 0,
                 append,
@@ -123,6 +128,24 @@ impl Plan {
             }
         }
         Plan { sessions }
+    }
+}
+
+/// The class label of the sheddable band's sessions.
+pub const SHEDDABLE_CLASS: &str = "sheddable";
+
+impl Plan {
+    /// Puts about `share` (0-1) of the sessions, drawn with `seed` independently of the plan's
+    /// own draws, in the sheddable band: their class becomes [`SHEDDABLE_CLASS`], so that the
+    /// per-class figures give the interactive classes and the band apart.
+    pub fn mark_sheddable(&mut self, share: f64, seed: u64) {
+        let mut rng = kvoy_shared::Rng::derive(seed, "sheddable", 0);
+        for s in &mut self.sessions {
+            if rng.unit() < share {
+                s.sheddable = true;
+                s.class = SHEDDABLE_CLASS;
+            }
+        }
     }
 }
 
@@ -215,6 +238,7 @@ mod tests {
             Session {
                 start: Duration::from_secs(2),
                 class: "a",
+                sheddable: false,
                 turns: vec![
                     Turn {
                         id: 0,
@@ -236,6 +260,7 @@ mod tests {
             Session {
                 start: Duration::from_secs(1),
                 class: "b",
+                sheddable: false,
                 turns: vec![Turn {
                     id: 0,
                     append: vec![],
