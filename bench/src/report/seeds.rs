@@ -262,6 +262,7 @@ mod tests {
                 },
             )]),
             slo: Some(slo),
+            admission: None,
         }
     }
 
