@@ -274,8 +274,8 @@ mod tests {
         // level (1.0 + 0.5) / 2 = 0.75: room
         let m = [metrics(5, 0.0), metrics(0, 0.4)];
         assert_eq!(g.arrive(1, true, &view(0, &inflight, &m)), Gated::Admit);
-        // level (1.2 + 0.8) / 2 = 1.0: saturated
-        let m = [metrics(6, 0.0), metrics(0, 0.64)];
+        // level (1.0 + 1.0) / 2 = 1.0: saturated (at the thresholds exactly)
+        let m = [metrics(5, 0.0), metrics(0, 0.8)];
         assert_eq!(g.arrive(2, true, &view(0, &inflight, &m)), Gated::Shed);
         assert_eq!(g.arrive(3, false, &view(0, &inflight, &m)), Gated::Admit);
         assert!(!g.holds_any());
