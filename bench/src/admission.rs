@@ -4,9 +4,10 @@
 //!
 //! - [`KvoyGate`]: kvoy's own stage ([`kvoy_shared::admission::AdmissionPolicy`], the code the
 //!   filter runs) with its defaults: strict priority between bands, a sheddable request
-//!   refused (429) while the pool is saturated (or held, with `queue_sheddable`), an
-//!   interactive one held until the pool has room, released on the filter's 20 ms tick and on
-//!   every completion. The pool's saturation is what the filter reads from kvoy-aggregator's
+//!   refused (429) from a pool level of `sheddable_level` (0.5), counting what the proxy
+//!   admitted since the last scrape (or held, with `queue_sheddable`), an interactive one
+//!   held while the pool is saturated (level 1.0), released on the filter's 20 ms tick and on
+//!   every completion. The pool's level is what the filter reads from kvoy-aggregator's
 //!   snapshot: the servers' waiting queues and KV use, as last scraped.
 //! - [`LlmdLegacyGate`]: llm-d's default with the flow-control feature gate off (the default):
 //!   the `LegacyAdmissionController` refuses a sheddable request (priority < 0) when the
@@ -26,7 +27,7 @@ use std::time::Duration;
 
 use kvoy_shared::admission::{
     classify, AdmissionConfig, AdmissionFilterConfig, AdmissionPolicy, Arrival, PoolState, Release,
-    Room, RoomScratch, SaturationThresholds,
+    Room, RoomScratch, SaturationThresholds, UnseenInflight,
 };
 use kvoy_shared::snapshot::EndpointStatus;
 
@@ -112,6 +113,7 @@ pub struct KvoyGate {
     policy: AdmissionPolicy,
     scratch: RoomScratch,
     endpoints: Vec<EndpointStatus>,
+    unseen: UnseenInflight,
     release: Release,
 }
 
@@ -138,6 +140,7 @@ impl KvoyGate {
             config,
             scratch: RoomScratch::default(),
             endpoints: Vec::new(),
+            unseen: UnseenInflight::default(),
             release: Release::default(),
         })
     }
@@ -150,6 +153,7 @@ impl KvoyGate {
             PoolState::Live {
                 endpoints: &self.endpoints,
                 with_loads: true,
+                unseen: self.unseen.measure(0, &self.endpoints, inflight),
             },
             inflight,
             &mut self.scratch,
@@ -299,6 +303,22 @@ mod tests {
         g.release(&view(40, &inflight, &idle), &mut resume, &mut expired);
         assert_eq!(resume, vec![4, 5]);
         assert!(expired.is_empty() && !g.holds_any());
+    }
+
+    #[test]
+    fn kvoy_sheds_sheddable_requests_from_half_the_saturation_level() {
+        let mut g = KvoyGate::new(2, &serde_json::Map::new()).unwrap();
+        // level 3/5 = 0.6: sheddable refused, interactive admitted
+        let busy = [metrics(3, 0.0), metrics(3, 0.0)];
+        assert_eq!(g.arrive(1, true, &view(0, &[0, 0], &busy)), Gated::Shed);
+        assert_eq!(g.arrive(2, false, &view(0, &[0, 0], &busy)), Gated::Admit);
+        // level 0.4: admitted; one more in flight on the same figures counts 1 / (5 x 2)
+        let fair = [metrics(2, 0.0), metrics(2, 0.0)];
+        assert_eq!(g.arrive(3, true, &view(50, &[1, 0], &fair)), Gated::Admit);
+        assert_eq!(g.arrive(4, true, &view(51, &[1, 1], &fair)), Gated::Shed);
+        // the next scrape shows it: the count starts again
+        let next = [metrics(2, 0.0), metrics(1, 0.0)];
+        assert_eq!(g.arrive(5, true, &view(100, &[1, 1], &next)), Gated::Admit);
     }
 
     #[test]

@@ -488,3 +488,59 @@ fn the_half_slow_fleets_shared_prefix_does_not_collapse() {
     assert!(ttft > 4.0, "TTFT p90 {ttft} s");
     assert!(preemptions > 50, "{preemptions} preemptions");
 }
+
+/// Agents at 2x their saturation on 16 replicas, 70% of the sessions sheddable, each policy
+/// behind its own admission stage: the met share of the interactive requests (every class
+/// but the sheddable band) against the default SLO.
+fn interactive_met_at_2x(policies: &[PolicyKind]) -> Vec<f64> {
+    let grid = Grid {
+        workloads: vec![Workload::Agents(Agents::new(Count::Fixed(400)))],
+        policies: policies.to_vec(),
+        rates: vec![Rate::Saturation(2.0)],
+        profile: Profile::llama_8b_h100(),
+        replicas: 16,
+        fleet: FleetKind::Uniform,
+        seeds: vec![1],
+        slo_ttft_s: None,
+        threads: 2,
+        sglang_tree_chars: None,
+        kvoy_cost: Default::default(),
+        envoy_workers: None,
+        scrape_interval: std::time::Duration::from_millis(50),
+        sheddable: Some(0.7),
+        kvoy_flow: Default::default(),
+    };
+    let report = runner::run(&grid, &|_| {}).unwrap();
+    report.workloads[0]
+        .runs
+        .iter()
+        .map(|run| {
+            let (met, all) = run
+                .classes
+                .iter()
+                .filter(|(class, _)| class.as_str() != kvoy_bench::workload::SHEDDABLE_CLASS)
+                .filter_map(|(_, c)| c.slo)
+                .fold((0, 0), |(m, a), s| (m + s.met_requests, a + s.requests));
+            assert!(all > 0, "{}: no interactive requests", run.policy);
+            met as f64 / all as f64
+        })
+        .collect()
+}
+
+/// At 2x, the interactive band keeps its SLO behind kvoy's admission stage (sheddable
+/// requests stop at half the saturation level), better than behind llm-d's legacy rule
+/// (sheddable shed at 1.0) or with no stage at all (Dynamo's router).
+#[test]
+fn the_interactive_band_keeps_its_slo_at_2x() {
+    let met = interactive_met_at_2x(&[
+        PolicyKind::Kvoy,
+        PolicyKind::LlmD1Calibrated,
+        PolicyKind::Dynamo,
+    ]);
+    let (kvoy, llmd, dynamo) = (met[0], met[1], met[2]);
+    assert!(kvoy >= 0.95, "kvoy's interactive met share {kvoy:.3}");
+    assert!(
+        kvoy > llmd && kvoy > dynamo,
+        "kvoy {kvoy:.3}, llm-d {llmd:.3}, dynamo {dynamo:.3}"
+    );
+}

@@ -39,6 +39,19 @@
 //! assert_eq!((released, expired, queue.len()), (vec![4], vec![], 1));
 //! ```
 //!
+//! # Two levels
+//!
+//! Every band waits from a pool level of 1.0 (the reference's saturation); sheddable
+//! requests (priority < 0) stop earlier, at `saturation.sheddable_level` (0.5 by default),
+//! counting the requests this proxy admitted since the servers' figures were scraped
+//! ([`UnseenInflight`]). The headroom is what keeps interactive traffic inside its SLO when
+//! the pool saturates: the servers' queues lag admission by a scrape, and a pool that
+//! admits sheddable work up to 1.0 is already past it for the interactive requests behind.
+//! With `sheddable_level: 1.0` the rule is the reference's (llm-d's legacy admission sheds
+//! sheddable requests at 1.0 and lets the rest through). A static pool's level is the share
+//! of the operator's in-flight limit in use, exact and not lagging: there sheddable requests
+//! stop with the rest.
+//!
 //! # One queue per worker
 //!
 //! A paused request can only be resumed by the VM (worker thread) that paused it, so each VM
@@ -88,7 +101,7 @@ pub use held::{HeldBoard, MAX_WORKERS};
 pub use policy::{AdmissionPolicy, Arrival, PoolState, Release, Room, RoomScratch};
 pub use queue::{BandStats, FlowQueue, Offer, RejectReason, EXPIRED_REASON};
 pub use saturation::{
-    endpoint_fullness, pool_level, saturation, saturation_from_inflight, Saturation,
+    endpoint_fullness, pool_level, saturation, saturation_from_inflight, Saturation, UnseenInflight,
 };
 
 #[cfg(test)]

@@ -14,8 +14,14 @@ use crate::snapshot::EndpointStatus;
 /// What the pool has room for, at one moment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Room {
-    /// The pool's saturation and how many held requests may be released into it.
-    Pool { saturated: bool, capacity: u32 },
+    /// The pool's saturation (every band waits), whether sheddable requests must stop
+    /// ([`super::Saturation::sheddable_saturated`]), and how many held requests may be
+    /// released into it.
+    Pool {
+        saturated: bool,
+        sheddable_saturated: bool,
+        capacity: u32,
+    },
     /// The aggregator's pool has no endpoint the proxy may route to: answer 503.
     NoEndpoint,
 }
@@ -24,10 +30,13 @@ pub enum Room {
 #[derive(Clone, Copy, Debug)]
 pub enum PoolState<'a> {
     /// The aggregator's fresh snapshot, cut to the endpoints the proxy may route to;
-    /// `with_loads`: it carries the servers' queues and KV use.
+    /// `with_loads`: it carries the servers' queues and KV use; `unseen`: how many more
+    /// requests this proxy has in flight than when that snapshot arrived (admitted since,
+    /// less those finished), which its figures cannot show yet.
     Live {
         endpoints: &'a [EndpointStatus],
         with_loads: bool,
+        unseen: u32,
     },
     /// No (fresh) snapshot: the configured static pool.
     Static,
@@ -56,6 +65,7 @@ impl Room {
         if let PoolState::Live {
             endpoints,
             with_loads,
+            unseen,
         } = pool
         {
             if endpoints.is_empty() {
@@ -72,6 +82,11 @@ impl Room {
                 let sat = saturation(&config.flow, endpoints, &scratch.inflight, None);
                 return Room::Pool {
                     saturated: sat.saturated,
+                    sheddable_saturated: sat.sheddable_saturated(
+                        &config.flow.saturation,
+                        unseen,
+                        endpoints.len(),
+                    ),
                     capacity: sat.release_capacity(),
                 };
             }
@@ -80,6 +95,9 @@ impl Room {
         let sat = saturation_from_inflight(&config.flow, &scratch.inflight, None);
         Room::Pool {
             saturated: sat.saturated,
+            // The level here is the share of the operator's own in-flight limit that is used,
+            // with nothing unseen: sheddable requests may fill it as the rest do.
+            sheddable_saturated: sat.saturated,
             capacity: sat.release_capacity(),
         }
     }
@@ -160,6 +178,10 @@ impl AdmissionPolicy {
         outranked: impl FnOnce(i32, &mut dyn FnMut() -> u64) -> bool,
     ) -> Arrival {
         let saturated = match room {
+            Room::Pool {
+                sheddable_saturated,
+                ..
+            } if class.sheddable => sheddable_saturated,
             Room::Pool { saturated, .. } => saturated,
             Room::NoEndpoint => return Arrival::NoEndpoint,
         };
@@ -198,6 +220,13 @@ impl AdmissionPolicy {
         }
         let capacity = match room {
             Room::Pool { .. } if self.queue.highest_waiting_priority().is_some_and(outranked) => 0,
+            // Bands are released highest first: capping at the held non-sheddable requests
+            // leaves the sheddable ones held.
+            Room::Pool {
+                sheddable_saturated: true,
+                capacity,
+                ..
+            } => capacity.min(self.held_not_sheddable()),
             Room::Pool { capacity, .. } => capacity,
             Room::NoEndpoint => u32::MAX,
         };
@@ -219,6 +248,17 @@ impl AdmissionPolicy {
         out.released = released;
     }
 
+    /// Held requests of the bands that are not sheddable (priority >= 0).
+    fn held_not_sheddable(&self) -> u32 {
+        let held: usize = self
+            .queue
+            .bands()
+            .filter(|b| b.priority >= 0)
+            .map(|b| b.requests)
+            .sum();
+        u32::try_from(held).unwrap_or(u32::MAX)
+    }
+
     /// Request `id`'s client went away: `true` if it was held (and is no longer).
     pub fn remove(&mut self, id: u64) -> bool {
         self.queued_at.remove(&id);
@@ -237,11 +277,19 @@ mod tests {
 
     const FREE: Room = Room::Pool {
         saturated: false,
+        sheddable_saturated: false,
         capacity: u32::MAX,
     };
     const FULL: Room = Room::Pool {
         saturated: true,
+        sheddable_saturated: true,
         capacity: 0,
+    };
+    /// Over the sheddable level, under saturation.
+    const BUSY: Room = Room::Pool {
+        saturated: false,
+        sheddable_saturated: true,
+        capacity: u32::MAX,
     };
 
     fn arrive(
@@ -277,6 +325,65 @@ mod tests {
     }
 
     #[test]
+    fn over_the_sheddable_level_only_sheddable_requests_stop() {
+        let cfg = config(r#"{"objectives": {"chat": 5, "batch": -1}, "queue_sheddable": true}"#);
+        let mut p = AdmissionPolicy::new(&cfg);
+        assert_eq!(arrive(&mut p, &cfg, 1, "chat", BUSY, 0), Arrival::Admit);
+        assert_eq!(arrive(&mut p, &cfg, 2, "batch", BUSY, 1), Arrival::Queued);
+        assert_eq!(arrive(&mut p, &cfg, 3, "chat", FULL, 2), Arrival::Queued);
+        // busy: the chat request goes, the batch one stays held
+        let mut out = Release::default();
+        p.release(3, BUSY, |_| false, &mut out);
+        assert_eq!(out.resume, vec![(3, Some(1))]);
+        assert!(p.holds(2));
+        p.release(4, FREE, |_| false, &mut out);
+        assert_eq!(out.resume, vec![(2, Some(3))]);
+        // without queue_sheddable it is refused
+        let cfg = config(r#"{"objectives": {"batch": -1}}"#);
+        let mut p = AdmissionPolicy::new(&cfg);
+        assert_eq!(
+            arrive(&mut p, &cfg, 4, "batch", BUSY, 0),
+            Arrival::Reject(RejectReason::Saturated)
+        );
+        assert_eq!(arrive(&mut p, &cfg, 5, "", BUSY, 0), Arrival::Admit);
+    }
+
+    #[test]
+    fn room_counts_unseen_admissions_against_the_sheddable_level() {
+        let cfg = AdmissionFilterConfig::from_json(br#"{"endpoints": 2}"#).unwrap();
+        let mut scratch = RoomScratch::default();
+        let ep = |slot: u16, waiting: u32| EndpointStatus {
+            waiting,
+            ..EndpointStatus::ready(slot, ([10, 0, 0, 1], 8000 + slot).into(), &["m"])
+        };
+        // level (2/5 + 2/5) / 2 = 0.4
+        let endpoints = [ep(0, 2), ep(1, 2)];
+        let live = |unseen| PoolState::Live {
+            endpoints: &endpoints,
+            with_loads: true,
+            unseen,
+        };
+        let room = |pool, scratch: &mut RoomScratch| Room::measure(&cfg, pool, 0, scratch);
+        assert_eq!(
+            room(live(0), &mut scratch),
+            Room::Pool {
+                saturated: false,
+                sheddable_saturated: false,
+                capacity: u32::MAX
+            }
+        );
+        // one more request in flight than the snapshot shows: 0.4 + 1 / 10 = 0.5
+        assert_eq!(
+            room(live(1), &mut scratch),
+            Room::Pool {
+                saturated: false,
+                sheddable_saturated: true,
+                capacity: u32::MAX
+            }
+        );
+    }
+
+    #[test]
     fn a_higher_band_on_another_worker_holds_this_one_back() {
         let cfg = config(r#"{"objectives": {"chat": 5}}"#);
         let mut p = AdmissionPolicy::new(&cfg);
@@ -305,6 +412,7 @@ mod tests {
         let mut out = Release::default();
         let one = Room::Pool {
             saturated: false,
+            sheddable_saturated: false,
             capacity: 1,
         };
         p.release(50, one, |_| false, &mut out);
@@ -338,6 +446,7 @@ mod tests {
             room(3, PoolState::Static, &mut scratch),
             Room::Pool {
                 saturated: false,
+                sheddable_saturated: false,
                 capacity: 1
             }
         );
@@ -345,12 +454,14 @@ mod tests {
             room(4, PoolState::Static, &mut scratch),
             Room::Pool {
                 saturated: true,
+                sheddable_saturated: true,
                 capacity: 0
             }
         );
         let live = PoolState::Live {
             endpoints: &[],
             with_loads: true,
+            unseen: 0,
         };
         assert_eq!(room(0, live, &mut scratch), Room::NoEndpoint);
     }

@@ -28,6 +28,52 @@ impl Saturation {
             self.free_slots.unwrap_or(u32::MAX)
         }
     }
+
+    /// Whether sheddable requests must stop: the pool is saturated, or its level reaches
+    /// `sheddable_level` once the requests this proxy put in flight since the servers' figures
+    /// were taken (`unseen`) are counted, each as one more waiting request on one of the
+    /// pool's `endpoints`. The figures are a scrape old; without the correction a burst of
+    /// admissions all read the same low level and overshoot it.
+    pub fn sheddable_saturated(
+        &self,
+        t: &SaturationThresholds,
+        unseen: u32,
+        endpoints: usize,
+    ) -> bool {
+        if self.saturated {
+            return true;
+        }
+        let per_request = 1.0 / (f64::from(t.queue_depth) * endpoints.max(1) as f64);
+        self.level + f64::from(unseen) * per_request >= t.sheddable_level
+    }
+}
+
+/// How many more requests this proxy has in flight than when the servers' figures in the
+/// snapshot last changed: the requests those figures cannot show yet
+/// ([`super::PoolState::Live`]'s `unseen`). A snapshot's version moves with every KV event,
+/// its queues only with a scrape, so a change of the figures (the pool's summed waiting and
+/// running requests, or a new epoch) marks a new scrape. A scrape that reads the same sums
+/// is missed, and `unseen` then over-counts for one more scrape: the safe side.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct UnseenInflight {
+    figures: Option<(u64, u64)>,
+    inflight_then: u32,
+}
+
+impl UnseenInflight {
+    /// `inflight` (this proxy's, across workers) less its value when `endpoints`' figures
+    /// were new.
+    pub fn measure(&mut self, epoch: u64, endpoints: &[EndpointStatus], inflight: u32) -> u32 {
+        let sum = endpoints
+            .iter()
+            .map(|e| u64::from(e.waiting) + u64::from(e.running))
+            .sum();
+        if self.figures != Some((epoch, sum)) {
+            self.figures = Some((epoch, sum));
+            self.inflight_then = inflight;
+        }
+        inflight.saturating_sub(self.inflight_then)
+    }
 }
 
 /// The pool's saturation from the aggregator's snapshot. `inflight` and `inflight_tokens`
@@ -204,6 +250,46 @@ mod tests {
         let cfg = config(r#"{"saturation":{"queue_depth":10,"kv_cache_usage":0.5}}"#);
         let s = saturation(&cfg, &[endpoint(3, 5, 0.1)], &[], None);
         assert!(close(s.level, 0.5), "{s:?}");
+    }
+
+    #[test]
+    fn sheddable_requests_stop_at_their_level_counting_unseen_admissions() {
+        let cfg = config("{}");
+        let t = &cfg.saturation;
+        // level 0.4 on 2 endpoints: under 0.5
+        let eps = [endpoint(0, 2, 0.0), endpoint(1, 2, 0.0)];
+        let s = saturation(&cfg, &eps, &[], None);
+        assert!(close(s.level, 0.4) && !s.saturated, "{s:?}");
+        assert!(!s.sheddable_saturated(t, 0, 2));
+        // one unseen admission adds 1 / (5 x 2) = 0.1: at the level
+        assert!(s.sheddable_saturated(t, 1, 2));
+        // at 0.5 with nothing unseen
+        let s = saturation(&cfg, &[endpoint(0, 3, 0.0), endpoint(1, 2, 0.0)], &[], None);
+        assert!(s.sheddable_saturated(t, 0, 2) && !s.saturated);
+        // a saturated pool stops every band
+        let s = saturation(&cfg, &[endpoint(0, 9, 0.0)], &[], None);
+        assert!(s.saturated && s.sheddable_saturated(t, 0, 1));
+        // at a level of 1.0, sheddable requests stop with the rest (the reference's rule)
+        let at_one = config(r#"{"saturation":{"sheddable_level":1.0}}"#);
+        let s = saturation(&at_one, &[endpoint(0, 4, 0.0)], &[], None);
+        assert!(!s.sheddable_saturated(&at_one.saturation, 0, 1));
+        assert!(s.sheddable_saturated(&at_one.saturation, 1, 1));
+    }
+
+    #[test]
+    fn unseen_counts_from_the_last_change_of_the_figures() {
+        let mut u = UnseenInflight::default();
+        let mut eps = [endpoint(0, 2, 0.0), endpoint(1, 0, 0.0)];
+        assert_eq!(u.measure(1, &eps, 10), 0);
+        assert_eq!(u.measure(1, &eps, 13), 3);
+        // fewer in flight than then: none unseen
+        assert_eq!(u.measure(1, &eps, 8), 0);
+        // a scrape moved the queues: counted afresh
+        eps[1].waiting = 1;
+        assert_eq!(u.measure(1, &eps, 12), 0);
+        assert_eq!(u.measure(1, &eps, 14), 2);
+        // a new epoch does too
+        assert_eq!(u.measure(2, &eps, 15), 0);
     }
 
     #[test]

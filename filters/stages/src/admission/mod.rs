@@ -22,7 +22,7 @@ use proxy_wasm::hostcalls;
 use kvoy_filter_common::{now_ms, HostStore, LiveSnapshot, PollStart};
 use kvoy_shared::admission::{
     AdmissionFilterConfig, AdmissionPolicy, HeldBoard, PoolState, Release, Room, RoomScratch,
-    EXPIRED_REASON,
+    UnseenInflight, EXPIRED_REASON,
 };
 use kvoy_shared::shared_data::{self, InflightTable};
 use kvoy_shared::snapshot_board::PoolChoice;
@@ -64,6 +64,8 @@ pub struct AdmissionVm {
     /// The snapshot's endpoints inside `allowed_destinations`, and the snapshot they are of.
     allowed: Vec<kvoy_shared::snapshot::EndpointStatus>,
     allowed_of: Option<(u64, u64)>,
+    /// This proxy's requests in flight that the snapshot's queues do not show yet.
+    unseen: UnseenInflight,
     release: Release,
 }
 
@@ -102,14 +104,16 @@ impl AdmissionVm {
             live.refresh();
             if let PoolChoice::Live { with_loads } = live.choose(now_ms(), true) {
                 // Only what the prefix-affinity filter may route to is capacity.
+                let snapshot = live.snapshot();
                 let endpoints = self.config.allowed_endpoints(
-                    live.snapshot(),
+                    snapshot,
                     &mut self.allowed,
                     &mut self.allowed_of,
                 );
                 pool = PoolState::Live {
                     endpoints,
                     with_loads,
+                    unseen: self.unseen.measure(snapshot.epoch, endpoints, total),
                 };
             }
         }
@@ -264,6 +268,7 @@ impl AdmissionVm {
             room_scratch: RoomScratch::default(),
             allowed: Vec::new(),
             allowed_of: None,
+            unseen: UnseenInflight::default(),
             release: Release::default(),
         })
     }
