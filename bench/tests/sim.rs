@@ -489,12 +489,12 @@ fn the_half_slow_fleets_shared_prefix_does_not_collapse() {
     assert!(preemptions > 50, "{preemptions} preemptions");
 }
 
-/// Agents at 2x their saturation on 16 replicas, 70% of the sessions sheddable, each policy
-/// behind its own admission stage: the met share of the interactive requests (every class
-/// but the sheddable band) against the default SLO.
+/// Agents at 2x their saturation on 16 replicas (30 s of arrivals), 70% of the sessions
+/// sheddable, each policy behind its own admission stage: the met share of the interactive
+/// requests (every class but the sheddable band) against the default SLO.
 fn interactive_met_at_2x(policies: &[PolicyKind]) -> Vec<f64> {
     let grid = Grid {
-        workloads: vec![Workload::Agents(Agents::new(Count::Fixed(400)))],
+        workloads: vec![Workload::Agents(Agents::new(Count::Duration(30.0)))],
         policies: policies.to_vec(),
         rates: vec![Rate::Saturation(2.0)],
         profile: Profile::llama_8b_h100(),
