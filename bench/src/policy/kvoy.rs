@@ -167,6 +167,9 @@ pub struct Kvoy {
     fallback: Rng,
     /// Requests the router refused (routed to the least-loaded endpoint instead).
     pub refused: u64,
+    /// Answers ended, of which every [`kvoy_shared::usage::SAMPLE_EVERY`]th teaches the
+    /// router its output length.
+    answers: u64,
 }
 
 impl Kvoy {
@@ -194,6 +197,7 @@ impl Kvoy {
             epoch: Instant::now(),
             fallback: Rng::derive(seed, "kvoy/fallback", 0),
             refused: 0,
+            answers: 0,
         })
     }
 
@@ -300,6 +304,14 @@ impl Policy for Kvoy {
             sent.answered = true;
             let (endpoint, charge) = (sent.endpoint, sent.charge);
             self.apply(endpoint, OutstandingDelta::answered(charge), now);
+        }
+    }
+
+    fn on_output(&mut self, _request: u64, output_tokens: u32) {
+        // The filter reads one answer in SAMPLE_EVERY (per worker).
+        self.answers += 1;
+        if self.answers % kvoy_shared::usage::SAMPLE_EVERY == 1 {
+            self.router.observe_output(MODEL, u64::from(output_tokens));
         }
     }
 

@@ -105,6 +105,10 @@ pub trait Policy {
     /// Request `request` on `endpoint` finished (or was refused by the engine).
     fn on_finished(&mut self, _request: u64, _endpoint: usize, _now: Duration) {}
 
+    /// Request `request`'s answer ended with `output_tokens` in its `usage` (called before
+    /// [`Policy::on_finished`]): what a proxy reading the answer's body sees.
+    fn on_output(&mut self, _request: u64, _output_tokens: u32) {}
+
     /// `endpoint` emitted `events` (blocks stored, evicted, cache cleared) at `now`: what a
     /// router subscribed to the servers' KV events receives. In the order they must be applied.
     fn on_kv_events(&mut self, _endpoint: usize, _events: &[KvEvent], _now: Duration) {}

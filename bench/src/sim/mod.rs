@@ -577,6 +577,7 @@ impl Sim<'_, '_> {
                     self.live[si] = None;
                     self.open -= 1;
                     self.inflight[endpoint] = self.inflight[endpoint].saturating_sub(1);
+                    policy.on_output(id, usage.completion_tokens);
                     policy.on_finished(id, endpoint, now);
                     let totals = &mut self.prefill[endpoint];
                     totals.seconds += live.prefill_time.as_secs_f64();

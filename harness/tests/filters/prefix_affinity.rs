@@ -236,7 +236,7 @@ fn the_cost_scorer_spills_a_burst_once_queued_work_outweighs_the_prefix() -> Tes
 }
 
 #[test]
-fn the_servers_usage_teaches_the_bytes_per_token() -> TestResult {
+fn the_servers_usage_teaches_the_bytes_per_token_and_output_length() -> TestResult {
     let cfg = config(serde_json::json!({}));
     let plugin = plugin_with(&cfg, 5)?;
     // Prompts of 4,000 bytes that the server counts as 2,000 tokens (2 bytes a token, not the
@@ -270,6 +270,11 @@ fn the_servers_usage_teaches_the_bytes_per_token() -> TestResult {
     first.finish()?;
     assert_eq!(
         plugin.counter("kvoy_prefix_affinity_usage_observed_total"),
+        Some(1)
+    );
+    // ... and its output count, the last one of the body (the model's output length).
+    assert_eq!(
+        plugin.counter("kvoy_prefix_affinity_output_observed_total"),
         Some(1)
     );
     // The same VM now counts that model's prompts at 2 bytes a token.

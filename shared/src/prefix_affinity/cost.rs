@@ -86,6 +86,9 @@ pub struct CostParams {
     pub bytes_per_token: f64,
     /// Learn each model's bytes-per-token ratio from the servers' `usage` figures.
     pub learn_bytes_per_token: bool,
+    /// Learn each model's expected output tokens from the servers' `usage` figures (the
+    /// answers' own counts), in place of `output_tokens`.
+    pub learn_output_tokens: bool,
     /// How much more a token this request would compute counts than a token already queued,
     /// on an unloaded fleet (see [`Pressure`]).
     pub uncached_weight: f64,
@@ -142,6 +145,7 @@ impl Default for CostParams {
             step_tokens: 8192,
             bytes_per_token: 4.0,
             learn_bytes_per_token: true,
+            learn_output_tokens: true,
             uncached_weight: 1.0,
             // Agents at 2x saturation, five seeds (bench/README.md): 3, 10 and 30 s tried.
             pressure_time_constant_s: 10.0,
@@ -508,6 +512,52 @@ impl TokenRatio {
             .find(|(m, _, _)| m == model)
             .filter(|(_, _, t)| *t >= RATIO_MIN_TOKENS)
             .map(|(_, b, t)| b / t)
+    }
+}
+
+/// Each model's mean output length, learned from the answers' own counts: the KV-growth
+/// term's expectation of what a request in flight will still add.
+#[derive(Clone, Debug, Default)]
+pub struct OutputLength {
+    /// (model, mean output tokens, answers observed, capped at [`OUTPUT_WINDOW`]).
+    models: Vec<(String, f64, u32)>,
+}
+
+/// Learned lengths are trusted once this many answers were observed.
+const OUTPUT_MIN_ANSWERS: u32 = 16;
+/// The mean weighs the last this many answers about equally (an exponential average past
+/// them): a model whose traffic changes shape is followed within a few hundred answers.
+const OUTPUT_WINDOW: u32 = 256;
+/// Counts above this are not an answer's length (the configured bound of `output_tokens`).
+const OUTPUT_MAX_TOKENS: u64 = 10_000_000;
+
+impl OutputLength {
+    /// Records that an answer of `model` had `tokens` output tokens. Empty answers (errors,
+    /// aborted streams) and implausible counts are ignored.
+    pub fn observe(&mut self, model: &str, tokens: u64) {
+        if tokens == 0 || tokens > OUTPUT_MAX_TOKENS {
+            return;
+        }
+        let i = match self.models.iter().position(|(m, _, _)| m == model) {
+            Some(i) => i,
+            None if self.models.len() < RATIO_MAX_MODELS => {
+                self.models.push((model.to_owned(), 0.0, 0));
+                self.models.len() - 1
+            }
+            None => return,
+        };
+        let (_, mean, n) = &mut self.models[i];
+        *n = (*n + 1).min(OUTPUT_WINDOW);
+        *mean += (tokens as f64 - *mean) / f64::from(*n);
+    }
+
+    /// The learned mean of `model`, once there is enough evidence.
+    pub fn get(&self, model: &str) -> Option<f64> {
+        self.models
+            .iter()
+            .find(|(m, _, _)| m == model)
+            .filter(|(_, _, n)| *n >= OUTPUT_MIN_ANSWERS)
+            .map(|(_, mean, _)| *mean)
     }
 }
 
@@ -878,5 +928,35 @@ mod tests {
         }
         assert!(t.get("x10").is_some());
         assert!(t.get("x99").is_none());
+    }
+
+    #[test]
+    fn output_lengths_are_learned_per_model_once_there_is_evidence() {
+        let mut o = OutputLength::default();
+        for _ in 0..15 {
+            o.observe("a", 100);
+        }
+        assert_eq!(o.get("a"), None, "15 answers are not enough");
+        o.observe("a", 100);
+        assert_eq!(o.get("a"), Some(100.0));
+        // empty and implausible answers are ignored
+        o.observe("a", 0);
+        o.observe("a", 20_000_000);
+        assert_eq!(o.get("a"), Some(100.0));
+        // a change of shape is followed: 256 answers of 400 take the mean most of the way
+        for _ in 0..256 {
+            o.observe("a", 400);
+        }
+        let a = o.get("a").unwrap();
+        assert!(a > 280.0 && a < 400.0, "{a}");
+        assert_eq!(o.get("b"), None);
+        // bounded: models past the cap are not learned
+        for m in 0..100 {
+            for _ in 0..16 {
+                o.observe(&format!("m{m}"), 7);
+            }
+        }
+        assert_eq!(o.get("m0"), Some(7.0));
+        assert_eq!(o.get("m99"), None);
     }
 }

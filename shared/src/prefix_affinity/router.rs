@@ -3,7 +3,9 @@
 use thiserror::Error;
 
 use crate::prefix_affinity::config::{InvalidBodyPolicy, PluginConfig, RefusedEndpoint, Scorer};
-use crate::prefix_affinity::cost::{self, CostTerms, Pressure, RequestSize, TokenRatio};
+use crate::prefix_affinity::cost::{
+    self, CostTerms, OutputLength, Pressure, RequestSize, TokenRatio,
+};
 use std::time::Duration;
 
 use crate::endpoint::{EndpointId, Pool};
@@ -150,6 +152,7 @@ pub struct Router {
     matched: Vec<Match>,
     /// Bytes per token learned per model from the servers' `usage`.
     ratio: TokenRatio,
+    output: OutputLength,
     /// Uncached tokens of a typical request routed here (EWMA): sizes a server's queue.
     typical_tokens: Option<f64>,
     /// The fleet's pressure as this router has seen it (weighs the uncached tokens).
@@ -194,6 +197,7 @@ impl Router {
             keys: Vec::new(),
             matched: Vec::new(),
             ratio: TokenRatio::default(),
+            output: OutputLength::default(),
             typical_tokens: None,
             pressure: Pressure::default(),
             last_model: String::new(),
@@ -208,6 +212,24 @@ impl Router {
         if self.config.cost.learn_bytes_per_token {
             self.ratio.observe(model, prompt_bytes, prompt_tokens);
         }
+    }
+
+    /// Records a server's own output-token count for an answer of `model` (from its `usage`),
+    /// to learn the model's expected output length.
+    pub fn observe_output(&mut self, model: &str, output_tokens: u64) {
+        if self.config.cost.learn_output_tokens {
+            self.output.observe(model, output_tokens);
+        }
+    }
+
+    /// The output tokens a request of `model` is expected to generate: learned, else
+    /// configured, else the default.
+    pub fn output_tokens(&self, model: &str) -> f64 {
+        let cost = &self.config.cost;
+        self.output
+            .get(model)
+            .filter(|_| cost.learn_output_tokens)
+            .unwrap_or_else(|| cost.model_output_tokens(model))
     }
 
     /// The bytes-per-token ratio used for `model`: learned, else configured, else the default.
@@ -494,7 +516,7 @@ impl Router {
             prompt_tokens,
             bytes_per_token,
             typical_tokens: self.typical_tokens.unwrap_or(prompt_tokens),
-            output_tokens: self.config.cost.model_output_tokens(&req.model),
+            output_tokens: self.output_tokens(&req.model),
         };
         let hard = self.config.session.hard;
         let pinned = self.candidates.iter().position(|c| c.pinned);
@@ -736,6 +758,21 @@ mod tests {
     fn pinned(r: &mut Router, body: &[u8], loads: &[Outstanding], pin: Option<&str>) -> Decision {
         r.route_pinned(Api::ChatCompletions, body, loads, pin, Duration::ZERO)
             .unwrap()
+    }
+
+    #[test]
+    fn expected_output_tokens_are_learned_else_configured() {
+        let mut r = router(r#","cost":{"models":{"b":{"output_tokens":64}}}"#);
+        assert_eq!((r.output_tokens("a"), r.output_tokens("b")), (256.0, 64.0));
+        for _ in 0..16 {
+            r.observe_output("b", 900);
+        }
+        assert_eq!((r.output_tokens("a"), r.output_tokens("b")), (256.0, 900.0));
+        let mut off = router(r#","cost":{"learn_output_tokens":false,"output_tokens":10}"#);
+        for _ in 0..16 {
+            off.observe_output("a", 900);
+        }
+        assert_eq!(off.output_tokens("a"), 10.0);
     }
 
     #[test]

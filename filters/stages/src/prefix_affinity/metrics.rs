@@ -54,6 +54,8 @@ pub struct Metrics {
     pub session_honoured: Option<u32>,
     /// Server prompt-token counts read from answers (the bytes-per-token evidence).
     pub usage_observed: Option<u32>,
+    /// Sampled answers whose output-token count taught the router the model's output length.
+    pub output_observed: Option<u32>,
     /// Requests routed and not finished (charged to the outstanding table), over every worker.
     pub inflight: SharedGauge,
     session_breaks: [Option<u32>; 5],
@@ -93,6 +95,7 @@ impl Metrics {
             ),
             session_honoured: counter("kvoy_prefix_affinity_session_pins_honoured_total"),
             usage_observed: counter("kvoy_prefix_affinity_usage_observed_total"),
+            output_observed: counter("kvoy_prefix_affinity_output_observed_total"),
             inflight: SharedGauge::define("kvoy_prefix_affinity_inflight"),
             session_breaks: BREAKS.map(|r| {
                 counter(&format!(

@@ -10,16 +10,14 @@ use proxy_wasm::types::{BufferType, MapType};
 use kvoy_filter_common::{now, Headers, HostStore};
 use kvoy_shared::prefix_affinity::{Decision, DecisionKind, RouteError, SessionOutcome};
 use kvoy_shared::request::{classify_path, Api, ParsedRequest, PathClass};
-use kvoy_shared::usage::UsageScanner;
+use kvoy_shared::usage::{OutputScanner, UsageScanner};
 use kvoy_shared::{Charge, EndpointId, OutstandingDelta, RequestError};
 
 use super::{Metrics, PrefixVm as VmState};
 
 pub use kvoy_shared::protocol::{DESTINATION_HEADER, SERVED_HEADER};
 
-/// One answer in this many (of requests routed by their body) has its `usage` read: enough to
-/// learn a model's bytes per token within minutes, without scanning every answer.
-pub const USAGE_SAMPLE_EVERY: u64 = 8;
+pub use kvoy_shared::usage::SAMPLE_EVERY as USAGE_SAMPLE_EVERY;
 
 /// Other workers' decisions one request replays at most before it is routed (each a
 /// shared-data read and up to 256 keys into the index). A worker that sat idle while others
@@ -27,9 +25,11 @@ pub const USAGE_SAMPLE_EVERY: u64 = 8;
 /// by more than this routes on a slightly older index, never a wrong pool.
 pub const CATCH_UP_SLOTS_PER_REQUEST: usize = 32;
 
-/// An answer whose prompt-token count is being looked for.
+/// An answer whose token counts are being looked for: the prompt's (while `scanner` is
+/// not done) and the output's (`output`, known at the end of the body).
 struct UsageProbe {
-    scanner: UsageScanner,
+    scanner: Option<UsageScanner>,
+    output: Option<OutputScanner>,
     model: String,
     prompt_bytes: u64,
 }
@@ -331,12 +331,14 @@ impl PrefixStage {
         match decision.kind {
             DecisionKind::Scored => {
                 vm.scored += 1;
-                let learn = vm.router.config().cost.learn_bytes_per_token;
-                if let Some(api) = self.routed_api.filter(|_| learn) {
+                let cost = &vm.router.config().cost;
+                let (ratio, output) = (cost.learn_bytes_per_token, cost.learn_output_tokens);
+                if let Some(api) = self.routed_api.filter(|_| ratio || output) {
                     if vm.scored % USAGE_SAMPLE_EVERY == 1 {
                         let (model, prompt_bytes) = vm.router.last_prompt();
                         self.usage = Some(UsageProbe {
-                            scanner: UsageScanner::new(api),
+                            scanner: ratio.then(|| UsageScanner::new(api)),
+                            output: output.then(|| OutputScanner::new(api)),
                             model: model.to_owned(),
                             prompt_bytes,
                         });
@@ -459,26 +461,42 @@ impl PrefixStage {
         }
     }
 
-    /// Feeds a sampled answer's chunk to its usage scanner; a count found teaches the router
-    /// the model's bytes per token.
+    /// Feeds a sampled answer's chunk to its usage scanners: the prompt's count found teaches
+    /// the router the model's bytes per token, the output's (at the end) its output length.
     fn read_usage(&mut self, vm: &mut VmState, chunk: Option<&[u8]>, end_of_stream: bool) {
         let Some(probe) = self.usage.as_mut() else {
             return;
         };
-        let mut found = None;
-        if let Some(chunk) = chunk.filter(|c| !c.is_empty()) {
-            found = probe.scanner.feed(chunk);
+        let chunk = chunk.filter(|c| !c.is_empty());
+        if let Some(scanner) = probe.scanner.as_mut() {
+            let mut found = chunk.and_then(|c| scanner.feed(c));
+            if found.is_none() && end_of_stream {
+                found = scanner.finish();
+            }
+            if let Some(tokens) = found {
+                vm.router
+                    .observe_usage(&probe.model, probe.prompt_bytes, tokens);
+                Metrics::add(vm.metrics.usage_observed, 1);
+            }
+            if scanner.done() {
+                probe.scanner = None;
+            }
         }
-        if found.is_none() && end_of_stream {
-            found = probe.scanner.finish();
+        if let Some(output) = probe.output.as_mut() {
+            if let Some(c) = chunk {
+                output.feed(c);
+            }
+            if end_of_stream {
+                if let Some(tokens) = output.finish() {
+                    vm.router.observe_output(&probe.model, tokens);
+                    Metrics::add(vm.metrics.output_observed, 1);
+                }
+            }
+            if output.done() || end_of_stream {
+                probe.output = None;
+            }
         }
-        let give_up = probe.scanner.done();
-        if let Some(tokens) = found {
-            vm.router
-                .observe_usage(&probe.model, probe.prompt_bytes, tokens);
-            Metrics::add(vm.metrics.usage_observed, 1);
-        }
-        if found.is_some() || give_up || end_of_stream {
+        if (probe.scanner.is_none() && probe.output.is_none()) || end_of_stream {
             self.usage = None;
         }
     }
