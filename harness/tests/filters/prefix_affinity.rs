@@ -237,7 +237,7 @@ fn the_cost_scorer_spills_a_burst_once_queued_work_outweighs_the_prefix() -> Tes
 
 #[test]
 fn the_servers_usage_teaches_the_bytes_per_token_and_output_length() -> TestResult {
-    let cfg = config(serde_json::json!({}));
+    let cfg = config(serde_json::json!({"cost": {"learn_output_tokens": true}}));
     let plugin = plugin_with(&cfg, 5)?;
     // Prompts of 4,000 bytes that the server counts as 2,000 tokens (2 bytes a token, not the
     // configured 4); each request's own prefix, so all of it is uncached.

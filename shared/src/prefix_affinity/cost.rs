@@ -86,8 +86,8 @@ pub struct CostParams {
     pub bytes_per_token: f64,
     /// Learn each model's bytes-per-token ratio from the servers' `usage` figures.
     pub learn_bytes_per_token: bool,
-    /// Learn each model's expected output tokens from the servers' `usage` figures (the
-    /// answers' own counts), in place of `output_tokens`.
+    /// Learn each model's expected output tokens (the mean) from the servers' `usage`
+    /// figures (the answers' own counts), in place of `output_tokens`.
     pub learn_output_tokens: bool,
     /// How much more a token this request would compute counts than a token already queued,
     /// on an unloaded fleet (see [`Pressure`]).
@@ -145,7 +145,10 @@ impl Default for CostParams {
             step_tokens: 8192,
             bytes_per_token: 4.0,
             learn_bytes_per_token: true,
-            learn_output_tokens: true,
+            // Off: on the fleet simulation's agents at 2x the learned mean (167 tokens) priced
+            // the KV growth lower than the 256 the claim weight was measured with, and TTFT
+            // p90 rose from 0.470 to 0.830 s (median of 5 seeds; level elsewhere).
+            learn_output_tokens: false,
             uncached_weight: 1.0,
             // Agents at 2x saturation, five seeds (bench/README.md): 3, 10 and 30 s tried.
             pressure_time_constant_s: 10.0,

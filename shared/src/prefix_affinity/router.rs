@@ -762,13 +762,15 @@ mod tests {
 
     #[test]
     fn expected_output_tokens_are_learned_else_configured() {
-        let mut r = router(r#","cost":{"models":{"b":{"output_tokens":64}}}"#);
+        let mut r =
+            router(r#","cost":{"learn_output_tokens":true,"models":{"b":{"output_tokens":64}}}"#);
         assert_eq!((r.output_tokens("a"), r.output_tokens("b")), (256.0, 64.0));
         for _ in 0..16 {
             r.observe_output("b", 900);
         }
         assert_eq!((r.output_tokens("a"), r.output_tokens("b")), (256.0, 900.0));
-        let mut off = router(r#","cost":{"learn_output_tokens":false,"output_tokens":10}"#);
+        // off by default
+        let mut off = router(r#","cost":{"output_tokens":10}"#);
         for _ in 0..16 {
             off.observe_output("a", 900);
         }
