@@ -49,7 +49,11 @@ fuzz_target!(|data: &[u8]| {
         let bytes: Vec<&[u8]> = body.chunks(1).collect();
         assert_eq!(whole, scan(api, &bytes), "byte by byte");
         let last = output(api, &[body]);
-        assert_eq!(last, output(api, &chunks(body, &cuts)), "output, cut at {cuts:?}");
+        assert_eq!(
+            last,
+            output(api, &chunks(body, &cuts)),
+            "output, cut at {cuts:?}"
+        );
         assert_eq!(last, output(api, &bytes), "output, byte by byte");
         for n in [whole, last].into_iter().flatten() {
             assert!(n < 1_000_000_000_000);
