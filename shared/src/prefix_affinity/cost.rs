@@ -466,20 +466,56 @@ pub fn pick(
     cheapest(out).nth(nth)
 }
 
+/// What is learned per model, for at most [`RATIO_MAX_MODELS`] models (bounded memory; the
+/// others use the configuration).
+#[derive(Clone, Debug)]
+struct PerModel<T> {
+    models: Vec<(String, T)>,
+}
+
+impl<T> Default for PerModel<T> {
+    fn default() -> Self {
+        PerModel { models: Vec::new() }
+    }
+}
+
+impl<T: Copy> PerModel<T> {
+    /// `model`'s entry, made `fresh` on first sight while there is room; `None` past the cap.
+    fn entry(&mut self, model: &str, fresh: T) -> Option<&mut T> {
+        let i = match self.models.iter().position(|(m, _)| m == model) {
+            Some(i) => i,
+            None if self.models.len() < RATIO_MAX_MODELS => {
+                self.models.push((model.to_owned(), fresh));
+                self.models.len() - 1
+            }
+            None => return None,
+        };
+        self.models.get_mut(i).map(|(_, v)| v)
+    }
+
+    fn get(&self, model: &str) -> Option<T> {
+        self.models
+            .iter()
+            .find(|(m, _)| m == model)
+            .map(|&(_, v)| v)
+    }
+}
+
 /// Bytes per token for each model, learned from the servers' own `usage` figures: an
 /// exponentially weighted ratio of prompt bytes to prompt tokens, weighted by tokens so that
 /// long prompts (where the estimate matters) count most.
 #[derive(Clone, Debug, Default)]
 pub struct TokenRatio {
-    /// (model, weighted bytes, weighted tokens).
-    models: Vec<(String, f64, f64)>,
+    /// (weighted bytes, weighted tokens) per model.
+    models: PerModel<(f64, f64)>,
 }
 
 /// Evidence decays by half every this many observed tokens.
 const RATIO_HALF_LIFE_TOKENS: f64 = 2_000_000.0;
 /// Learned ratios are trusted once this many tokens were observed.
 const RATIO_MIN_TOKENS: f64 = 2_000.0;
-/// At most this many models are learned (bounded memory; others use the configuration).
+/// At most this many models are learned (bounded memory; others use the configuration): per
+/// learned figure ([`PerModel`]).
 const RATIO_MAX_MODELS: usize = 64;
 
 impl TokenRatio {
@@ -494,15 +530,9 @@ impl TokenRatio {
         if !(0.5..=32.0).contains(&ratio) {
             return;
         }
-        let i = match self.models.iter().position(|(m, _, _)| m == model) {
-            Some(i) => i,
-            None if self.models.len() < RATIO_MAX_MODELS => {
-                self.models.push((model.to_owned(), 0.0, 0.0));
-                self.models.len() - 1
-            }
-            None => return,
+        let Some((b, t)) = self.models.entry(model, (0.0, 0.0)) else {
+            return;
         };
-        let (_, b, t) = &mut self.models[i];
         let decay = 0.5f64.powf(tokens as f64 / RATIO_HALF_LIFE_TOKENS);
         *b = *b * decay + bytes as f64;
         *t = *t * decay + tokens as f64;
@@ -511,10 +541,9 @@ impl TokenRatio {
     /// The learned ratio of `model`, once there is enough evidence.
     pub fn get(&self, model: &str) -> Option<f64> {
         self.models
-            .iter()
-            .find(|(m, _, _)| m == model)
-            .filter(|(_, _, t)| *t >= RATIO_MIN_TOKENS)
-            .map(|(_, b, t)| b / t)
+            .get(model)
+            .filter(|&(_, t)| t >= RATIO_MIN_TOKENS)
+            .map(|(b, t)| b / t)
     }
 }
 
@@ -522,8 +551,8 @@ impl TokenRatio {
 /// term's expectation of what a request in flight will still add.
 #[derive(Clone, Debug, Default)]
 pub struct OutputLength {
-    /// (model, mean output tokens, answers observed, capped at [`OUTPUT_WINDOW`]).
-    models: Vec<(String, f64, u32)>,
+    /// (mean output tokens, answers observed, capped at [`OUTPUT_WINDOW`]) per model.
+    models: PerModel<(f64, u32)>,
 }
 
 /// Learned lengths are trusted once this many answers were observed.
@@ -541,15 +570,9 @@ impl OutputLength {
         if tokens == 0 || tokens > OUTPUT_MAX_TOKENS {
             return;
         }
-        let i = match self.models.iter().position(|(m, _, _)| m == model) {
-            Some(i) => i,
-            None if self.models.len() < RATIO_MAX_MODELS => {
-                self.models.push((model.to_owned(), 0.0, 0));
-                self.models.len() - 1
-            }
-            None => return,
+        let Some((mean, n)) = self.models.entry(model, (0.0, 0)) else {
+            return;
         };
-        let (_, mean, n) = &mut self.models[i];
         *n = (*n + 1).min(OUTPUT_WINDOW);
         *mean += (tokens as f64 - *mean) / f64::from(*n);
     }
@@ -557,10 +580,9 @@ impl OutputLength {
     /// The learned mean of `model`, once there is enough evidence.
     pub fn get(&self, model: &str) -> Option<f64> {
         self.models
-            .iter()
-            .find(|(m, _, _)| m == model)
-            .filter(|(_, _, n)| *n >= OUTPUT_MIN_ANSWERS)
-            .map(|(_, mean, _)| *mean)
+            .get(model)
+            .filter(|&(_, n)| n >= OUTPUT_MIN_ANSWERS)
+            .map(|(mean, _)| mean)
     }
 }
 
