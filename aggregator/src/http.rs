@@ -77,6 +77,8 @@ pub struct Api {
     limits: Limits,
     /// The routing decisions the proxies relay to each other (`POST /v1/decisions`).
     relay: Arc<Mutex<DecisionRelay>>,
+    /// Bumped on every push of decisions into `relay`: a waiting exchange (`wait_ms`) wakes.
+    relay_pushed: Arc<watch::Sender<u64>>,
     /// The pool view's history and relayed decisions per endpoint (`GET /`, `/v1/pool`).
     pub page: Arc<PoolPage>,
     /// Relayed decisions linked to the servers' blocks (fed here and by the KV followers).
@@ -94,6 +96,8 @@ const REMOVALS_PAGE: usize = 64;
 const REMOVALS_PER_EXCHANGE: usize = 64;
 /// Keys one page of `GET /v1/decisions` carries at most (2 MiB of keys).
 const PAGE_MAX_KEYS: usize = 1 << 18;
+/// The longest an exchange may wait for other proxies' decisions (`wait_ms`).
+const MAX_DECISION_WAIT: Duration = Duration::from_secs(30);
 
 impl Api {
     pub fn new(
@@ -110,6 +114,7 @@ impl Api {
             token,
             limits,
             relay: Arc::new(Mutex::new(DecisionRelay::new(RELAY_MAX_KEYS))),
+            relay_pushed: Arc::new(watch::channel(0).0),
             page: Arc::default(),
         }
     }
@@ -529,6 +534,9 @@ impl Api {
         let tiers = query_value(query, relay::TIERS_PARAM) == Some("1");
         // The proxy's key schedule, when it names one (older filters do not).
         let schedule = query_value(query, relay::SCHEDULE_PARAM).map(relay::parse_schedule);
+        let wait = query_u64(query, relay::WAIT_PARAM)
+            .map_or(Duration::ZERO, Duration::from_millis)
+            .min(MAX_DECISION_WAIT);
         let body = match http_client::read_body(req.into_body(), relay::MAX_BATCH_BYTES).await {
             Ok(b) => b,
             Err(e) => {
@@ -602,13 +610,36 @@ impl Api {
                 _ => l.decisions(&kept, std::time::Instant::now()),
             }
         }
-        let (decisions, next) = {
+        // Subscribed before the push and the first read, so that no push between them is missed.
+        let mut pushed = self.relay_pushed.subscribe();
+        let (mut decisions, mut next) = {
             let Ok(mut relay) = self.relay.lock() else {
                 return text(StatusCode::INTERNAL_SERVER_ERROR, "relay unavailable\n");
             };
-            relay.push(batch.proxy, kept);
+            if !kept.is_empty() {
+                relay.push(batch.proxy, kept);
+                self.relay_pushed.send_modify(|n| *n = n.wrapping_add(1));
+            }
+            pushed.borrow_and_update();
             relay.since(cursor, batch.proxy, limit)
         };
+        // A long poll (`wait_ms`): with nothing for this proxy yet, the answer waits until
+        // another proxy's decisions arrive (or the wait ends), so that a decision reaches the
+        // other proxies one round trip after it was sent, not a poll interval later.
+        if decisions.is_empty() && limit > 0 && !wait.is_zero() {
+            let deadline = tokio::time::Instant::now() + wait;
+            while decisions.is_empty() {
+                match tokio::time::timeout_at(deadline, pushed.changed()).await {
+                    Ok(Ok(())) => {}
+                    _ => break,
+                }
+                pushed.borrow_and_update();
+                let Ok(relay) = self.relay.lock() else {
+                    return text(StatusCode::INTERNAL_SERVER_ERROR, "relay unavailable\n");
+                };
+                (decisions, next) = relay.since(cursor, batch.proxy, limit);
+            }
+        }
         c.decisions_sent
             .fetch_add(decisions.len() as u64, Ordering::Relaxed);
         let removals = removals_since.map(|since| {

@@ -351,3 +351,70 @@ fn a_proxy_keying_with_another_schedule_is_relayed_not_linked() {
         pool["links"]
     );
 }
+
+/// `wait_ms`: a proxy's exchange with nothing to take waits until another proxy's decisions
+/// arrive and answers with them at once; with nothing arriving it answers empty when the wait
+/// ends; its own decisions (or a send with `limit=0`) never wake it.
+#[test]
+fn a_waiting_exchange_answers_as_soon_as_another_proxys_decision_arrives() {
+    let a = free_port().unwrap();
+    let yaml = format!("endpoints: [{{address: '127.0.0.1:{a}', models: [m]}}]\n");
+    let (rt, agg) = start(&yaml);
+    let api = agg.local_addr();
+    let ea: SocketAddr = format!("127.0.0.1:{a}").parse().unwrap();
+    let post = |path: String, batch: DecisionBatch| {
+        let mut body = Vec::new();
+        batch.encode(&mut body);
+        std::thread::spawn(move || {
+            let started = Instant::now();
+            let (status, _, answer) = request(api, "POST", &path, "", &body);
+            assert_eq!(status, 200, "{}", String::from_utf8_lossy(&answer));
+            (started.elapsed(), DecisionBatch::decode(&answer).unwrap())
+        })
+    };
+    let batch = |proxy: u64, decisions: Vec<RelayedDecision>| DecisionBatch {
+        proxy,
+        cursor: 0,
+        decisions,
+        removals: None,
+    };
+    // Nothing arrives: the answer comes, empty, when the wait ends.
+    let (took, answer) = post(format!("{PATH}?since=0&wait_ms=300"), batch(2, vec![]))
+        .join()
+        .unwrap();
+    assert!(answer.decisions.is_empty());
+    assert!(
+        took >= Duration::from_millis(280) && took < Duration::from_secs(3),
+        "{took:?}"
+    );
+    // Proxy 2 waits; proxy 2's own send does not wake it; proxy 1's decision does, at once.
+    let waiting = post(format!("{PATH}?since=0&wait_ms=5000"), batch(2, vec![]));
+    std::thread::sleep(Duration::from_millis(200));
+    let own = post(
+        format!("{PATH}?since=0&limit=0"),
+        batch(2, vec![decision(ea, &[7])]),
+    )
+    .join()
+    .unwrap();
+    assert!(own.1.decisions.is_empty(), "limit=0 asks for nothing");
+    std::thread::sleep(Duration::from_millis(200));
+    let sent = Instant::now();
+    let (took, _) = post(
+        format!("{PATH}?since=0&limit=0"),
+        batch(1, vec![decision(ea, &[1, 2])]),
+    )
+    .join()
+    .unwrap();
+    assert!(
+        took < Duration::from_secs(1),
+        "a send never waits: {took:?}"
+    );
+    let (waited, answer) = waiting.join().unwrap();
+    assert_eq!(answer.decisions, vec![decision(ea, &[1, 2])]);
+    assert!(
+        waited >= Duration::from_millis(400) && sent.elapsed() < Duration::from_secs(1),
+        "woken by proxy 1's decision, not by the wait's end: waited {waited:?}"
+    );
+    drop(agg);
+    drop(rt);
+}

@@ -57,9 +57,29 @@ pub fn is_decision_exchange(call: &crate::HttpCall) -> bool {
         .is_some_and(|p| p.starts_with(kvoy_shared::relay::PATH))
 }
 
+/// Whether `call` is the relay's send of the proxy's own decisions (`POST /v1/decisions` with
+/// `limit=0`: it asks for nothing back).
+pub fn is_decision_send(call: &crate::HttpCall) -> bool {
+    is_decision_exchange(call)
+        && call
+            .headers
+            .get(":path")
+            .is_some_and(|p| p.contains("&limit=0"))
+}
+
+/// Whether `call` is the relay's long poll for the other proxies' decisions (`POST
+/// /v1/decisions` with `wait_ms`).
+pub fn is_decision_receive(call: &crate::HttpCall) -> bool {
+    is_decision_exchange(call)
+        && call
+            .headers
+            .get(":path")
+            .is_some_and(|p| p.contains(&format!("&{}=", kvoy_shared::relay::WAIT_PARAM)))
+}
+
 /// The snapshot polls `plugin`'s filter has in flight to kvoy-aggregator; its decision exchanges
-/// (`POST /v1/decisions`, which the lease holder starts on the ticks it polls) are answered on
-/// the way as an aggregator with nothing to relay answers them.
+/// (`POST /v1/decisions`, which the lease holder starts on its ticks) are answered on the way
+/// as an aggregator with nothing to relay answers them.
 pub fn snapshot_polls(plugin: &crate::Plugin) -> Result<Vec<crate::HttpCall>> {
     use kvoy_shared::relay::DecisionBatch;
     let mut polls = Vec::new();

@@ -75,6 +75,9 @@ const DECISION_HEADER_BYTES: usize = ADDRESS_BYTES + 2;
 /// (`block_size.max_keys.dense.group`, see [`schedule_param`]): the aggregator links decisions
 /// to the servers' blocks only for proxies keying prompts as its linker expects.
 pub const SCHEDULE_PARAM: &str = "schedule";
+/// `wait_ms=N` on `POST /v1/decisions`: with no other proxy's decision to answer with, the
+/// aggregator holds the answer up to N ms until one arrives (a long poll).
+pub const WAIT_PARAM: &str = "wait_ms";
 
 /// A key schedule as [`SCHEDULE_PARAM`]'s value.
 pub fn schedule_param(s: &KeySchedule) -> String {

@@ -34,6 +34,8 @@ pub struct LiveSnapshot {
     meta: Option<BoardMeta>,
     /// The poll in flight, with when it started.
     poll: Option<(u32, u64)>,
+    /// When this VM's last poll started: the VM ticks more often than it polls when it relays.
+    last_poll_ms: Option<u64>,
     want_full: bool,
     failures_logged: u32,
     /// Each kind of poll failure is logged once (and counted every time by the filter).
@@ -61,6 +63,7 @@ impl LiveSnapshot {
             snapshot: Snapshot::default(),
             meta: None,
             poll: None,
+            last_poll_ms: None,
             want_full: false,
             failures_logged: 0,
             logged: LogOnce::new(16),
@@ -109,7 +112,19 @@ impl LiveSnapshot {
         )
     }
 
-    /// Polls the aggregator if this VM holds (or takes) the lease and no poll is in flight.
+    /// Takes or renews this proxy's poller lease: true when this VM is the one that talks to
+    /// the aggregator (polls, relays decisions).
+    pub fn holds_lease(&self, now_ms: u64) -> bool {
+        let ttl = self
+            .settings
+            .poll_interval_ms
+            .saturating_mul(3)
+            .max(self.settings.timeout_ms);
+        self.board.try_lease(&HostStore, now_ms, ttl)
+    }
+
+    /// Polls the aggregator if this VM holds (or takes) the lease, no poll is in flight and
+    /// the last began a poll interval ago.
     pub fn poll(&mut self, now_ms: u64) -> PollStart {
         self.poll_reporting(now_ms, || None)
     }
@@ -124,14 +139,18 @@ impl LiveSnapshot {
             }
             self.poll = None;
         }
-        let ttl = self
-            .settings
-            .poll_interval_ms
-            .saturating_mul(3)
-            .max(self.settings.timeout_ms);
-        if !self.board.try_lease(&HostStore, now_ms, ttl) {
+        // A tenth of slack: a tick a little early must not skip a whole interval.
+        let interval = self.settings.poll_interval_ms - self.settings.poll_interval_ms / 10;
+        if self
+            .last_poll_ms
+            .is_some_and(|last| now_ms.saturating_sub(last) < interval)
+        {
             return PollStart::Skipped;
         }
+        if !self.holds_lease(now_ms) {
+            return PollStart::Skipped;
+        }
+        self.last_poll_ms = Some(now_ms);
         let report = held().map(|held| snapshot_board::PollReport {
             proxy: self.proxy(),
             held,
@@ -144,6 +163,7 @@ impl LiveSnapshot {
             "GET",
             &path,
             None,
+            self.settings.timeout_ms,
         ) {
             Ok(token) => {
                 self.poll = Some((token, now_ms));
@@ -253,14 +273,15 @@ impl LiveSnapshot {
 }
 
 /// Calls kvoy-aggregator (`settings.cluster`, its `authority`, the bearer token when there is
-/// one, `settings.timeout_ms`); `body` is `(content type, bytes)`. The call's token, or the
-/// host's refusal (e.g. no such cluster).
+/// one) with a timeout of `timeout_ms`; `body` is `(content type, bytes)`. The call's token, or
+/// the host's refusal (e.g. no such cluster).
 pub fn call_aggregator(
     settings: &AggregatorSettings,
     authorization: Option<&str>,
     method: &str,
     path: &str,
     body: Option<(&str, &[u8])>,
+    timeout_ms: u64,
 ) -> Result<u32, proxy_wasm::types::Status> {
     let authority = settings.authority.as_deref().unwrap_or(&settings.cluster);
     let mut headers = vec![
@@ -279,7 +300,7 @@ pub fn call_aggregator(
         headers,
         body.map(|(_, b)| b),
         vec![],
-        Duration::from_millis(settings.timeout_ms),
+        Duration::from_millis(timeout_ms),
     )
 }
 

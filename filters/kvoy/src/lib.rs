@@ -82,6 +82,21 @@ struct Ticks {
 }
 
 impl Ticks {
+    /// The VM's tick: the shorter of the stages' periods.
+    fn period(&self) -> Duration {
+        [self.admission, self.prefix]
+            .into_iter()
+            .flatten()
+            .map(|(p, _)| p)
+            .min()
+            .unwrap_or(Duration::from_millis(200))
+    }
+
+    /// Sets the host's tick to [`Ticks::period`] (after a stage's period changed).
+    fn apply(&self) {
+        let _ = hostcalls::set_tick_period(self.period());
+    }
+
     /// Whether the stage's tick is due at `now` (and, if so, when it is due next).
     fn due(slot: &mut Option<(Duration, u64)>, now: u64) -> bool {
         let Some((period, next)) = slot.as_mut() else {
@@ -128,12 +143,7 @@ impl KvoyRoot {
             admission: admission.as_ref().map(|a| (a.tick_period(), now)),
             prefix: Some((prefix.tick_period(), now)),
         };
-        let period = [self.ticks.admission, self.ticks.prefix]
-            .into_iter()
-            .flatten()
-            .map(|(p, _)| p)
-            .min()
-            .unwrap_or(Duration::from_millis(200));
+        let period = self.ticks.period();
         if hostcalls::set_tick_period(period).is_ok() {
             // See the crate doc: metrics kept in the VM until the tick.
             kvoy_filter_common::defer_metrics();
@@ -224,6 +234,13 @@ impl RootContext for KvoyRoot {
                             .filter(|a| !a.polls_aggregator())
                             .map(AdmissionVm::held_in_proxy)
                     });
+                    // The stage's period follows its role (the lease holder relays every few
+                    // milliseconds): the VM ticks at the shorter of the two stages'.
+                    let period = prefix.tick_period();
+                    if self.ticks.prefix.is_some_and(|(p, _)| p != period) {
+                        self.ticks.prefix = Some((period, now));
+                        self.ticks.apply();
+                    }
                 }
             }
         }

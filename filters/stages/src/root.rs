@@ -102,7 +102,16 @@ impl<V: StageVm> RootContext for StageRoot<V> {
 
     fn on_tick(&mut self) {
         if let Some(vm) = self.state.borrow_mut().as_mut() {
+            let before = vm.tick_period();
             vm.on_tick();
+            // A stage's period may change with its role (the prefix stage's lease holder
+            // relays every few milliseconds, the other VMs tick once per poll interval).
+            match vm.tick_period() {
+                Some(period) if Some(period) != before => {
+                    let _ = hostcalls::set_tick_period(period);
+                }
+                _ => {}
+            }
         }
     }
 

@@ -224,12 +224,28 @@ fn a_forged_destination_never_leaves_the_live_pool() -> TestResult {
     Ok(())
 }
 
-/// The decision exchange a poll tick started, if any (`POST /v1/decisions`).
+/// Any decision exchange in flight (`POST /v1/decisions`).
 fn exchange_call(plugin: &Plugin) -> Option<HttpCall> {
     plugin
         .http_calls()
         .into_iter()
         .find(testing::is_decision_exchange)
+}
+
+/// The relay's send of the proxy's own decisions in flight, if any.
+fn send_call(plugin: &Plugin) -> Option<HttpCall> {
+    plugin
+        .http_calls()
+        .into_iter()
+        .find(testing::is_decision_send)
+}
+
+/// The relay's long poll for the other proxies' decisions in flight, if any.
+fn receive_call(plugin: &Plugin) -> Option<HttpCall> {
+    plugin
+        .http_calls()
+        .into_iter()
+        .find(testing::is_decision_receive)
 }
 
 /// Two proxies (two plugins: separate shared data) following the same aggregator pool of four
@@ -251,7 +267,7 @@ fn next_exchange_path(p: &Plugin, history: &SnapshotHistory) -> Result<String, E
         answer(p, &call, history)?;
     }
     p.advance(Duration::from_millis(100))?;
-    let next = exchange_call(p).expect("another exchange");
+    let next = receive_call(p).expect("another long poll");
     Ok(next.headers.get(":path").unwrap_or_default().to_owned())
 }
 
@@ -284,12 +300,13 @@ fn a_proxy_told_not_to_relay_exchanges_no_decisions() -> TestResult {
 fn decisions_relayed_by_the_aggregator_steer_another_proxy_within_its_pool_only() -> TestResult {
     use kvoy_shared::relay::{DecisionBatch, CONTENT_TYPE};
     let (a, b, history) = two_proxies()?;
-    // Proxy A routes 20 conversations; on its next poll tick it sends them.
+    // Proxy A routes 20 conversations; on its next relay tick (10 ms) it sends them.
     let chosen: Vec<String> = (0..20)
         .map(|i| route(&a, i % 2, 100 + i))
         .collect::<Result<_, _>>()?;
-    a.advance(Duration::from_millis(100))?;
-    let sent = exchange_call(&a).expect("proxy A exchanges decisions on its poll tick");
+    a.advance(Duration::from_millis(10))?;
+    let sent = send_call(&a).expect("proxy A sends its decisions on its next relay tick");
+    assert!(send_call(&b).is_none(), "B has none to send");
     assert_eq!(sent.headers.get(":method"), Some("POST"));
     assert_eq!(sent.headers.get("content-type"), Some(CONTENT_TYPE));
     let mut batch = DecisionBatch::decode(&sent.body).unwrap();
@@ -307,8 +324,10 @@ fn decisions_relayed_by_the_aggregator_steer_another_proxy_within_its_pool_only(
     batch.cursor = 21;
     let mut body = Vec::new();
     batch.encode(&mut body);
-    b.advance(Duration::from_millis(100))?;
-    let call = exchange_call(&b).expect("proxy B exchanges too");
+    b.advance(Duration::from_millis(10))?;
+    let call = receive_call(&b).expect("proxy B waits for the other proxies' decisions");
+    let path = call.headers.get(":path").unwrap_or_default();
+    assert!(path.contains("wait_ms=1000"), "{path}");
     b.respond_http_call(&call, HttpResponse::new(200).body(body))?;
     assert_eq!(
         b.counter("kvoy_prefix_affinity_relay_decisions_received_total"),
@@ -341,8 +360,13 @@ fn six_conversations_sent(
         .map(|i| route(a, i % 2, 100 + i))
         .collect::<Result<_, _>>()?;
     a.advance(Duration::from_millis(100))?;
-    let sent = exchange_call(a).expect("proxy A exchanges decisions on its poll tick");
-    let path = sent.headers.get(":path").unwrap_or_default().to_owned();
+    let sent = send_call(a).expect("proxy A sends its decisions on its relay tick");
+    let path = receive_call(a)
+        .expect("proxy A waits for the other proxies' decisions")
+        .headers
+        .get(":path")
+        .unwrap_or_default()
+        .to_owned();
     let decisions = DecisionBatch::decode(&sent.body).unwrap().decisions;
     Ok((chosen, path, decisions))
 }
@@ -366,7 +390,7 @@ fn answer_b(
     }
     .encode(&mut body);
     b.advance(Duration::from_millis(100))?;
-    let call = exchange_call(b).expect("proxy B exchanges too");
+    let call = receive_call(b).expect("proxy B waits for the other proxies' decisions");
     b.respond_http_call(&call, HttpResponse::new(200).body(body))
 }
 

@@ -344,6 +344,14 @@ pub struct AggregatorSettings {
     /// prefix. Off: each proxy knows only its own decisions.
     #[serde(default = "defaults::relay_decisions")]
     pub relay_decisions: bool,
+    /// How often the relaying VM sends its proxy's new decisions (1 to 1,000 ms): a decision
+    /// reaches the aggregator within this of being made.
+    #[serde(default = "defaults::relay_flush_ms")]
+    pub relay_flush_ms: u64,
+    /// How long the aggregator may hold the relay's long poll for the other proxies' decisions
+    /// (0 to 30,000 ms; 0: ask on every flush instead).
+    #[serde(default = "defaults::relay_wait_ms")]
+    pub relay_wait_ms: u64,
 }
 
 /// A bearer token from the configuration; `Debug` does not show it.
@@ -438,6 +446,12 @@ mod defaults {
     }
     pub fn relay_decisions() -> bool {
         true
+    }
+    pub fn relay_flush_ms() -> u64 {
+        10
+    }
+    pub fn relay_wait_ms() -> u64 {
+        1_000
     }
     pub fn poll_timeout_ms() -> u64 {
         250
@@ -751,6 +765,8 @@ pub(crate) fn check_aggregator(a: &AggregatorSettings) -> Result<(), ConfigError
             10..=60_000,
         ),
         ("aggregator.timeout_ms", a.timeout_ms, 10..=60_000),
+        ("aggregator.relay_flush_ms", a.relay_flush_ms, 1..=1_000),
+        ("aggregator.relay_wait_ms", a.relay_wait_ms, 0..=30_000),
         (
             "aggregator.load_max_age_ms",
             a.load_max_age_ms,
@@ -967,6 +983,11 @@ mod tests {
             ("/v1/snapshot", 100, 250)
         );
         assert_eq!(a.max_snapshot_bytes, 4 << 20);
+        assert_eq!((a.relay_flush_ms, a.relay_wait_ms), (10, 1_000));
+        let e = err(r#"{"aggregator":{"cluster":"c","relay_flush_ms":0}}"#);
+        assert!(e.contains("aggregator.relay_flush_ms"), "{e}");
+        let e = err(r#"{"aggregator":{"cluster":"c","relay_wait_ms":60000}}"#);
+        assert!(e.contains("aggregator.relay_wait_ms"), "{e}");
         let e = err(r#"{"aggregator":{"cluster":"c","max_snapshot_bytes":10}}"#);
         assert!(e.contains("aggregator.max_snapshot_bytes"), "{e}");
         let e = err(r#"{"aggregator":{"cluster":"c","poll_interval_ms":0}}"#);

@@ -119,9 +119,20 @@ impl PrefixVm {
     /// How often the VM should tick: every VM replays the other workers' decisions, follows the
     /// board of a live pool, and the lease holder polls the aggregator.
     pub fn tick_period(&self) -> Duration {
-        self.live
-            .as_ref()
-            .map_or(CATCH_UP_TICK, |l| l.snapshot.tick_period())
+        let Some(live) = self.live.as_ref() else {
+            return CATCH_UP_TICK;
+        };
+        let poll = live.snapshot.tick_period();
+        // The VM that relays (the lease holder) sends its proxy's decisions every
+        // `relay_flush_ms`; the others tick once per poll interval. The period changes as the
+        // lease moves: the root asks again after each tick.
+        if live.relaying {
+            poll.min(Duration::from_millis(
+                live.snapshot.settings().relay_flush_ms,
+            ))
+        } else {
+            poll
+        }
     }
 
     /// The tick: the live pool, then every decision the other workers logged since the last.
@@ -134,10 +145,10 @@ impl PrefixVm {
     /// poll of the aggregator it starts reports `held` (the requests the proxy's admission
     /// stage holds, asked only then).
     pub fn on_tick_with(&mut self, catch_up: bool, held: impl FnOnce() -> Option<u64>) {
-        if self.live.is_some() {
-            pool::on_tick(self, held);
-        }
-        if catch_up {
+        // A relay-only tick between two whole ones leaves the catch-up to the next whole tick
+        // (and to the requests, which catch up on their way).
+        let whole = self.live.is_none() || pool::on_tick(self, held);
+        if catch_up && whole {
             self.catch_up(usize::MAX);
         }
     }
@@ -151,7 +162,7 @@ impl PrefixVm {
     /// The answer to an HTTP call (the aggregator's snapshot, if `token` is this stage's poll).
     pub fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize) {
         if self.relay.as_ref().is_some_and(|r| r.owns(token)) {
-            pool::on_relay_response(self, num_headers, body_size);
+            pool::on_relay_response(self, token, num_headers, body_size);
             return;
         }
         let Some(l) = self.live.as_ref() else {

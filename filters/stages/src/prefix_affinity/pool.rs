@@ -15,6 +15,11 @@ pub struct LivePool {
     pub snapshot: LiveSnapshot,
     /// What the router's pool was last built from.
     applied: Option<(PoolChoice, u64, u64)>,
+    /// When the next whole tick is due (board, poll, lease, catch-up: once per poll interval);
+    /// the ticks between them only relay.
+    next_whole_ms: u64,
+    /// This VM held the lease at its last whole tick: it relays, and ticks every flush.
+    pub relaying: bool,
 }
 
 impl LivePool {
@@ -22,6 +27,8 @@ impl LivePool {
         LivePool {
             snapshot: LiveSnapshot::new(settings, namespace, owner),
             applied: None,
+            next_whole_ms: 0,
+            relaying: false,
         }
     }
 }
@@ -72,39 +79,51 @@ pub fn refresh(vm: &mut VmState, now_ms: u64) {
     Metrics::add(vm.metrics.pool_updates, 1);
 }
 
-/// On a tick: refresh, then poll if this VM holds the lease (reporting `held`, see
-/// [`super::PrefixVm::on_tick_with`]).
-pub fn on_tick(vm: &mut VmState, held: impl FnOnce() -> Option<u64>) {
+/// On a tick: once per poll interval a whole tick (refresh, then poll if this VM holds the
+/// lease, reporting `held`, see [`super::PrefixVm::on_tick_with`]); on every tick of the lease
+/// holder, the relay. True when it was a whole tick.
+pub fn on_tick(vm: &mut VmState, held: impl FnOnce() -> Option<u64>) -> bool {
     let now = now_ms();
-    refresh(vm, now);
+    let whole = vm.live.as_ref().is_some_and(|l| now >= l.next_whole_ms);
+    if whole {
+        refresh(vm, now);
+    }
     let Some(live) = vm.live.as_mut() else {
-        return;
+        return whole;
     };
-    match live.snapshot.poll_reporting(now, held) {
-        PollStart::Failed => Metrics::add(vm.metrics.snapshot_poll_failures, 1),
-        // The lease holder relays decisions on the ticks it polls.
-        PollStart::Started => {
-            if let Some(relay) = vm.relay.as_mut() {
-                let settings = live.snapshot.settings();
-                if let Some(sent) =
-                    relay.exchange(&vm.router, settings, live.snapshot.authorization(), now)
-                {
-                    Metrics::add(vm.metrics.relay_sent, sent as u64);
-                }
+    if whole {
+        let interval = live.snapshot.settings().poll_interval_ms;
+        // A tenth of slack: a tick a little early must not skip a whole interval.
+        live.next_whole_ms = now.saturating_add(interval - interval / 10);
+        match live.snapshot.poll_reporting(now, held) {
+            PollStart::Failed => Metrics::add(vm.metrics.snapshot_poll_failures, 1),
+            PollStart::Started | PollStart::Skipped => {}
+        }
+        live.relaying = vm.relay.is_some() && live.snapshot.holds_lease(now);
+    }
+    // The lease holder relays on every tick (every `relay_flush_ms`): a small read of the
+    // decision log's head when there is nothing to send. The lease it renews on whole ticks
+    // outlives three poll intervals.
+    if live.relaying {
+        if let Some(relay) = vm.relay.as_mut() {
+            let settings = live.snapshot.settings();
+            if let Some(sent) = relay.tick(&vm.router, settings, live.snapshot.authorization(), now)
+            {
+                Metrics::add(vm.metrics.relay_sent, sent as u64);
             }
         }
-        PollStart::Skipped => {}
     }
+    whole
 }
 
 /// The answer to a decision exchange: the other proxies' decisions into the log.
-pub fn on_relay_response(vm: &mut VmState, num_headers: usize, body_size: usize) {
+pub fn on_relay_response(vm: &mut VmState, token: u32, num_headers: usize, body_size: usize) {
     let Some(relay) = vm.relay.as_mut() else {
         return;
     };
     let (status, body) =
         kvoy_filter_common::call_response(num_headers, body_size, super::relay::MAX_ANSWER_BYTES);
-    match relay.on_response(status, &body, &vm.router) {
+    match relay.on_response(token, status, &body, &vm.router) {
         Ok(done) => {
             Metrics::add(vm.metrics.relay_received, done.received as u64);
             Metrics::add(vm.metrics.relay_refused, done.refused as u64);

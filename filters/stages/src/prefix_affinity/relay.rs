@@ -1,10 +1,12 @@
 //! Decisions relayed through the aggregator ([`kvoy_shared::relay`]), so that several proxies in
-//! front of one pool share what each learned: the VM that holds the snapshot lease, on the tick
-//! it polls, sends the decisions its proxy's workers logged since its last exchange
-//! (`POST /v1/decisions`) and appends the other proxies' decisions from the answer to the
-//! proxy's decision log, from which every worker replays them as it replays its neighbours'.
-//! Nothing of this is on a request's path; a slow aggregator costs decisions (the exchange is
-//! skipped while one is in flight, and the ring forgets what waits too long), never latency.
+//! front of one pool share what each learned: the VM that holds the snapshot lease sends, every
+//! `relay_flush_ms`, the decisions its proxy's workers logged since its last send
+//! (`POST /v1/decisions`), and keeps a long poll open for the other proxies' decisions, which it
+//! appends to the proxy's decision log, from which every worker replays them as it replays its
+//! neighbours'. A turn that follows its predecessor's reply at once (an agent loop) finds the
+//! decision there on another proxy. Nothing of this is on a request's path; a slow aggregator
+//! costs decisions (a send is skipped while one is in flight, and the ring forgets what waits
+//! too long), never latency.
 //!
 //! The same exchange brings the confirmed removals (`removals_since`, format 2): keys whose
 //! server blocks an endpoint evicted, as the aggregator's KV-event linker saw it. They go into
@@ -52,10 +54,20 @@ pub struct Relay {
     cursor: u64,
     /// The aggregator's removal cursor (0 until the first answer: start at its newest).
     removal_cursor: u64,
-    call: Option<(u32, u64)>,
+    /// The long poll in flight for the other proxies' decisions, with when it started.
+    receive: Option<(u32, u64)>,
+    /// The send of this proxy's decisions in flight, with when it started.
+    send: Option<(u32, u64)>,
     /// Set after the aggregator answered 404 (an aggregator older than the relay).
     unsupported: bool,
     scratch: Vec<u8>,
+}
+
+/// Which of the relay's calls an answer is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Call {
+    Receive,
+    Send,
 }
 
 impl Relay {
@@ -73,7 +85,8 @@ impl Relay {
             proxy_key,
             cursor: 0,
             removal_cursor: 0,
-            call: None,
+            receive: None,
+            send: None,
             unsupported: false,
             scratch: Vec::new(),
         }
@@ -86,10 +99,13 @@ impl Relay {
             .map_or(0, u64::from_le_bytes)
     }
 
-    /// Starts an exchange unless one is in flight (within twice the timeout); returns how many
-    /// local decisions it sends when it started. Only the lease holder calls this, right after
-    /// its snapshot poll started.
-    pub fn exchange(
+    /// One relay tick of the VM holding the snapshot lease (every `relay_flush_ms`): sends the
+    /// decisions the proxy's workers logged since the last send, unless a send is in flight,
+    /// and keeps one long poll (`relay_wait_ms`) open for the other proxies' decisions. The two
+    /// are separate calls so that neither waits for the other: a decision reaches the
+    /// aggregator within a flush interval of being made, and the other proxies one round trip
+    /// later. Returns how many local decisions it sent.
+    pub fn tick(
         &mut self,
         router: &Router,
         settings: &AggregatorSettings,
@@ -99,12 +115,62 @@ impl Relay {
         if self.unsupported {
             return None;
         }
-        if let Some((_, started)) = self.call {
-            if now_ms.saturating_sub(started) <= settings.timeout_ms.saturating_mul(2) {
-                return None;
-            }
-            self.call = None;
+        let wait = settings.relay_wait_ms;
+        let receive_timeout = settings.timeout_ms.saturating_add(wait);
+        // A lost callback must not stop the relay forever.
+        let stale = |call: Option<(u32, u64)>, timeout: u64| {
+            call.filter(|&(_, started)| now_ms.saturating_sub(started) <= timeout.saturating_mul(2))
+        };
+        self.receive = stale(self.receive, receive_timeout);
+        self.send = stale(self.send, settings.timeout_ms);
+        if self.receive.is_none() {
+            self.start_receive(router, settings, authorization, now_ms);
         }
+        if self.send.is_some() {
+            return None;
+        }
+        self.start_send(router, settings, authorization, now_ms)
+    }
+
+    fn start_receive(
+        &mut self,
+        router: &Router,
+        settings: &AggregatorSettings,
+        authorization: Option<&str>,
+        now_ms: u64,
+    ) {
+        self.scratch.clear();
+        DecisionBatch {
+            proxy: self.proxy(),
+            cursor: 0,
+            decisions: Vec::new(),
+            removals: None,
+        }
+        .encode(&mut self.scratch);
+        let path = format!(
+            "{}?since={}&limit={RELAYED_PER_EXCHANGE}&removals_since={}&{}=1&{}={}&{}={}",
+            relay::PATH,
+            self.cursor,
+            self.removal_cursor,
+            relay::TIERS_PARAM,
+            relay::SCHEDULE_PARAM,
+            relay::schedule_param(&router.key_schedule()),
+            relay::WAIT_PARAM,
+            settings.relay_wait_ms,
+        );
+        let timeout = settings.timeout_ms.saturating_add(settings.relay_wait_ms);
+        if let Some(token) = self.call(settings, authorization, &path, timeout) {
+            self.receive = Some((token, now_ms));
+        }
+    }
+
+    fn start_send(
+        &mut self,
+        router: &Router,
+        settings: &AggregatorSettings,
+        authorization: Option<&str>,
+        now_ms: u64,
+    ) -> Option<usize> {
         let pool = router.pool();
         let mut decisions = Vec::new();
         // The workers' decisions with their routing times (the aggregator's linker tells
@@ -123,6 +189,9 @@ impl Relay {
                 }
                 true
             });
+        if decisions.is_empty() {
+            return None;
+        }
         let sent = decisions.len();
         self.scratch.clear();
         DecisionBatch {
@@ -132,26 +201,35 @@ impl Relay {
             removals: None,
         }
         .encode(&mut self.scratch);
+        // `limit=0`: the answer carries nothing; the long poll brings the other proxies'.
         let path = format!(
-            "{}?since={}&limit={RELAYED_PER_EXCHANGE}&removals_since={}&{}=1&{}={}",
+            "{}?since={}&limit=0&{}={}",
             relay::PATH,
             self.cursor,
-            self.removal_cursor,
-            relay::TIERS_PARAM,
             relay::SCHEDULE_PARAM,
             relay::schedule_param(&router.key_schedule())
         );
+        let token = self.call(settings, authorization, &path, settings.timeout_ms)?;
+        self.send = Some((token, now_ms));
+        Some(sent)
+    }
+
+    fn call(
+        &self,
+        settings: &AggregatorSettings,
+        authorization: Option<&str>,
+        path: &str,
+        timeout_ms: u64,
+    ) -> Option<u32> {
         match call_aggregator(
             settings,
             authorization,
             "POST",
-            &path,
+            path,
             Some((relay::CONTENT_TYPE, &self.scratch)),
+            timeout_ms,
         ) {
-            Ok(token) => {
-                self.call = Some((token, now_ms));
-                Some(sent)
-            }
+            Ok(token) => Some(token),
             Err(status) => {
                 debug!(
                     "decision relay: cannot call {:?}: {status:?}",
@@ -163,19 +241,36 @@ impl Relay {
     }
 
     pub fn owns(&self, token: u32) -> bool {
-        self.call.is_some_and(|(t, _)| t == token)
+        self.which(token).is_some()
+    }
+
+    fn which(&self, token: u32) -> Option<Call> {
+        if self.receive.is_some_and(|(t, _)| t == token) {
+            Some(Call::Receive)
+        } else if self.send.is_some_and(|(t, _)| t == token) {
+            Some(Call::Send)
+        } else {
+            None
+        }
     }
 
     /// The aggregator's answer: the other proxies' decisions go into the decision log (only
     /// for members of this proxy's pool). `Err` says why the answer was not used.
     pub fn on_response(
         &mut self,
+        token: u32,
         status: Option<u32>,
         body: &CallBody,
         router: &Router,
     ) -> Result<Exchanged, String> {
-        self.call = None;
+        let which = self.which(token);
+        match which {
+            Some(Call::Receive) => self.receive = None,
+            Some(Call::Send) => self.send = None,
+            None => return Ok(Exchanged::default()),
+        }
         let body = match (status, body) {
+            (Some(200), _) if which == Some(Call::Send) => return Ok(Exchanged::default()),
             (Some(200), CallBody::Read(b)) => b,
             (Some(404), _) => {
                 self.unsupported = true;
