@@ -25,6 +25,8 @@ use crate::reject::{Reason, Rejections};
 
 /// How long one receive waits before the stop flag is checked again.
 const POLL: Duration = Duration::from_millis(100);
+/// Live batches at most this far behind the catch-up's last one are taken as already applied.
+const CATCH_UP_OVERLAP: u64 = 4096;
 /// Connection drops are looked for at least every this many messages (and on every idle poll).
 const DISCONNECT_CHECK_EVERY: u32 = 256;
 
@@ -37,6 +39,10 @@ pub struct KvSummary {
     pub generation: u32,
     /// Whether any batch arrived yet.
     pub receiving: bool,
+    /// The follower asked the server's replay socket for what it buffered before the follower
+    /// joined (done, failed or without a replay socket): a restarted replica serves its
+    /// snapshot only once every follower is (see [`crate::pool::PoolView::caught_up`]).
+    pub caught_up: bool,
 }
 
 /// Counters of one follower, read by `/metrics`.
@@ -125,6 +131,7 @@ impl Follower {
             rejections: rejections.clone(),
             summary: tx,
             receiving: false,
+            caught_up: false,
             links,
         };
         let flag = stop.clone();
@@ -192,6 +199,7 @@ struct FollowState {
     rejections: Arc<Rejections>,
     summary: watch::Sender<KvSummary>,
     receiving: bool,
+    caught_up: bool,
     /// The pool's decision linker and this endpoint's address in it.
     links: Option<(Arc<Mutex<Linker>>, SocketAddr)>,
 }
@@ -231,6 +239,17 @@ impl FollowState {
             }
         };
         let mut tracker = fresh_tracker(&replay);
+        // Catch up at once, not at the first live batch: a restarted replica must know what
+        // the server cached before it serves a snapshot, even in a quiet pool.
+        let mut replayed_through = None;
+        if let Some(client) = replay.as_mut() {
+            replayed_through = self.catch_up(client);
+            if let Some(last) = replayed_through {
+                tracker = SeqTracker::expecting(last.saturating_add(1));
+            }
+        }
+        self.caught_up = true;
+        self.publish();
         let mut restarts_seen = 0u64;
         let mut since_check = 0u32;
         info!(
@@ -287,6 +306,15 @@ impl FollowState {
                     continue;
                 }
             };
+            // Live batches queued while the catch-up ran that it already applied. (A window,
+            // so that a publisher that restarted meanwhile, numbering from 0 again, is seen.)
+            if let Some(last) = replayed_through {
+                if msg.seq > last {
+                    replayed_through = None;
+                } else if last - msg.seq < CATCH_UP_OVERLAP {
+                    continue;
+                }
+            }
             match tracker.observe(msg.seq) {
                 SeqStatus::InOrder => {}
                 SeqStatus::Gap { missing } => {
@@ -371,6 +399,45 @@ impl FollowState {
         }
     }
 
+    /// Asks the replay socket for everything the server buffered and applies it in order; the
+    /// last sequence number applied, if any.
+    fn catch_up(&mut self, client: &mut ReplayClient) -> Option<u64> {
+        let limits = ReplayLimits {
+            max_batches: self.limits.replay_max_batches,
+            max_bytes: self.limits.replay_max_bytes,
+            timeout: self.limits.replay_timeout,
+        };
+        match client.replay_bounded(0, limits) {
+            Ok(outcome) => {
+                let mut last = None;
+                for (seq, payload) in &outcome.batches {
+                    if last.is_some_and(|l| *seq <= l) {
+                        continue;
+                    }
+                    self.apply(payload);
+                    last = Some(*seq);
+                }
+                self.counters
+                    .replayed_batches
+                    .fetch_add(outcome.batches.len() as u64, Ordering::Relaxed);
+                info!(
+                    "kvoy-aggregator {}: caught up: {} batches replayed{}",
+                    self.name,
+                    outcome.batches.len(),
+                    if outcome.complete { "" } else { " (the replay limits cut it short)" }
+                );
+                last
+            }
+            Err(e) => {
+                self.counters
+                    .replay_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                warn!("kvoy-aggregator {}: catch-up replay failed: {e}", self.name);
+                None
+            }
+        }
+    }
+
     /// Fetches the batches in `missing` from the replay socket and applies them in order.
     fn recover(&mut self, replay: Option<&mut ReplayClient>, missing: Range<u64>) {
         let wanted = missing.end.saturating_sub(missing.start);
@@ -446,6 +513,7 @@ impl FollowState {
             ],
             generation: self.cache.generation(),
             receiving: self.receiving,
+            caught_up: self.caught_up,
         };
         self.summary.send_if_modified(|old| {
             let changed = *old != summary;

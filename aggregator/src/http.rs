@@ -3,7 +3,9 @@
 //!
 //! - Until the endpoint source has been read once ([`PoolView::loaded`]), `/v1/snapshot`
 //!   answers 503 with [`STATUS_HEADER`]`: not-loaded` instead of an empty pool, and `/readyz`
-//!   answers 503: a restarted aggregator never tells the filters that the pool is empty.
+//!   answers 503: a restarted aggregator never tells the filters that the pool is empty. Then,
+//!   until every KV follower has replayed what its server buffered, 503 `catching-up`: a
+//!   replica that just started does not serve a pool that has forgotten the servers' caches.
 //! - With a token configured, `/v1/snapshot`, `/v1/endpoints`, `/v1/pool` and `/v1/decisions` require
 //!   `Authorization: Bearer <token>` (compared in constant time; 401 otherwise, counted).
 //!   `/metrics`, `/healthz`, `/readyz` and the pool view's page stay open.
@@ -43,6 +45,8 @@ pub use kvoy_shared::protocol::AGGREGATOR_STATUS_HEADER as STATUS_HEADER;
 pub use metrics::render_metrics;
 /// Its value while the endpoint source has not been read successfully yet.
 pub const NOT_LOADED: &str = "not-loaded";
+/// The status header's value while a loaded aggregator replays the servers' KV events.
+pub const CATCHING_UP: &str = "catching-up";
 
 /// Counters of the API itself.
 #[derive(Debug, Default)]
@@ -401,6 +405,11 @@ impl Api {
                         StatusCode::SERVICE_UNAVAILABLE,
                         "endpoints not loaded yet\n",
                     )
+                } else if !view.caught_up {
+                    text(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "catching up: replaying the servers' buffered KV events\n",
+                    )
                 } else {
                     text(
                         StatusCode::OK,
@@ -705,19 +714,28 @@ impl Api {
     }
 
     fn snapshot(&self, view: &PoolView, query: &str) -> Response<Full<Bytes>> {
-        if !view.loaded {
-            // Not an empty pool: the filters keep what they have (their last snapshot or
-            // their static endpoints) until the first discovery succeeds.
+        if !view.loaded || !view.caught_up {
+            // Not an empty pool: the filters keep what they have (their last snapshot, another
+            // replica's, or their static endpoints) until the first discovery succeeds and the
+            // servers' buffered KV events are replayed.
             self.counters
                 .snapshots_not_loaded
                 .fetch_add(1, Ordering::Relaxed);
-            let mut r = text(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "endpoints not loaded yet: the endpoint source has not been read successfully since the aggregator started\n",
-            );
+            let (why, status) = if view.loaded {
+                (
+                    "catching up: replaying the servers' buffered KV events\n",
+                    CATCHING_UP,
+                )
+            } else {
+                (
+                    "endpoints not loaded yet: the endpoint source has not been read successfully since the aggregator started\n",
+                    NOT_LOADED,
+                )
+            };
+            let mut r = text(StatusCode::SERVICE_UNAVAILABLE, why);
             r.headers_mut().insert(
                 STATUS_HEADER,
-                hyper::header::HeaderValue::from_static(NOT_LOADED),
+                hyper::header::HeaderValue::from_static(status),
             );
             r.headers_mut().insert(
                 hyper::header::RETRY_AFTER,

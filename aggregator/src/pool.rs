@@ -72,6 +72,10 @@ pub struct PoolView {
     pub gauges: PoolGauges,
     /// Whether the endpoint source has been read successfully at least once.
     pub loaded: bool,
+    /// Loaded, and every KV follower of the first endpoints has asked its server's replay
+    /// socket for what it buffered: until then the snapshot API answers 503 `catching-up`
+    /// (another replica, caught up, serves the proxies). It stays true once it is.
+    pub caught_up: bool,
     pub source_reloads: u64,
     pub source_errors: u64,
 }
@@ -83,6 +87,7 @@ impl PoolView {
             endpoints: Vec::new(),
             gauges: status::pool_gauges(&[]),
             loaded: false,
+            caught_up: false,
             source_reloads: 0,
             source_errors: 0,
         }
@@ -323,6 +328,8 @@ impl Pool {
         }
         self.statuses.clear();
         self.view.endpoints.clear();
+        // From the same summaries as the statuses: caught up means this snapshot has it all.
+        let mut caught_up = self.view.loaded;
         for rt in &self.runtimes {
             let scrape = rt.scrape.borrow().clone();
             if let Some(f) = &rt.follower {
@@ -332,6 +339,7 @@ impl Pool {
                 }
             }
             let kv = rt.follower.as_ref().map(|f| f.summary());
+            caught_up &= kv.is_none_or(|k| k.caught_up);
             let status = status::endpoint_status(
                 rt.slot,
                 &rt.spec,
@@ -360,6 +368,7 @@ impl Pool {
         }
         self.view.gauges = status::pool_gauges(&self.statuses);
         self.view.history.update(self.statuses.clone());
+        self.view.caught_up |= caught_up;
     }
 }
 

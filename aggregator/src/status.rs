@@ -227,6 +227,7 @@ mod tests {
             cached: [7, 1, 0],
             generation: 2,
             receiving: true,
+            caught_up: true,
         };
         let s = endpoint_status(3, &spec(), &scrape, Some(kv), t0, T);
         assert_eq!((s.cached_blocks, s.cache_generation), ([7, 1, 0], 2));

@@ -10,8 +10,10 @@
 
 use crate::endpoint::{Endpoint, EndpointId, EndpointLoad, Health, Pool};
 use crate::prefix_affinity::config::AggregatorSettings;
+use crate::prefix_affinity::config::MAX_ENDPOINTS;
 use crate::shared_data::{SharedStore, StoreError};
 use crate::snapshot::{Snapshot, SnapshotDelta, SnapshotError, SnapshotFormat};
+use std::net::SocketAddr;
 
 /// What the board says about the published snapshot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -208,6 +210,84 @@ pub fn live_pool(snapshot: &Snapshot, with_loads: bool) -> Pool {
     }))
 }
 
+/// Keeps the proxy's endpoint ids and cache generations steady across aggregator replicas.
+/// Each replica numbers its slots and counts each server's cache generations itself (from when
+/// it started), so the same pool read from another replica would otherwise look like new
+/// endpoints with cleared caches, and the proxy's index would forget them. The lease holder
+/// turns each replica's snapshot into the proxy's own numbering before it publishes it: an
+/// address keeps the slot the board gave it, a new one takes its replica's slot when that is
+/// free (the lowest free one otherwise); a generation moves on only when the same replica, in
+/// the same epoch, reports a new one.
+#[derive(Debug, Default)]
+pub struct Renumber {
+    /// The replica and epoch the generations below come from.
+    source: Option<(usize, u64)>,
+    /// Each address's generation as that replica last reported it.
+    upstream: Vec<(SocketAddr, u32)>,
+}
+
+impl Renumber {
+    /// `upstream` (replica `replica`'s numbering) in the numbering of `board` (what the proxy
+    /// routes on now): same epoch and version as `upstream`, slots and generations the proxy's.
+    pub fn local(&mut self, replica: usize, upstream: &Snapshot, board: &Snapshot) -> Snapshot {
+        let same_source = self.source == Some((replica, upstream.epoch));
+        let before = |address: SocketAddr| board.endpoints.iter().find(|e| e.address == address);
+        let mut taken = vec![false; MAX_ENDPOINTS];
+        for e in &upstream.endpoints {
+            if let Some(b) = before(e.address) {
+                if let Some(t) = taken.get_mut(usize::from(b.slot)) {
+                    *t = true;
+                }
+            }
+        }
+        let mut endpoints = Vec::with_capacity(upstream.endpoints.len());
+        for e in &upstream.endpoints {
+            let mut local = e.clone();
+            match before(e.address) {
+                Some(b) => {
+                    local.slot = b.slot;
+                    let reported = self
+                        .upstream
+                        .iter()
+                        .find(|(a, _)| *a == e.address)
+                        .map(|&(_, g)| g);
+                    let moved = same_source && reported.is_some_and(|g| g != e.cache_generation);
+                    local.cache_generation = if moved {
+                        b.cache_generation.wrapping_add(1)
+                    } else {
+                        b.cache_generation
+                    };
+                }
+                None => {
+                    let own = usize::from(e.slot);
+                    let slot = if taken.get(own) == Some(&false) {
+                        own
+                    } else {
+                        taken.iter().position(|t| !t).unwrap_or(own)
+                    };
+                    if let Some(t) = taken.get_mut(slot) {
+                        *t = true;
+                    }
+                    local.slot = u16::try_from(slot).unwrap_or(e.slot);
+                }
+            }
+            endpoints.push(local);
+        }
+        endpoints.sort_by_key(|e| e.slot);
+        self.source = Some((replica, upstream.epoch));
+        self.upstream = upstream
+            .endpoints
+            .iter()
+            .map(|e| (e.address, e.cache_generation))
+            .collect();
+        Snapshot {
+            epoch: upstream.epoch,
+            version: upstream.version,
+            endpoints,
+        }
+    }
+}
+
 /// Why a poll gave nothing.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum PollError {
@@ -221,6 +301,9 @@ pub enum PollError {
     Mismatch(SnapshotError),
     #[error("the answer is {size} bytes, over aggregator.max_snapshot_bytes ({limit}); not read")]
     TooLarge { size: usize, limit: usize },
+    /// A replica that lost its pool (restarted, not caught up) while another has one.
+    #[error("an empty pool, while the proxy routes on {had} endpoints: another replica is asked")]
+    Empty { had: usize },
 }
 
 impl PollError {
@@ -232,13 +315,17 @@ impl PollError {
             PollError::Decode(_) => "decode",
             PollError::Mismatch(_) => "mismatch",
             PollError::TooLarge { .. } => "too_large",
+            PollError::Empty { .. } => "empty",
         }
     }
 
     /// Whether the aggregator's answer itself was refused (too large or undecodable), as
     /// opposed to no usable answer at all.
     pub fn is_rejected_input(&self) -> bool {
-        matches!(self, PollError::Decode(_) | PollError::TooLarge { .. })
+        matches!(
+            self,
+            PollError::Decode(_) | PollError::TooLarge { .. } | PollError::Empty { .. }
+        )
     }
 }
 
@@ -333,6 +420,93 @@ mod tests {
             prefill_tokens_per_s: Some(12_000.0),
             ..EndpointStatus::ready(slot, ([10, 0, 0, 1], port).into(), &["m"])
         }
+    }
+
+    fn snap(epoch: u64, version: u64, endpoints: &[(u16, u16, u32)]) -> Snapshot {
+        Snapshot {
+            epoch,
+            version,
+            endpoints: endpoints
+                .iter()
+                .map(|&(slot, port, generation)| EndpointStatus {
+                    cache_generation: generation,
+                    ..status(slot, port, true, false)
+                })
+                .collect(),
+        }
+    }
+
+    /// (address port, slot, generation) of each endpoint, by port.
+    fn numbering(s: &Snapshot) -> Vec<(u16, u16, u32)> {
+        let mut v: Vec<_> = s
+            .endpoints
+            .iter()
+            .map(|e| (e.address.port(), e.slot, e.cache_generation))
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    #[test]
+    fn another_replicas_pool_keeps_the_proxys_slots_and_generations() {
+        let mut r = Renumber::default();
+        // Replica 0: slots 0..3, generations as it counted them.
+        let a = snap(7, 3, &[(0, 8001, 4), (1, 8002, 0), (2, 8003, 1)]);
+        let board = r.local(0, &a, &Snapshot::default());
+        assert_eq!(board.endpoints.len(), 3);
+        assert_eq!(
+            numbering(&board),
+            vec![(8001, 0, 4), (8002, 1, 0), (8003, 2, 1)],
+            "the first snapshot is taken as it is"
+        );
+        // Replica 1 numbers the same servers otherwise, counts generations from its own start,
+        // and knows one more server: the proxy's ids and generations stay, the new server
+        // takes a free slot.
+        let b = snap(
+            9,
+            1,
+            &[(0, 8003, 0), (1, 8002, 0), (2, 8001, 0), (3, 8004, 0)],
+        );
+        let board = r.local(1, &b, &board);
+        assert_eq!((board.epoch, board.version), (9, 1));
+        assert_eq!(
+            numbering(&board),
+            vec![(8001, 0, 4), (8002, 1, 0), (8003, 2, 1), (8004, 3, 0)]
+        );
+        assert!(board.endpoints.windows(2).all(|w| w[0].slot < w[1].slot));
+        // Replica 1 then sees 8002's cache cleared: the proxy's generation moves on.
+        let b2 = snap(
+            9,
+            2,
+            &[(0, 8003, 0), (1, 8002, 1), (2, 8001, 0), (3, 8004, 0)],
+        );
+        let board = r.local(1, &b2, &board);
+        assert_eq!(
+            numbering(&board),
+            vec![(8001, 0, 4), (8002, 1, 1), (8003, 2, 1), (8004, 3, 0)]
+        );
+        // A new server whose replica slot the proxy gives to another takes the lowest free one.
+        let b3 = snap(
+            9,
+            3,
+            &[(0, 8003, 0), (2, 8001, 0), (3, 8004, 0), (1, 8005, 0)],
+        );
+        let board = r.local(1, &b3, &board);
+        assert_eq!(
+            numbering(&board),
+            vec![(8001, 0, 4), (8003, 2, 1), (8004, 3, 0), (8005, 1, 0)]
+        );
+        // Back to replica 0 after a restart (a new epoch): nothing looks cleared.
+        let a2 = snap(
+            8,
+            1,
+            &[(0, 8001, 0), (1, 8003, 0), (2, 8004, 0), (3, 8005, 0)],
+        );
+        let board = r.local(0, &a2, &board);
+        assert_eq!(
+            numbering(&board),
+            vec![(8001, 0, 4), (8003, 2, 1), (8004, 3, 0), (8005, 1, 0)]
+        );
     }
 
     #[test]

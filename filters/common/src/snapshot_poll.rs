@@ -8,7 +8,9 @@ use log::{debug, warn};
 use proxy_wasm::hostcalls;
 
 use kvoy_shared::snapshot::Snapshot;
-use kvoy_shared::snapshot_board::{self, BoardMeta, PollError, PoolChoice, SnapshotBoard};
+use kvoy_shared::snapshot_board::{
+    self, BoardMeta, PollError, PoolChoice, Renumber, SnapshotBoard,
+};
 use kvoy_shared::{AggregatorSettings, LogOnce};
 
 use kvoy_shared::shared_data::SharedStore;
@@ -29,8 +31,16 @@ pub enum PollStart {
 pub struct LiveSnapshot {
     settings: AggregatorSettings,
     board: SnapshotBoard,
-    /// The latest snapshot this VM knows (epoch 0: none yet).
+    /// The latest snapshot this VM knows (epoch 0: none yet), in the proxy's numbering (what
+    /// the board holds and the router's pool is built from).
     snapshot: Snapshot,
+    /// The replica this VM polls (an index into [`AggregatorSettings::clusters`]): the same
+    /// one until it fails or answers something unusable, then the next.
+    primary: usize,
+    /// The primary's snapshot in its own numbering, which its changes refer to (epoch 0: none;
+    /// the next poll asks for everything).
+    upstream: Snapshot,
+    renumber: Renumber,
     meta: Option<BoardMeta>,
     /// The poll in flight, with when it started.
     poll: Option<(u32, u64)>,
@@ -61,6 +71,9 @@ impl LiveSnapshot {
             settings,
             board: SnapshotBoard::new(namespace, owner),
             snapshot: Snapshot::default(),
+            primary: 0,
+            upstream: Snapshot::default(),
+            renumber: Renumber::default(),
             meta: None,
             poll: None,
             last_poll_ms: None,
@@ -87,6 +100,22 @@ impl LiveSnapshot {
     /// The latest snapshot (epoch 0 when there is none yet).
     pub fn snapshot(&self) -> &Snapshot {
         &self.snapshot
+    }
+
+    /// The replica this VM polls now (an index into [`AggregatorSettings::clusters`]).
+    pub fn primary(&self) -> usize {
+        self.primary
+    }
+
+    /// After a failed or unusable answer: the next replica, from scratch (its slots and
+    /// versions are its own). With one replica, nothing changes.
+    fn fail_over(&mut self) {
+        let n = self.settings.replicas();
+        if n > 1 {
+            self.primary = (self.primary + 1) % n;
+            self.upstream = Snapshot::default();
+            self.want_full = true;
+        }
     }
 
     /// Reads the board's small version key, and the snapshot if it changed.
@@ -156,9 +185,10 @@ impl LiveSnapshot {
             held,
         });
         let path =
-            snapshot_board::poll_path(&self.settings, &self.snapshot, self.want_full, report);
+            snapshot_board::poll_path(&self.settings, &self.upstream, self.want_full, report);
         match call_aggregator(
             &self.settings,
+            self.settings.cluster_of(self.primary),
             self.authorization.as_deref(),
             "GET",
             &path,
@@ -174,9 +204,10 @@ impl LiveSnapshot {
                     self.failures_logged += 1;
                     warn!(
                         "cannot call the aggregator cluster {:?}: {status:?}",
-                        self.settings.cluster
+                        self.settings.cluster_of(self.primary)
                     );
                 }
+                self.fail_over();
                 PollStart::Failed
             }
         }
@@ -216,7 +247,7 @@ impl LiveSnapshot {
             return None;
         }
         self.poll = None;
-        let mut next = self.snapshot.clone();
+        let mut next = self.upstream.clone();
         let applied = match body {
             CallBody::Read(body) => snapshot_board::apply_poll(&mut next, status, body),
             CallBody::TooLarge(size) if status == Some(200) => Err(PollError::TooLarge {
@@ -225,18 +256,38 @@ impl LiveSnapshot {
             }),
             CallBody::TooLarge(_) => snapshot_board::apply_poll(&mut next, status, b""),
         };
+        // A replica that lost its pool (restarted and not caught up, or pointed elsewhere)
+        // while the proxy routes on one is not followed when another replica can be asked.
+        let applied = applied.and_then(|changed| {
+            let had = self.snapshot.endpoints.len();
+            if next.endpoints.is_empty() && had > 0 && self.settings.replicas() > 1 {
+                Err(PollError::Empty { had })
+            } else {
+                Ok(changed)
+            }
+        });
         let result = match applied {
             Ok(changed) => {
                 self.want_full = false;
-                let published = if changed {
-                    self.board.publish(&HostStore, &next, now_ms)
+                // The board's numbering is the proxy's: the same server keeps its id and its
+                // cache generation whichever replica describes it.
+                let local = if changed
+                    || (next.epoch, next.version) != (self.snapshot.epoch, self.snapshot.version)
+                {
+                    self.renumber.local(self.primary, &next, &self.snapshot)
                 } else {
-                    self.board.touch(&HostStore, &next, now_ms)
+                    self.snapshot.clone()
+                };
+                let published = if changed {
+                    self.board.publish(&HostStore, &local, now_ms)
+                } else {
+                    self.board.touch(&HostStore, &local, now_ms)
                 };
                 if let Err(e) = published {
                     debug!("cannot publish the snapshot: {e}");
                 }
-                self.snapshot = next;
+                self.upstream = next;
+                self.snapshot = local;
                 Ok(())
             }
             Err(e) => {
@@ -257,12 +308,17 @@ impl LiveSnapshot {
                     };
                     warn!(
                         "aggregator snapshot from cluster {:?} refused: {e}{hint} (logged once; counted in the snapshot poll metrics)",
-                        self.settings.cluster
+                        self.settings.cluster_of(self.primary)
                     );
                 } else {
                     // 503 "not loaded yet" included: the last snapshot (or the static pool)
                     // stays in use.
                     debug!("snapshot poll: {e}");
+                }
+                // Another replica, if there is one, answers the next poll. (A mismatch is
+                // the primary's own: it answers a full snapshot next.)
+                if !matches!(e, PollError::Mismatch(_)) {
+                    self.fail_over();
                 }
                 Err(e)
             }
@@ -272,18 +328,20 @@ impl LiveSnapshot {
     }
 }
 
-/// Calls kvoy-aggregator (`settings.cluster`, its `authority`, the bearer token when there is
-/// one) with a timeout of `timeout_ms`; `body` is `(content type, bytes)`. The call's token, or
+/// Calls the kvoy-aggregator replica behind Envoy cluster `cluster` (with `settings.authority`,
+/// by default the cluster's name, and the bearer token when there is one) with a timeout of
+/// `timeout_ms`; `body` is `(content type, bytes)`. The call's token, or
 /// the host's refusal (e.g. no such cluster).
 pub fn call_aggregator(
     settings: &AggregatorSettings,
+    cluster: &str,
     authorization: Option<&str>,
     method: &str,
     path: &str,
     body: Option<(&str, &[u8])>,
     timeout_ms: u64,
 ) -> Result<u32, proxy_wasm::types::Status> {
-    let authority = settings.authority.as_deref().unwrap_or(&settings.cluster);
+    let authority = settings.authority.as_deref().unwrap_or(cluster);
     let mut headers = vec![
         (":method", method),
         (":path", path),
@@ -296,7 +354,7 @@ pub fn call_aggregator(
         headers.push(("authorization", auth));
     }
     hostcalls::dispatch_http_call(
-        &settings.cluster,
+        cluster,
         headers,
         body.map(|(_, b)| b),
         vec![],

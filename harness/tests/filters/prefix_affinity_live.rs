@@ -496,3 +496,118 @@ fn a_confirmed_offload_keeps_that_prefixs_affinity_at_its_tiers_credit() -> Test
     assert!(path.contains("removals_since=3"), "{path}");
     Ok(())
 }
+
+/// A second aggregator replica's cluster.
+const CLUSTER_B: &str = "kvoy_aggregator_b";
+
+/// The snapshot poll in flight after one poll interval (decision exchanges answered empty),
+/// whichever replica it asks.
+fn next_replica_poll(plugin: &Plugin) -> Result<HttpCall, Error> {
+    plugin.advance(Duration::from_millis(100))?;
+    let calls = testing::snapshot_polls(plugin)?;
+    assert_eq!(calls.len(), 1, "one poll at a time: {calls:?}");
+    Ok(calls.into_iter().next().unwrap())
+}
+
+#[test]
+fn a_failed_or_unusable_replica_hands_the_pool_over_to_the_next_with_the_index_kept() -> TestResult
+{
+    let config = support::pool_config(
+        &STATIC_POOL,
+        serde_json::json!({
+            "aggregator": {"cluster": CLUSTER, "failover_clusters": [CLUSTER_B]},
+            "allowed_destinations": [{"cidr": "127.0.0.0/8"}],
+        }),
+    );
+    let plugin = support::builder("kvoy_prefix_affinity", &config, 2)?
+        .clusters([CLUSTER, CLUSTER_B])
+        .seed(11)
+        .start()?;
+    // Replica A: four servers in slots 0-3, cache generation 2 each.
+    let mut a = SnapshotHistory::new(42);
+    a.update((0..4).map(|s| status(s, 19001 + s)).collect());
+    let call = next_replica_poll(&plugin)?;
+    assert_eq!(call.upstream, CLUSTER);
+    answer(&plugin, &call, &a)?;
+    let placed: Vec<String> = (0..12)
+        .map(|i| route(&plugin, i % 2, 500 + i))
+        .collect::<Result<_, _>>()?;
+    let before = plugin.counter("kvoy_prefix_affinity_prefix_blocks_matched_total");
+
+    // A stops answering: the next poll asks replica B for everything.
+    let call = next_replica_poll(&plugin)?;
+    assert_eq!(call.upstream, CLUSTER);
+    plugin.fail_http_call(&call)?;
+    let call = next_replica_poll(&plugin)?;
+    assert_eq!(call.upstream, CLUSTER_B, "the next replica");
+    assert_eq!(
+        call.headers.get(":path"),
+        Some("/v1/snapshot?format=2"),
+        "everything, from the new replica"
+    );
+    // B numbers the same servers the other way round and counts generations from its own
+    // start: the proxy keeps its ids and what its index holds.
+    let mut b = SnapshotHistory::new(77);
+    b.update(
+        (0..4)
+            .map(|s| EndpointStatus {
+                cache_generation: 0,
+                ..status(3 - s, 19001 + s)
+            })
+            .collect(),
+    );
+    answer(&plugin, &call, &b)?;
+    for (i, want) in placed.iter().enumerate() {
+        assert_eq!(&route(&plugin, (i + 1) % 2, 500 + i)?, want, "conversation {i}");
+    }
+    assert!(
+        plugin.counter("kvoy_prefix_affinity_prefix_blocks_matched_total") > before,
+        "the conversations matched their prefixes on B's pool"
+    );
+
+    // A garbage answer from B is refused and counted; A is asked next.
+    let rejected = plugin
+        .counter("kvoy_prefix_affinity_snapshot_rejected_total")
+        .unwrap_or(0);
+    let call = next_replica_poll(&plugin)?;
+    assert_eq!(call.upstream, CLUSTER_B, "B keeps the pool while it answers");
+    plugin.respond_http_call(&call, HttpResponse::new(200).body(b"not a snapshot".to_vec()))?;
+    assert_eq!(
+        plugin.counter("kvoy_prefix_affinity_snapshot_rejected_total"),
+        Some(rejected + 1)
+    );
+    // A, restarted (a new epoch) with no pool yet, answers an empty one: not used, B again.
+    let call = next_replica_poll(&plugin)?;
+    assert_eq!(call.upstream, CLUSTER);
+    let restarted = SnapshotHistory::new(43);
+    answer(&plugin, &call, &restarted)?;
+    assert_eq!(
+        plugin.counter("kvoy_prefix_affinity_snapshot_rejected_total"),
+        Some(rejected + 2)
+    );
+    for (i, want) in placed.iter().enumerate() {
+        assert_eq!(&route(&plugin, i % 2, 500 + i)?, want, "conversation {i}");
+    }
+    let call = next_replica_poll(&plugin)?;
+    assert_eq!(call.upstream, CLUSTER_B);
+    // The proxy's decisions go to every replica; the long poll for the others' goes to the
+    // one the snapshot follows.
+    answer(&plugin, &call, &b)?;
+    route(&plugin, 0, 900)?;
+    plugin.advance(Duration::from_millis(10))?;
+    let calls = plugin.http_calls();
+    let mut sent_to: Vec<&str> = calls
+        .iter()
+        .filter(|c| testing::is_decision_send(c))
+        .map(|c| c.upstream.as_str())
+        .collect();
+    sent_to.sort_unstable();
+    assert_eq!(sent_to, [CLUSTER, CLUSTER_B], "{calls:?}");
+    let polled: Vec<&str> = calls
+        .iter()
+        .filter(|c| testing::is_decision_receive(c))
+        .map(|c| c.upstream.as_str())
+        .collect();
+    assert_eq!(polled, [CLUSTER_B], "{calls:?}");
+    Ok(())
+}

@@ -315,6 +315,11 @@ struct RawEndpoint {
 pub struct AggregatorSettings {
     /// The Envoy cluster of the aggregator (`dispatch_http_call` needs one in the bootstrap).
     pub cluster: String,
+    /// The clusters of the aggregator's other replicas (active-active: each follows the servers
+    /// itself). The proxy polls one replica at a time, the next one when it fails or answers
+    /// something unusable, and sends its routing decisions to all of them.
+    #[serde(default)]
+    pub failover_clusters: Vec<String>,
     /// `:authority` of the poll (default: the cluster name).
     #[serde(default)]
     pub authority: Option<String>,
@@ -352,6 +357,29 @@ pub struct AggregatorSettings {
     /// (0 to 30,000 ms; 0: ask on every flush instead).
     #[serde(default = "defaults::relay_wait_ms")]
     pub relay_wait_ms: u64,
+}
+
+/// Aggregator replicas a proxy follows at most (`cluster` and `failover_clusters`).
+pub const MAX_AGGREGATOR_REPLICAS: usize = 8;
+
+impl AggregatorSettings {
+    /// The aggregator replicas' clusters: `cluster` first, then `failover_clusters`.
+    pub fn clusters(&self) -> impl Iterator<Item = &str> {
+        std::iter::once(self.cluster.as_str())
+            .chain(self.failover_clusters.iter().map(|c| c.as_str()))
+    }
+
+    /// How many replicas: 1 + `failover_clusters`.
+    pub fn replicas(&self) -> usize {
+        1 + self.failover_clusters.len()
+    }
+
+    /// The cluster of replica `i` (`cluster` for 0 and for one out of range).
+    pub fn cluster_of(&self, i: usize) -> &str {
+        i.checked_sub(1)
+            .and_then(|j| self.failover_clusters.get(j))
+            .map_or(self.cluster.as_str(), |c| c.as_str())
+    }
 }
 
 /// A bearer token from the configuration; `Debug` does not show it.
@@ -734,6 +762,23 @@ impl TryFrom<RawConfig> for PluginConfig {
 pub(crate) fn check_aggregator(a: &AggregatorSettings) -> Result<(), ConfigError> {
     if a.cluster.trim().is_empty() {
         return Err(out_of_range("aggregator.cluster", "a cluster name", "\"\""));
+    }
+    if a.failover_clusters.len() > MAX_AGGREGATOR_REPLICAS - 1 {
+        return Err(out_of_range(
+            "aggregator.failover_clusters",
+            "at most 7 clusters (8 replicas with aggregator.cluster)",
+            a.failover_clusters.len(),
+        ));
+    }
+    for (i, c) in a.failover_clusters.iter().enumerate() {
+        let repeated = *c == a.cluster || a.failover_clusters[..i].contains(c);
+        if c.trim().is_empty() || repeated {
+            return Err(out_of_range(
+                "aggregator.failover_clusters",
+                "cluster names, each once and other than aggregator.cluster",
+                format!("{c:?}"),
+            ));
+        }
     }
     if !a.path.starts_with('/') {
         return Err(out_of_range(

@@ -94,7 +94,10 @@ impl PrefixVm {
         let relay = live
             .as_ref()
             .filter(|l| l.snapshot.settings().relay_decisions)
-            .map(|_| relay::Relay::new(&namespace, config.decision_log_slots, seed));
+            .map(|l| {
+                let replicas = l.snapshot.settings().replicas();
+                relay::Relay::new(&namespace, config.decision_log_slots, seed, replicas)
+            });
         let mut log = DecisionLog::new(&namespace, config.decision_log_slots, seed);
         // Begin with the pool's recent decisions (a configuration change, a late worker), replayed
         // by the bounded catch-up of the first ticks and requests.

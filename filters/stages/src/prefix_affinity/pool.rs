@@ -107,8 +107,9 @@ pub fn on_tick(vm: &mut VmState, held: impl FnOnce() -> Option<u64>) -> bool {
     if live.relaying {
         if let Some(relay) = vm.relay.as_mut() {
             let settings = live.snapshot.settings();
-            if let Some(sent) = relay.tick(&vm.router, settings, live.snapshot.authorization(), now)
-            {
+            let auth = live.snapshot.authorization();
+            let primary = live.snapshot.primary();
+            if let Some(sent) = relay.tick(&vm.router, settings, auth, primary, now) {
                 Metrics::add(vm.metrics.relay_sent, sent as u64);
             }
         }

@@ -50,14 +50,16 @@ pub struct Relay {
     /// relayed ones) and appends the relayed ones.
     log: DecisionLog,
     proxy_key: String,
-    /// The aggregator's cursor: the last relayed decision this VM has seen.
-    cursor: u64,
-    /// The aggregator's removal cursor (0 until the first answer: start at its newest).
-    removal_cursor: u64,
-    /// The long poll in flight for the other proxies' decisions, with when it started.
-    receive: Option<(u32, u64)>,
-    /// The send of this proxy's decisions in flight, with when it started.
-    send: Option<(u32, u64)>,
+    /// Per aggregator replica (each numbers its decisions and removals itself): the last
+    /// relayed decision this VM has seen from it, and its removal cursor (0 until the first
+    /// answer: start at its newest).
+    cursors: Vec<(u64, u64)>,
+    /// The long poll in flight for the other proxies' decisions: its token, when it started,
+    /// and the replica asked (the snapshot's primary).
+    receive: Option<(u32, u64, usize)>,
+    /// Per replica, the send of this proxy's decisions in flight, with when it started: every
+    /// replica gets every decision, so that any of them can hand them to the other proxies.
+    sends: Vec<Option<(u32, u64)>>,
     /// Set after the aggregator answered 404 (an aggregator older than the relay).
     unsupported: bool,
     scratch: Vec<u8>,
@@ -66,12 +68,12 @@ pub struct Relay {
 /// Which of the relay's calls an answer is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Call {
-    Receive,
-    Send,
+    Receive(usize),
+    Send(usize),
 }
 
 impl Relay {
-    pub fn new(namespace: &str, slots: u32, seed: u64) -> Self {
+    pub fn new(namespace: &str, slots: u32, seed: u64, replicas: usize) -> Self {
         let mut log = DecisionLog::new(namespace, slots, RELAY_ORIGIN);
         log.start_at_head(&HostStore);
         let proxy_key = format!("{namespace}.relay.proxy");
@@ -80,13 +82,13 @@ impl Relay {
         if HostStore.get(&proxy_key).is_none() {
             let _ = HostStore.set(&proxy_key, &seed.to_le_bytes(), 0);
         }
+        let replicas = replicas.max(1);
         Relay {
             log,
             proxy_key,
-            cursor: 0,
-            removal_cursor: 0,
+            cursors: vec![(0, 0); replicas],
             receive: None,
-            send: None,
+            sends: vec![None; replicas],
             unsupported: false,
             scratch: Vec::new(),
         }
@@ -100,9 +102,10 @@ impl Relay {
     }
 
     /// One relay tick of the VM holding the snapshot lease (every `relay_flush_ms`): sends the
-    /// decisions the proxy's workers logged since the last send, unless a send is in flight,
-    /// and keeps one long poll (`relay_wait_ms`) open for the other proxies' decisions. The two
-    /// are separate calls so that neither waits for the other: a decision reaches the
+    /// decisions the proxy's workers logged since the last send to every replica (unless a
+    /// send to it is in flight), and keeps one long poll (`relay_wait_ms`) open at `primary`,
+    /// the replica the snapshot follows, for the other proxies' decisions. Sends and the long
+    /// poll are separate calls so that neither waits for the other: a decision reaches the
     /// aggregator within a flush interval of being made, and the other proxies one round trip
     /// later. Returns how many local decisions it sent.
     pub fn tick(
@@ -110,26 +113,29 @@ impl Relay {
         router: &Router,
         settings: &AggregatorSettings,
         authorization: Option<&str>,
+        primary: usize,
         now_ms: u64,
     ) -> Option<usize> {
         if self.unsupported {
             return None;
         }
-        let wait = settings.relay_wait_ms;
-        let receive_timeout = settings.timeout_ms.saturating_add(wait);
+        let receive_timeout = settings.timeout_ms.saturating_add(settings.relay_wait_ms);
         // A lost callback must not stop the relay forever.
-        let stale = |call: Option<(u32, u64)>, timeout: u64| {
-            call.filter(|&(_, started)| now_ms.saturating_sub(started) <= timeout.saturating_mul(2))
+        let live = |started: u64, timeout: u64| {
+            now_ms.saturating_sub(started) <= timeout.saturating_mul(2)
         };
-        self.receive = stale(self.receive, receive_timeout);
-        self.send = stale(self.send, settings.timeout_ms);
+        let primary = primary.min(self.cursors.len() - 1);
+        // A long poll at a replica the snapshot no longer follows (it failed) is given up.
+        self.receive = self
+            .receive
+            .filter(|&(_, started, r)| r == primary && live(started, receive_timeout));
+        for send in &mut self.sends {
+            *send = send.filter(|&(_, started)| live(started, settings.timeout_ms));
+        }
         if self.receive.is_none() {
-            self.start_receive(router, settings, authorization, now_ms);
+            self.start_receive(router, settings, authorization, primary, now_ms);
         }
-        if self.send.is_some() {
-            return None;
-        }
-        self.start_send(router, settings, authorization, now_ms)
+        self.start_sends(router, settings, authorization, now_ms)
     }
 
     fn start_receive(
@@ -137,6 +143,7 @@ impl Relay {
         router: &Router,
         settings: &AggregatorSettings,
         authorization: Option<&str>,
+        replica: usize,
         now_ms: u64,
     ) {
         self.scratch.clear();
@@ -147,11 +154,10 @@ impl Relay {
             removals: None,
         }
         .encode(&mut self.scratch);
+        let (cursor, removal_cursor) = self.cursors[replica];
         let path = format!(
-            "{}?since={}&limit={RELAYED_PER_EXCHANGE}&removals_since={}&{}=1&{}={}&{}={}",
+            "{}?since={cursor}&limit={RELAYED_PER_EXCHANGE}&removals_since={removal_cursor}&{}=1&{}={}&{}={}",
             relay::PATH,
-            self.cursor,
-            self.removal_cursor,
             relay::TIERS_PARAM,
             relay::SCHEDULE_PARAM,
             relay::schedule_param(&router.key_schedule()),
@@ -159,18 +165,22 @@ impl Relay {
             settings.relay_wait_ms,
         );
         let timeout = settings.timeout_ms.saturating_add(settings.relay_wait_ms);
-        if let Some(token) = self.call(settings, authorization, &path, timeout) {
-            self.receive = Some((token, now_ms));
+        let cluster = settings.cluster_of(replica);
+        if let Some(token) = self.call(settings, cluster, authorization, &path, timeout) {
+            self.receive = Some((token, now_ms, replica));
         }
     }
 
-    fn start_send(
+    fn start_sends(
         &mut self,
         router: &Router,
         settings: &AggregatorSettings,
         authorization: Option<&str>,
         now_ms: u64,
     ) -> Option<usize> {
+        if self.sends.iter().all(Option::is_some) {
+            return None;
+        }
         let pool = router.pool();
         let mut decisions = Vec::new();
         // The workers' decisions with their routing times (the aggregator's linker tells
@@ -201,28 +211,42 @@ impl Relay {
             removals: None,
         }
         .encode(&mut self.scratch);
-        // `limit=0`: the answer carries nothing; the long poll brings the other proxies'.
-        let path = format!(
-            "{}?since={}&limit=0&{}={}",
-            relay::PATH,
-            self.cursor,
-            relay::SCHEDULE_PARAM,
-            relay::schedule_param(&router.key_schedule())
-        );
-        let token = self.call(settings, authorization, &path, settings.timeout_ms)?;
-        self.send = Some((token, now_ms));
-        Some(sent)
+        let mut started = false;
+        for replica in 0..self.sends.len() {
+            if self.sends[replica].is_some() {
+                // That replica misses this batch; the others have it.
+                continue;
+            }
+            // `limit=0`: the answer carries nothing; the long poll brings the other proxies'.
+            let path = format!(
+                "{}?since={}&limit=0&{}={}",
+                relay::PATH,
+                self.cursors[replica].0,
+                relay::SCHEDULE_PARAM,
+                relay::schedule_param(&router.key_schedule())
+            );
+            let cluster = settings.cluster_of(replica);
+            if let Some(token) =
+                self.call(settings, cluster, authorization, &path, settings.timeout_ms)
+            {
+                self.sends[replica] = Some((token, now_ms));
+                started = true;
+            }
+        }
+        started.then_some(sent)
     }
 
     fn call(
         &self,
         settings: &AggregatorSettings,
+        cluster: &str,
         authorization: Option<&str>,
         path: &str,
         timeout_ms: u64,
     ) -> Option<u32> {
         match call_aggregator(
             settings,
+            cluster,
             authorization,
             "POST",
             path,
@@ -231,10 +255,7 @@ impl Relay {
         ) {
             Ok(token) => Some(token),
             Err(status) => {
-                debug!(
-                    "decision relay: cannot call {:?}: {status:?}",
-                    settings.cluster
-                );
+                debug!("decision relay: cannot call {cluster:?}: {status:?}");
                 None
             }
         }
@@ -245,13 +266,15 @@ impl Relay {
     }
 
     fn which(&self, token: u32) -> Option<Call> {
-        if self.receive.is_some_and(|(t, _)| t == token) {
-            Some(Call::Receive)
-        } else if self.send.is_some_and(|(t, _)| t == token) {
-            Some(Call::Send)
-        } else {
-            None
+        if let Some((t, _, replica)) = self.receive {
+            if t == token {
+                return Some(Call::Receive(replica));
+            }
         }
+        self.sends
+            .iter()
+            .position(|s| s.is_some_and(|(t, _)| t == token))
+            .map(Call::Send)
     }
 
     /// The aggregator's answer: the other proxies' decisions go into the decision log (only
@@ -263,14 +286,25 @@ impl Relay {
         body: &CallBody,
         router: &Router,
     ) -> Result<Exchanged, String> {
-        let which = self.which(token);
-        match which {
-            Some(Call::Receive) => self.receive = None,
-            Some(Call::Send) => self.send = None,
+        let replica = match self.which(token) {
+            Some(Call::Receive(replica)) => {
+                self.receive = None;
+                replica
+            }
+            Some(Call::Send(replica)) => {
+                self.sends[replica] = None;
+                return match status {
+                    Some(200) => Ok(Exchanged::default()),
+                    Some(404) => {
+                        self.unsupported = true;
+                        Err("not supported by the aggregator".into())
+                    }
+                    status => Err(format!("send: status {status:?}")),
+                };
+            }
             None => return Ok(Exchanged::default()),
-        }
+        };
         let body = match (status, body) {
-            (Some(200), _) if which == Some(Call::Send) => return Ok(Exchanged::default()),
             (Some(200), CallBody::Read(b)) => b,
             (Some(404), _) => {
                 self.unsupported = true;
@@ -328,9 +362,10 @@ impl Relay {
                 Err(e) => debug!("decision relay: cannot claim log slots: {e}"),
             }
         }
-        self.cursor = batch.cursor;
+        let cursors = &mut self.cursors[replica];
+        cursors.0 = batch.cursor;
         if let Some(Removals { cursor, .. }) = batch.removals {
-            self.removal_cursor = cursor;
+            cursors.1 = cursor;
         }
         Ok(done)
     }
