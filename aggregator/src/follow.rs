@@ -424,7 +424,11 @@ impl FollowState {
                     "kvoy-aggregator {}: caught up: {} batches replayed{}",
                     self.name,
                     outcome.batches.len(),
-                    if outcome.complete { "" } else { " (the replay limits cut it short)" }
+                    if outcome.complete {
+                        ""
+                    } else {
+                        " (the replay limits cut it short)"
+                    }
                 );
                 last
             }

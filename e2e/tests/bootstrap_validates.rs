@@ -38,6 +38,7 @@ fn rendered_bootstrap_passes_envoy_validate() {
         session_config: r#"{"cookie":"kvoy_sid","ttl_ms":60000}"#.to_string(),
         admission_config: r#"{"endpoints":2,"flow":{"objectives":{"chat":10}}}"#.to_string(),
         aggregator_port: 18090,
+        aggregator_b_port: 18091,
     };
     for (layout, template) in [
         ("combined", bootstrap_template()),

@@ -31,6 +31,9 @@ pub struct BootstrapParams {
     /// Port of kvoy-aggregator on 127.0.0.1 (cluster `kvoy_aggregator`; unused when the
     /// filter has no `aggregator` section).
     pub aggregator_port: u16,
+    /// Port of a second kvoy-aggregator replica on 127.0.0.1 (cluster `kvoy_aggregator_b`;
+    /// unused unless the filter's `aggregator.failover_clusters` names it).
+    pub aggregator_b_port: u16,
 }
 
 /// A template that cannot be rendered.
@@ -54,20 +57,21 @@ pub fn quoted_contents(s: &str) -> String {
     quoted[1..quoted.len() - 1].to_string()
 }
 
-const PLACEHOLDERS: [&str; 8] = [
+const PLACEHOLDERS: [&str; 9] = [
     "LISTEN_PORT",
     "ADMIN_PORT",
     "WASM_DIR",
     "AGGREGATOR_PORT",
+    "AGGREGATOR_B_PORT",
     "KVOY_CONFIG",
     "PREFIX_AFFINITY_CONFIG",
     "SESSION_CONFIG",
     "ADMISSION_CONFIG",
 ];
 
-/// Placeholders every template has (the first four of `PLACEHOLDERS`); then either the combined
+/// Placeholders every template has (the first five of `PLACEHOLDERS`); then either the combined
 /// filter's configuration (`KVOY_CONFIG`) or the three separate ones.
-const COMMON: usize = 4;
+const COMMON: usize = 5;
 
 /// The combined filter's configuration: each stage's JSON as its section, byte for byte.
 pub fn kvoy_config(session: &str, admission: &str, prefix_affinity: &str) -> String {
@@ -99,6 +103,7 @@ pub fn render_bootstrap(template: &str, params: &BootstrapParams) -> Result<Stri
             "SESSION_CONFIG" => Some(quoted_contents(&params.session_config)),
             "ADMISSION_CONFIG" => Some(quoted_contents(&params.admission_config)),
             "AGGREGATOR_PORT" => Some(params.aggregator_port.to_string()),
+            "AGGREGATOR_B_PORT" => Some(params.aggregator_b_port.to_string()),
             _ => None,
         }
     };
@@ -262,6 +267,7 @@ pub fn runnable_params() -> BootstrapParams {
         session_config: "{}".to_string(),
         admission_config: json!({"endpoints": pool.len()}).to_string(),
         aggregator_port: RUNNABLE_AGGREGATOR_PORT,
+        aggregator_b_port: RUNNABLE_AGGREGATOR_PORT + 1,
     }
 }
 
@@ -295,7 +301,8 @@ fn runnable_header(runnable: &RunnableBootstrap) -> String {
 #                    endpoints)
 #   kvoy_aggregator  127.0.0.1:{aggregator} (kvoy-aggregator's default address); unused, as the
 #                    configuration has no `aggregator` section (README.md, \"kvoy-aggregator: the
-#                    live pool\", says how to add one)
+#                    live pool\", says how to add one); kvoy_aggregator_b 127.0.0.1:{aggregator_b},
+#                    a second replica's, for `aggregator.failover_clusters`
 #
 ",
         model = RUNNABLE_MODEL,
@@ -303,6 +310,7 @@ fn runnable_header(runnable: &RunnableBootstrap) -> String {
         admin = RUNNABLE_ADMIN_PORT,
         wasm_dir = RUNNABLE_WASM_DIR,
         aggregator = RUNNABLE_AGGREGATOR_PORT,
+        aggregator_b = RUNNABLE_AGGREGATOR_PORT + 1,
         count = RUNNABLE_POOL.len(),
     )
 }
@@ -374,6 +382,7 @@ mod tests {
             session_config: "{}".to_string(),
             admission_config: r#"{"endpoints":1}"#.to_string(),
             aggregator_port: 9090,
+            aggregator_b_port: 9091,
         }
     }
 

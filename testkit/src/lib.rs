@@ -76,7 +76,8 @@ pub use envoy::{
 };
 pub use net::free_port;
 pub use stack::{
-    served_by, FilterLayout, Stack, StackConfig, AGGREGATOR_CLUSTER, LOOPBACK_CIDR, SERVED_HEADER,
+    served_by, FilterLayout, Stack, StackConfig, AGGREGATOR_B_CLUSTER, AGGREGATOR_CLUSTER,
+    LOOPBACK_CIDR, SERVED_HEADER,
 };
 pub use wait::{try_wait_for, wait_for, TimedOut};
 pub use wasm::{

@@ -107,6 +107,14 @@ impl LiveSnapshot {
         self.primary
     }
 
+    /// [`LiveSnapshot::fail_over`] if `replica` is still the one followed (the relay saw it
+    /// fail).
+    pub fn fail_over_from(&mut self, replica: usize) {
+        if self.primary == replica {
+            self.fail_over();
+        }
+    }
+
     /// After a failed or unusable answer: the next replica, from scratch (its slots and
     /// versions are its own). With one replica, nothing changes.
     fn fail_over(&mut self) {
@@ -115,6 +123,9 @@ impl LiveSnapshot {
             self.primary = (self.primary + 1) % n;
             self.upstream = Snapshot::default();
             self.want_full = true;
+            // A poll still in flight at the old one is not waited for (its answer is ignored).
+            self.poll = None;
+            self.last_poll_ms = None;
         }
     }
 

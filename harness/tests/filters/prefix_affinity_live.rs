@@ -558,7 +558,11 @@ fn a_failed_or_unusable_replica_hands_the_pool_over_to_the_next_with_the_index_k
     );
     answer(&plugin, &call, &b)?;
     for (i, want) in placed.iter().enumerate() {
-        assert_eq!(&route(&plugin, (i + 1) % 2, 500 + i)?, want, "conversation {i}");
+        assert_eq!(
+            &route(&plugin, (i + 1) % 2, 500 + i)?,
+            want,
+            "conversation {i}"
+        );
     }
     assert!(
         plugin.counter("kvoy_prefix_affinity_prefix_blocks_matched_total") > before,
@@ -570,8 +574,14 @@ fn a_failed_or_unusable_replica_hands_the_pool_over_to_the_next_with_the_index_k
         .counter("kvoy_prefix_affinity_snapshot_rejected_total")
         .unwrap_or(0);
     let call = next_replica_poll(&plugin)?;
-    assert_eq!(call.upstream, CLUSTER_B, "B keeps the pool while it answers");
-    plugin.respond_http_call(&call, HttpResponse::new(200).body(b"not a snapshot".to_vec()))?;
+    assert_eq!(
+        call.upstream, CLUSTER_B,
+        "B keeps the pool while it answers"
+    );
+    plugin.respond_http_call(
+        &call,
+        HttpResponse::new(200).body(b"not a snapshot".to_vec()),
+    )?;
     assert_eq!(
         plugin.counter("kvoy_prefix_affinity_snapshot_rejected_total"),
         Some(rejected + 1)

@@ -29,6 +29,8 @@ pub const LOOPBACK_CIDR: &str = "127.0.0.0/8";
 
 /// The bootstrap's cluster for kvoy-aggregator.
 pub const AGGREGATOR_CLUSTER: &str = "kvoy_aggregator";
+/// The bootstrap's cluster for a second kvoy-aggregator replica.
+pub const AGGREGATOR_B_CLUSTER: &str = "kvoy_aggregator_b";
 
 /// Which filters run the stages.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -82,6 +84,9 @@ pub struct StackConfig {
     /// cluster (its `aggregator` section, unless `extra_config` has one) and `pool` is only the
     /// static fallback.
     pub aggregator: Option<SocketAddr>,
+    /// A second kvoy-aggregator replica (with `aggregator`): cluster `kvoy_aggregator_b`, named
+    /// in the default `aggregator` section's `failover_clusters`.
+    pub aggregator_b: Option<SocketAddr>,
     /// Listener port on 127.0.0.1; 0 picks a free one.
     pub listen_port: u16,
     /// Admin port on 127.0.0.1; 0 picks a free one.
@@ -113,6 +118,7 @@ impl StackConfig {
             max_body_bytes: None,
             extra_config: None,
             aggregator: None,
+            aggregator_b: None,
             session_config: "{}".to_string(),
             admission_config: None,
             listen_port: 0,
@@ -336,7 +342,11 @@ fn render(
     if let Value::Object(map) = &mut extra {
         if config.aggregator.is_some() {
             map.entry("aggregator")
-                .or_insert_with(|| serde_json::json!({"cluster": AGGREGATOR_CLUSTER}));
+                .or_insert_with(|| match config.aggregator_b {
+                    Some(_) => serde_json::json!({"cluster": AGGREGATOR_CLUSTER,
+                    "failover_clusters": [AGGREGATOR_B_CLUSTER]}),
+                    None => serde_json::json!({"cluster": AGGREGATOR_CLUSTER}),
+                });
         }
         // Everything of this kit listens on loopback: the pool may be nowhere else.
         map.entry("allowed_destinations")
@@ -358,6 +368,10 @@ fn render(
         }),
         // Without an aggregator the cluster is unused; any port will do.
         aggregator_port: config.aggregator.map_or(9, |a| a.port()),
+        aggregator_b_port: config
+            .aggregator_b
+            .or(config.aggregator)
+            .map_or(9, |a| a.port()),
     };
     let rendered = match &config.filter_module {
         None => render_bootstrap_file(&config.layout.template(), &params)?,

@@ -135,6 +135,11 @@ pub fn on_relay_response(vm: &mut VmState, token: u32, num_headers: usize, body_
             Metrics::add(vm.metrics.relay_failures, 1);
         }
     }
+    // A replica that stopped answering the relay's long poll is left for the next at once,
+    // not at the next failed snapshot poll: the other proxies' decisions keep arriving.
+    if let (Some(failed), Some(live)) = (relay.take_failed(), vm.live.as_mut()) {
+        live.snapshot.fail_over_from(failed);
+    }
 }
 
 /// The answer to a poll: apply it, publish it, use it.

@@ -62,6 +62,9 @@ pub struct Relay {
     sends: Vec<Option<(u32, u64)>>,
     /// Set after the aggregator answered 404 (an aggregator older than the relay).
     unsupported: bool,
+    /// A replica whose long poll got no answer or a 5xx: the snapshot should follow another
+    /// (read once by [`Relay::take_failed`]).
+    failed: Option<usize>,
     scratch: Vec<u8>,
 }
 
@@ -90,8 +93,14 @@ impl Relay {
             receive: None,
             sends: vec![None; replicas],
             unsupported: false,
+            failed: None,
             scratch: Vec::new(),
         }
+    }
+
+    /// The replica whose last long poll failed (no answer, or a 5xx), once.
+    pub fn take_failed(&mut self) -> Option<usize> {
+        self.failed.take()
     }
 
     fn proxy(&self) -> u64 {
@@ -312,7 +321,12 @@ impl Relay {
                 return Err("not supported by the aggregator".into());
             }
             (Some(200), CallBody::TooLarge(n)) => return Err(format!("answer of {n} bytes")),
-            (status, _) => return Err(format!("status {status:?}")),
+            (status, _) => {
+                if status.is_none_or(|s| s >= 500) {
+                    self.failed = Some(replica);
+                }
+                return Err(format!("status {status:?}"));
+            }
         };
         let batch = DecisionBatch::decode(body).map_err(|e| e.to_string())?;
         let pool = router.pool();

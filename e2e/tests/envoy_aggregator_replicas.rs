@@ -1,0 +1,280 @@
+//! End to end, issue 38's aggregator replicas: two kvoy-aggregator processes (the real binary,
+//! each following the same four kvoy-sim simulators' metrics and KV events, with replay) and two
+//! real Envoys (the combined `kvoy` filter, `--concurrency 2`, the bootstrap `make run` renders)
+//! whose filters name both (`aggregator.failover_clusters`). Conversations run at once, each
+//! turn sent to the other proxy the moment the previous 16-token reply ends, in phases:
+//!
+//! 1. **steady**: both replicas up;
+//! 2. **A killed**: replica A gets SIGKILL while the phase's turns are in flight;
+//! 3. **A back**: A restarted on its port, caught up (it answers 503 `catching-up` until its
+//!    followers replayed the servers' buffered KV events), then B gets SIGKILL mid-phase.
+//!
+//! Every request must be answered 200, and in every phase at least 95% of the turns must reach
+//! their conversation's simulator (issue 38's measure, with two aggregators and while one of
+//! them is down). A table of the phases is printed (`-- --nocapture`).
+//!
+//! Needs `envoy` on PATH, the built wasm filters and the `kvoy-aggregator` binary beside this
+//! test's (`make test`, whose `cargo test --workspace` builds it, provides all three).
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+mod common;
+
+use common::MODEL;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvoy_aggregator::local::aggregator_yaml;
+use kvoy_sim::fleet::PublishingSim;
+use kvoy_testkit::{free_port, http, wait_for, PoolEndpoint, Stack, StackConfig};
+
+const NAME: &str = "replicas";
+const AGENTS: usize = 30;
+const TURNS: usize = 6;
+
+/// The `kvoy-aggregator` binary cargo built beside this test (`target/<profile>/`).
+fn aggregator_binary() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().and_then(Path::parent).unwrap();
+    let bin = dir.join("kvoy-aggregator");
+    assert!(
+        bin.exists(),
+        "{} is missing: `cargo build -p kvoy-aggregator` (make test builds it)",
+        bin.display()
+    );
+    bin
+}
+
+/// A kvoy-aggregator process on a fixed port, killed with SIGKILL when dropped.
+struct Replica {
+    listen: SocketAddr,
+    child: Option<Child>,
+}
+
+impl Replica {
+    fn start(config: &Path, listen: SocketAddr, log: &Path) -> Replica {
+        let log = std::fs::File::create(log).unwrap();
+        let child = Command::new(aggregator_binary())
+            .arg("--config")
+            .arg(config)
+            .arg("--listen")
+            .arg(listen.to_string())
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let replica = Replica {
+            listen,
+            child: Some(child),
+        };
+        replica.wait_ready();
+        replica
+    }
+
+    /// Until `/readyz` answers 200: loaded and caught up.
+    fn wait_ready(&self) {
+        wait_for(
+            "an aggregator replica ready",
+            Duration::from_secs(20),
+            || {
+                http::get(self.listen, "/readyz", Duration::from_secs(2))
+                    .is_ok_and(|r| r.status == 200)
+            },
+        );
+    }
+
+    /// SIGKILL, and reaped.
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Turn `t` of conversation `i`: a 3,000-character system prompt, 400-character turns,
+/// 16-token replies.
+fn agent_turn(i: usize, t: usize) -> Vec<u8> {
+    let brief = format!(
+        "Agent {i}. {}",
+        "Follow the plan and call tools with care. ".repeat(72)
+    );
+    let mut messages = vec![serde_json::json!({"role": "system", "content": &brief[..3000]})];
+    let asked = |k: usize| {
+        let text = format!(
+            "Step {k} of agent {i}: {}",
+            "the tool returned rows to read. ".repeat(13)
+        );
+        text[..400].to_owned()
+    };
+    for k in 0..t {
+        messages.push(serde_json::json!({"role": "user", "content": asked(k)}));
+        messages
+            .push(serde_json::json!({"role": "assistant", "content": format!("Done step {k}.")}));
+    }
+    messages.push(serde_json::json!({"role": "user", "content": asked(t)}));
+    serde_json::json!({"model": MODEL, "max_tokens": 16, "messages": messages})
+        .to_string()
+        .into_bytes()
+}
+
+/// One phase's counts.
+#[derive(Debug, Default, Clone, Copy)]
+struct Phase {
+    requests: usize,
+    failed: usize,
+    kept: usize,
+    turns: usize,
+}
+
+impl Phase {
+    fn share(&self) -> f64 {
+        self.kept as f64 / self.turns.max(1) as f64
+    }
+}
+
+/// Conversations `base..base + AGENTS` at once, turn `t` of the `i`th through proxy
+/// `(i + t) % 2`, each next turn sent as its reply ends; `during` runs `after` into the phase.
+fn run(proxies: &[SocketAddr], base: usize, after: Duration, during: impl FnOnce()) -> Phase {
+    let runs: Vec<_> = (0..AGENTS)
+        .map(|i| {
+            let proxies = proxies.to_vec();
+            std::thread::spawn(move || {
+                let mut phase = Phase::default();
+                let mut previous: Option<String> = None;
+                for t in 0..TURNS {
+                    let body = agent_turn(base + i, t);
+                    phase.requests += 1;
+                    let r = http::post_json(
+                        proxies[(i + t) % proxies.len()],
+                        "/v1/chat/completions",
+                        &[],
+                        &body,
+                        common::TIMEOUT,
+                    );
+                    let served = match r {
+                        Ok(r) if r.status == 200 => {
+                            r.header(kvoy_testkit::SERVED_BY_HEADER).map(str::to_owned)
+                        }
+                        Ok(r) => {
+                            eprintln!("[{NAME}] status {}: {}", r.status, r.text());
+                            phase.failed += 1;
+                            None
+                        }
+                        Err(e) => {
+                            eprintln!("[{NAME}] failed: {e:#}");
+                            phase.failed += 1;
+                            None
+                        }
+                    };
+                    if let (Some(p), Some(s)) = (&previous, &served) {
+                        phase.turns += 1;
+                        phase.kept += usize::from(p == s);
+                    }
+                    previous = served;
+                }
+                phase
+            })
+        })
+        .collect();
+    std::thread::sleep(after);
+    during();
+    runs.into_iter()
+        .map(|r| r.join().unwrap())
+        .fold(Phase::default(), |a, b| Phase {
+            requests: a.requests + b.requests,
+            failed: a.failed + b.failed,
+            kept: a.kept + b.kept,
+            turns: a.turns + b.turns,
+        })
+}
+
+#[test]
+fn killing_either_aggregator_replica_loses_no_request_and_keeps_the_turns_on_their_servers() {
+    let sims: Vec<PublishingSim> = (0..4)
+        .map(|_| PublishingSim::start(&["--model", MODEL, "--speedup", "10"], true).unwrap())
+        .collect();
+    let run_dir = common::run_dir(NAME);
+    let config = run_dir.join("pool.yaml");
+    std::fs::write(
+        &config,
+        aggregator_yaml(
+            "scrape_interval_ms: 50\n",
+            &common::followed(&sims, MODEL, true),
+        ),
+    )
+    .unwrap();
+    let port = |_| SocketAddr::from(([127, 0, 0, 1], free_port().unwrap()));
+    let (listen_a, listen_b) = (port(0), port(1));
+    let mut a = Replica::start(&config, listen_a, &run_dir.join("aggregator-a.log"));
+    let mut b = Replica::start(&config, listen_b, &run_dir.join("aggregator-b.log"));
+    let endpoints: Vec<PoolEndpoint> = sims
+        .iter()
+        .map(|s| PoolEndpoint::new(s.addr, &[MODEL]))
+        .collect();
+    let proxies: Vec<Stack> = (0..2)
+        .map(|p| {
+            let mut c = StackConfig::new(endpoints.clone(), run_dir.join(format!("proxy-{p}")));
+            c.aggregator = Some(listen_a);
+            c.aggregator_b = Some(listen_b);
+            Stack::start(&c).unwrap_or_else(|e| panic!("[{NAME}] Envoy {p}: {e:#}"))
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let listen: Vec<SocketAddr> = proxies.iter().map(|s| s.listen).collect();
+
+    // Warm-up (not measured): connections, the relay's long polls, the simulators' first runs.
+    let warm = run(&listen, 9000, Duration::ZERO, || {});
+    assert_eq!(warm.failed, 0, "warm-up: {warm:?}");
+    let started = Instant::now();
+    let steady = run(&listen, 0, Duration::ZERO, || {});
+    let a_killed = run(&listen, 1000, Duration::from_millis(100), || a.kill());
+    // The proxies noticed: their polls or long polls at A failed, and they followed B.
+    let failures = |name: &str| -> u64 {
+        proxies
+            .iter()
+            .map(|s| s.stats(name).unwrap().values().sum::<u64>())
+            .sum()
+    };
+    let noticed = failures("kvoy_prefix_affinity_relay_failures_total")
+        + failures("kvoy_prefix_affinity_snapshot_poll_failures_total");
+    assert!(noticed > 0, "no proxy saw replica A go");
+    // A comes back on its port and catches up; then B goes, mid-phase.
+    a = Replica::start(&config, listen_a, &run_dir.join("aggregator-a2.log"));
+    let b_killed = run(&listen, 2000, Duration::from_millis(100), || b.kill());
+    let phases = [
+        ("steady, both replicas", steady),
+        ("replica A killed (SIGKILL)", a_killed),
+        ("A restarted, B killed", b_killed),
+    ];
+    eprintln!(
+        "[{NAME}] {} s\n| phase | requests | failed | turns on their server |\n|---|---|---|---|",
+        started.elapsed().as_secs()
+    );
+    for (name, p) in &phases {
+        eprintln!(
+            "| {name} | {} | {} | {}/{} ({:.1}%) |",
+            p.requests,
+            p.failed,
+            p.kept,
+            p.turns,
+            100.0 * p.share()
+        );
+    }
+    for (name, p) in &phases {
+        assert_eq!(p.failed, 0, "{name}: {p:?}");
+        assert!(p.share() >= 0.95, "{name}: {p:?}");
+    }
+    drop(proxies);
+    drop(a);
+    drop(b);
+}
