@@ -690,6 +690,11 @@ fn plugin_and_aggregator_configurations_parse() {
                 );
                 assert_eq!(a.cluster, "kvoy_aggregator", "{variant} {root_id}");
                 assert_eq!(
+                    a.failover_clusters,
+                    ["kvoy_aggregator_b"],
+                    "{variant} {root_id}: the second replica"
+                );
+                assert_eq!(
                     a.authority.as_deref(),
                     Some("kvoy-aggregator.llm.svc.cluster.local"),
                     "{variant} {root_id}: the aggregator's Service"
@@ -725,7 +730,7 @@ fn plugin_and_aggregator_configurations_parse() {
         .iter()
         .any(|r| r["resources"][0] == "pods"
             && r["verbs"].as_array().unwrap().contains(&json!("list"))));
-    let deploy = doc("gateway/aggregator.yaml", "Deployment", "kvoy-aggregator");
+    let deploy = doc("gateway/aggregator.yaml", "StatefulSet", "kvoy-aggregator");
     let pod = &deploy["spec"]["template"]["spec"];
     assert_eq!(pod["serviceAccountName"], "kvoy-aggregator");
     let args: Vec<&str> = pod["containers"][0]["args"]
@@ -745,17 +750,50 @@ fn plugin_and_aggregator_configurations_parse() {
     );
     let svc = doc("gateway/aggregator.yaml", "Service", "kvoy-aggregator");
     assert_eq!(svc["spec"]["ports"][0]["port"], 9090);
-    // The filters' kvoy_aggregator cluster points at that Service.
+    // Two replicas, one at a time out (a PodDisruptionBudget), spread over nodes, named by a
+    // headless Service.
+    assert_eq!(deploy["spec"]["replicas"], 2);
+    let headless = doc(
+        "gateway/aggregator.yaml",
+        "Service",
+        "kvoy-aggregator-replicas",
+    );
+    assert_eq!(headless["spec"]["clusterIP"], "None");
+    assert_eq!(deploy["spec"]["serviceName"], "kvoy-aggregator-replicas");
+    assert_eq!(headless["spec"]["selector"], svc["spec"]["selector"]);
+    let pdb = doc(
+        "gateway/aggregator.yaml",
+        "PodDisruptionBudget",
+        "kvoy-aggregator",
+    );
+    assert_eq!(pdb["spec"]["minAvailable"], 1);
+    assert_eq!(
+        pdb["spec"]["selector"]["matchLabels"],
+        deploy["spec"]["selector"]["matchLabels"]
+    );
+    assert_eq!(
+        pod["topologySpreadConstraints"][0]["topologyKey"],
+        "kubernetes.io/hostname"
+    );
+    // The filters' clusters point at the two replicas, by pod name.
     let (chain, _) = istio_chain(&yaml_docs(&repo("istio/envoyfilter.yaml")), &[], &wasm_dir);
-    let agg = chain
-        .clusters
-        .iter()
-        .find(|c| c["name"] == "kvoy_aggregator")
-        .unwrap();
-    let sa = &agg["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
-        ["socket_address"];
-    assert_eq!(sa["address"], "kvoy-aggregator.llm.svc.cluster.local");
-    assert_eq!(sa["port_value"], 9090);
+    for (cluster, pod_name) in [
+        ("kvoy_aggregator", "kvoy-aggregator-0"),
+        ("kvoy_aggregator_b", "kvoy-aggregator-1"),
+    ] {
+        let agg = chain
+            .clusters
+            .iter()
+            .find(|c| c["name"] == cluster)
+            .unwrap_or_else(|| panic!("no cluster {cluster}"));
+        let sa = &agg["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+            ["socket_address"];
+        assert_eq!(
+            sa["address"],
+            format!("{pod_name}.kvoy-aggregator-replicas.llm.svc.cluster.local")
+        );
+        assert_eq!(sa["port_value"], 9090);
+    }
     // The HTTPRoute's backend is the pool.
     let route = doc("gateway/httproute.yaml", "HTTPRoute", "llm-route");
     assert_eq!(
@@ -773,7 +811,7 @@ fn the_aggregator_is_protected_and_probed_for_readiness() {
     // The token: a Secret mounted where the configuration reads it.
     let cm = doc("gateway/aggregator.yaml", "ConfigMap", "kvoy-aggregator");
     let pool_yaml = cm["data"]["pool.yaml"].as_str().unwrap();
-    let deploy = doc("gateway/aggregator.yaml", "Deployment", "kvoy-aggregator");
+    let deploy = doc("gateway/aggregator.yaml", "StatefulSet", "kvoy-aggregator");
     let pod = &deploy["spec"]["template"]["spec"];
     let container = &pod["containers"][0];
     let token_volume = pod["volumes"]
