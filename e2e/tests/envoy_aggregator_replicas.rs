@@ -22,110 +22,16 @@ mod common;
 use common::MODEL;
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::replica::Replica;
 use kvoy_aggregator::local::aggregator_yaml;
 use kvoy_sim::fleet::PublishingSim;
-use kvoy_testkit::{free_port, http, wait_for, PoolEndpoint, Stack, StackConfig};
+use kvoy_testkit::{free_port, http, PoolEndpoint, Stack, StackConfig};
 
 const NAME: &str = "replicas";
 const AGENTS: usize = 30;
 const TURNS: usize = 6;
-
-/// The `kvoy-aggregator` binary cargo built beside this test (`target/<profile>/`).
-fn aggregator_binary() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().and_then(Path::parent).unwrap();
-    let bin = dir.join("kvoy-aggregator");
-    assert!(
-        bin.exists(),
-        "{} is missing: `cargo build -p kvoy-aggregator` (make test builds it)",
-        bin.display()
-    );
-    bin
-}
-
-/// A kvoy-aggregator process on a fixed port, killed with SIGKILL when dropped.
-struct Replica {
-    listen: SocketAddr,
-    child: Option<Child>,
-}
-
-impl Replica {
-    fn start(config: &Path, listen: SocketAddr, log: &Path) -> Replica {
-        let log = std::fs::File::create(log).unwrap();
-        let child = Command::new(aggregator_binary())
-            .arg("--config")
-            .arg(config)
-            .arg("--listen")
-            .arg(listen.to_string())
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        let replica = Replica {
-            listen,
-            child: Some(child),
-        };
-        replica.wait_ready();
-        replica
-    }
-
-    /// Until `/readyz` answers 200: loaded and caught up.
-    fn wait_ready(&self) {
-        wait_for(
-            "an aggregator replica ready",
-            Duration::from_secs(20),
-            || {
-                http::get(self.listen, "/readyz", Duration::from_secs(2))
-                    .is_ok_and(|r| r.status == 200)
-            },
-        );
-    }
-
-    /// SIGKILL, and reaped.
-    fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-impl Drop for Replica {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-/// Turn `t` of conversation `i`: a 3,000-character system prompt, 400-character turns,
-/// 16-token replies.
-fn agent_turn(i: usize, t: usize) -> Vec<u8> {
-    let brief = format!(
-        "Agent {i}. {}",
-        "Follow the plan and call tools with care. ".repeat(72)
-    );
-    let mut messages = vec![serde_json::json!({"role": "system", "content": &brief[..3000]})];
-    let asked = |k: usize| {
-        let text = format!(
-            "Step {k} of agent {i}: {}",
-            "the tool returned rows to read. ".repeat(13)
-        );
-        text[..400].to_owned()
-    };
-    for k in 0..t {
-        messages.push(serde_json::json!({"role": "user", "content": asked(k)}));
-        messages
-            .push(serde_json::json!({"role": "assistant", "content": format!("Done step {k}.")}));
-    }
-    messages.push(serde_json::json!({"role": "user", "content": asked(t)}));
-    serde_json::json!({"model": MODEL, "max_tokens": 16, "messages": messages})
-        .to_string()
-        .into_bytes()
-}
 
 /// One phase's counts.
 #[derive(Debug, Default, Clone, Copy)]
@@ -152,7 +58,7 @@ fn run(proxies: &[SocketAddr], base: usize, after: Duration, during: impl FnOnce
                 let mut phase = Phase::default();
                 let mut previous: Option<String> = None;
                 for t in 0..TURNS {
-                    let body = agent_turn(base + i, t);
+                    let body = common::replica::agent_turn(MODEL, base + i, t, false);
                     phase.requests += 1;
                     let r = http::post_json(
                         proxies[(i + t) % proxies.len()],

@@ -26,32 +26,6 @@ const NAME: &str = "relay-no-think";
 const AGENTS: usize = 30;
 const TURNS: usize = 6;
 
-/// Turn `t` of agent conversation `i`: a 3,000-character system prompt, 400-character turns,
-/// 16-token replies.
-fn agent_turn(i: usize, t: usize) -> Vec<u8> {
-    let brief = format!(
-        "Agent {i}. {}",
-        "Follow the plan and call tools with care. ".repeat(72)
-    );
-    let mut messages = vec![serde_json::json!({"role": "system", "content": &brief[..3000]})];
-    let asked = |k: usize| {
-        let text = format!(
-            "Step {k} of agent {i}: {}",
-            "the tool returned rows to read. ".repeat(13)
-        );
-        text[..400].to_owned()
-    };
-    for k in 0..t {
-        messages.push(serde_json::json!({"role": "user", "content": asked(k)}));
-        messages
-            .push(serde_json::json!({"role": "assistant", "content": format!("Done step {k}.")}));
-    }
-    messages.push(serde_json::json!({"role": "user", "content": asked(t)}));
-    serde_json::json!({"model": MODEL, "max_tokens": 16, "messages": messages})
-        .to_string()
-        .into_bytes()
-}
-
 /// Runs every conversation at once, turn `t` of the `i`th through proxy `(i + t) % 2`, the next
 /// turn sent as its reply ends; how many turns after the first reached the simulator that
 /// served the previous one.
@@ -63,7 +37,10 @@ fn run(proxies: &[SocketAddr]) -> usize {
                 let mut previous = String::new();
                 let mut kept = 0;
                 for t in 0..TURNS {
-                    let r = common::post_chat(proxies[(i + t) % proxies.len()], &agent_turn(i, t));
+                    let r = common::post_chat(
+                        proxies[(i + t) % proxies.len()],
+                        &common::replica::agent_turn(MODEL, i, t, false),
+                    );
                     assert_eq!(r.status, 200, "{}", r.text());
                     let served = r
                         .header(kvoy_testkit::SERVED_BY_HEADER)

@@ -3,13 +3,15 @@
 //! ([`run_dir`]), the readings of an in-process aggregator ([`AggregatorReads`]), starting one
 //! ([`start_aggregator`], [`followed`]) or a pool of simulators it follows ([`FollowedPool`]),
 //! the multi-turn workload ([`conversation_turn`]), the manifests' YAML ([`yaml_docs`]) and the
-//! eviction tests' helpers ([`eviction`]). What benches and kvoy-local's tests use too lives in
+//! eviction tests' helpers ([`eviction`]), an aggregator process to kill and the agent workload
+//! ([`replica`]). What benches and kvoy-local's tests use too lives in
 //! the kit (`kvoy_testkit`) or in the services' in-process starters (`kvoy_sim::fleet`,
 //! `kvoy_aggregator::local`).
 // Each test binary compiles this module and uses a part of it.
 #![allow(dead_code, clippy::expect_used, clippy::unwrap_used)]
 
 pub mod eviction;
+pub mod replica;
 
 use std::path::PathBuf;
 use std::time::Duration;

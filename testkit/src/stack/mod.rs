@@ -308,7 +308,9 @@ impl Stack {
         let before = updates(self)?;
         lds.write(&rendered)?;
         let deadline = std::time::Instant::now() + config.ready_timeout;
-        while updates(self)? <= before {
+        // While Envoy compiles a new module its main thread (and so its admin) may not answer
+        // for seconds: that is "not yet", up to the deadline.
+        while updates(self).unwrap_or(before) <= before {
             if std::time::Instant::now() > deadline {
                 bail!(
                     "Envoy did not take the new listener from {} within {:?}",
