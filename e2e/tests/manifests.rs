@@ -794,6 +794,18 @@ fn plugin_and_aggregator_configurations_parse() {
         );
         assert_eq!(sa["port_value"], 9090);
     }
+    // Envoy Gateway's proxies drain for as long as a stream may last, as the Gateway says.
+    let proxy = doc(
+        "gateway/envoy-gateway/envoyproxy.yaml",
+        "EnvoyProxy",
+        "kvoy-proxy",
+    );
+    assert_eq!(proxy["spec"]["shutdown"]["drainTimeout"], "600s");
+    let gateway = doc("gateway/httproute.yaml", "Gateway", "kvoy-gateway");
+    assert_eq!(
+        gateway["spec"]["infrastructure"]["parametersRef"],
+        json!({"group": "gateway.envoyproxy.io", "kind": "EnvoyProxy", "name": "kvoy-proxy"})
+    );
     // The HTTPRoute's backend is the pool.
     let route = doc("gateway/httproute.yaml", "HTTPRoute", "llm-route");
     assert_eq!(
