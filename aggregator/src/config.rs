@@ -69,6 +69,8 @@ struct RawConfig {
     limits: RawLimits,
     #[serde(default)]
     links: RawLinks,
+    #[serde(default)]
+    peers: Vec<String>,
 }
 
 /// The `links:` section: how relayed decisions are linked to the servers' blocks
@@ -330,7 +332,14 @@ pub struct AggregatorConfig {
     pub limits: Limits,
     /// How relayed decisions are linked to the servers' blocks (`links:`).
     pub links: LinkSettings,
+    /// The other aggregator replicas of the pool (`host:port`), whose relayed decisions this
+    /// one reads as it starts, before it reports ready ([`crate::peers`]). Listing this
+    /// replica too is harmless (it has none yet), so every replica can share one list.
+    pub peers: Vec<String>,
 }
+
+/// Peers a replica reads decisions from at most.
+const MAX_PEERS: usize = 16;
 
 #[derive(Debug, Error, PartialEq)]
 pub enum ConfigError {
@@ -517,6 +526,25 @@ impl TryFrom<RawConfig> for AggregatorConfig {
             None | Some("") => None,
             Some(path) => Some(std::path::PathBuf::from(path)),
         };
+        if raw.peers.len() > MAX_PEERS {
+            return Err(out_of_range(
+                "peers",
+                "at most 16 replicas",
+                raw.peers.len(),
+            ));
+        }
+        for peer in &raw.peers {
+            let ok = peer
+                .rsplit_once(':')
+                .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+            if !ok {
+                return Err(out_of_range(
+                    "peers",
+                    "host:port of each replica",
+                    format!("{peer:?}"),
+                ));
+            }
+        }
         let mut endpoints = Vec::with_capacity(raw.endpoints.len());
         for (index, e) in raw.endpoints.into_iter().enumerate() {
             endpoints.push(endpoint(index, e, &mut addresses)?);
@@ -534,6 +562,7 @@ impl TryFrom<RawConfig> for AggregatorConfig {
             api_token: None,
             links,
             limits,
+            peers: raw.peers,
         })
     }
 }

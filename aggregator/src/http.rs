@@ -27,7 +27,9 @@ use serde_json::json;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 
-use kvoy_shared::relay::{self, DecisionBatch, DecisionRelay, RelayedRemoval, Removals};
+use kvoy_shared::relay::{
+    self, DecisionBatch, DecisionRelay, RelayedDecision, RelayedRemoval, Removals,
+};
 use kvoy_shared::snapshot::{SnapshotFormat, CONTENT_TYPE};
 
 use crate::config::{ApiToken, Limits};
@@ -83,6 +85,9 @@ pub struct Api {
     relay: Arc<Mutex<DecisionRelay>>,
     /// Bumped on every push of decisions into `relay`: a waiting exchange (`wait_ms`) wakes.
     relay_pushed: Arc<watch::Sender<u64>>,
+    /// The decisions of the replicas named in `peers:` are in (or could not be had): until
+    /// then the snapshot answers 503 `catching-up`, as while the KV followers replay.
+    pub peers_read: Arc<std::sync::atomic::AtomicBool>,
     /// The pool view's history and relayed decisions per endpoint (`GET /`, `/v1/pool`).
     pub page: Arc<PoolPage>,
     /// Relayed decisions linked to the servers' blocks (fed here and by the KV followers).
@@ -110,6 +115,7 @@ impl Api {
         limits: Limits,
         links: LinkSettings,
     ) -> Self {
+        let first_decision = DecisionRelay::first_number(views.borrow().history.epoch());
         Api {
             links: Arc::new(Mutex::new(Linker::new(links))),
             views,
@@ -117,10 +123,33 @@ impl Api {
             rejections: Arc::new(Rejections::new("kvoy-aggregator API")),
             token,
             limits,
-            relay: Arc::new(Mutex::new(DecisionRelay::new(RELAY_MAX_KEYS))),
+            relay: Arc::new(Mutex::new(DecisionRelay::numbered_from(
+                RELAY_MAX_KEYS,
+                first_decision,
+            ))),
             relay_pushed: Arc::new(watch::channel(0).0),
+            peers_read: Arc::new(std::sync::atomic::AtomicBool::new(true)),
             page: Arc::default(),
         }
+    }
+}
+
+impl Api {
+    /// Decisions another replica relayed (read as this one starts), as if a proxy had sent
+    /// them: every proxy is handed them.
+    pub fn seed_decisions(&self, decisions: Vec<RelayedDecision>) {
+        if decisions.is_empty() {
+            return;
+        }
+        if let Ok(mut relay) = self.relay.lock() {
+            relay.push(0, decisions);
+            self.relay_pushed.send_modify(|n| *n = n.wrapping_add(1));
+        }
+    }
+
+    /// Caught up: loaded, the KV followers replayed, the peers' decisions read.
+    fn caught_up(&self, view: &PoolView) -> bool {
+        view.caught_up && self.peers_read.load(Ordering::Relaxed)
     }
 }
 
@@ -405,7 +434,7 @@ impl Api {
                         StatusCode::SERVICE_UNAVAILABLE,
                         "endpoints not loaded yet\n",
                     )
-                } else if !view.caught_up {
+                } else if !self.caught_up(&view) {
                     text(
                         StatusCode::SERVICE_UNAVAILABLE,
                         "catching up: replaying the servers' buffered KV events\n",
@@ -714,7 +743,7 @@ impl Api {
     }
 
     fn snapshot(&self, view: &PoolView, query: &str) -> Response<Full<Bytes>> {
-        if !view.loaded || !view.caught_up {
+        if !view.loaded || !self.caught_up(view) {
             // Not an empty pool: the filters keep what they have (their last snapshot, another
             // replica's, or their static endpoints) until the first discovery succeeds and the
             // servers' buffered KV events are replayed.

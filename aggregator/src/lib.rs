@@ -55,6 +55,8 @@ pub mod local;
 #[cfg(feature = "service")]
 pub mod page;
 #[cfg(feature = "service")]
+pub mod peers;
+#[cfg(feature = "service")]
 pub mod pool;
 pub mod prefill;
 pub mod prom;
@@ -130,7 +132,7 @@ impl Aggregator {
         let epoch = new_epoch();
         let (shutdown, stop) = watch::channel(false);
         let (views_tx, views) = watch::channel(Arc::new(PoolView::new(epoch)));
-        let api = http::Api::new(views, token, config.limits, config.links);
+        let api = http::Api::new(views, token.clone(), config.limits, config.links);
         let pool = Pool::new(
             settings,
             source,
@@ -138,7 +140,35 @@ impl Aggregator {
             epoch,
             api.links.clone(),
         );
+        // A replica that starts reads the decisions the other replicas hold before it reports
+        // ready (its KV followers catch up meanwhile).
+        let peers = config.peers.clone();
+        if !peers.is_empty() {
+            api.peers_read
+                .store(false, std::sync::atomic::Ordering::Relaxed);
+        }
+        let seeding = api.clone();
+        let peer_token = token.clone();
         let tasks = vec![
+            tokio::spawn(async move {
+                for peer in &peers {
+                    match peers::decisions(peer, peer_token.as_ref()).await {
+                        Ok(d) => {
+                            log::info!(
+                                "kvoy-aggregator: {} relayed decisions read from the replica {peer}",
+                                d.len()
+                            );
+                            seeding.seed_decisions(d);
+                        }
+                        Err(e) => log::warn!(
+                            "kvoy-aggregator: the replica's decisions could not be read: {e}"
+                        ),
+                    }
+                }
+                seeding
+                    .peers_read
+                    .store(true, std::sync::atomic::Ordering::Relaxed);
+            }),
             tokio::spawn(pool.run(views_tx, stop.clone())),
             tokio::spawn(page::sample(
                 api.views.clone(),

@@ -115,17 +115,25 @@ fn decisions_travel_between_proxies_for_pool_members_only() {
         vec![decision(ea, &[1, 2]), decision(eb, &[4])]
     );
     // A poller's `limit` bounds the answer; the cursor says where it stopped. (Proxy 1's
-    // decisions are numbers 1 and 2, proxy 2's number 3.)
+    // decisions are numbers n and n + 1, proxy 2's n + 2: each life of an aggregator numbers
+    // from its own n.)
+    let n = second.cursor - 2;
     let mut empty = Vec::new();
     DecisionBatch {
         proxy: 2,
         ..Default::default()
     }
     .encode(&mut empty);
-    let (status, _, page) = request(api, "POST", &format!("{PATH}?since=1&limit=1"), "", &empty);
+    let (status, _, page) = request(
+        api,
+        "POST",
+        &format!("{PATH}?since={n}&limit=1"),
+        "",
+        &empty,
+    );
     assert_eq!(status, 200);
     let page = DecisionBatch::decode(&page).unwrap();
-    assert_eq!((page.decisions.len(), page.cursor), (1, 2));
+    assert_eq!((page.decisions.len(), page.cursor), (1, n + 1));
     // Its next exchange from the cursor it was given has nothing new.
     let third = exchange(
         api,
@@ -196,14 +204,17 @@ fn decisions_travel_between_proxies_for_pool_members_only() {
                 decision(eb, &[4]),
                 decision(eb, &[9])
             ],
-            3
+            n + 2
         )
     );
     let page = read(0, 2);
-    assert_eq!((page.decisions.len(), page.cursor), (2, 2));
+    assert_eq!((page.decisions.len(), page.cursor), (2, n + 1));
     let rest = read(page.cursor, 2);
-    assert_eq!((rest.decisions, rest.cursor), (vec![decision(eb, &[9])], 3));
-    assert!(read(3, 2).decisions.is_empty());
+    assert_eq!(
+        (rest.decisions, rest.cursor),
+        (vec![decision(eb, &[9])], n + 2)
+    );
+    assert!(read(n + 2, 2).decisions.is_empty());
     assert_metrics(
         api,
         &[
@@ -416,5 +427,57 @@ fn a_waiting_exchange_answers_as_soon_as_another_proxys_decision_arrives() {
         "woken by proxy 1's decision, not by the wait's end: waited {waited:?}"
     );
     drop(agg);
+    drop(rt);
+}
+
+/// `peers:`: a replica that starts reads the decisions another replica holds before it says
+/// ready, and hands them to the proxies as its own; a peer that does not answer delays nothing
+/// past its timeout.
+#[test]
+fn a_starting_replica_reads_its_peers_decisions_before_it_is_ready() {
+    let a = free_port().unwrap();
+    let endpoints = format!("endpoints: [{{address: '127.0.0.1:{a}', models: [m]}}]\n");
+    let (rt, first) = start(&endpoints);
+    let ea: SocketAddr = format!("127.0.0.1:{a}").parse().unwrap();
+    exchange(
+        first.local_addr(),
+        0,
+        &DecisionBatch {
+            proxy: 1,
+            cursor: 0,
+            decisions: vec![decision(ea, &[1, 2]), decision(ea, &[3])],
+            removals: None,
+        },
+        "",
+    );
+    // The second replica lists the first and one that is not there (a closed port).
+    let gone = free_port().unwrap();
+    let yaml = format!(
+        "peers: ['{}', '127.0.0.1:{gone}']\n{endpoints}",
+        first.local_addr()
+    );
+    let (rt2, second) = start(&yaml);
+    let got = exchange(
+        second.local_addr(),
+        0,
+        &DecisionBatch {
+            proxy: 2,
+            cursor: 0,
+            decisions: vec![],
+            removals: None,
+        },
+        "",
+    );
+    assert_eq!(
+        got.decisions,
+        vec![decision(ea, &[1, 2]), decision(ea, &[3])],
+        "the first replica's decisions, from the second"
+    );
+    // A peer that is not host:port is refused, naming the field.
+    let e = AggregatorConfig::from_yaml(&format!("peers: ['nowhere']\n{endpoints}")).unwrap_err();
+    assert!(e.to_string().contains("peers"), "{e}");
+    drop(second);
+    drop(rt2);
+    drop(first);
     drop(rt);
 }

@@ -7,7 +7,8 @@
 //! 1. **steady**: both replicas up;
 //! 2. **A killed**: replica A gets SIGKILL while the phase's turns are in flight;
 //! 3. **A back**: A restarted on its port, caught up (it answers 503 `catching-up` until its
-//!    followers replayed the servers' buffered KV events), then B gets SIGKILL mid-phase.
+//!    followers replayed the servers' buffered KV events and it read B's decisions), serving a
+//!    while, then B gets SIGKILL mid-phase.
 //!
 //! Every request must be answered 200, and in every phase at least 95% of the turns must reach
 //! their conversation's simulator (issue 38's measure, with two aggregators and while one of
@@ -111,16 +112,15 @@ fn killing_either_aggregator_replica_loses_no_request_and_keeps_the_turns_on_the
         .collect();
     let run_dir = common::run_dir(NAME);
     let config = run_dir.join("pool.yaml");
-    std::fs::write(
-        &config,
-        aggregator_yaml(
-            "scrape_interval_ms: 50\n",
-            &common::followed(&sims, MODEL, true),
-        ),
-    )
-    .unwrap();
     let port = |_| SocketAddr::from(([127, 0, 0, 1], free_port().unwrap()));
     let (listen_a, listen_b) = (port(0), port(1));
+    // Each replica reads the other's decisions as it starts.
+    let settings = format!("scrape_interval_ms: 50\npeers: ['{listen_a}', '{listen_b}']\n");
+    std::fs::write(
+        &config,
+        aggregator_yaml(&settings, &common::followed(&sims, MODEL, true)),
+    )
+    .unwrap();
     let mut a = Replica::start(&config, listen_a, &run_dir.join("aggregator-a.log"));
     let mut b = Replica::start(&config, listen_b, &run_dir.join("aggregator-b.log"));
     let endpoints: Vec<PoolEndpoint> = sims
@@ -156,6 +156,11 @@ fn killing_either_aggregator_replica_loses_no_request_and_keeps_the_turns_on_the
     assert!(noticed > 0, "no proxy saw replica A go");
     // A comes back on its port and catches up; then B goes, mid-phase.
     a = Replica::start(&config, listen_a, &run_dir.join("aggregator-a2.log"));
+    // As a rolling update does, the next replica goes once the restarted one has been serving
+    // for a while (unmeasured: the restarted replica learns the servers' prefill rates from
+    // their metrics, which the snapshot carries, as traffic flows).
+    let settle = run(&listen, 8000, Duration::ZERO, || {});
+    assert_eq!(settle.failed, 0, "after A's restart: {settle:?}");
     let b_killed = run(&listen, 2000, Duration::from_millis(100), || b.kill());
     let phases = [
         ("steady, both replicas", steady),

@@ -311,16 +311,15 @@ fn an_upgrade_under_load_loses_no_request_and_keeps_the_routing_state() {
         .collect();
     let run_dir = common::run_dir(NAME);
     let config = run_dir.join("pool.yaml");
-    std::fs::write(
-        &config,
-        aggregator_yaml(
-            "scrape_interval_ms: 50\n",
-            &common::followed(&sims, MODEL, true),
-        ),
-    )
-    .unwrap();
     let port = || SocketAddr::from(([127, 0, 0, 1], free_port().unwrap()));
     let (listen_a, listen_b) = (port(), port());
+    // Each replica reads the other's decisions as it starts.
+    let settings = format!("scrape_interval_ms: 50\npeers: ['{listen_a}', '{listen_b}']\n");
+    std::fs::write(
+        &config,
+        aggregator_yaml(&settings, &common::followed(&sims, MODEL, true)),
+    )
+    .unwrap();
     let log = |n: &str| run_dir.join(format!("aggregator-{n}.log"));
     let mut a = Replica::start(&config, listen_a, &log("a"));
     let b = Replica::start(&config, listen_b, &log("b"));

@@ -396,12 +396,26 @@ pub struct DecisionRelay {
 impl DecisionRelay {
     /// A relay holding at most `max_keys` keys (at least one decision's worth).
     pub fn new(max_keys: usize) -> Self {
+        Self::numbered_from(max_keys, 1)
+    }
+
+    /// [`DecisionRelay::new`] whose first decision gets number `first` (at least 1). An
+    /// aggregator starts each life at a number of its own (from its epoch), so that a proxy's
+    /// cursor from an earlier life lies outside this one's numbers and is taken as "start at
+    /// the newest", not as a place in this life's decisions.
+    pub fn numbered_from(max_keys: usize, first: u64) -> Self {
         DecisionRelay {
             entries: VecDeque::new(),
-            next: 1,
+            next: first.max(1),
             keys: 0,
             max_keys: max_keys.max(MAX_KEYS_PER_DECISION),
         }
+    }
+
+    /// A first number for a life with `epoch`: 2^32 apart per epoch value, so 2^32 decisions
+    /// fit in a life before its numbers reach another's.
+    pub fn first_number(epoch: u64) -> u64 {
+        ((epoch % (1 << 31)) + 1) << 32
     }
 
     /// Stores `decisions` from `proxy`.
