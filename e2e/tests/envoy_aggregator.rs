@@ -264,6 +264,12 @@ fn the_filter_follows_the_aggregators_view_of_the_pool() {
         Duration::from_secs(10),
         || endpoints_view(agg_addr)["pool"]["ready"] == 3,
     );
+    // And serving its snapshot: a restarted aggregator answers 503 `catching-up` until its KV
+    // followers have asked each server's replay socket (the dead simulator's never answers:
+    // its follower waits `limits.replay_timeout_ms`).
+    wait_for("the aggregator caught up", Duration::from_secs(10), || {
+        http::get(agg_addr, "/readyz", Duration::from_secs(2)).is_ok_and(|r| r.status == 200)
+    });
 
     // Sim 1 gets a long queue, sim 2 a nearly full KV cache, both from requests sent to them
     // directly (the filter's own in-flight counts know nothing of them).
