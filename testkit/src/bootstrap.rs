@@ -386,7 +386,7 @@ mod tests {
         }
     }
 
-    const T: &str = "l: {{LISTEN_PORT}}\na: {{ ADMIN_PORT }}\nf: \"{{WASM_DIR}}/x.wasm\"\nv: \"{{PREFIX_AFFINITY_CONFIG}}\"\ng: {{AGGREGATOR_PORT}}\ns: \"{{SESSION_CONFIG}}\"\nq: \"{{ADMISSION_CONFIG}}\"\n";
+    const T: &str = "l: {{LISTEN_PORT}}\na: {{ ADMIN_PORT }}\nf: \"{{WASM_DIR}}/x.wasm\"\nv: \"{{PREFIX_AFFINITY_CONFIG}}\"\ng: {{AGGREGATOR_PORT}}\nb: {{AGGREGATOR_B_PORT}}\ns: \"{{SESSION_CONFIG}}\"\nq: \"{{ADMISSION_CONFIG}}\"\n";
 
     #[test]
     fn substitutes_and_escapes() {
@@ -394,7 +394,7 @@ mod tests {
         let out = render_bootstrap(T, &params(config)).unwrap();
         assert!(out.contains("l: 10000\n"));
         assert!(out.contains("a: 9901\n"));
-        assert!(out.contains("g: 9090\n"));
+        assert!(out.contains("g: 9090\nb: 9091\n"));
         assert!(out.contains("f: \"/opt/kvoy wasm/x.wasm\""));
         // The value line is a JSON string literal that decodes back to the config.
         let line = out.lines().find(|l| l.starts_with("v: ")).unwrap();
@@ -404,7 +404,7 @@ mod tests {
 
     #[test]
     fn the_combined_layout_gets_one_configuration_with_a_section_per_stage() {
-        let t = "l: {{LISTEN_PORT}}\na: {{ADMIN_PORT}}\nf: \"{{WASM_DIR}}/kvoy.wasm\"\ng: {{AGGREGATOR_PORT}}\nk: \"{{KVOY_CONFIG}}\"\n";
+        let t = "l: {{LISTEN_PORT}}\na: {{ADMIN_PORT}}\nf: \"{{WASM_DIR}}/kvoy.wasm\"\ng: {{AGGREGATOR_PORT}}\nb: {{AGGREGATOR_B_PORT}}\nk: \"{{KVOY_CONFIG}}\"\n";
         let out = render_bootstrap(t, &params(r#"{"endpoints":[]}"#)).unwrap();
         let line = out.lines().find(|l| l.starts_with("k: ")).unwrap();
         let decoded: String = serde_json::from_str(&line[3..]).unwrap();
@@ -414,7 +414,7 @@ mod tests {
         assert_eq!(v["prefix_affinity"], json!({"endpoints": []}));
         assert_eq!(
             render_bootstrap(
-                "{{LISTEN_PORT}} {{ADMIN_PORT}} {{WASM_DIR}} {{AGGREGATOR_PORT}}",
+                "{{LISTEN_PORT}} {{ADMIN_PORT}} {{WASM_DIR}} {{AGGREGATOR_PORT}} {{AGGREGATOR_B_PORT}}",
                 &params("{}")
             ),
             Err(RenderError::Missing("PREFIX_AFFINITY_CONFIG"))
@@ -442,14 +442,14 @@ mod tests {
     fn the_runnable_rendering_swaps_the_template_paragraph_for_its_header() {
         let t = "# title\n#\n# This is the template. It has\n#   PLACEHOLDERS\n#\n# Kept.\n\
                  l: {{LISTEN_PORT}}\na: {{ADMIN_PORT}}\nf: \"{{WASM_DIR}}/kvoy.wasm\"\n\
-                 g: {{AGGREGATOR_PORT}}\nk: \"{{KVOY_CONFIG}}\"\n";
+                 g: {{AGGREGATOR_PORT}}\nb: {{AGGREGATOR_B_PORT}}\nk: \"{{KVOY_CONFIG}}\"\n";
         let out = render_runnable(t, &RUNNABLE_BOOTSTRAPS[0]).unwrap();
         assert!(out.starts_with("# title\n#\n# Generated from envoy/template/kvoy.yaml "));
         assert!(!out.contains("This is the template") && !out.contains("PLACEHOLDERS"));
         assert!(out.contains("#   make wasm && envoy -c envoy/kvoy.yaml\n"));
         assert!(out.contains("--listen 127.0.0.1:8001 --count 3 --model kvoy-demo"));
         assert!(out.contains("#\n# Kept.\nl: 10000\na: 9901\n"));
-        assert!(out.contains("f: \"target/wasm32-wasip1/release/kvoy.wasm\"\ng: 9090\n"));
+        assert!(out.contains("f: \"target/wasm32-wasip1/release/kvoy.wasm\"\ng: 9090\nb: 9091\n"));
         let line = out.lines().find(|l| l.starts_with("k: ")).unwrap();
         let decoded: String = serde_json::from_str(&line[3..]).unwrap();
         let v: Value = serde_json::from_str(&decoded).unwrap();
