@@ -209,6 +209,11 @@ pub struct SimCli {
     #[arg(long, value_name = "F", default_value_t = 1.0,
           value_parser = kvoy_sim::cli::positive_f64)]
     pub scale: f64,
+    /// shared-prefix: multiply the output lengths again, after --scale (the live bench's
+    /// 0.1 reproduces its plan)
+    #[arg(long, value_name = "F", default_value_t = 1.0,
+          value_parser = kvoy_sim::cli::positive_f64)]
+    pub output_scale: f64,
     /// shared-prefix, agents, no-sharing: load stages of S seconds of arrivals, rate x S
     /// requests (defaults 180, 60 and 60 s)
     #[arg(long, value_name = "S", value_parser = kvoy_sim::cli::positive_f64)]
@@ -371,6 +376,8 @@ pub struct SimArgs {
     pub fleet: FleetKind,
     pub rates: Vec<Rate>,
     pub scale: f64,
+    /// shared-prefix: a further factor on the output lengths.
+    pub output_scale: f64,
     /// `None`: each workload's default stage.
     pub count: Option<Count>,
     pub trace: Option<PathBuf>,
@@ -450,6 +457,7 @@ impl SimCli {
             fleet,
             rates: self.rates,
             scale: self.scale,
+            output_scale: self.output_scale,
             count,
             trace: self.trace,
             limit: self.limit,
@@ -503,7 +511,10 @@ impl SimArgs {
             let w = match name.as_str() {
                 "shared-prefix" => {
                     let count = self.count.unwrap_or(Count::Duration(180.0));
-                    Workload::SharedPrefix(SharedPrefix::new(self.scale, count))
+                    let mut w = SharedPrefix::new(self.scale, count);
+                    w.output_tokens =
+                        ((f64::from(w.output_tokens) * self.output_scale).round() as u32).max(1);
+                    Workload::SharedPrefix(w)
                 }
                 "agents" => {
                     Workload::Agents(Agents::new(self.count.unwrap_or(Count::Duration(60.0))))
@@ -591,6 +602,12 @@ mod tests {
         let a = sim("sim --slow-factor 3 --fleet half-slow --replicas 4");
         assert_eq!(a.fleet, FleetKind::HalfSlow { slow_factor: 3.0 });
         assert_eq!(a.grid().unwrap().fleet, a.fleet);
+        // The live bench's shared-prefix plan: 100-token outputs.
+        let a = sim("sim --output-scale 0.1");
+        match &a.grid().unwrap().workloads[0] {
+            Workload::SharedPrefix(w) => assert_eq!(w.output_tokens, 100),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
