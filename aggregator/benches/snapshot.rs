@@ -65,6 +65,7 @@ fn status(slot: u16, cache: &EndpointCache, waiting: u32) -> EndpointStatus {
         cache_generation: cache.generation(),
         prefix_hit_rate: Some(0.71),
         prefill_tokens_per_s: None,
+        role: kvoy_shared::Role::Decode,
     }
 }
 

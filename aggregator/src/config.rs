@@ -42,6 +42,9 @@ struct RawEndpoint {
     kv_events_replay_endpoint: Option<String>,
     #[serde(default)]
     kv_events_topic: Option<String>,
+    /// `decode` (the default), `prefill` or `both`.
+    #[serde(default)]
+    role: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -305,6 +308,9 @@ pub struct EndpointSpec {
     /// Path of the Prometheus metrics (default `/metrics`).
     pub metrics_path: String,
     pub kv_events: Option<KvEventsSource>,
+    /// The stages of a disaggregated request it serves (`role` in the file; on Kubernetes the
+    /// pod's `llm-d.ai/role` label).
+    pub role: kvoy_shared::Role,
 }
 
 /// A checked configuration.
@@ -355,6 +361,8 @@ pub enum ConfigError {
     Endpoints(#[from] EndpointListError),
     #[error("`endpoints[{index}].models` must name 1 to {MAX_MODELS} models of 1 to {MAX_MODEL_NAME_BYTES} bytes")]
     BadModels { index: usize },
+    #[error("`endpoints[{index}].role` {value:?} must be `decode`, `prefill` or `both`")]
+    BadRole { index: usize, value: String },
     #[error("`endpoints[{index}].metrics_path` {value:?} must start with `/`")]
     BadMetricsPath { index: usize, value: String },
     #[error("`endpoints[{index}].{field}` {value:?} is not a ZMQ endpoint (tcp://host:port, ipc://path or inproc://name)")]
@@ -459,6 +467,12 @@ fn endpoint(
     if !models_ok {
         return Err(ConfigError::BadModels { index });
     }
+    let role = match e.role {
+        None => kvoy_shared::Role::Decode,
+        Some(value) => {
+            kvoy_shared::Role::from_name(&value).ok_or(ConfigError::BadRole { index, value })?
+        }
+    };
     let metrics_path = e.metrics_path.unwrap_or_else(|| "/metrics".to_owned());
     if !metrics_path.starts_with('/') || metrics_path.contains(char::is_whitespace) {
         return Err(ConfigError::BadMetricsPath {
@@ -495,6 +509,7 @@ fn endpoint(
         models: e.models,
         metrics_path,
         kv_events,
+        role,
     })
 }
 
@@ -633,6 +648,7 @@ endpoints:
     kv_events_topic: kv@
   - address: '[::1]:8001'
     models: [a]
+    role: prefill
 ",
         )
         .unwrap();
@@ -646,6 +662,10 @@ endpoints:
         assert_eq!(cfg.endpoints[0].metrics_path, "/custom");
         assert_eq!(cfg.endpoints[1].metrics_path, "/metrics");
         assert!(cfg.endpoints[1].kv_events.is_none());
+        assert_eq!(
+            (cfg.endpoints[0].role, cfg.endpoints[1].role),
+            (kvoy_shared::Role::Decode, kvoy_shared::Role::Prefill)
+        );
     }
 
     #[test]
@@ -776,6 +796,10 @@ kubernetes:
             (
                 "endpoints: [{address: '1.2.3.4:1', models: [m], metrics_path: metrics}]",
                 "endpoints[0].metrics_path",
+            ),
+            (
+                "endpoints: [{address: '1.2.3.4:1', models: [m], role: encode}]",
+                "endpoints[0].role",
             ),
             ("scrape_interval_ms: 1", "scrape_interval_ms"),
             ("unready_after_failures: 0", "unready_after_failures"),

@@ -99,6 +99,7 @@ pub fn endpoint_status(
         cache_generation: kv.generation,
         prefix_hit_rate,
         prefill_tokens_per_s: scrape.prefill.estimate().map(|e| e.tokens_per_s as f32),
+        role: spec.role,
     }
 }
 
@@ -164,6 +165,7 @@ mod tests {
             models: vec!["m".into()],
             metrics_path: "/metrics".into(),
             kv_events: None,
+            role: kvoy_shared::Role::Decode,
         }
     }
 

@@ -104,6 +104,7 @@ fn statuses(metrics: &[EndpointMetrics], out: &mut Vec<EndpointStatus>) {
         cache_generation: 0,
         prefix_hit_rate: None,
         prefill_tokens_per_s: None,
+        role: kvoy_shared::Role::Decode,
     }));
 }
 

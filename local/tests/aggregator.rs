@@ -92,6 +92,7 @@ fn decide_routes_over_a_snapshot_file() {
         cache_generation: 1,
         prefix_hit_rate: None,
         prefill_tokens_per_s: None,
+        role: kvoy_shared::Role::Decode,
     };
     let mut history = SnapshotHistory::new(42);
     history.update(vec![status(0, 8000, 6), status(1, 8001, 0)]);

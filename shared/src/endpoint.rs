@@ -41,6 +41,66 @@ pub struct Endpoint {
     /// which counts its KV events; `None` when nobody counts them or it reports none): the
     /// prefix index never believes the endpoint holds more than this.
     pub cached_tokens: Option<u64>,
+    /// Which stages of a disaggregated request it takes (decode only unless told).
+    pub role: Role,
+}
+
+/// The stages of a request an endpoint serves, as llm-d's `llm-d.ai/role` pod label names
+/// them (llm-d/llm-d-router at ebab687, `pkg/epp/framework/plugins/scheduling/filter/bylabel/
+/// roles.go`): an unlabelled pod decodes and is never a prefill target, so the default is
+/// [`Role::Decode`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// Runs whole requests, or the decode half of a disaggregated one.
+    #[default]
+    Decode,
+    /// Only prefills for a decode endpoint (a request is never sent to it to be answered).
+    Prefill,
+    /// Either (`prefill-decode`, `both`).
+    Both,
+}
+
+impl Role {
+    /// The role for a value of the `llm-d.ai/role` label (`None`: no label); `None` for a
+    /// value that names neither stage (e.g. `encode`): such a pod takes no text request.
+    pub fn from_llmd_label(value: Option<&str>) -> Option<Role> {
+        match value {
+            None => Some(Role::Decode),
+            Some("decode") => Some(Role::Decode),
+            Some("prefill" | "encode-prefill") => Some(Role::Prefill),
+            Some("prefill-decode" | "both" | "encode-prefill-decode") => Some(Role::Both),
+            Some(_) => None,
+        }
+    }
+
+    /// The name used in configuration and reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Decode => "decode",
+            Role::Prefill => "prefill",
+            Role::Both => "both",
+        }
+    }
+
+    /// Parses [`Role::name`].
+    pub fn from_name(name: &str) -> Option<Role> {
+        match name {
+            "decode" => Some(Role::Decode),
+            "prefill" => Some(Role::Prefill),
+            "both" => Some(Role::Both),
+            _ => None,
+        }
+    }
+
+    /// Takes requests to answer (aggregated, or the decode half).
+    pub fn decodes(self) -> bool {
+        matches!(self, Role::Decode | Role::Both)
+    }
+
+    /// Can prefill for another endpoint.
+    pub fn prefills(self) -> bool {
+        matches!(self, Role::Prefill | Role::Both)
+    }
 }
 
 impl Endpoint {
@@ -54,6 +114,7 @@ impl Endpoint {
             health: Health::Ready,
             cache_generation: 0,
             cached_tokens: None,
+            role: Role::Decode,
         }
     }
 
@@ -239,14 +300,27 @@ impl Pool {
         );
     }
 
-    /// Ids of the healthiest endpoints serving `model`, written into `out` (cleared first).
+    /// Ids of the healthiest endpoints serving `model` that answer requests (role decode or
+    /// both), written into `out` (cleared first).
     pub fn serving(&self, model: &str, out: &mut Vec<EndpointId>) {
-        self.best(|e| e.serves(model), out);
+        self.best(|e| e.role.decodes() && e.serves(model), out);
     }
 
-    /// Ids of the healthiest endpoints, written into `out` (cleared first).
+    /// Ids of the healthiest endpoints serving `model` that prefill for others (role prefill
+    /// or both), written into `out` (cleared first).
+    pub fn prefilling(&self, model: &str, out: &mut Vec<EndpointId>) {
+        self.best(|e| e.role.prefills() && e.serves(model), out);
+    }
+
+    /// Whether any member prefills for others: the pool is disaggregated.
+    pub fn has_prefill_role(&self) -> bool {
+        self.iter().any(|(_, e)| e.role.prefills())
+    }
+
+    /// Ids of the healthiest endpoints that answer requests (every role but prefill),
+    /// written into `out` (cleared first).
     pub fn all(&self, out: &mut Vec<EndpointId>) {
-        self.best(|_| true, out);
+        self.best(|e| e.role.decodes(), out);
     }
 }
 
@@ -286,5 +360,53 @@ mod tests {
         assert!(out.is_empty());
         pool.all(&mut out);
         assert_eq!(out, [EndpointId(4)]);
+    }
+
+    #[test]
+    fn roles_split_who_answers_from_who_prefills() {
+        let with = |port, role| Endpoint {
+            role,
+            ..ep(port, "m", Health::Ready)
+        };
+        let pool = Pool::new(vec![
+            with(0, Role::Decode),
+            with(1, Role::Prefill),
+            with(2, Role::Both),
+        ]);
+        let mut out = Vec::new();
+        pool.serving("m", &mut out);
+        assert_eq!(
+            out,
+            [EndpointId(0), EndpointId(2)],
+            "a prefill server answers nothing"
+        );
+        pool.prefilling("m", &mut out);
+        assert_eq!(out, [EndpointId(1), EndpointId(2)]);
+        assert!(pool.has_prefill_role());
+        assert!(!Pool::new(vec![with(0, Role::Decode)]).has_prefill_role());
+    }
+
+    #[test]
+    fn llmd_role_labels() {
+        assert_eq!(
+            Role::from_llmd_label(None),
+            Some(Role::Decode),
+            "unlabelled decodes"
+        );
+        for (v, r) in [
+            ("decode", Role::Decode),
+            ("prefill", Role::Prefill),
+            ("encode-prefill", Role::Prefill),
+            ("prefill-decode", Role::Both),
+            ("both", Role::Both),
+            ("encode-prefill-decode", Role::Both),
+        ] {
+            assert_eq!(Role::from_llmd_label(Some(v)), Some(r), "{v}");
+        }
+        assert_eq!(Role::from_llmd_label(Some("encode")), None);
+        assert_eq!(Role::from_llmd_label(Some("")), None);
+        for r in [Role::Decode, Role::Prefill, Role::Both] {
+            assert_eq!(Role::from_name(r.name()), Some(r));
+        }
     }
 }

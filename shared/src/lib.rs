@@ -25,6 +25,7 @@
 pub mod admission;
 pub mod allow;
 pub mod config;
+pub mod disagg;
 mod endpoint;
 pub mod header_map;
 mod index;
@@ -44,7 +45,7 @@ pub mod snapshot_board;
 pub mod usage;
 
 // Settings every stage shares (the aggregator connection) and the pool's size limit.
-pub use endpoint::{Endpoint, EndpointId, EndpointLoad, Health, Pool};
+pub use endpoint::{Endpoint, EndpointId, EndpointLoad, Health, Pool, Role};
 pub use index::{Match, PrefixIndex, Tier};
 pub use lru::LruSet;
 pub use once::LogOnce;

@@ -8,6 +8,10 @@ pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
 /// The endpoint that actually served the request, on the response (set by the prefix-affinity
 /// stage; the session stage binds a session to it).
 pub const SERVED_HEADER: &str = "x-gateway-destination-endpoint-served";
+/// The prefill endpoint (`ip:port`) of a disaggregated request, for the decode endpoint's
+/// sidecar (llm-d/llm-d-router at ebab687, `pkg/common/routing/common.go`). Set by the
+/// prefix-affinity stage when it splits a request; any value a client sent is removed first.
+pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
 /// The internal request header by which the separate `kvoy_session` filter hands the pinned
 /// endpoint (`ip:port`) to `kvoy_prefix_affinity`. Both filters remove any client-sent value;
 /// the prefix-affinity filter removes it before the request leaves the proxy.

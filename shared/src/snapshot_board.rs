@@ -204,6 +204,7 @@ pub fn live_pool(snapshot: &Snapshot, with_loads: bool) -> Pool {
                 health,
                 cache_generation: s.cache_generation,
                 cached_tokens: (cached_tokens > 0).then_some(cached_tokens),
+                role: s.role,
                 ..Endpoint::new(s.address, s.models.clone())
             },
         )
@@ -612,7 +613,7 @@ mod tests {
         let mut history = SnapshotHistory::new(9);
         history.update(vec![status(0, 1, true, false)]);
         let mut mine = Snapshot::default();
-        assert_eq!(poll_path(&s, &mine, false, None), "/v1/snapshot?format=2");
+        assert_eq!(poll_path(&s, &mine, false, None), "/v1/snapshot?format=3");
         assert_eq!(
             poll_path(
                 &s,
@@ -623,21 +624,21 @@ mod tests {
                     held: 7
                 })
             ),
-            "/v1/snapshot?format=2&proxy=00000000000000ab&held=7"
+            "/v1/snapshot?format=3&proxy=00000000000000ab&held=7"
         );
         let mut body = Vec::new();
         history.delta_since(None, None).encode(&mut body);
         assert_eq!(apply_poll(&mut mine, Some(200), &body), Ok(true));
         assert_eq!(
             poll_path(&s, &mine, false, None),
-            format!("/v1/snapshot?epoch=9&since={}&format=2", mine.version)
+            format!("/v1/snapshot?epoch=9&since={}&format=3", mine.version)
         );
-        assert_eq!(poll_path(&s, &mine, true, None), "/v1/snapshot?format=2");
+        assert_eq!(poll_path(&s, &mine, true, None), "/v1/snapshot?format=3");
         let mut tagged = s.clone();
         tagged.path = "/v1/snapshot?pool=a".into();
         assert_eq!(
             poll_path(&tagged, &Snapshot::default(), false, None),
-            "/v1/snapshot?pool=a&format=2"
+            "/v1/snapshot?pool=a&format=3"
         );
 
         history.update(vec![status(0, 1, true, false), status(1, 2, true, false)]);

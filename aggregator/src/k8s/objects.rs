@@ -208,7 +208,12 @@ pub(crate) fn status_message(body: &[u8]) -> String {
     text.trim().to_owned()
 }
 
-/// The endpoints of `pool`: every member pod's IP at every target port, sorted by address.
+/// The pod label that names a pod's stages in a disaggregated pool (llm-d/llm-d-router at
+/// ebab687, `pkg/epp/framework/plugins/scheduling/filter/bylabel/roles.go`).
+pub const ROLE_LABEL: &str = "llm-d.ai/role";
+
+/// The endpoints of `pool`: every member pod's IP at every target port, sorted by address,
+/// each with its role from [`ROLE_LABEL`].
 pub fn select_endpoints(
     pool: &PoolSpec,
     pods: &[PodInfo],
@@ -217,6 +222,13 @@ pub fn select_endpoints(
     let mut out: Vec<EndpointSpec> = Vec::new();
     for pod in pods.iter().filter(|p| p.is_member(&pool.selector)) {
         let Some(ip) = pod.ip else { continue };
+        // As llm-d reads it: no label decodes; a value naming neither stage (an encoder)
+        // takes no text request.
+        let Some(role) =
+            kvoy_shared::Role::from_llmd_label(pod.labels.get(ROLE_LABEL).map(String::as_str))
+        else {
+            continue;
+        };
         for (i, &port) in pool.target_ports.iter().enumerate() {
             // The i-th target port's KV events are on the i-th port from `kv_events_port`.
             let offset = u16::try_from(i).unwrap_or(u16::MAX);
@@ -236,6 +248,7 @@ pub fn select_endpoints(
                 models: config.models.clone(),
                 metrics_path: config.metrics_path.clone(),
                 kv_events,
+                role,
             });
         }
     }
@@ -296,6 +309,47 @@ mod tests {
             ready,
             terminating: false,
         }
+    }
+
+    #[test]
+    fn roles_come_from_the_llmd_role_label() {
+        let pool = PoolSpec {
+            selector: [("app".to_owned(), "m".to_owned())].into(),
+            target_ports: vec![8000],
+        };
+        let cfg = KubernetesConfig::for_pool("p", &["m"]);
+        let labelled = |name: &str, ip: &str, role: Option<&str>| {
+            let mut p = pod(name, ip, true);
+            if let Some(r) = role {
+                p.labels.insert(ROLE_LABEL.into(), r.into());
+            }
+            p
+        };
+        let pods = vec![
+            labelled("a", "10.0.0.1", None),
+            labelled("b", "10.0.0.2", Some("prefill")),
+            labelled("c", "10.0.0.3", Some("decode")),
+            labelled("d", "10.0.0.4", Some("both")),
+            labelled("e", "10.0.0.5", Some("encode")),
+            labelled("f", "10.0.0.6", Some("prefill-decode")),
+        ];
+        let roles: Vec<(String, kvoy_shared::Role)> = select_endpoints(&pool, &pods, &cfg)
+            .unwrap()
+            .into_iter()
+            .map(|e| (e.address.ip().to_string(), e.role))
+            .collect();
+        use kvoy_shared::Role::{Both, Decode, Prefill};
+        assert_eq!(
+            roles,
+            [
+                ("10.0.0.1".to_owned(), Decode),
+                ("10.0.0.2".to_owned(), Prefill),
+                ("10.0.0.3".to_owned(), Decode),
+                ("10.0.0.4".to_owned(), Both),
+                ("10.0.0.6".to_owned(), Both),
+            ],
+            "an unlabelled pod decodes; an encoder takes no text request"
+        );
     }
 
     #[test]

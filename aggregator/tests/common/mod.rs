@@ -99,6 +99,7 @@ pub fn spec(address: SocketAddr, kv_events: Option<KvEventsSource>) -> EndpointS
         models: vec!["m".into()],
         metrics_path: "/metrics".into(),
         kv_events,
+        role: kvoy_shared::Role::Decode,
     }
 }
 

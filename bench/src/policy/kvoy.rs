@@ -244,6 +244,7 @@ impl Kvoy {
                 cache_generation: 0,
                 prefix_hit_rate: m.prefix_hit_rate.map(|r| r as f32),
                 prefill_tokens_per_s: self.prefill[i].estimate().map(|e| e.tokens_per_s as f32),
+                role: kvoy_shared::Role::Decode,
             })
             .collect();
         Snapshot {

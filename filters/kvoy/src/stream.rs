@@ -13,6 +13,7 @@ use kvoy_filter_common::{ClockPass, HeaderCache};
 use kvoy_filter_stages::admission::{AdmissionStage, Verdict};
 use kvoy_filter_stages::prefix_affinity::{
     request_body, BodyVerdict, HeadersVerdict, PrefixStage, PrefixVm, DESTINATION_HEADER,
+    PREFILLER_HEADER,
 };
 use kvoy_filter_stages::session::SessionStage;
 use kvoy_shared::prefix_affinity::RouteError;
@@ -298,6 +299,7 @@ impl HttpContext for KvoyStream {
         let _clock = ClockPass::begin();
         let strip = || {
             let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, DESTINATION_HEADER, None);
+            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, PREFILLER_HEADER, None);
         };
         let vm = self.vm.clone();
         let Ok(mut guard) = self.req.try_borrow_mut() else {
@@ -309,7 +311,9 @@ impl HttpContext for KvoyStream {
         // (any value) is removed; the header map read once tells whether there is one. Nor
         // does kvoy's internal pin header leave the proxy (the session stage's pin is a value
         // here, and a client's is never followed).
-        if req.headers.may_contain(DESTINATION_HEADER) {
+        // The prefill endpoint a sidecar would pull KV from is the router's to name too.
+        if req.headers.may_contain(DESTINATION_HEADER) || req.headers.may_contain(PREFILLER_HEADER)
+        {
             strip();
         }
         if req.headers.may_contain(PIN_HEADER) {

@@ -7,7 +7,7 @@ use proxy_wasm::types::{Action, BufferType, MapType};
 
 use kvoy_filter_common::{HeaderCache, Headers};
 use kvoy_filter_stages::prefix_affinity::{
-    request_body, BodyVerdict, HeadersVerdict, PrefixStage, DESTINATION_HEADER,
+    request_body, BodyVerdict, HeadersVerdict, PrefixStage, DESTINATION_HEADER, PREFILLER_HEADER,
 };
 use kvoy_shared::request::Api;
 use kvoy_shared::session::PIN_HEADER;
@@ -77,6 +77,10 @@ impl HttpContext for RequestStream {
         let headers = HeaderCache::new(MapType::HttpRequestHeaders);
         if headers.may_contain(DESTINATION_HEADER) {
             let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, DESTINATION_HEADER, None);
+        }
+        // The prefill endpoint a sidecar would pull KV from is the router's to name too.
+        if headers.may_contain(PREFILLER_HEADER) {
+            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, PREFILLER_HEADER, None);
         }
         self.pin = headers.get(PIN_HEADER);
         if self.pin.is_some() {

@@ -7,6 +7,7 @@
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
 mod admission;
+mod disagg;
 mod edge;
 mod kvoy;
 mod prefix_affinity;

@@ -119,7 +119,7 @@ fn routes_by_the_aggregators_pool_and_survives_its_loss() -> TestResult {
     let call = next_poll(&plugin)?;
     assert_eq!(
         call.headers.get(":path"),
-        Some("/v1/snapshot?format=2"),
+        Some("/v1/snapshot?format=3"),
         "the first poll is full"
     );
     answer(&plugin, &call, &history)?;
@@ -542,7 +542,7 @@ fn a_failed_or_unusable_replica_hands_the_pool_over_to_the_next_with_the_index_k
     assert_eq!(call.upstream, CLUSTER_B, "the next replica");
     assert_eq!(
         call.headers.get(":path"),
-        Some("/v1/snapshot?format=2"),
+        Some("/v1/snapshot?format=3"),
         "everything, from the new replica"
     );
     // B numbers the same servers the other way round and counts generations from its own

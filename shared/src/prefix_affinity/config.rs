@@ -15,7 +15,7 @@ use thiserror::Error;
 use crate::config::{out_of_range, within, EndpointAddresses, EndpointListError, OutOfRange};
 
 use crate::allow::{Allowlist, AllowlistError, RawAllowlist, Refusal};
-use crate::endpoint::{Endpoint, EndpointLoad, Pool};
+use crate::endpoint::{Endpoint, EndpointLoad, Pool, Role};
 use crate::index::PrefixIndex;
 use crate::prefix_affinity::cost::{CostParams, ModelCost};
 
@@ -306,6 +306,9 @@ struct RawEndpoint {
     /// This endpoint's KV cache in tokens, overriding the model's.
     #[serde(default)]
     kv_capacity_tokens: Option<u32>,
+    /// `decode` (the default), `prefill` or `both`.
+    #[serde(default)]
+    role: Option<String>,
 }
 
 /// Where the filter gets the live pool: `kvoy-aggregator`'s snapshot API, reached through an
@@ -416,6 +419,8 @@ struct RawConfig {
     hotspot: HotspotGuard,
     #[serde(default)]
     session: SessionPin,
+    #[serde(default)]
+    disaggregation: crate::disagg::RawDisagg,
     #[serde(default = "defaults::block_size")]
     block_size: usize,
     #[serde(default = "defaults::max_blocks")]
@@ -529,6 +534,9 @@ pub struct PluginConfig {
     pub weights: Weights,
     pub hotspot: HotspotGuard,
     pub session: SessionPin,
+    /// When a request is split between a prefill and a decode endpoint (pools with prefill
+    /// endpoints only).
+    pub disagg: crate::disagg::DisaggParams,
     /// Bytes of prompt text per prefix block.
     pub block_size: usize,
     /// Prefix keys per request at most.
@@ -567,6 +575,8 @@ pub enum ConfigError {
     NoModels { index: usize },
     #[error("`endpoints[{index}].kv_cache_usage` must be within 0..=1, got {value}")]
     BadKvUsage { index: usize, value: f64 },
+    #[error("`endpoints[{index}].role` {value:?} must be `decode`, `prefill` or `both`")]
+    BadRole { index: usize, value: String },
     #[error("`endpoints[{index}].prefill_tokens_per_s` must be a number above 0, got {value}")]
     BadPrefillRate { index: usize, value: f64 },
     #[error("`{field}` must be a number above 0, got {value}")]
@@ -659,6 +669,12 @@ impl TryFrom<RawConfig> for PluginConfig {
                     f64::from(v),
                 )?;
             }
+            let role = match e.role {
+                None => Role::Decode,
+                Some(value) => {
+                    Role::from_name(&value).ok_or(ConfigError::BadRole { index, value })?
+                }
+            };
             if let Err(reason) = allowed.check(address) {
                 refused_endpoints.push(RefusedEndpoint { address, reason });
                 continue;
@@ -671,6 +687,7 @@ impl TryFrom<RawConfig> for PluginConfig {
                     prefill_tokens_per_s: e.prefill_tokens_per_s,
                     kv_capacity_tokens: e.kv_capacity_tokens,
                 },
+                role,
                 ..Endpoint::new(address, e.models)
             });
         }
@@ -742,6 +759,7 @@ impl TryFrom<RawConfig> for PluginConfig {
             weights: w,
             hotspot: raw.hotspot,
             session: raw.session,
+            disagg: crate::disagg::DisaggParams::try_from(raw.disaggregation)?,
             block_size: raw.block_size,
             max_blocks: raw.max_blocks,
             dense_blocks: raw.dense_blocks,
@@ -873,6 +891,12 @@ mod tests {
         assert!(e.contains("endpoints"), "{e}");
         let e = err(r#"{"endpoints":[{"address":"127.0.0.1:1","models":[]}]}"#);
         assert!(e.contains("endpoints[0].models"), "{e}");
+        let e = err(r#"{"endpoints":[{"address":"127.0.0.1:1","models":["m"],"role":"prefil"}]}"#);
+        assert!(e.contains("`endpoints[0].role` \"prefil\""), "{e}");
+        let e = err(
+            r#"{"endpoints":[{"address":"127.0.0.1:1","models":["m"]}],"disaggregation":{"non_cached_tokens":-16}}"#,
+        );
+        assert!(e.contains("`disaggregation.non_cached_tokens`"), "{e}");
         let e = err(
             r#"{"endpoints":[{"address":"127.0.0.1:1","models":["m"]},{"address":"127.0.0.1:1","models":["m"]}]}"#,
         );

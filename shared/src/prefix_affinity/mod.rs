@@ -9,12 +9,16 @@ pub mod cost;
 pub(crate) mod router;
 pub(crate) mod score;
 
+#[cfg(test)]
+mod disagg_tests;
+
 pub use config::{
     AggregatorSettings, BearerToken, ConfigError, HotspotGuard, InvalidBodyPolicy, PluginConfig,
     RefusedEndpoint, Scorer, SessionPin, Weights, INDEX_MEMORY_LIMIT, MAX_ENDPOINTS,
 };
 pub use cost::{CostParams, CostTerms};
 pub use router::{
-    BreakReason, Decision, DecisionKind, LogReplay, RouteError, Router, SessionOutcome,
+    BreakReason, Decision, DecisionKind, LogReplay, PrefillChoice, RouteError, Router,
+    SessionOutcome,
 };
 pub use score::{least_loaded, pick, Candidate, EndpointScore};

@@ -31,6 +31,20 @@ pub struct Decision {
     /// pending prefill there until the answer begins), the prompt's tokens (KV held until the
     /// request finishes) and the rate it was costed at.
     pub charge: Charge,
+    /// The prefill endpoint of a disaggregated request (see [`crate::disagg`]): `endpoint`
+    /// answers it, this one computes its prompt first. `None`: served whole by `endpoint`.
+    pub prefill: Option<PrefillChoice>,
+}
+
+/// The prefill half of a disaggregated decision.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PrefillChoice {
+    pub endpoint: EndpointId,
+    /// Leading prefix blocks it was believed to hold.
+    pub matched_blocks: u32,
+    /// What the caller charges its [`Outstanding`] entry with until the answer begins (the
+    /// decode endpoint starts only once the prefill is done).
+    pub charge: Charge,
 }
 
 /// What became of a request's session pin.
@@ -147,6 +161,13 @@ pub struct Router {
     candidates: Vec<Candidate>,
     scores: Vec<EndpointScore>,
     costs: Vec<CostTerms>,
+    /// The prefill candidates of a disaggregated request, and their costs (apart from the
+    /// decode choice's, which explanations read).
+    prefill_ids: Vec<EndpointId>,
+    prefill_candidates: Vec<Candidate>,
+    prefill_costs: Vec<CostTerms>,
+    /// The pool has prefill endpoints (requests may be split).
+    disaggregated: bool,
     keys: Vec<BlockKey>,
     /// Leading keys each endpoint holds (by id), by tier, for the request being routed.
     matched: Vec<Match>,
@@ -184,6 +205,7 @@ impl Router {
             dense: config.dense_blocks,
             group: config.blocks_per_doubling,
         });
+        let disaggregated = config.pool.has_prefill_role();
         Router {
             pool: config.pool.clone(),
             config,
@@ -194,6 +216,10 @@ impl Router {
             candidates: Vec::new(),
             scores: Vec::new(),
             costs: Vec::new(),
+            prefill_ids: Vec::new(),
+            prefill_candidates: Vec::new(),
+            prefill_costs: Vec::new(),
+            disaggregated,
             keys: Vec::new(),
             matched: Vec::new(),
             ratio: TokenRatio::default(),
@@ -281,6 +307,7 @@ impl Router {
             }
         }
         self.index.resize(pool.id_bound());
+        self.disaggregated = pool.has_prefill_role();
         self.pool = pool;
         self.trim_to_server_caches();
         &self.refused
@@ -400,16 +427,33 @@ impl Router {
         kv_capacity: Option<u32>,
         now: Duration,
     ) {
-        self.candidates.clear();
-        let ends = self.hasher.ends();
         self.index.matched_all(&self.keys, &mut self.matched);
-        for &id in &self.ids {
+        let ids = std::mem::take(&mut self.ids);
+        let mut out = std::mem::take(&mut self.candidates);
+        self.candidates_of(&ids, outstanding, model_rate, kv_capacity, now, &mut out);
+        self.ids = ids;
+        self.candidates = out;
+    }
+
+    /// The candidates `ids` (cleared into `out`), with the matches `self.matched` holds.
+    fn candidates_of(
+        &self,
+        ids: &[EndpointId],
+        outstanding: &[Outstanding],
+        model_rate: f64,
+        kv_capacity: Option<u32>,
+        now: Duration,
+        out: &mut Vec<Candidate>,
+    ) {
+        out.clear();
+        let ends = self.hasher.ends();
+        for &id in ids {
             let load = self.pool.get(id).map(|e| e.load).unwrap_or_default();
             let o = outstanding.get(id.index()).copied().unwrap_or_default();
             let matched = self.matched.get(id.index()).copied().unwrap_or_default();
             // Blocks the server offloaded count at their tier's credit.
             let matched_bytes = self.config.cost.credited_bytes(matched, ends);
-            self.candidates.push(Candidate {
+            out.push(Candidate {
                 id,
                 matched: matched.keys() as u32,
                 matched_bytes,
@@ -576,6 +620,44 @@ impl Router {
             None => uncached,
             Some(t) => t + TYPICAL_ALPHA * (uncached - t),
         });
+        let sent_us = u64::try_from(now.as_micros()).unwrap_or(u64::MAX).max(1);
+        self.prefill_candidates.clear();
+        self.prefill_costs.clear();
+        let prefill =
+            if self.disaggregated && self.config.disagg.splits(size.prompt_tokens, uncached) {
+                let prefill_size = RequestSize {
+                    // Its KV leaves with the transfer.
+                    output_tokens: 0.0,
+                    ..size
+                };
+                let model = std::mem::take(&mut self.last_model);
+                let choice = self.pick_prefill(
+                    &model,
+                    c.id,
+                    outstanding,
+                    &prefill_size,
+                    weight,
+                    (model_rate, kv_capacity),
+                    now,
+                );
+                self.last_model = model;
+                choice.map(|(p, uncached_p, rate_p)| PrefillChoice {
+                    endpoint: p.id,
+                    matched_blocks: p.matched,
+                    charge: Charge {
+                        prefill_tokens: tokens(uncached_p),
+                        prompt_tokens: tokens(size.prompt_tokens),
+                        kv_tokens: tokens(uncached_p),
+                        rate: rate_p as f32,
+                        sent_us,
+                    },
+                })
+            } else {
+                None
+            };
+        // A split request's prompt is computed at the prefill endpoint: the decode endpoint
+        // has none of it to do, only the blocks to hold.
+        let decode_prefill = if prefill.is_some() { 0.0 } else { uncached };
         Ok(Decision {
             endpoint: c.id,
             matched_blocks: c.matched,
@@ -583,13 +665,68 @@ impl Router {
             kind: DecisionKind::Scored,
             session,
             charge: Charge {
-                prefill_tokens: tokens(uncached),
+                prefill_tokens: tokens(decode_prefill),
                 prompt_tokens: tokens(size.prompt_tokens),
                 kv_tokens: tokens(uncached + size.output_tokens),
                 rate: rate as f32,
-                sent_us: u64::try_from(now.as_micros()).unwrap_or(u64::MAX).max(1),
+                sent_us,
             },
+            prefill,
         })
+    }
+
+    /// The cheapest prefill endpoint for the request being routed to `decode` (by the cost
+    /// model over the prefill endpoints serving `model`, `decode` itself left out), recorded in
+    /// the index as holding the prompt's blocks; with its uncached tokens and rate. `None`
+    /// when the pool has none: the request is served whole by `decode`, as llm-d does when its
+    /// prefill profile finds no endpoint.
+    #[allow(clippy::too_many_arguments)]
+    fn pick_prefill(
+        &mut self,
+        model: &str,
+        decode: EndpointId,
+        outstanding: &[Outstanding],
+        size: &RequestSize,
+        weight: f64,
+        (model_rate, kv_capacity): (f64, Option<u32>),
+        now: Duration,
+    ) -> Option<(Candidate, f64, f64)> {
+        let mut ids = std::mem::take(&mut self.prefill_ids);
+        self.pool.prefilling(model, &mut ids);
+        ids.retain(|&id| id != decode);
+        let mut candidates = std::mem::take(&mut self.prefill_candidates);
+        self.candidates_of(
+            &ids,
+            outstanding,
+            model_rate,
+            kv_capacity,
+            now,
+            &mut candidates,
+        );
+        self.prefill_ids = ids;
+        let picked = cost::pick(
+            &candidates,
+            size,
+            &self.config.cost,
+            weight,
+            &mut self.rng,
+            &mut self.prefill_costs,
+        );
+        let chosen = picked.map(|i| {
+            let t = self.prefill_costs[i];
+            (candidates[i], t.uncached_tokens, t.rate)
+        });
+        self.prefill_candidates = candidates;
+        if let Some((p, _, _)) = &chosen {
+            self.index.record(p.id, &self.keys);
+        }
+        chosen
+    }
+
+    /// The prefill candidates and their costs of the last request that was split (empty when
+    /// it was not).
+    pub fn last_prefill_costs(&self) -> (&[Candidate], &[CostTerms]) {
+        (&self.prefill_candidates, &self.prefill_costs)
     }
 
     /// Marks the pinned candidate, or says why the pin breaks.
@@ -653,6 +790,7 @@ impl Router {
             kind,
             session: SessionOutcome::None,
             charge: Charge::default(),
+            prefill: None,
         })
     }
 }

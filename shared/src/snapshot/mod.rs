@@ -43,8 +43,9 @@
 //!
 //! # Formats
 //! The first byte after the magic is the format. Format 2 adds each endpoint's prefill rate;
-//! format 1 is format 2 without it. The decoder reads both. A filter names the newest format
-//! it reads in its poll (`format=2`) and the aggregator answers with the newest it knows up
+//! format 1 is format 2 without it; format 3 adds each endpoint's role (two flag bits). The
+//! decoder reads all three. A filter names the newest format
+//! it reads in its poll (`format=3`) and the aggregator answers with the newest it knows up
 //! to that ([`SnapshotFormat::negotiate`]), format 1 when the poll names none: old filters and
 //! new aggregators, and new filters and old aggregators, keep working during a rollout.
 
@@ -53,7 +54,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use thiserror::Error;
 
-use crate::endpoint::EndpointId;
+use crate::endpoint::{EndpointId, Role};
 use crate::prefix_affinity::config::MAX_ENDPOINTS;
 
 /// The HTTP `Content-Type` of an encoded [`SnapshotDelta`].
@@ -74,6 +75,11 @@ const FLAG_READY: u8 = 1;
 const FLAG_STALE: u8 = 2;
 const FLAG_HIT_RATE: u8 = 4;
 const FLAG_PREFILL_RATE: u8 = 8;
+/// Format 3: the endpoint prefills for others (role prefill or both).
+const FLAG_PREFILLS: u8 = 16;
+/// Format 3: the endpoint answers no request itself (role prefill); only with
+/// [`FLAG_PREFILLS`].
+const FLAG_NO_DECODE: u8 = 32;
 /// The fewest bytes one encoded endpoint takes (IPv4, every varint one byte, no model).
 const MIN_ENDPOINT_BYTES: usize = 1 + (1 + 4 + 2) + 1 + 2 + 4 + 2 + 3 + 1 + 1;
 
@@ -84,17 +90,20 @@ pub enum SnapshotFormat {
     V1 = 1,
     /// Adds each endpoint's prefill rate.
     V2 = 2,
+    /// Adds each endpoint's role (prefill/decode disaggregation).
+    V3 = 3,
 }
 
 impl SnapshotFormat {
     /// The newest format this build reads and writes.
-    pub const LATEST: SnapshotFormat = SnapshotFormat::V2;
+    pub const LATEST: SnapshotFormat = SnapshotFormat::V3;
 
     /// The format to answer a poll that reads formats up to `requested` with: the newest
     /// known up to it; [`SnapshotFormat::V1`] when the poll names none (a filter older than
     /// format 2) or names 0.
     pub fn negotiate(requested: Option<u64>) -> SnapshotFormat {
         match requested {
+            Some(n) if n >= SnapshotFormat::V3 as u64 => SnapshotFormat::V3,
             Some(n) if n >= SnapshotFormat::V2 as u64 => SnapshotFormat::V2,
             _ => SnapshotFormat::V1,
         }
@@ -104,6 +113,7 @@ impl SnapshotFormat {
         match b {
             1 => Some(SnapshotFormat::V1),
             2 => Some(SnapshotFormat::V2),
+            3 => Some(SnapshotFormat::V3),
             _ => None,
         }
     }
@@ -113,6 +123,14 @@ impl SnapshotFormat {
         match self {
             SnapshotFormat::V1 => FLAG_READY | FLAG_STALE | FLAG_HIT_RATE,
             SnapshotFormat::V2 => FLAG_READY | FLAG_STALE | FLAG_HIT_RATE | FLAG_PREFILL_RATE,
+            SnapshotFormat::V3 => {
+                FLAG_READY
+                    | FLAG_STALE
+                    | FLAG_HIT_RATE
+                    | FLAG_PREFILL_RATE
+                    | FLAG_PREFILLS
+                    | FLAG_NO_DECODE
+            }
         }
     }
 }
@@ -146,6 +164,9 @@ pub struct EndpointStatus {
     /// Prefill rate in prompt tokens per second (finite, above 0), estimated by the
     /// aggregator from the server's metrics, when known. Not carried by format 1.
     pub prefill_tokens_per_s: Option<f32>,
+    /// The stages it serves. Formats 1 and 2 carry none: there a prefill-only endpoint is
+    /// sent with no model, so that a filter which knows no roles never sends it a request.
+    pub role: Role,
 }
 
 /// The whole pool at one version. `endpoints` is sorted by slot, slots unique.
@@ -214,6 +235,7 @@ impl EndpointStatus {
             cache_generation: 0,
             prefix_hit_rate: None,
             prefill_tokens_per_s: None,
+            role: Role::Decode,
         }
     }
 
@@ -360,7 +382,7 @@ impl SnapshotDelta {
     /// Layout, integers as LEB128 varints unless noted:
     ///
     /// ```text
-    /// delta    = "KVS" format:u8 (1 or 2) kind:u8 (0 full, 1 incremental)
+    /// delta    = "KVS" format:u8 (1, 2 or 3) kind:u8 (0 full, 1 incremental)
     ///            epoch [base, incremental only] version
     ///            count endpoint*count  count slot*count (removed)
     /// endpoint = slot address flags:u8 waiting running kv_cache_usage:f32le
@@ -370,7 +392,10 @@ impl SnapshotDelta {
     ///            count (len utf8-bytes)*count (models)
     /// address  = 4:u8 octets[4] port:u16be | 6:u8 octets[16] port:u16be
     /// flags    = 1 ready | 2 stale | 4 prefix_hit_rate present
-    ///            | 8 prefill_tokens_per_s present (format 2); other bits zero
+    ///            | 8 prefill_tokens_per_s present (format 2)
+    ///            | 16 prefills for others | 32 answers nothing itself, only with 16
+    ///              (format 3: role decode = neither, both = 16, prefill = 16|32);
+    ///            other bits zero; formats 1-2 send a prefill-only endpoint with no model
     /// ```
     ///
     /// Varints are canonical (the decoder refuses overlong ones); `u32` fields must fit a `u32`
@@ -594,6 +619,13 @@ fn encode_endpoint(format: SnapshotFormat, e: &EndpointStatus, out: &mut Vec<u8>
     if prefill_rate.is_some() {
         flags |= FLAG_PREFILL_RATE;
     }
+    let roles = format >= SnapshotFormat::V3;
+    if roles && e.role.prefills() {
+        flags |= FLAG_PREFILLS;
+    }
+    if roles && !e.role.decodes() {
+        flags |= FLAG_NO_DECODE;
+    }
     out.push(flags);
     put_varint(out, u64::from(e.waiting));
     put_varint(out, u64::from(e.running));
@@ -608,8 +640,13 @@ fn encode_endpoint(format: SnapshotFormat, e: &EndpointStatus, out: &mut Vec<u8>
     for rate in [e.prefix_hit_rate, prefill_rate].into_iter().flatten() {
         out.extend_from_slice(&rate.to_le_bytes());
     }
-    put_varint(out, e.models.len() as u64);
-    for m in &e.models {
+    let models: &[String] = if roles || e.role.decodes() {
+        &e.models
+    } else {
+        &[]
+    };
+    put_varint(out, models.len() as u64);
+    for m in models {
         put_varint(out, m.len() as u64);
         out.extend_from_slice(m.as_bytes());
     }
@@ -714,6 +751,12 @@ impl<'a> Reader<'a> {
         if flags & !format.known_flags() != 0 {
             return Err(Invalid("unknown endpoint flags"));
         }
+        let role = match (flags & FLAG_PREFILLS != 0, flags & FLAG_NO_DECODE != 0) {
+            (false, false) => Role::Decode,
+            (true, false) => Role::Both,
+            (true, true) => Role::Prefill,
+            (false, true) => return Err(Invalid("an endpoint that neither prefills nor decodes")),
+        };
         let waiting = self.u32()?;
         let running = self.u32()?;
         let kv_cache_usage = self.f32()?;
@@ -758,6 +801,7 @@ impl<'a> Reader<'a> {
             cache_generation,
             prefix_hit_rate,
             prefill_tokens_per_s,
+            role,
         })
     }
 }

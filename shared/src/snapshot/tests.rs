@@ -22,6 +22,7 @@ fn status(slot: u16) -> EndpointStatus {
         cache_generation: 1,
         prefix_hit_rate: Some(0.6),
         prefill_tokens_per_s: Some(24_200.0),
+        role: Role::Decode,
     }
 }
 
@@ -90,7 +91,7 @@ fn round_trips_empty_pool() {
     let empty = Snapshot::default();
     let mut bytes = Vec::new();
     empty.encode(&mut bytes);
-    assert_eq!(bytes, b"KVS\x02\x00\x00\x00\x00\x00");
+    assert_eq!(bytes, b"KVS\x03\x00\x00\x00\x00\x00");
     assert_eq!(Snapshot::decode(&bytes), Ok(empty));
     round_trip(&incremental(5, 5, vec![]));
 }
@@ -235,8 +236,8 @@ fn decode_rejects_malformed_bytes() {
     };
     assert_eq!(patched(0..1, b"X"), Err(SnapshotError::BadMagic));
     assert_eq!(
-        patched(3..4, &[3]),
-        Err(SnapshotError::UnsupportedFormat(3))
+        patched(3..4, &[4]),
+        Err(SnapshotError::UnsupportedFormat(4))
     );
     assert_eq!(
         patched(3..4, &[0]),
@@ -375,7 +376,8 @@ fn format_1_is_read_and_written_as_before() {
     let read = SnapshotDelta::decode(&v1).unwrap();
     assert_eq!(read.upserts, vec![without_rate.clone()]);
     // format 2: the same plus the flag and the rate after the hit rate
-    let v2 = encoded(&delta);
+    let mut v2 = Vec::new();
+    delta.encode_format(SnapshotFormat::V2, &mut v2);
     assert_eq!(v2.len(), v1.len() + 4);
     assert_eq!((v2[3], v2[16]), (2, 1 | 4 | 8));
     assert_eq!(SnapshotDelta::decode(&v2), Ok(delta.clone()));
@@ -384,26 +386,84 @@ fn format_1_is_read_and_written_as_before() {
         upserts: vec![without_rate],
         ..delta
     };
-    let mut v2_none = encoded(&none);
+    let mut v2_none = Vec::new();
+    none.encode_format(SnapshotFormat::V2, &mut v2_none);
     assert_eq!(v2_none[3], 2);
     v2_none[3] = 1;
     assert_eq!(v2_none, v1);
+    // format 3, a decode endpoint: format 2 but for the format byte
+    let mut v3 = encoded(&none);
+    assert_eq!(v3[3], 3);
+    v3[3] = 1;
+    assert_eq!(v3, v1);
 }
 
 #[test]
 fn formats_are_negotiated() {
-    use SnapshotFormat::{V1, V2};
+    use SnapshotFormat::{V1, V2, V3};
     for (asked, answered) in [
         (None, V1),
         (Some(0), V1),
         (Some(1), V1),
         (Some(2), V2),
-        (Some(3), V2),
-        (Some(u64::MAX), V2),
+        (Some(3), V3),
+        (Some(4), V3),
+        (Some(u64::MAX), V3),
     ] {
         assert_eq!(SnapshotFormat::negotiate(asked), answered, "{asked:?}");
     }
-    assert_eq!(SnapshotFormat::LATEST, V2);
+    assert_eq!(SnapshotFormat::LATEST, V3);
+}
+
+#[test]
+fn roles_travel_in_format_3_and_older_filters_never_see_a_prefill_only_endpoint() {
+    let addr = |p| SocketAddr::from(([10, 0, 0, 1], p));
+    let with = |slot, role| EndpointStatus {
+        role,
+        ..EndpointStatus::ready(slot, addr(slot), &["m"])
+    };
+    let snapshot = Snapshot {
+        epoch: 1,
+        version: 2,
+        endpoints: vec![
+            with(0, Role::Decode),
+            with(1, Role::Prefill),
+            with(2, Role::Both),
+        ],
+    };
+    let mut v3 = Vec::new();
+    snapshot.encode(&mut v3);
+    assert_eq!(Snapshot::decode(&v3).as_ref(), Ok(&snapshot));
+    for old in [SnapshotFormat::V1, SnapshotFormat::V2] {
+        let mut bytes = Vec::new();
+        snapshot.full().encode_format(old, &mut bytes);
+        let read = Snapshot::decode(&bytes).unwrap();
+        let models: Vec<(Role, usize)> = read
+            .endpoints
+            .iter()
+            .map(|e| (e.role, e.models.len()))
+            .collect();
+        assert_eq!(
+            models,
+            [(Role::Decode, 1), (Role::Decode, 0), (Role::Decode, 1)],
+            "{old:?}: the prefill-only endpoint serves no model"
+        );
+    }
+    // "answers nothing" without "prefills" names no role at all.
+    let mut bad = Vec::new();
+    Snapshot {
+        endpoints: vec![with(0, Role::Prefill)],
+        ..snapshot.clone()
+    }
+    .encode(&mut bad);
+    let flags_at = bad.iter().rposition(|&b| b & 0x30 == 0x30).unwrap();
+    bad[flags_at] &= !0x10;
+    assert_eq!(
+        Snapshot::decode(&bad),
+        Err(SnapshotError::Invalid(
+            "an endpoint that neither prefills nor decodes"
+        ))
+    );
 }
 
 #[test]
@@ -660,6 +720,7 @@ fn arb_status(slot: u16) -> impl Strategy<Value = EndpointStatus> {
                 1.0f32..1e7
             ]),
         ),
+        prop_oneof![Just(Role::Decode), Just(Role::Prefill), Just(Role::Both)],
     )
         .prop_map(
             move |(
@@ -669,6 +730,7 @@ fn arb_status(slot: u16) -> impl Strategy<Value = EndpointStatus> {
                 (waiting, running, kv_cache_usage),
                 (block_size, capacity_blocks, cached_blocks, cache_generation),
                 (prefix_hit_rate, prefill_tokens_per_s),
+                role,
             )| EndpointStatus {
                 slot,
                 address,
@@ -684,6 +746,7 @@ fn arb_status(slot: u16) -> impl Strategy<Value = EndpointStatus> {
                 cache_generation,
                 prefix_hit_rate,
                 prefill_tokens_per_s,
+                role,
             },
         )
 }
@@ -770,6 +833,10 @@ proptest! {
         let mut without = delta.clone();
         for e in &mut without.upserts {
             e.prefill_tokens_per_s = None;
+            if !e.role.decodes() {
+                e.models.clear();
+            }
+            e.role = Role::Decode;
         }
         prop_assert_eq!(SnapshotDelta::decode(&v1), Ok(without));
         if delta.is_full() && delta.removed.is_empty() {
@@ -787,7 +854,7 @@ proptest! {
         flips in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..4),
         v1: bool,
     ) {
-        let format = if v1 { SnapshotFormat::V1 } else { SnapshotFormat::V2 };
+        let format = if v1 { SnapshotFormat::V1 } else { SnapshotFormat::LATEST };
         let mut bytes = Vec::new();
         delta.encode_format(format, &mut bytes);
         for cut in 0..bytes.len() {

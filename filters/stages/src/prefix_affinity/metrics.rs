@@ -17,6 +17,9 @@ pub struct Metrics {
     pub decisions: Option<u32>,
     pub passthrough: Option<u32>,
     pub fallbacks: Option<u32>,
+    /// Requests split between a prefill and a decode endpoint (the prefill one named in
+    /// `x-prefiller-host-port`).
+    pub disaggregated: Option<u32>,
     pub blocks_requested: Option<u32>,
     pub blocks_matched: Option<u32>,
     pub remote_applied: Option<u32>,
@@ -67,6 +70,7 @@ impl Metrics {
             decisions: counter("kvoy_prefix_affinity_decisions_total"),
             passthrough: counter("kvoy_prefix_affinity_passthrough_total"),
             fallbacks: counter("kvoy_prefix_affinity_fallbacks_total"),
+            disaggregated: counter("kvoy_prefix_affinity_disaggregated_total"),
             blocks_requested: counter("kvoy_prefix_affinity_prefix_blocks_requested_total"),
             blocks_matched: counter("kvoy_prefix_affinity_prefix_blocks_matched_total"),
             remote_applied: counter("kvoy_prefix_affinity_remote_decisions_applied_total"),

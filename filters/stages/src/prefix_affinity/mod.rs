@@ -25,8 +25,8 @@ use kvoy_shared::{LogOnce, Outstanding};
 
 pub use metrics::Metrics;
 pub use stage::{
-    request_body, BodyVerdict, HeadersVerdict, PrefixStage, DESTINATION_HEADER, SERVED_HEADER,
-    USAGE_SAMPLE_EVERY,
+    request_body, BodyVerdict, HeadersVerdict, PrefixStage, DESTINATION_HEADER, PREFILLER_HEADER,
+    SERVED_HEADER, USAGE_SAMPLE_EVERY,
 };
 
 /// Everything one VM keeps between requests.

@@ -15,7 +15,7 @@ use kvoy_shared::{Charge, EndpointId, OutstandingDelta, RequestError};
 
 use super::{Metrics, PrefixVm as VmState};
 
-pub use kvoy_shared::protocol::{DESTINATION_HEADER, SERVED_HEADER};
+pub use kvoy_shared::protocol::{DESTINATION_HEADER, PREFILLER_HEADER, SERVED_HEADER};
 
 pub use kvoy_shared::usage::SAMPLE_EVERY as USAGE_SAMPLE_EVERY;
 
@@ -80,6 +80,9 @@ pub struct PrefixStage {
     chosen: Option<EndpointId>,
     /// Counted in the shared outstanding table; released once, when the stream ends.
     acquired: Option<Acquired>,
+    /// A disaggregated request's prefill endpoint, counted until the answer begins (its
+    /// prefill is then done).
+    prefill_acquired: Option<Acquired>,
     /// Set when this answer's `usage` is sampled.
     usage: Option<UsageProbe>,
     /// The API of the request being routed by its body (kept for its answer's `usage`).
@@ -301,6 +304,9 @@ impl PrefixStage {
             return HeadersVerdict::Replied;
         }
         self.chosen = Some(decision.endpoint);
+        if let Some(p) = decision.prefill {
+            self.name_prefiller(vm, p, now);
+        }
         let charge = decision.charge;
         // A scored decision is logged for the other workers: the write that counts the
         // request outstanding also claims its log slot.
@@ -391,6 +397,56 @@ impl PrefixStage {
         HeadersVerdict::Routed
     }
 
+    /// Names the prefill endpoint for the decode endpoint's sidecar and counts its prefill
+    /// outstanding. Should the header not be set, the decode endpoint prefills itself (the
+    /// sidecar's behaviour without it) and the prefill endpoint is not charged.
+    fn name_prefiller(
+        &mut self,
+        vm: &mut VmState,
+        p: kvoy_shared::prefix_affinity::PrefillChoice,
+        now: Duration,
+    ) {
+        let Some(endpoint) = vm.router.pool().get(p.endpoint) else {
+            return;
+        };
+        let address = endpoint.address;
+        if hostcalls::set_map_value(
+            MapType::HttpRequestHeaders,
+            PREFILLER_HEADER,
+            Some(&endpoint.address_text),
+        )
+        .is_err()
+        {
+            return;
+        }
+        Metrics::add(vm.metrics.disaggregated, 1);
+        let sent = OutstandingDelta::sent(p.charge);
+        if vm.outstanding.add(&HostStore, address, sent, now).is_ok() {
+            self.prefill_acquired = Some(Acquired {
+                endpoint: address,
+                charge: p.charge,
+                answered: false,
+            });
+        } else {
+            Metrics::add(vm.metrics.shared_state_errors, 1);
+        }
+    }
+
+    /// Releases the prefill endpoint's charge, once.
+    fn release_prefill(&mut self, vm: &mut VmState) {
+        let Some(a) = self.prefill_acquired.take() else {
+            return;
+        };
+        let delta = OutstandingDelta::finished(a.charge, false);
+        if vm
+            .outstanding
+            .add(&HostStore, a.endpoint, delta, now())
+            .is_err()
+        {
+            Metrics::add(vm.metrics.shared_state_errors, 1);
+        }
+    }
+
     /// Whether the request was routed (and so has an upstream answer to follow).
     pub fn routed(&self) -> bool {
         self.chosen.is_some()
@@ -440,6 +496,7 @@ impl PrefixStage {
             self.release(vm);
             return;
         }
+        self.release_prefill(vm);
         // The first byte of the answer: its prefill is done, release its pending tokens (the
         // cost model's queue at that endpoint). Headers do not tell: a streamed answer's
         // headers leave the server before its first token.
@@ -503,13 +560,14 @@ impl PrefixStage {
 
     /// Whether the request still holds outstanding work (to release at the end of the stream).
     pub fn holds_outstanding(&self) -> bool {
-        self.acquired.is_some()
+        self.acquired.is_some() || self.prefill_acquired.is_some()
     }
 
     /// Releases what this request charged to the outstanding table, once, at the address it
     /// was sent to. Whichever comes first of the answer's end, done and log releases (a
     /// reset, a local reply, an upstream failure all end here); the others find nothing left.
     pub fn release(&mut self, vm: &mut VmState) {
+        self.release_prefill(vm);
         let Some(a) = self.acquired.take() else {
             return;
         };

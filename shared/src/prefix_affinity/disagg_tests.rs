@@ -1,0 +1,158 @@
+//! The router's prefill/decode split ([`crate::disagg`]).
+
+use std::time::Duration;
+
+use super::{Decision, PluginConfig, Router};
+use crate::request::Api;
+use crate::{EndpointId, Outstanding, Role};
+
+/// Endpoints 0, 1 decode; 2, 3 prefill; 4 both (unless `roles` says otherwise).
+fn router(roles: &[&str], extra: &str) -> Router {
+    let endpoints: Vec<String> = roles
+        .iter()
+        .enumerate()
+        .map(|(i, role)| {
+            format!(
+                r#"{{"address":"10.0.0.{}:8000","models":["m"],"role":"{role}"}}"#,
+                i + 1
+            )
+        })
+        .collect();
+    let cfg = format!(r#"{{"endpoints":[{}]{extra}}}"#, endpoints.join(","));
+    Router::new(PluginConfig::from_json(cfg.as_bytes()).unwrap(), 7)
+}
+
+fn pd(extra: &str) -> Router {
+    router(&["decode", "decode", "prefill", "prefill", "both"], extra)
+}
+
+/// A prompt of about `chars` bytes (4 bytes per token by default).
+fn body(prefix: &str, chars: usize) -> Vec<u8> {
+    let text = format!("{prefix} {}", "lorem ipsum ".repeat(chars / 12 + 1));
+    serde_json::json!({"model": "m", "messages": [{"role": "user", "content": text}]})
+        .to_string()
+        .into_bytes()
+}
+
+fn route(r: &mut Router, body: &[u8]) -> Decision {
+    r.route_body(
+        Api::ChatCompletions,
+        body,
+        &[Outstanding::default(); 5],
+        Duration::ZERO,
+    )
+    .unwrap()
+}
+
+fn role(r: &Router, id: EndpointId) -> Role {
+    r.pool().get(id).unwrap().role
+}
+
+#[test]
+fn a_long_prompt_is_split_between_a_decode_and_a_prefill_endpoint() {
+    let mut r = pd("");
+    let d = route(&mut r, &body("first", 8_000));
+    assert!(role(&r, d.endpoint).decodes());
+    let p = d.prefill.expect("split");
+    assert!(role(&r, p.endpoint).prefills());
+    assert_ne!(
+        p.endpoint, d.endpoint,
+        "an endpoint is not its own prefiller"
+    );
+    // The prompt is computed at the prefill endpoint: the decode one has none of it to do.
+    assert_eq!(d.charge.prefill_tokens, 0);
+    assert!(p.charge.prefill_tokens > 1_500, "{:?}", p.charge);
+    assert_eq!(p.charge.prompt_tokens, d.charge.prompt_tokens);
+    // Both now hold the prompt's blocks (the decode one received them).
+    let again = route(&mut r, &body("first", 8_000));
+    assert_eq!(again.endpoint, d.endpoint);
+    assert_eq!(again.matched_blocks, again.request_blocks);
+    assert!(
+        again.prefill.is_none(),
+        "all cached at decode: nothing left to split"
+    );
+}
+
+#[test]
+fn a_prompt_below_the_threshold_is_never_split() {
+    let mut r = pd(r#","disaggregation":{"non_cached_tokens":1000}"#);
+    for i in 0..50 {
+        // About 750 tokens: below 1,000 whatever is cached.
+        let d = route(&mut r, &body(&format!("short {i}"), 3_000));
+        assert!(d.prefill.is_none(), "request {i}");
+        assert!(
+            d.charge.prefill_tokens > 0,
+            "the decode endpoint prefills it"
+        );
+    }
+    let d = route(&mut r, &body("long", 8_000));
+    assert!(d.prefill.is_some());
+    // promptTokens: a prompt shorter than it stays whole even with nothing cached.
+    let mut r = pd(r#","disaggregation":{"non_cached_tokens":16,"prompt_tokens":4000}"#);
+    assert!(route(&mut r, &body("long", 8_000)).prefill.is_none());
+    assert!(route(&mut r, &body("longer", 20_000)).prefill.is_some());
+    // 0 disables it.
+    let mut r = pd(r#","disaggregation":{"non_cached_tokens":0}"#);
+    assert!(route(&mut r, &body("long", 20_000)).prefill.is_none());
+}
+
+#[test]
+fn a_prefill_only_endpoint_never_answers_a_request() {
+    let mut r = pd(r#","disaggregation":{"non_cached_tokens":0}"#);
+    for i in 0..200 {
+        let d = route(&mut r, &body(&format!("p{i}"), 100 + 37 * i));
+        assert!(role(&r, d.endpoint).decodes(), "request {i}");
+    }
+    let d = r.route_passthrough(&[Outstanding::default(); 5]).unwrap();
+    assert!(role(&r, d.endpoint).decodes());
+}
+
+#[test]
+fn a_pool_without_prefill_endpoints_never_splits() {
+    let mut r = router(&["decode", "decode", "decode"], "");
+    for i in 0..20 {
+        assert!(route(&mut r, &body(&format!("x{i}"), 20_000))
+            .prefill
+            .is_none());
+    }
+}
+
+#[test]
+fn with_no_prefill_endpoint_left_the_request_is_served_whole() {
+    // The only prefill-capable endpoint is the decode choice itself.
+    let mut r = router(&["both"], "");
+    let d = route(&mut r, &body("x", 20_000));
+    assert!(d.prefill.is_none());
+    assert!(d.charge.prefill_tokens > 0);
+}
+
+#[test]
+fn prefill_goes_where_the_prefix_is_cached_and_the_queue_is_short() {
+    let mut r = pd("");
+    let system = "shared system prompt ".repeat(400);
+    let first = route(&mut r, &body(&system, 200));
+    let p0 = first.prefill.unwrap().endpoint;
+    // The next request of the group prefills where its prefix already is, wherever it decodes.
+    for i in 0..5 {
+        let d = route(&mut r, &body(&format!("{system} q{i}"), 4_000));
+        let p = d.prefill.expect("its question is uncached everywhere");
+        assert_eq!(p.endpoint, p0, "request {i}");
+        assert!(p.matched_blocks > 0);
+    }
+    // A heavily queued prefill endpoint is avoided by a request that matches nowhere.
+    let mut loads = [Outstanding::default(); 5];
+    loads[2].prefilling = 10;
+    loads[2].requests = 10;
+    loads[2].prefill_tokens = 500_000;
+    for i in 0..20 {
+        let d = r
+            .route_body(
+                Api::ChatCompletions,
+                &body(&format!("cold {i}"), 8_000),
+                &loads,
+                Duration::ZERO,
+            )
+            .unwrap();
+        assert_ne!(d.prefill.unwrap().endpoint, EndpointId(2), "request {i}");
+    }
+}
