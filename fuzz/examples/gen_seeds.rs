@@ -15,6 +15,7 @@ use std::path::Path;
 
 use kvoy_kvevents::{encode_batch, BlockHash, EventBatch, KvEvent, Medium, WireForm};
 use kvoy_shared::snapshot::{EndpointStatus, SnapshotDelta, SnapshotFormat, SnapshotHistory};
+use kvoy_shared::Role;
 
 fn write(target: &str, name: &str, bytes: impl AsRef<[u8]>) {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -40,16 +41,25 @@ fn status(slot: u16, address: &str) -> EndpointStatus {
         cache_generation: 2,
         prefix_hit_rate: Some(0.62),
         prefill_tokens_per_s: Some(24_000.0),
+        role: Role::Decode,
     }
 }
 
 fn snapshots() {
     let mut history = SnapshotHistory::new(0x1234_5678);
-    let first = vec![status(0, "10.0.0.1:8000"), status(1, "[fd00::7]:8000")];
+    let first = vec![
+        status(0, "10.0.0.1:8000"),
+        status(1, "[fd00::7]:8000"),
+        EndpointStatus {
+            role: Role::Prefill,
+            ..status(2, "10.0.0.2:8000")
+        },
+    ];
     history.update(first.clone());
     for (format, name) in [
         (SnapshotFormat::V1, "full-v1"),
         (SnapshotFormat::V2, "full-v2"),
+        (SnapshotFormat::V3, "full-v3"),
     ] {
         let mut out = Vec::new();
         history
@@ -74,7 +84,7 @@ fn snapshots() {
     history
         .delta_since(Some(history.epoch()), Some(v))
         .encode(&mut out);
-    write("snapshot", "incremental-v2", out);
+    write("snapshot", "incremental-v3", out);
     let mut out = Vec::new();
     SnapshotDelta {
         epoch: 1,
