@@ -103,6 +103,16 @@ pub struct Cli {
     /// tokenizer_config.json beside the tokenizer); needs --tokenizer
     #[arg(long, value_name = "PATH")]
     pub chat_template: Option<PathBuf>,
+    /// Its part in prefill/decode disaggregation: decode (the default) and both follow a
+    /// request's x-prefiller-host-port (prefill there, pull the KV, decode here; prefill here
+    /// when that fails), prefill and both answer a kv_transfer_params.do_remote_decode request
+    /// with the KV's transfer parameters
+    #[arg(long, value_name = "ROLE", default_value = "decode", value_parser = role)]
+    pub role: kvoy_shared::Role,
+    /// KV transfer rate from a prefill server, prompt tokens per second of model time (about
+    /// 25 GB/s for an 8B model's 128 KiB per token)
+    #[arg(long, value_name = "N", default_value_t = 200_000.0, value_parser = positive_f64)]
+    pub kv_transfer_tokens_per_s: f64,
     #[command(flatten)]
     pub overrides: ProfileOverrides,
 }
@@ -200,6 +210,11 @@ pub fn profile(name: &str) -> Result<Profile, String> {
 }
 
 /// A value parser for factors and durations, shared with kvoy-bench: a finite number above 0.
+fn role(v: &str) -> Result<kvoy_shared::Role, String> {
+    kvoy_shared::Role::from_name(v.trim())
+        .ok_or_else(|| "expected decode, prefill or both".to_owned())
+}
+
 pub fn positive_f64(v: &str) -> Result<f64, String> {
     match v.trim().parse::<f64>() {
         Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
@@ -241,6 +256,8 @@ impl Cli {
             max_stored_responses: self.max_stored_responses,
             max_stored_response_bytes: self.max_stored_response_bytes,
             tokenizer,
+            role: self.role,
+            kv_transfer_tokens_per_s: self.kv_transfer_tokens_per_s,
         };
         Ok(Options {
             listen: self.listen,

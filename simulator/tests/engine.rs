@@ -458,3 +458,39 @@ fn a_prefix_evicted_from_gpu_but_on_cpu_loads_instead_of_prefilling() {
     assert_eq!(stats.prefix_cache_hits - gpu_hits, 992);
     assert_eq!(stats.external_prefix_cache_hits, 800);
 }
+
+#[test]
+fn a_transferred_prompt_computes_only_what_its_blocks_do_not_cover() {
+    let p = Profile::llama_8b_h100();
+    let item = |c, n| BatchItem {
+        context_tokens: c,
+        new_tokens: n,
+    };
+    let mut d = Driver::new(&p);
+    d.engine
+        .submit_transferred(
+            EngineRequest {
+                id: 1,
+                prompt: prompt(8192, 3),
+                max_tokens: 2,
+            },
+            None,
+            d.now,
+        )
+        .unwrap();
+    d.run_to_idle();
+    let seen = &d.seen[&1];
+    // As a warm prefix: 8,176 tokens arrived with their blocks, 16 computed here.
+    assert_eq!(seen.ttft, Some(p.step_duration(&[item(8176, 16)])));
+    assert_eq!(
+        seen.cached_tokens,
+        Some(8176),
+        "counted as cached, as vLLM counts them"
+    );
+    assert_eq!(seen.completion_tokens, Some(2));
+    // The blocks are this engine's now: announced, and a second request hits them locally.
+    assert_eq!(d.subscriber.len(), 8192 / 16);
+    d.submit(2, prompt(8192, 3), 1);
+    d.run_to_idle();
+    assert_eq!(d.seen[&2].cached_tokens, Some(8176));
+}

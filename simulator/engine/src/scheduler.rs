@@ -15,6 +15,12 @@
 //!    vLLM loads asynchronously, so only the loading request waits there; charging the step
 //!    also delays the sequences batched with it, by as much (milliseconds per thousand tokens).
 //!
+//! A request whose prompt was prefilled on another engine ([`Engine::submit_transferred`],
+//! the decode side of prefill/decode disaggregation) has its prompt's full blocks beyond the
+//! local hits written into its cache at its first admission, without computing them (its KV
+//! arrived from the prefill engine; the caller waited for the transfer), and computes only the
+//! rest, as vLLM's NixlConnector does. A preempted one recomputes it all.
+//!
 //! After the forward pass, a sequence whose tokens are all computed samples one token; after
 //! `max_tokens` tokens it finishes and frees its blocks (they stay cached until evicted).
 
@@ -50,6 +56,8 @@ struct Seq {
     first_scheduled: Option<Duration>,
     /// What it generates; `None`: the stand-in tokenizer's words.
     output: Option<Arc<OutputVocab>>,
+    /// Its prompt's KV came from a prefill engine (until its first admission).
+    transferred: bool,
 }
 
 /// A simulated vLLM engine. Deterministic: the same calls give the same results.
@@ -113,7 +121,7 @@ impl Engine {
     /// generates the stand-in tokenizer's words
     /// ([`generated_token`](super::tokenizer::generated_token)).
     pub fn submit(&mut self, request: EngineRequest, now: Duration) -> Result<(), SubmitError> {
-        self.submit_inner(request, None, now)
+        self.submit_inner(request, None, now, false)
     }
 
     /// [`Engine::submit`] for a request that generates words of `output` (a real tokenizer's,
@@ -125,7 +133,19 @@ impl Engine {
         output: Arc<OutputVocab>,
         now: Duration,
     ) -> Result<(), SubmitError> {
-        self.submit_inner(request, Some(output), now)
+        self.submit_inner(request, Some(output), now, false)
+    }
+
+    /// [`Engine::submit_with_output`] for a request whose prompt another engine prefilled and
+    /// whose KV blocks it received: only what those blocks do not cover (at least the last
+    /// token) is computed here.
+    pub fn submit_transferred(
+        &mut self,
+        request: EngineRequest,
+        output: Option<Arc<OutputVocab>>,
+        now: Duration,
+    ) -> Result<(), SubmitError> {
+        self.submit_inner(request, output, now, true)
     }
 
     fn submit_inner(
@@ -133,6 +153,7 @@ impl Engine {
         request: EngineRequest,
         output: Option<Arc<OutputVocab>>,
         now: Duration,
+        transferred: bool,
     ) -> Result<(), SubmitError> {
         if request.prompt.is_empty() {
             return Err(SubmitError::EmptyPrompt);
@@ -167,6 +188,7 @@ impl Engine {
                 arrival: now,
                 first_scheduled: None,
                 output,
+                transferred,
             },
         );
         self.waiting.push_back(request.id);
@@ -338,15 +360,27 @@ impl Engine {
             let loaded = self
                 .cache
                 .loadable_blocks(&seq.blocks, &seq.tokens, hits.len());
-            let computed = hit_tokens + loaded * bs;
+            // The transferred blocks: the prompt's full blocks up to its last token.
+            let transferred = if seq.transferred {
+                ((seq.prompt_len - 1) / bs).saturating_sub(hits.len() + loaded)
+            } else {
+                0
+            };
+            let computed = hit_tokens + (loaded + transferred) * bs;
             // Never 0: the lookups stop before the last token.
             let n = (seq.tokens.len() - computed).min(*budget);
-            if !self
-                .cache
-                .allocate_slots(&mut seq.blocks, &seq.tokens, 0, &hits, loaded, n)
-            {
+            if !self.cache.allocate_slots(
+                &mut seq.blocks,
+                &seq.tokens,
+                0,
+                &hits,
+                loaded + transferred,
+                n,
+            ) {
                 break;
             }
+            // A preempted sequence lost them: it recomputes.
+            seq.transferred = false;
             self.prefix_cache_queries += seq.tokens.len() as u64;
             self.prefix_cache_hits += hit_tokens as u64;
             if offload {

@@ -152,6 +152,11 @@ struct Recorded {
     prefill_kv_computed: Histogram,
     success: u64,
     errors: u64,
+    /// Disaggregation: requests whose prompt a prefill server computed, requests whose prefill
+    /// failed and ran here, prefills done here for a remote decoder.
+    remote_prefills: u64,
+    remote_prefill_fallbacks: u64,
+    prefills_for_remote: u64,
 }
 
 impl Default for Recorder {
@@ -179,6 +184,9 @@ impl Recorder {
                 prefill_kv_computed: Histogram::new(&tokens),
                 success: 0,
                 errors: 0,
+                remote_prefills: 0,
+                remote_prefill_fallbacks: 0,
+                prefills_for_remote: 0,
             }),
         }
     }
@@ -201,6 +209,22 @@ impl Recorder {
     /// A request that failed (injected fault, refused by the engine, client gone).
     pub fn failed(&self) {
         self.with(|r| r.errors += 1);
+    }
+
+    /// A disaggregated request's prefill elsewhere: done (`true`), or failed and run here.
+    pub fn remote_prefill(&self, done: bool) {
+        self.with(|r| {
+            if done {
+                r.remote_prefills += 1;
+            } else {
+                r.remote_prefill_fallbacks += 1;
+            }
+        });
+    }
+
+    /// A prefill run here for a remote decoder.
+    pub fn prefilled_for_remote(&self) {
+        self.with(|r| r.prefills_for_remote += 1);
     }
 
     /// A request that finished: `vllm:request_success_total` and the per-request histograms.
@@ -314,6 +338,24 @@ impl Recorder {
                 "kvoy_sim_request_errors_total",
                 "Requests that failed (injected faults included).",
                 r.errors,
+            );
+            counter(
+                &mut out,
+                "kvoy_sim_remote_prefills_total",
+                "Requests whose prompt a prefill server computed (x-prefiller-host-port).",
+                r.remote_prefills,
+            );
+            counter(
+                &mut out,
+                "kvoy_sim_remote_prefill_fallbacks_total",
+                "Requests whose remote prefill failed and ran here instead.",
+                r.remote_prefill_fallbacks,
+            );
+            counter(
+                &mut out,
+                "kvoy_sim_prefills_for_remote_decode_total",
+                "Prefills run here for a remote decoder (kv_transfer_params.do_remote_decode).",
+                r.prefills_for_remote,
             );
             let histograms: [(&Histogram, &str, &str); 10] = [
                 (

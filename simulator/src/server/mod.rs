@@ -6,6 +6,7 @@
 
 pub mod api;
 mod chat_input;
+pub mod disagg;
 mod generation;
 mod ids;
 pub mod metrics;
@@ -17,6 +18,7 @@ mod tokenize;
 
 use kvoy_shared::protocol::{CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH, MODELS_PATH, RESPONSES_PATH};
 use std::convert::Infallible;
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -59,6 +61,11 @@ pub struct HttpOptions {
     pub max_stored_response_bytes: usize,
     /// How prompts become token ids and what answers are made of (`--tokenizer`).
     pub tokenizer: Tokenizer,
+    /// Its part in prefill/decode disaggregation (`--role`): a decode (or both) server runs the
+    /// decode-side sidecar for requests that name a prefiller ([`disagg`]).
+    pub role: kvoy_shared::Role,
+    /// KV transfer rate from a prefill server, prompt tokens per second of model time.
+    pub kv_transfer_tokens_per_s: f64,
 }
 
 impl Default for HttpOptions {
@@ -75,6 +82,8 @@ impl Default for HttpOptions {
             max_stored_responses: 10_000,
             max_stored_response_bytes: 256 << 20,
             tokenizer: Tokenizer::StandIn,
+            role: kvoy_shared::Role::Decode,
+            kv_transfer_tokens_per_s: 200_000.0,
         }
     }
 }
@@ -181,6 +190,14 @@ fn unix_now() -> u64 {
 async fn handle(sim: Arc<Simulator>, req: Request<Incoming>) -> Response<HttpBody> {
     let arrived = Instant::now();
     let path = req.uri().path().to_owned();
+    // The decode-side sidecar's part: only a server that decodes follows the header.
+    let prefiller: Option<SocketAddr> = req
+        .headers()
+        .get(kvoy_shared::protocol::PREFILLER_HEADER)
+        .filter(|_| sim.options.role.decodes())
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(',').next())
+        .and_then(|v| v.trim().trim_start_matches("http://").parse().ok());
     enum Route {
         Generate(Api),
         Tokenize,
@@ -265,10 +282,18 @@ async fn handle(sim: Arc<Simulator>, req: Request<Incoming>) -> Response<HttpBod
             };
         }
     };
-    let prepared = match prepare(&sim, api, &body) {
+    let mut prepared = match prepare(&sim, api, &body) {
         Ok(p) => p,
         Err(e) => return error(&e),
     };
+    if sim.options.role.prefills() && disagg::asks_remote_decode(&body) {
+        sim.recorder.prefilled_for_remote();
+        prepared.writer = Box::new(disagg::TransferWriter {
+            inner: prepared.writer,
+            served_by: sim.served_by.clone(),
+            block_size: sim.engine.stats().block_size as usize,
+        });
+    }
     // Like vLLM, a prompt over the context is refused before anything streams.
     let prompt_tokens = prepared.tokens.len() as u64;
     let requested = prompt_tokens + u64::from(prepared.max_tokens);
@@ -297,16 +322,63 @@ async fn handle(sim: Arc<Simulator>, req: Request<Incoming>) -> Response<HttpBod
             message: "injected fault (--error-rate)".into(),
         });
     }
+    let transferred = match prefiller {
+        Some(target) => pull_from(&sim, target, api, &path, &body, prepared.tokens.len()).await,
+        None => false,
+    };
     // TTFT counts from arrival (as vLLM's does); the engine starts the request's simulated
-    // life at arrival plus the injected latency.
-    let progress = sim.engine.submit_with_output(
-        prepared.tokens,
-        prepared.max_tokens,
-        prepared.output,
-        arrived + delay,
-    );
+    // life at arrival plus the injected latency (a transferred request's, once its KV is here).
+    let progress = if transferred {
+        sim.engine.submit_transferred(
+            prepared.tokens,
+            prepared.max_tokens,
+            prepared.output,
+            Instant::now(),
+        )
+    } else {
+        sim.engine.submit_with_output(
+            prepared.tokens,
+            prepared.max_tokens,
+            prepared.output,
+            arrived + delay,
+        )
+    };
     let generation = Generation::new(sim, progress, arrived);
     generation::answer(generation, prepared.writer, prepared.stream).await
+}
+
+/// The decode side of a disaggregated request: has `target` prefill it and waits for its KV
+/// (`tokens` prompt tokens at the transfer rate); false when the prefill failed and the request
+/// is prefilled here instead.
+async fn pull_from(
+    sim: &Simulator,
+    target: SocketAddr,
+    api: Api,
+    path: &str,
+    body: &[u8],
+    tokens: usize,
+) -> bool {
+    let Some(prefill) = disagg::prefill_body(api, body) else {
+        return false;
+    };
+    match disagg::remote_prefill(target, path, prefill).await {
+        Ok(_) => {
+            let o = &sim.options;
+            tokio::time::sleep(disagg::transfer_wait(
+                tokens,
+                o.kv_transfer_tokens_per_s,
+                o.speedup,
+            ))
+            .await;
+            sim.recorder.remote_prefill(true);
+            true
+        }
+        Err(why) => {
+            log::info!("prefill at {target} failed ({why}): prefilling here");
+            sim.recorder.remote_prefill(false);
+            false
+        }
+    }
 }
 
 /// Decodes a completion request for `api`.

@@ -48,6 +48,8 @@ enum Command {
         /// time spent reading, parsing and tokenizing it is not stretched by the speedup.
         arrived: Instant,
         progress: mpsc::UnboundedSender<Progress>,
+        /// Its prompt's KV came from a prefill engine ([`Engine::submit_transferred`]).
+        transferred: bool,
     },
     Reset(oneshot::Sender<bool>),
 }
@@ -123,6 +125,29 @@ impl EngineHandle {
         output: Arc<OutputVocab>,
         arrived: Instant,
     ) -> mpsc::UnboundedReceiver<Progress> {
+        self.send(prompt, max_tokens, output, arrived, false)
+    }
+
+    /// [`EngineHandle::submit_with_output`] for a request whose prompt another engine
+    /// prefilled: its KV blocks are in this engine's cache when it is admitted.
+    pub fn submit_transferred(
+        &self,
+        prompt: Vec<u32>,
+        max_tokens: u32,
+        output: Arc<OutputVocab>,
+        arrived: Instant,
+    ) -> mpsc::UnboundedReceiver<Progress> {
+        self.send(prompt, max_tokens, output, arrived, true)
+    }
+
+    fn send(
+        &self,
+        prompt: Vec<u32>,
+        max_tokens: u32,
+        output: Arc<OutputVocab>,
+        arrived: Instant,
+        transferred: bool,
+    ) -> mpsc::UnboundedReceiver<Progress> {
         let (tx, rx) = mpsc::unbounded_channel();
         // A stopped engine drops the sender: the handler sees a closed channel.
         let _ = self.commands.send(Command::Submit {
@@ -131,6 +156,7 @@ impl EngineHandle {
             output,
             arrived,
             progress: tx,
+            transferred,
         });
         rx
     }
@@ -219,20 +245,23 @@ fn run(
                     output,
                     arrived,
                     progress,
+                    transferred,
                 } => {
                     earliest = Some(earliest.map_or(arrived, |e: Instant| e.min(arrived)));
                     let id = next_id;
                     next_id += 1;
                     let now = sim_now(epoch, speedup);
-                    match engine.submit_with_output(
-                        EngineRequest {
-                            id,
-                            prompt,
-                            max_tokens,
-                        },
-                        output.clone(),
-                        now,
-                    ) {
+                    let request = EngineRequest {
+                        id,
+                        prompt,
+                        max_tokens,
+                    };
+                    let submitted = if transferred {
+                        engine.submit_transferred(request, Some(output.clone()), now)
+                    } else {
+                        engine.submit_with_output(request, output.clone(), now)
+                    };
+                    match submitted {
                         Ok(()) => {
                             waiters.insert(id, (progress, output));
                         }

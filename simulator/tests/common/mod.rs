@@ -70,11 +70,37 @@ pub async fn assert_unknown_model(addr: SocketAddr, path: &str, body: &str) {
 
 /// Sends a request on an open connection (so that a test can connect many clients first).
 pub async fn request_on(s: TcpStream, method: &str, path: &str, body: &str) -> Reply {
+    request_on_with(s, method, path, body, &[]).await
+}
+
+/// [`request`] with `headers` besides the usual ones.
+pub async fn request_with(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: &str,
+    headers: &[(&str, &str)],
+) -> Reply {
+    let s = TcpStream::connect(addr).await.unwrap();
+    request_on_with(s, method, path, body, headers).await
+}
+
+async fn request_on_with(
+    s: TcpStream,
+    method: &str,
+    path: &str,
+    body: &str,
+    headers: &[(&str, &str)],
+) -> Reply {
     s.set_nodelay(true).unwrap();
-    let request = Request::new(method, path)
+    let mut request = Request::new(method, path)
         .host("sim")
         .header("content-type", "application/json")
-        .header("content-length", &body.len().to_string())
+        .header("content-length", &body.len().to_string());
+    for (name, value) in headers {
+        request = request.header(name, value);
+    }
+    let request = request
         .body(body.to_owned())
         .timeout(Duration::from_secs(60));
     let mut conn = aio::Connection::handshake(s).await.unwrap();
