@@ -25,9 +25,6 @@ pub struct DisaggParams {
     pub non_cached_tokens: u32,
     /// ... and the prompt has at least this many tokens (llm-d's `promptTokens`; 0: any).
     pub prompt_tokens: u32,
-    /// Prompt tokens of KV per second one prefill endpoint sends a decode endpoint: prices the
-    /// transfer in the decode endpoint's cost.
-    pub transfer_tokens_per_s: f64,
 }
 
 impl Default for DisaggParams {
@@ -36,8 +33,6 @@ impl Default for DisaggParams {
             // llm-d's sample configurations (deploy/config/pd-epp-config.yaml).
             non_cached_tokens: 16,
             prompt_tokens: 0,
-            // About 25 GB/s of KV at 128 KiB per token (an 8B model, bf16).
-            transfer_tokens_per_s: 200_000.0,
         }
     }
 }
@@ -60,8 +55,6 @@ pub(crate) struct RawDisagg {
     non_cached_tokens: Option<i64>,
     #[serde(default)]
     prompt_tokens: Option<i64>,
-    #[serde(default)]
-    transfer_tokens_per_s: Option<f64>,
 }
 
 impl TryFrom<RawDisagg> for DisaggParams {
@@ -75,17 +68,6 @@ impl TryFrom<RawDisagg> for DisaggParams {
                 Some(v) => within(field, 0..=MAX_THRESHOLD_TOKENS, v).map(|v| v as u32),
             }
         };
-        let transfer_tokens_per_s = match raw.transfer_tokens_per_s {
-            None => d.transfer_tokens_per_s,
-            Some(v) if v.is_finite() && v > 0.0 => v,
-            Some(v) => {
-                return Err(crate::config::out_of_range(
-                    "disaggregation.transfer_tokens_per_s",
-                    "a number above 0",
-                    v,
-                ))
-            }
-        };
         Ok(DisaggParams {
             non_cached_tokens: tokens(
                 "disaggregation.non_cached_tokens",
@@ -97,7 +79,6 @@ impl TryFrom<RawDisagg> for DisaggParams {
                 raw.prompt_tokens,
                 d.prompt_tokens,
             )?,
-            transfer_tokens_per_s,
         })
     }
 }
@@ -116,7 +97,6 @@ mod tests {
         let p = DisaggParams {
             non_cached_tokens: 16,
             prompt_tokens: 100,
-            ..DisaggParams::default()
         };
         assert!(p.splits(100.0, 16.0));
         assert!(
@@ -128,7 +108,6 @@ mod tests {
         let off = DisaggParams {
             non_cached_tokens: 0,
             prompt_tokens: 0,
-            ..p
         };
         assert!(!off.splits(1e6, 1e6));
         for prompt in 0..200 {
@@ -153,8 +132,6 @@ mod tests {
         assert!(e.contains("`disaggregation.non_cached_tokens`"), "{e}");
         let e = parse(r#"{"prompt_tokens":99999999999}"#).unwrap_err();
         assert!(e.contains("`disaggregation.prompt_tokens`"), "{e}");
-        let e = parse(r#"{"transfer_tokens_per_s":0}"#).unwrap_err();
-        assert!(e.contains("`disaggregation.transfer_tokens_per_s`"), "{e}");
         let e = parse(r#"{"noncached":1}"#).unwrap_err();
         assert!(e.contains("noncached"), "{e}");
     }
