@@ -30,6 +30,8 @@ pub enum CliError {
         "`--fleet half-slow` needs at least 2 replicas (the odd-indexed ones are slow), got {0}"
     )]
     HalfSlowReplicas(usize),
+    #[error("`--prefill-replicas {prefill}` leaves no decode replica of {replicas}")]
+    PrefillReplicas { prefill: usize, replicas: usize },
     #[error("the mooncake workload needs the trace: --trace PATH")]
     MissingTrace,
     #[error(transparent)]
@@ -214,6 +216,11 @@ pub struct SimCli {
     #[arg(long, value_name = "F", default_value_t = 1.0,
           value_parser = kvoy_sim::cli::positive_f64)]
     pub output_scale: f64,
+    /// Prefill/decode disaggregation: the first N replicas only prefill, the others decode (a
+    /// policy that knows no roles sends them nothing but what it routes; kvoy splits by its
+    /// `disaggregation` settings) [default: 0, every replica serves whole requests]
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub prefill_replicas: usize,
     /// shared-prefix, agents, no-sharing: load stages of S seconds of arrivals, rate x S
     /// requests (defaults 180, 60 and 60 s)
     #[arg(long, value_name = "S", value_parser = kvoy_sim::cli::positive_f64)]
@@ -378,6 +385,8 @@ pub struct SimArgs {
     pub scale: f64,
     /// shared-prefix: a further factor on the output lengths.
     pub output_scale: f64,
+    /// The first this many replicas only prefill (0: none).
+    pub prefill_replicas: usize,
     /// `None`: each workload's default stage.
     pub count: Option<Count>,
     pub trace: Option<PathBuf>,
@@ -436,6 +445,12 @@ impl SimCli {
             }
             FleetKind::HalfSlow { slow_factor: f } => *f = self.slow_factor.unwrap_or(*f),
         }
+        if self.prefill_replicas >= self.replicas {
+            return Err(CliError::PrefillReplicas {
+                prefill: self.prefill_replicas,
+                replicas: self.replicas,
+            });
+        }
         if workloads.iter().any(|w| w == "mooncake") && self.trace.is_none() {
             return Err(CliError::MissingTrace);
         }
@@ -458,6 +473,7 @@ impl SimCli {
             rates: self.rates,
             scale: self.scale,
             output_scale: self.output_scale,
+            prefill_replicas: self.prefill_replicas,
             count,
             trace: self.trace,
             limit: self.limit,
@@ -552,6 +568,7 @@ impl SimArgs {
             scrape_interval: std::time::Duration::from_millis(50),
             sheddable: self.sheddable,
             kvoy_flow: self.kvoy_flow.clone(),
+            prefill_replicas: self.prefill_replicas,
         })
     }
 }

@@ -28,6 +28,7 @@
 //!     sglang_tree_chars: None,
 //!     kvoy_cost: Default::default(),
 //!     envoy_workers: None,
+//!     roles: Vec::new(),
 //! };
 //! let mut policy = PolicyKind::Kvoy.build(&options).unwrap();
 //! let cfg = SimConfig::new(Profile::llama_8b_h100(), 2);

@@ -33,6 +33,8 @@ pub struct Recorder {
     pub completed: u64,
     pub rejected: u64,
     pub preemptions: u64,
+    /// Requests split between a prefill and a decode engine.
+    pub disaggregated: u64,
     /// Ids of the completed requests, in completion order.
     pub finished: Vec<u64>,
     /// Ids of the requests the engines refused (too long for the model).

@@ -56,6 +56,28 @@ pub struct Grid {
     pub sheddable: Option<f64>,
     /// kvoy's `flow` fields set over the bench's (`--kvoy-flow`).
     pub kvoy_flow: serde_json::Map<String, serde_json::Value>,
+    /// Prefill/decode disaggregation: the first this many replicas only prefill, the others
+    /// decode (`--prefill-replicas`; 0: the aggregated fleet).
+    pub prefill_replicas: usize,
+}
+
+impl Grid {
+    /// Each replica's role: [`Grid::prefill_replicas`] prefill ones first; empty for the
+    /// aggregated fleet.
+    pub fn roles(&self) -> Vec<kvoy_shared::Role> {
+        if self.prefill_replicas == 0 {
+            return Vec::new();
+        }
+        (0..self.replicas)
+            .map(|i| {
+                if i < self.prefill_replicas {
+                    kvoy_shared::Role::Prefill
+                } else {
+                    kvoy_shared::Role::Decode
+                }
+            })
+            .collect()
+    }
 }
 
 /// Progress of the grid, for a progress line.
@@ -295,6 +317,7 @@ fn run_job(
             sglang_tree_chars: grid.sglang_tree_chars,
             kvoy_cost: grid.kvoy_cost.clone(),
             envoy_workers: grid.envoy_workers,
+            roles: grid.roles(),
         })
         .map_err(|source| RunError::Policy {
             policy: job.policy.name(),
@@ -302,6 +325,7 @@ fn run_job(
         })?;
     let mut cfg = SimConfig::with_profiles(profiles.to_vec());
     cfg.scrape_interval = grid.scrape_interval;
+    cfg.roles = grid.roles();
     let ideal = ideal.map(|cell| {
         *cell.get_or_init(|| {
             let shape = measure(&plan, &grid.profile);

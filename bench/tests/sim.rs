@@ -26,6 +26,7 @@ fn options(replicas: usize) -> PolicyOptions {
         sglang_tree_chars: None,
         kvoy_cost: Default::default(),
         envoy_workers: None,
+        roles: Vec::new(),
     }
 }
 
@@ -55,6 +56,7 @@ fn small_grid(threads: usize) -> Grid {
         scrape_interval: std::time::Duration::from_millis(50),
         sheddable: None,
         kvoy_flow: Default::default(),
+        prefill_replicas: 0,
     }
 }
 
@@ -467,6 +469,7 @@ fn half_slow_shared_prefix(cost: &str) -> (f64, u64) {
         scrape_interval: std::time::Duration::from_millis(50),
         sheddable: None,
         kvoy_flow: Default::default(),
+        prefill_replicas: 0,
     };
     let report = runner::run(&grid, &|_| {}).unwrap();
     let run = &report.workloads[0].runs[0];
@@ -509,6 +512,7 @@ fn interactive_met_at_2x(policies: &[PolicyKind]) -> Vec<f64> {
         scrape_interval: std::time::Duration::from_millis(50),
         sheddable: Some(0.7),
         kvoy_flow: Default::default(),
+        prefill_replicas: 0,
     };
     let report = runner::run(&grid, &|_| {}).unwrap();
     report.workloads[0]
@@ -542,5 +546,61 @@ fn the_interactive_band_keeps_its_slo_at_2x() {
     assert!(
         kvoy > llmd && kvoy > dynamo,
         "kvoy {kvoy:.3}, llm-d {llmd:.3}, dynamo {dynamo:.3}"
+    );
+}
+
+/// A fleet of 2 prefill and 2 decode replicas: kvoy splits the long prompts, every request
+/// completes, answered by a decode replica; a policy that knows no roles splits nothing.
+#[test]
+fn a_disaggregated_fleet_prefills_on_prefill_replicas_and_decodes_on_the_others() {
+    use kvoy_shared::Role;
+    let plan = SharedPrefix::new(0.5, Count::Fixed(60)).plan(4.0, 3);
+    let roles = vec![Role::Prefill, Role::Prefill, Role::Decode, Role::Decode];
+    let mut cfg = SimConfig::new(Profile::llama_8b_h100(), 4);
+    cfg.roles = roles.clone();
+    let mut o = options(4);
+    o.roles = roles;
+    let mut kvoy = PolicyKind::Kvoy.build(&o).unwrap();
+    let rec = sim::run(&plan, kvoy.as_mut(), &cfg, &mut |_, _| {}).unwrap();
+    assert_eq!(rec.completed, 60);
+    assert_eq!(
+        rec.per_endpoint[..2],
+        [0, 0],
+        "a prefill replica answers nothing"
+    );
+    assert!(rec.disaggregated >= 50, "{} of 60 split", rec.disaggregated);
+    assert!(rec.ttft.iter().all(|&t| t > 0.0));
+    // The same fleet without roles for the policy: nothing is split.
+    let mut whole = PolicyKind::Kvoy.build(&options(4)).unwrap();
+    let rec = sim::run(&plan, whole.as_mut(), &cfg, &mut |_, _| {}).unwrap();
+    assert_eq!((rec.completed, rec.disaggregated), (60, 0));
+}
+
+/// On 8 prefill and 8 decode replicas, the shared-prefix plan's groups keep their prefill
+/// replica: the hit rate is near the ideal. With the prefill choice weighing uncached
+/// tokens as the aggregated cost model does (`disaggregation.prefill_uncached_weight` 1), a
+/// group's second request spilled while the first one's prefill was queued (1,500 requests
+/// at 32 req/s: 34% of an ideal 83%).
+#[test]
+fn a_group_sharing_a_prefix_keeps_its_prefill_replica() {
+    use kvoy_shared::Role;
+    let mut w = SharedPrefix::new(1.0, Count::Fixed(300));
+    w.output_tokens = 500;
+    let plan = w.plan(32.0, 1);
+    let roles: Vec<Role> = (0..16)
+        .map(|i| if i < 8 { Role::Prefill } else { Role::Decode })
+        .collect();
+    let mut cfg = SimConfig::new(Profile::llama_8b_h100(), 16);
+    cfg.roles = roles.clone();
+    let mut o = options(16);
+    o.roles = roles;
+    let mut kvoy = PolicyKind::Kvoy.build(&o).unwrap();
+    let rec = sim::run(&plan, kvoy.as_mut(), &cfg, &mut |_, _| {}).unwrap();
+    assert_eq!(rec.completed, 300);
+    let hit = rec.cached_tokens as f64 / rec.prompt_tokens as f64;
+    let ideal = rec.ideal_hit_tokens as f64 / rec.ideal_prompt_tokens as f64;
+    assert!(
+        hit >= 0.95 * ideal,
+        "prefill hit rate {hit:.3}, ideal {ideal:.3}"
     );
 }

@@ -33,6 +33,7 @@
 //!     cache_generation: 0,
 //!     prefix_hit_rate: None,
 //!     prefill_tokens_per_s: None,
+//!     role: kvoy_shared::Role::Decode,
 //! }]);
 //! let mut snapshot = Vec::new();
 //! history.delta_since(None, None).encode(&mut snapshot); // what GET /v1/snapshot answers

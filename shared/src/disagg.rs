@@ -25,6 +25,13 @@ pub struct DisaggParams {
     pub non_cached_tokens: u32,
     /// ... and the prompt has at least this many tokens (llm-d's `promptTokens`; 0: any).
     pub prompt_tokens: u32,
+    /// How much more the prefill choice weighs a prompt token it would compute than the cost
+    /// model's weight: a prefill endpoint does nothing but prefill, so a prefix computed on a
+    /// second one is capacity every later request waits for. At 1 a group of requests sharing
+    /// a prefix, arriving while the first one's prefill is queued, spread over the prefill
+    /// endpoints (hit rate 34% of an ideal 83% in the fleet simulation); at 2 it stays
+    /// (bench/README.md, "Prefill/decode disaggregation").
+    pub prefill_uncached_weight: f64,
 }
 
 impl Default for DisaggParams {
@@ -33,6 +40,7 @@ impl Default for DisaggParams {
             // llm-d's sample configurations (deploy/config/pd-epp-config.yaml).
             non_cached_tokens: 16,
             prompt_tokens: 0,
+            prefill_uncached_weight: 2.0,
         }
     }
 }
@@ -55,6 +63,8 @@ pub(crate) struct RawDisagg {
     non_cached_tokens: Option<i64>,
     #[serde(default)]
     prompt_tokens: Option<i64>,
+    #[serde(default)]
+    prefill_uncached_weight: Option<f64>,
 }
 
 impl TryFrom<RawDisagg> for DisaggParams {
@@ -68,6 +78,10 @@ impl TryFrom<RawDisagg> for DisaggParams {
                 Some(v) => within(field, 0..=MAX_THRESHOLD_TOKENS, v).map(|v| v as u32),
             }
         };
+        let prefill_uncached_weight = match raw.prefill_uncached_weight {
+            None => d.prefill_uncached_weight,
+            Some(v) => within("disaggregation.prefill_uncached_weight", 1.0..=100.0, v)?,
+        };
         Ok(DisaggParams {
             non_cached_tokens: tokens(
                 "disaggregation.non_cached_tokens",
@@ -79,6 +93,7 @@ impl TryFrom<RawDisagg> for DisaggParams {
                 raw.prompt_tokens,
                 d.prompt_tokens,
             )?,
+            prefill_uncached_weight,
         })
     }
 }
@@ -97,6 +112,7 @@ mod tests {
         let p = DisaggParams {
             non_cached_tokens: 16,
             prompt_tokens: 100,
+            ..DisaggParams::default()
         };
         assert!(p.splits(100.0, 16.0));
         assert!(
@@ -108,6 +124,7 @@ mod tests {
         let off = DisaggParams {
             non_cached_tokens: 0,
             prompt_tokens: 0,
+            ..p
         };
         assert!(!off.splits(1e6, 1e6));
         for prompt in 0..200 {
@@ -132,6 +149,15 @@ mod tests {
         assert!(e.contains("`disaggregation.non_cached_tokens`"), "{e}");
         let e = parse(r#"{"prompt_tokens":99999999999}"#).unwrap_err();
         assert!(e.contains("`disaggregation.prompt_tokens`"), "{e}");
+        let e = parse(r#"{"prefill_uncached_weight":0.5}"#).unwrap_err();
+        assert!(
+            e.contains("`disaggregation.prefill_uncached_weight`"),
+            "{e}"
+        );
+        assert_eq!(
+            parse(r#"{"prefill_uncached_weight":3}"#).map(|p| p.prefill_uncached_weight),
+            Ok(3.0)
+        );
         let e = parse(r#"{"noncached":1}"#).unwrap_err();
         assert!(e.contains("noncached"), "{e}");
     }

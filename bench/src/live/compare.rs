@@ -112,6 +112,7 @@ pub fn simulate(grid: &LiveGrid, rates: &[(String, Vec<f64>)]) -> Result<Report,
             ),
             sheddable: None,
             kvoy_flow: Default::default(),
+            prefill_replicas: 0,
         };
         let report = runner::run(&sim, &|_| {})?;
         match &mut out {

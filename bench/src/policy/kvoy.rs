@@ -38,7 +38,7 @@ use kvoy_shared::{snapshot_board, Charge, EndpointId, Outstanding, OutstandingDe
 use kvoy_sim_engine::tokenizer::BYTES_PER_TOKEN;
 use kvoy_sim_engine::{KvEvent, MEDIUM_GPU};
 
-use super::{argmin_random, Policy, Prefilled, RouteRequest, View};
+use super::{argmin_random, Pick, Policy, Prefilled, RouteRequest, View};
 use crate::sim::block_hashes;
 use kvoy_shared::Rng;
 
@@ -81,6 +81,8 @@ pub struct KvoyOptions {
     pub kv_capacity_tokens: u32,
     /// Set last, over the two above.
     pub cost: CostOverrides,
+    /// Each endpoint's role (empty: all decode).
+    pub roles: Vec<kvoy_shared::Role>,
 }
 
 /// A kvoy configuration over `replicas` simulated endpoints with the crate's defaults but for
@@ -94,6 +96,9 @@ pub fn config(
     let endpoints: Vec<serde_json::Value> = (0..replicas)
         .map(|i| {
             let mut e = serde_json::json!({"address": address(i).to_string(), "models": [MODEL]});
+            if let Some(role) = o.roles.get(i) {
+                e["role"] = serde_json::json!(role.name());
+            }
             if let (false, Some(rate)) = (uniform, rates.get(i)) {
                 e["prefill_tokens_per_s"] = serde_json::json!(rate);
             }
@@ -125,6 +130,8 @@ struct Sent {
     endpoint: usize,
     charge: Charge,
     answered: bool,
+    /// A split request's prefill endpoint and its charge, released when the answer begins.
+    prefill: Option<(usize, Charge)>,
 }
 
 /// From a server's eviction to the proxies' index (aggregator mode): the proxies' decision
@@ -170,6 +177,8 @@ pub struct Kvoy {
     /// Answers ended, of which every [`kvoy_shared::usage::SAMPLE_EVERY`]th teaches the
     /// router its output length.
     answers: u64,
+    /// Each endpoint's role, as the aggregator reports it.
+    roles: Vec<kvoy_shared::Role>,
 }
 
 impl Kvoy {
@@ -198,6 +207,7 @@ impl Kvoy {
             fallback: Rng::derive(seed, "kvoy/fallback", 0),
             refused: 0,
             answers: 0,
+            roles: options.roles.clone(),
         })
     }
 
@@ -244,7 +254,7 @@ impl Kvoy {
                 cache_generation: 0,
                 prefix_hit_rate: m.prefix_hit_rate.map(|r| r as f32),
                 prefill_tokens_per_s: self.prefill[i].estimate().map(|e| e.tokens_per_s as f32),
-                role: kvoy_shared::Role::Decode,
+                role: self.roles.get(i).copied().unwrap_or_default(),
             })
             .collect();
         Snapshot {
@@ -257,6 +267,10 @@ impl Kvoy {
 
 impl Policy for Kvoy {
     fn pick(&mut self, request: &RouteRequest<'_>, view: &View<'_>) -> usize {
+        self.pick_pd(request, view).decode
+    }
+
+    fn pick_pd(&mut self, request: &RouteRequest<'_>, view: &View<'_>) -> Pick {
         match self
             .router
             .route_body(Api::Completions, request.body, &self.outstanding, view.now)
@@ -279,23 +293,34 @@ impl Policy for Kvoy {
                 let endpoint = decision.endpoint.index();
                 let charge = decision.charge;
                 self.apply(endpoint, OutstandingDelta::sent(charge), view.now);
+                let prefill = decision.prefill.map(|p| (p.endpoint.index(), p.charge));
+                if let Some((p, charge)) = prefill {
+                    self.apply(p, OutstandingDelta::sent(charge), view.now);
+                }
                 self.sent.insert(
                     request.id,
                     Sent {
                         endpoint,
                         charge,
                         answered: false,
+                        prefill,
                     },
                 );
-                endpoint
+                Pick {
+                    decode: endpoint,
+                    prefill: prefill.map(|(p, _)| p),
+                }
             }
             Err(e) => {
                 log::warn!("kvoy refused request {}: {e}", request.id);
                 self.refused += 1;
-                argmin_random(
-                    view.inflight.iter().map(|&n| u64::from(n)),
-                    &mut self.fallback,
-                )
+                Pick {
+                    decode: argmin_random(
+                        view.inflight.iter().map(|&n| u64::from(n)),
+                        &mut self.fallback,
+                    ),
+                    prefill: None,
+                }
             }
         }
     }
@@ -303,8 +328,12 @@ impl Policy for Kvoy {
     fn on_first_token(&mut self, request: u64, _endpoint: usize, now: Duration) {
         if let Some(sent) = self.sent.get_mut(&request).filter(|s| !s.answered) {
             sent.answered = true;
-            let (endpoint, charge) = (sent.endpoint, sent.charge);
+            let (endpoint, charge, prefill) = (sent.endpoint, sent.charge, sent.prefill.take());
             self.apply(endpoint, OutstandingDelta::answered(charge), now);
+            // The prefill is done when the answer begins (as the filter releases it).
+            if let Some((p, charge)) = prefill {
+                self.apply(p, OutstandingDelta::finished(charge, false), now);
+            }
         }
     }
 
@@ -323,6 +352,9 @@ impl Policy for Kvoy {
                 OutstandingDelta::finished(sent.charge, sent.answered),
                 now,
             );
+            if let Some((p, charge)) = sent.prefill {
+                self.apply(p, OutstandingDelta::finished(charge, false), now);
+            }
         }
     }
 
@@ -453,6 +485,7 @@ mod tests {
             prefill_tokens_per_s: 25_000.0,
             kv_capacity_tokens: 409_600,
             cost: CostOverrides::default(),
+            roles: Vec::new(),
         }
     }
 

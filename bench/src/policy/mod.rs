@@ -89,10 +89,27 @@ pub struct Prefilled {
     pub request: u64,
 }
 
+/// Where a request goes: the endpoint that answers it and, for a disaggregated request, the one
+/// that computes its prompt first (prefill/decode disaggregation, [`kvoy_shared::disagg`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pick {
+    pub decode: usize,
+    pub prefill: Option<usize>,
+}
+
 /// A routing policy. Deterministic given its seed and the calls it receives.
 pub trait Policy {
     /// The endpoint (index below `view.inflight.len()`) for `request`.
     fn pick(&mut self, request: &RouteRequest<'_>, view: &View<'_>) -> usize;
+
+    /// [`Policy::pick`] on a fleet with prefill endpoints: also names the prefill endpoint of a
+    /// request it splits. A policy that knows no roles answers every request whole.
+    fn pick_pd(&mut self, request: &RouteRequest<'_>, view: &View<'_>) -> Pick {
+        Pick {
+            decode: self.pick(request, view),
+            prefill: None,
+        }
+    }
 
     /// Called after each scrape with the fresh `view` and the prompts cached since the last
     /// scrape. Policies that read server metrics only at `pick` ignore it.
@@ -152,6 +169,8 @@ pub struct PolicyOptions {
     /// ([`basic::EnvoyRoundRobin`], [`basic::PowerOfTwo`]); `None`: strict rotation and a full
     /// scan.
     pub envoy_workers: Option<usize>,
+    /// Each replica's role (empty: every one decodes, the aggregated fleet).
+    pub roles: Vec<kvoy_shared::Role>,
 }
 
 impl PolicyKind {
@@ -229,6 +248,7 @@ impl PolicyKind {
                         .num_gpu_blocks
                         .saturating_mul(o.profile.block_size),
                     cost: o.kvoy_cost.clone(),
+                    roles: o.roles.clone(),
                 };
                 let rates: Vec<f64> = o
                     .replica_profiles

@@ -10,6 +10,13 @@
 //! turn (if any) arrives `delay` after it completes. Every `scrape_interval` the engines' figures
 //! are read as a metrics scrape would, and the policy is told. The KV events each step emits
 //! reach the policy as they happen ([`Policy::on_kv_events`]), as a router subscribed to them.
+//!
+//! Prefill/decode disaggregation ([`SimConfig::roles`]): a request the policy splits
+//! ([`Policy::pick_pd`]) is first sent to its prefill engine with `max_tokens` 1 (as llm-d's
+//! sidecar asks); when that finishes, its KV travels to the decode engine (the prompt tokens
+//! the decode engine does not hold, at [`SimConfig::kv_transfer_tokens_per_s`]), which then
+//! decodes it with those blocks cached ([`Engine::submit_transferred`]). Its TTFT and E2E count
+//! from its arrival; its hit tokens are the prefill engine's.
 
 mod mirror;
 mod queue;
@@ -38,6 +45,11 @@ pub struct SimConfig {
     /// Count the ideal hit rate as requests arrive. Open-loop plans (whose requests do not
     /// depend on the routing) can have it computed once instead, with `saturation::measure`.
     pub track_ideal: bool,
+    /// Each replica's role in prefill/decode disaggregation (empty: every one serves whole
+    /// requests). Only a policy that splits requests uses prefill replicas.
+    pub roles: Vec<kvoy_shared::Role>,
+    /// KV transfer rate from a prefill to a decode engine, prompt tokens per second.
+    pub kv_transfer_tokens_per_s: f64,
 }
 
 impl SimConfig {
@@ -52,6 +64,9 @@ impl SimConfig {
             profiles,
             scrape_interval: Duration::from_millis(50),
             track_ideal: true,
+            roles: Vec::new(),
+            // About 25 GB/s at 128 KiB of KV per token (an 8B model in bf16).
+            kv_transfer_tokens_per_s: 200_000.0,
         }
     }
 
@@ -79,6 +94,8 @@ pub enum SimError {
     ScrapeInterval,
     #[error("the policy chose endpoint {chosen} of {replicas}")]
     BadPick { chosen: usize, replicas: usize },
+    #[error("the policy split a request to prefill endpoint {prefill} for decode endpoint {decode}: not a prefill endpoint, or the same")]
+    BadPrefill { prefill: usize, decode: usize },
     #[error("{0} requests never finished (an engine stalled)")]
     Unfinished(usize),
 }
@@ -99,9 +116,27 @@ struct Live {
     prefill_time: Duration,
     /// Its entry in `Recorder::served`, once its first token is out.
     served: Option<usize>,
-    /// How long the admission stage held it before it was routed (counted in its TTFT).
+    /// How long the admission stage held it before it was routed, and a split request's
+    /// prefill and KV transfer (both counted in its TTFT).
     held: Duration,
+    /// A split request: the prompt tokens its prefill engine had cached (its hit tokens).
+    prefill_hit: Option<u32>,
 }
+
+/// A split request between its routing and its arrival at the decode engine.
+struct Transfer {
+    session: u32,
+    decode: usize,
+    prompt: Vec<u32>,
+    max_tokens: u32,
+    arrived: Duration,
+    /// The prefill engine's figures, once its answer is out.
+    prefill_time: Duration,
+    cached_tokens: u32,
+}
+
+/// Marks the id of a request's prefill half (request ids stay far below it).
+const PREFILL_HALF: u64 = 1 << 63;
 
 /// A request the admission stage holds: its session, turn and arrival.
 #[derive(Clone, Copy)]
@@ -143,6 +178,10 @@ struct Sim<'a, 'g> {
     ticking: bool,
     resume: Vec<u64>,
     expired: Vec<u64>,
+    roles: &'a [kvoy_shared::Role],
+    kv_transfer_tokens_per_s: f64,
+    /// Split requests by their prefill half's id.
+    transfers: std::collections::HashMap<u64, Transfer>,
 }
 
 /// Runs `plan` through `policy` on the fleet; `progress(done, total)` is called as requests
@@ -222,6 +261,9 @@ pub fn run_gated(
         ticking: false,
         resume: Vec::new(),
         expired: Vec::new(),
+        roles: &cfg.roles,
+        kv_transfer_tokens_per_s: cfg.kv_transfer_tokens_per_s,
+        transfers: std::collections::HashMap::new(),
     };
     for (i, s) in plan.sessions.iter().enumerate() {
         if !s.turns.is_empty() {
@@ -248,6 +290,7 @@ pub fn run_gated(
                 sim.step_end(now, engine as usize, policy)?;
                 progress(sim.done, sim.total);
             }
+            Event::Transferred { id } => sim.transferred(now, id, policy),
             Event::Tick => {
                 sim.ticking = false;
                 sim.release(now, policy)?;
@@ -420,24 +463,82 @@ impl Sim<'_, '_> {
             body: &self.body,
             prompt_tokens: u32::try_from(prompt.len()).unwrap_or(u32::MAX),
         };
-        let e = policy.pick(&request, &view);
+        let pick = if self.roles.is_empty() {
+            crate::policy::Pick {
+                decode: policy.pick(&request, &view),
+                prefill: None,
+            }
+        } else {
+            policy.pick_pd(&request, &view)
+        };
+        let e = pick.decode;
         if e >= self.engines.len() {
             return Err(SimError::BadPick {
                 chosen: e,
                 replicas: self.engines.len(),
             });
         }
+        if let Some(p) = pick.prefill {
+            let prefills = self.roles.get(p).is_some_and(|r| r.prefills());
+            if !prefills || p == e {
+                return Err(SimError::BadPrefill {
+                    prefill: p,
+                    decode: e,
+                });
+            }
+        }
         let max_hit_blocks = prompt.len().saturating_sub(1) / self.block_size;
         block_hashes(&prompt, self.block_size, max_hit_blocks, &mut self.hashes);
-        let arrival_hit = (self.mirrors[e].matched(&self.hashes) * self.block_size) as u32;
-        let submitted = self.engines[e].submit(
-            EngineRequest {
-                id: turn.id,
-                prompt,
-                max_tokens: turn.max_tokens,
-            },
-            now,
+        let hit_at = |mirrors: &[CacheMirror], i: usize, hashes: &[u64], bs: usize| {
+            (mirrors[i].matched(hashes) * bs) as u32
+        };
+        let arrival_hit = hit_at(
+            &self.mirrors,
+            pick.prefill.unwrap_or(e),
+            &self.hashes,
+            self.block_size,
         );
+        let submitted = match pick.prefill {
+            // The prefill half first; the request reaches its decode engine after it.
+            Some(p) => {
+                let prefilled = self.engines[p].submit(
+                    EngineRequest {
+                        id: turn.id | PREFILL_HALF,
+                        prompt: prompt.clone(),
+                        max_tokens: 1,
+                    },
+                    now,
+                );
+                if prefilled.is_ok() {
+                    self.inflight[p] += 1;
+                    self.rec.disaggregated += 1;
+                    self.transfers.insert(
+                        turn.id | PREFILL_HALF,
+                        Transfer {
+                            session: si,
+                            decode: e,
+                            prompt,
+                            max_tokens: turn.max_tokens,
+                            arrived: now,
+                            prefill_time: Duration::ZERO,
+                            cached_tokens: 0,
+                        },
+                    );
+                    if !self.busy[p] {
+                        self.start_step(now, p, policy);
+                    }
+                }
+                prefilled
+            }
+            None => self.engines[e].submit(
+                EngineRequest {
+                    id: turn.id,
+                    prompt,
+                    max_tokens: turn.max_tokens,
+                },
+                now,
+            ),
+        };
         self.rec.per_endpoint[e] += 1;
         if ti as usize + 1 < session.turns.len() {
             std::mem::swap(&mut self.text, &mut self.contexts[si as usize]);
@@ -455,9 +556,10 @@ impl Sim<'_, '_> {
                     prefill_time: Duration::ZERO,
                     served: None,
                     held,
+                    prefill_hit: None,
                 });
                 self.open += 1;
-                if !self.busy[e] {
+                if pick.prefill.is_none() && !self.busy[e] {
                     self.start_step(now, e, policy);
                 }
             }
@@ -468,6 +570,91 @@ impl Sim<'_, '_> {
             }
         }
         Ok(())
+    }
+
+    /// A split request's prefill half produced its token (and finished) on engine `p`: its KV
+    /// leaves for the decode engine, minus the blocks that one already holds.
+    fn prefill_output(&mut self, now: Duration, p: usize, id: u64, kind: &OutputKind) {
+        match *kind {
+            OutputKind::FirstToken {
+                prefill_time,
+                cached_tokens,
+                ..
+            } => {
+                if let Some(t) = self.transfers.get_mut(&id) {
+                    t.prefill_time = prefill_time;
+                    t.cached_tokens = cached_tokens;
+                }
+            }
+            OutputKind::Finished { usage, .. } => {
+                self.inflight[p] = self.inflight[p].saturating_sub(1);
+                let Some(t) = self.transfers.get(&id) else {
+                    return;
+                };
+                let totals = &mut self.prefill[p];
+                totals.seconds += t.prefill_time.as_secs_f64();
+                totals.requests += 1;
+                totals.computed_tokens +=
+                    u64::from(usage.prompt_tokens.saturating_sub(usage.cached_tokens));
+                let max_hit_blocks = t.prompt.len().saturating_sub(1) / self.block_size;
+                block_hashes(&t.prompt, self.block_size, max_hit_blocks, &mut self.hashes);
+                let held = self.mirrors[t.decode].matched(&self.hashes) * self.block_size;
+                let moved = t.prompt.len().saturating_sub(held) as f64;
+                let rate = self.kv_transfer_tokens_per_s;
+                let wait = if rate.is_finite() && rate > 0.0 {
+                    Duration::from_secs_f64(moved / rate)
+                } else {
+                    Duration::ZERO
+                };
+                self.queue.push(now + wait, Event::Transferred { id });
+            }
+            OutputKind::Token { .. } | OutputKind::Preempted => {}
+        }
+    }
+
+    /// A split request's KV reached its decode engine: it is submitted there.
+    fn transferred(&mut self, now: Duration, id: u64, policy: &mut dyn Policy) {
+        let Some(t) = self.transfers.remove(&id) else {
+            return;
+        };
+        let request = id & !PREFILL_HALF;
+        let e = t.decode;
+        let si = t.session as usize;
+        let submitted = self.engines[e].submit_transferred(
+            EngineRequest {
+                id: request,
+                prompt: t.prompt,
+                max_tokens: t.max_tokens,
+            },
+            None,
+            now,
+        );
+        let Some(live) = self
+            .live
+            .get_mut(si)
+            .and_then(|l| l.as_mut())
+            .filter(|l| l.id == request)
+        else {
+            return;
+        };
+        match submitted {
+            Ok(()) => {
+                // TTFT and E2E count from the request's arrival.
+                live.held += now.saturating_sub(t.arrived);
+                live.prefill_hit = Some(t.cached_tokens);
+                if !self.busy[e] {
+                    self.start_step(now, e, policy);
+                }
+            }
+            Err(err) => {
+                log::debug!("request {request} refused by its decode engine: {err}");
+                self.live[si] = None;
+                self.open -= 1;
+                self.inflight[e] = self.inflight[e].saturating_sub(1);
+                policy.on_finished(request, e, now);
+                self.refuse(now, si as u32, request);
+            }
+        }
     }
 
     /// Schedules the turn after request `id` of session `si`, if there is one.
@@ -517,6 +704,10 @@ impl Sim<'_, '_> {
         let in_window = now <= self.rec.window_end;
         for out in outputs {
             let id = out.id;
+            if id & PREFILL_HALF != 0 {
+                self.prefill_output(now, e, id, &out.kind);
+                continue;
+            }
             let si = (id / crate::workload::TURN_SLOTS) as usize;
             let Some(live) = self
                 .live
@@ -587,7 +778,9 @@ impl Sim<'_, '_> {
                     self.rec.e2e.push((latency + live.held).as_secs_f64());
                     completed = true;
                     self.rec.prompt_tokens += u64::from(usage.prompt_tokens);
-                    let cached = if live.preempted_early {
+                    let cached = if let Some(hit) = live.prefill_hit {
+                        hit
+                    } else if live.preempted_early {
                         self.rec.estimated_hit_requests += 1;
                         live.arrival_hit.min(usage.prompt_tokens)
                     } else {

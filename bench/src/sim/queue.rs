@@ -16,6 +16,8 @@ pub enum Event {
     /// The admission stage's tick: held requests are looked at (queued only while some are
     /// held).
     Tick,
+    /// A split request's KV reached its decode engine (`id`: its prefill half's).
+    Transferred { id: u64 },
 }
 
 #[derive(Debug, Default)]

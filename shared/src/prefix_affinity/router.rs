@@ -708,7 +708,7 @@ impl Router {
             &candidates,
             size,
             &self.config.cost,
-            weight,
+            weight * self.config.disagg.prefill_uncached_weight,
             &mut self.rng,
             &mut self.prefill_costs,
         );

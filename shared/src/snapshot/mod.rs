@@ -23,6 +23,7 @@
 //!     cache_generation: 1,
 //!     prefix_hit_rate: Some(0.5),
 //!     prefill_tokens_per_s: Some(24_000.0),
+//!     role: kvoy_shared::Role::Decode,
 //! };
 //! // aggregator
 //! let mut history = SnapshotHistory::new(7);
