@@ -35,7 +35,8 @@ fuzz_target!(|data: &[u8]| {
     assert_eq!(delta.validate(), Ok(()));
     let format = match data[3] {
         1 => SnapshotFormat::V1,
-        _ => SnapshotFormat::V2,
+        2 => SnapshotFormat::V2,
+        _ => SnapshotFormat::V3,
     };
     let mut again = Vec::new();
     delta.encode_format(format, &mut again);
