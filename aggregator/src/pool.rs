@@ -72,8 +72,9 @@ pub struct PoolView {
     pub gauges: PoolGauges,
     /// Whether the endpoint source has been read successfully at least once.
     pub loaded: bool,
-    /// Loaded, and every KV follower of the first endpoints has asked its server's replay
-    /// socket for what it buffered: until then the snapshot API answers 503 `catching-up`
+    /// Loaded, every endpoint of the first pool scraped once (successfully or not), and every
+    /// KV follower of the first endpoints has asked its server's replay socket for what it
+    /// buffered: until then the snapshot API answers 503 `catching-up`
     /// (another replica, caught up, serves the proxies). It stays true once it is.
     pub caught_up: bool,
     pub source_reloads: u64,
@@ -340,6 +341,9 @@ impl Pool {
             }
             let kv = rt.follower.as_ref().map(|f| f.summary());
             caught_up &= kv.is_none_or(|k| k.caught_up);
+            // Until its first scrape ends a server reads as not ready: a replica answering then
+            // would send every proxy that fails over to it off a healthy server.
+            caught_up &= scrape.attempted();
             let status = status::endpoint_status(
                 rt.slot,
                 &rt.spec,

@@ -27,6 +27,12 @@ pub struct ScrapeState {
 }
 
 impl ScrapeState {
+    /// A first scrape has ended, either way: until then the endpoint reads as not ready, and a
+    /// replica that answered then would steer the proxies off a healthy server.
+    pub fn attempted(&self) -> bool {
+        self.last_success.is_some() || self.consecutive_failures > 0
+    }
+
     /// Records a successful scrape at `now`.
     pub fn record(&mut self, metrics: ServerMetrics, now: Instant) {
         let before = self.metrics.as_ref().and_then(|m| m.prefix_cache_queries);

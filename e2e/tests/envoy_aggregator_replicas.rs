@@ -52,6 +52,7 @@ impl Phase {
 /// Conversations `base..base + AGENTS` at once, turn `t` of the `i`th through proxy
 /// `(i + t) % 2`, each next turn sent as its reply ends; `during` runs `after` into the phase.
 fn run(proxies: &[SocketAddr], base: usize, after: Duration, during: impl FnOnce()) -> Phase {
+    let start = Instant::now();
     let runs: Vec<_> = (0..AGENTS)
         .map(|i| {
             let proxies = proxies.to_vec();
@@ -86,6 +87,16 @@ fn run(proxies: &[SocketAddr], base: usize, after: Duration, during: impl FnOnce
                     if let (Some(p), Some(s)) = (&previous, &served) {
                         phase.turns += 1;
                         phase.kept += usize::from(p == s);
+                        if p != s {
+                            // Which turns move, and when, tells a failover window from a
+                            // replica that knows less.
+                            eprintln!(
+                                "[{NAME}] conversation {} turn {t} via proxy {}: {p} -> {s} at {} ms",
+                                base + i,
+                                (i + t) % proxies.len(),
+                                start.elapsed().as_millis()
+                            );
+                        }
                     }
                     previous = served;
                 }
