@@ -70,6 +70,16 @@ pub struct PrefillTotals {
     pub computed_tokens: u64,
 }
 
+impl PrefillTotals {
+    /// Counts a finished request that took `prefill_time` to its first token, as vLLM's
+    /// histograms observe it.
+    pub fn observe(&mut self, prefill_time: Duration, usage: &kvoy_sim_engine::Usage) {
+        self.seconds += prefill_time.as_secs_f64();
+        self.requests += 1;
+        self.computed_tokens += u64::from(usage.prompt_tokens.saturating_sub(usage.cached_tokens));
+    }
+}
+
 /// What a proxy observes when it routes.
 #[derive(Clone, Copy, Debug)]
 pub struct View<'a> {

@@ -128,6 +128,8 @@ struct Transfer {
     session: u32,
     decode: usize,
     prompt: Vec<u32>,
+    /// The prompt's block hashes (up to its last token), for what the decode engine holds.
+    hashes: Vec<u64>,
     max_tokens: u32,
     arrived: Duration,
     /// The prefill engine's figures, once its answer is out.
@@ -463,14 +465,7 @@ impl Sim<'_, '_> {
             body: &self.body,
             prompt_tokens: u32::try_from(prompt.len()).unwrap_or(u32::MAX),
         };
-        let pick = if self.roles.is_empty() {
-            crate::policy::Pick {
-                decode: policy.pick(&request, &view),
-                prefill: None,
-            }
-        } else {
-            policy.pick_pd(&request, &view)
-        };
+        let pick = policy.pick_pd(&request, &view);
         let e = pick.decode;
         if e >= self.engines.len() {
             return Err(SimError::BadPick {
@@ -489,15 +484,9 @@ impl Sim<'_, '_> {
         }
         let max_hit_blocks = prompt.len().saturating_sub(1) / self.block_size;
         block_hashes(&prompt, self.block_size, max_hit_blocks, &mut self.hashes);
-        let hit_at = |mirrors: &[CacheMirror], i: usize, hashes: &[u64], bs: usize| {
-            (mirrors[i].matched(hashes) * bs) as u32
-        };
-        let arrival_hit = hit_at(
-            &self.mirrors,
-            pick.prefill.unwrap_or(e),
-            &self.hashes,
-            self.block_size,
-        );
+        // A split request's hits are its prefill engine's.
+        let hit_at = pick.prefill.unwrap_or(e);
+        let arrival_hit = (self.mirrors[hit_at].matched(&self.hashes) * self.block_size) as u32;
         let submitted = match pick.prefill {
             // The prefill half first; the request reaches its decode engine after it.
             Some(p) => {
@@ -518,6 +507,7 @@ impl Sim<'_, '_> {
                             session: si,
                             decode: e,
                             prompt,
+                            hashes: self.hashes.clone(),
                             max_tokens: turn.max_tokens,
                             arrived: now,
                             prefill_time: Duration::ZERO,
@@ -591,14 +581,8 @@ impl Sim<'_, '_> {
                 let Some(t) = self.transfers.get(&id) else {
                     return;
                 };
-                let totals = &mut self.prefill[p];
-                totals.seconds += t.prefill_time.as_secs_f64();
-                totals.requests += 1;
-                totals.computed_tokens +=
-                    u64::from(usage.prompt_tokens.saturating_sub(usage.cached_tokens));
-                let max_hit_blocks = t.prompt.len().saturating_sub(1) / self.block_size;
-                block_hashes(&t.prompt, self.block_size, max_hit_blocks, &mut self.hashes);
-                let held = self.mirrors[t.decode].matched(&self.hashes) * self.block_size;
+                self.prefill[p].observe(t.prefill_time, &usage);
+                let held = self.mirrors[t.decode].matched(&t.hashes) * self.block_size;
                 let moved = t.prompt.len().saturating_sub(held) as f64;
                 let rate = self.kv_transfer_tokens_per_s;
                 let wait = if rate.is_finite() && rate > 0.0 {
@@ -770,11 +754,7 @@ impl Sim<'_, '_> {
                     self.inflight[endpoint] = self.inflight[endpoint].saturating_sub(1);
                     policy.on_output(id, usage.completion_tokens);
                     policy.on_finished(id, endpoint, now);
-                    let totals = &mut self.prefill[endpoint];
-                    totals.seconds += live.prefill_time.as_secs_f64();
-                    totals.requests += 1;
-                    totals.computed_tokens +=
-                        u64::from(usage.prompt_tokens.saturating_sub(usage.cached_tokens));
+                    self.prefill[endpoint].observe(live.prefill_time, &usage);
                     self.rec.e2e.push((latency + live.held).as_secs_f64());
                     completed = true;
                     self.rec.prompt_tokens += u64::from(usage.prompt_tokens);
