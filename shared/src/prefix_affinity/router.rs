@@ -24,6 +24,9 @@ pub struct Decision {
     pub matched_blocks: u32,
     /// Prefix blocks of the request.
     pub request_blocks: u32,
+    /// The most leading blocks any candidate was believed to hold: above `matched_blocks`,
+    /// the request left its prefix's holder because load outweighed the cache (a spill).
+    pub longest_match: u32,
     pub kind: DecisionKind,
     pub session: SessionOutcome,
     /// What the caller charges the chosen endpoint's [`Outstanding`] entry with: the
@@ -611,6 +614,7 @@ impl Router {
             };
         }
         let c = self.candidates[chosen];
+        let longest_match = self.candidates.iter().map(|c| c.matched).max().unwrap_or(0);
         self.index.record(c.id, &self.keys);
         let (uncached, rate) = self
             .costs
@@ -662,6 +666,7 @@ impl Router {
             endpoint: c.id,
             matched_blocks: c.matched,
             request_blocks: self.keys.len() as u32,
+            longest_match,
             kind: DecisionKind::Scored,
             session,
             charge: Charge {
@@ -787,6 +792,7 @@ impl Router {
             endpoint: self.candidates[chosen].id,
             matched_blocks: 0,
             request_blocks: 0,
+            longest_match: 0,
             kind,
             session: SessionOutcome::None,
             charge: Charge::default(),
@@ -939,6 +945,36 @@ mod tests {
             assert_eq!(d.endpoint, first.endpoint);
             assert!(d.matched_blocks > 10 && d.matched_blocks <= d.request_blocks);
         }
+    }
+
+    #[test]
+    fn a_request_sent_off_its_prefix_holder_for_load_is_a_spill() {
+        let mut r = router("");
+        let system = "You are a helpful assistant. ".repeat(40);
+        let first = idle_route(&mut r, &chat("a", &system, "q0"));
+        assert_eq!(first.longest_match, 0);
+        let again = idle_route(&mut r, &chat("a", &system, "q1"));
+        assert_eq!(again.endpoint, first.endpoint);
+        assert_eq!(again.longest_match, again.matched_blocks);
+        // The holder has a million tokens queued: recomputing the prefix elsewhere wins.
+        let mut loads = [Outstanding::default(); 3];
+        loads[first.endpoint.0 as usize] = Outstanding {
+            requests: 100,
+            prefilling: 100,
+            prefill_tokens: 1_000_000,
+            ..Outstanding::default()
+        };
+        let spilled = r
+            .route_body(
+                Api::ChatCompletions,
+                &chat("a", &system, "q2"),
+                &loads,
+                Duration::ZERO,
+            )
+            .unwrap();
+        assert_ne!(spilled.endpoint, first.endpoint);
+        assert_eq!(spilled.matched_blocks, 0);
+        assert_eq!(spilled.longest_match, again.matched_blocks);
     }
 
     #[test]

@@ -22,6 +22,9 @@ pub struct Metrics {
     pub disaggregated: Option<u32>,
     pub blocks_requested: Option<u32>,
     pub blocks_matched: Option<u32>,
+    /// Requests sent away from the endpoint believed to hold the longest part of their
+    /// prefix (load outweighed the cache).
+    pub spilled: Option<u32>,
     pub remote_applied: Option<u32>,
     pub shared_state_errors: Option<u32>,
     pub rejected_bad_request: Option<u32>,
@@ -73,6 +76,7 @@ impl Metrics {
             disaggregated: counter("kvoy_prefix_affinity_disaggregated_total"),
             blocks_requested: counter("kvoy_prefix_affinity_prefix_blocks_requested_total"),
             blocks_matched: counter("kvoy_prefix_affinity_prefix_blocks_matched_total"),
+            spilled: counter("kvoy_prefix_affinity_spilled_total"),
             remote_applied: counter("kvoy_prefix_affinity_remote_decisions_applied_total"),
             shared_state_errors: counter("kvoy_prefix_affinity_shared_state_errors_total"),
             rejected_bad_request: counter("kvoy_prefix_affinity_errors_bad_request_total"),

@@ -358,6 +358,9 @@ impl PrefixStage {
                     vm.metrics.blocks_matched,
                     u64::from(decision.matched_blocks),
                 );
+                if decision.longest_match > decision.matched_blocks {
+                    Metrics::add(vm.metrics.spilled, 1);
+                }
                 if logs {
                     let keys = vm.router.last_keys();
                     // Not counted (the table full, or contended past its retries): the
