@@ -75,14 +75,15 @@ pub fn for_policy(
         PolicyKind::Kvoy | PolicyKind::KvoyAggregator | PolicyKind::KvoyWeighted => {
             Some(Box::new(KvoyGate::new(replicas, kvoy_flow)?))
         }
-        PolicyKind::LlmD | PolicyKind::LlmD1 | PolicyKind::LlmD1Calibrated => {
+        PolicyKind::LlmD | PolicyKind::LlmD1 | PolicyKind::LlmD1Calibrated | PolicyKind::LlmDPd => {
             Some(Box::new(LlmdLegacyGate::default()))
         }
         PolicyKind::RoundRobin
         | PolicyKind::LeastRequest
         | PolicyKind::Random
         | PolicyKind::Sglang
-        | PolicyKind::Dynamo => None,
+        | PolicyKind::Dynamo
+        | PolicyKind::DynamoPd => None,
     })
 }
 

@@ -12,7 +12,9 @@ use kvoy_sim_engine::Profile;
 use crate::fleet::FleetKind;
 use crate::policy::PolicyKind;
 use crate::runner::{Grid, Rate};
-use crate::workload::{Agents, Count, NoSharing, SharedPrefix, Trace, TraceError, Workload};
+use crate::workload::{
+    Agents, Count, LongPrompt, NoSharing, SharedPrefix, Trace, TraceError, Workload,
+};
 
 /// A command-line mistake, or an input that cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -22,7 +24,9 @@ pub enum CliError {
     /// What clap refused, in one line that names the flag (the binary prints clap's own message).
     #[error("{}", usage_message(.0))]
     Usage(clap::Error),
-    #[error("unknown workload `{0}`; expected shared-prefix, agents, mooncake or no-sharing")]
+    #[error(
+        "unknown workload `{0}`; expected shared-prefix, agents, mooncake, no-sharing or long-prompt"
+    )]
     UnknownWorkload(String),
     #[error("`--slow-factor` applies to `--fleet half-slow` only")]
     SlowFactorWithoutSlowReplicas,
@@ -170,16 +174,17 @@ impl CliCommand {
                   of that fleet's own saturation estimate."
 )]
 pub struct SimCli {
-    /// shared-prefix, agents, mooncake or no-sharing; repeat or separate with commas
-    /// [default: shared-prefix]
+    /// shared-prefix, agents, mooncake, no-sharing or long-prompt; repeat or separate with
+    /// commas [default: shared-prefix]
     #[arg(long, visible_alias = "workloads", value_name = "NAME", value_delimiter = ',',
           value_parser = workload)]
     pub workload: Vec<String>,
     /// Every workload (mooncake needs --trace)
     #[arg(long)]
     pub all: bool,
-    /// Comma-separated among round-robin, least-request, random, kvoy, kvoy-aggregator, llm-d,
-    /// sglang, llm-d-1.0, llm-d-1.0-calibrated, dynamo [default: all]
+    /// Comma-separated among round-robin, least-request, random, kvoy, kvoy-aggregator,
+    /// kvoy-weighted, llm-d, sglang, llm-d-1.0, llm-d-1.0-calibrated, dynamo, and the P/D
+    /// references llm-d-pd, dynamo-pd [default: all; the P/D ones with --prefill-replicas]
     #[arg(long, value_name = "LIST", value_delimiter = ',', value_parser = policy)]
     pub policies: Vec<PolicyKind>,
     /// Engines in the fleet
@@ -207,7 +212,7 @@ pub struct SimCli {
     #[arg(long, value_name = "LIST", value_delimiter = ',', value_parser = sim_rate,
           default_values = ["0.5x", "1x", "2x", "3x"])]
     pub rates: Vec<Rate>,
-    /// shared-prefix: multiply prompt and output lengths
+    /// shared-prefix, long-prompt: multiply prompt and output lengths
     #[arg(long, value_name = "F", default_value_t = 1.0,
           value_parser = kvoy_sim::cli::positive_f64)]
     pub scale: f64,
@@ -221,11 +226,11 @@ pub struct SimCli {
     /// `disaggregation` settings) [default: 0, every replica serves whole requests]
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub prefill_replicas: usize,
-    /// shared-prefix, agents, no-sharing: load stages of S seconds of arrivals, rate x S
-    /// requests (defaults 180, 60 and 60 s)
+    /// shared-prefix, agents, no-sharing, long-prompt: load stages of S seconds of arrivals,
+    /// rate x S requests (defaults 180, 60, 60 and 60 s)
     #[arg(long, value_name = "S", value_parser = kvoy_sim::cli::positive_f64)]
     pub duration: Option<f64>,
-    /// shared-prefix, agents, no-sharing: exactly N requests per run instead
+    /// shared-prefix, agents, no-sharing, long-prompt: exactly N requests per run instead
     #[arg(long, value_name = "N", conflicts_with = "duration", value_parser = positive_usize())]
     pub requests: Option<usize>,
     /// The Mooncake conversation trace (JSONL) for the mooncake workload
@@ -461,7 +466,9 @@ impl SimCli {
         };
         Ok(SimArgs {
             workloads,
-            policies: if self.policies.is_empty() {
+            policies: if self.policies.is_empty() && self.prefill_replicas > 0 {
+                PolicyKind::ALL.into_iter().chain(PolicyKind::PD).collect()
+            } else if self.policies.is_empty() {
                 PolicyKind::ALL.to_vec()
             } else {
                 self.policies
@@ -538,6 +545,10 @@ impl SimArgs {
                 "no-sharing" => {
                     Workload::NoSharing(NoSharing::new(self.count.unwrap_or(Count::Duration(60.0))))
                 }
+                "long-prompt" => Workload::LongPrompt(LongPrompt::new(
+                    self.scale,
+                    self.count.unwrap_or(Count::Duration(60.0)),
+                )),
                 "mooncake" => {
                     let path = self.trace.as_ref().ok_or(CliError::MissingTrace)?;
                     Workload::mooncake(Arc::new(Trace::load(path)?), self.limit)
@@ -612,7 +623,7 @@ mod tests {
         assert_eq!(sim("sim --duration 30").count, Some(Count::Duration(30.0)));
         assert_eq!(parse(&words("--help")).unwrap(), Command::Help);
         let a = sim("sim --all --trace /t.jsonl");
-        assert_eq!(a.workloads.len(), 4);
+        assert_eq!(a.workloads.len(), 5);
         assert_eq!(a.fleet, FleetKind::Uniform);
         let a = sim("sim --fleet half-slow");
         assert_eq!(a.fleet, FleetKind::HalfSlow { slow_factor: 2.0 });

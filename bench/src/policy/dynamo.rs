@@ -36,7 +36,7 @@ use std::time::Duration;
 use kvoy_sim_engine::tokenizer::{chunk_token, BYTES_PER_TOKEN};
 use kvoy_sim_engine::{KvEvent, Profile};
 
-use super::{Policy, RouteRequest, View};
+use super::{Pick, Policy, RouteRequest, View};
 use crate::ideal::PassThrough;
 use crate::sim::{block_hashes_into, CacheMirror};
 use kvoy_shared::Rng;
@@ -58,6 +58,12 @@ pub struct DynamoConfig {
     pub track_prefill_tokens: bool,
     /// Time from a worker's KV event to the router's index (event transport).
     pub kv_event_delay: Duration,
+    /// Count the active requests' prompt blocks in the cost (`router_track_active_blocks`;
+    /// off for Dynamo's prefill router).
+    pub track_active_blocks: bool,
+    /// Count a block shared by several active requests once (`assume_kv_reuse`; off for the
+    /// decode router of a disaggregated deployment, which counts every request's blocks).
+    pub assume_kv_reuse: bool,
 }
 
 impl DynamoConfig {
@@ -72,6 +78,8 @@ impl DynamoConfig {
             router_temperature: 0.0,
             track_prefill_tokens: true,
             kv_event_delay: Duration::ZERO,
+            track_active_blocks: true,
+            assume_kv_reuse: true,
         }
     }
 }
@@ -92,6 +100,8 @@ pub struct Dynamo {
     /// Events not yet delivered (when `kv_event_delay` > 0): due time, worker, events.
     in_transit: VecDeque<(Duration, usize, Vec<KvEvent>)>,
     active_blocks: Vec<BlockCounts>,
+    /// Per worker, the active requests' prompt blocks counted once per request.
+    active_block_refs: Vec<u64>,
     active_prefill_tokens: Vec<u64>,
     active_requests: Vec<u32>,
     open: HashMap<u64, Active>,
@@ -114,6 +124,7 @@ impl Dynamo {
             index: (0..replicas).map(|_| CacheMirror::default()).collect(),
             in_transit: VecDeque::new(),
             active_blocks: (0..replicas).map(|_| BlockCounts::default()).collect(),
+            active_block_refs: vec![0; replicas],
             active_prefill_tokens: vec![0; replicas],
             active_requests: vec![0; replicas],
             open: HashMap::new(),
@@ -167,13 +178,19 @@ impl Dynamo {
         );
     }
 
-    /// Every worker's cost for the hashed request into `self.costs`.
-    fn score(&mut self, n: usize) {
+    /// Every worker's cost for the hashed request into `self.costs` (infinite for a worker
+    /// `eligible` refuses).
+    fn score(&mut self, n: usize, eligible: &dyn Fn(usize) -> bool) {
         let bs = self.config.block_size.max(1) as u64;
         let isl = self.tokens.len() as u64;
         self.overlaps.clear();
         self.costs.clear();
         for w in 0..n {
+            if !eligible(w) {
+                self.overlaps.push(0);
+                self.costs.push(f64::INFINITY);
+                continue;
+            }
             let overlap = self.index[w].matched(&self.hashes);
             self.overlaps.push(overlap);
             let cached = (overlap as u64 * bs).min(isl);
@@ -187,13 +204,19 @@ impl Dynamo {
             let credit = self.config.overlap_score_credit * overlap as f64
                 + self.config.host_credit * host as f64;
             let adjusted = (raw_prefill_blocks - credit).max(0.0);
-            let active = &self.active_blocks[w];
-            let new_blocks = self
-                .hashes
-                .iter()
-                .filter(|h| !active.contains_key(h))
-                .count();
-            let decode_blocks = (active.len() + new_blocks) as f64;
+            let decode_blocks = if !self.config.track_active_blocks {
+                0.0
+            } else if self.config.assume_kv_reuse {
+                let active = &self.active_blocks[w];
+                let new_blocks = self
+                    .hashes
+                    .iter()
+                    .filter(|h| !active.contains_key(h))
+                    .count();
+                (active.len() + new_blocks) as f64
+            } else {
+                (self.active_block_refs[w] + self.hashes.len() as u64) as f64
+            };
             let requests =
                 self.config.decode_active_request_weight * f64::from(self.active_requests[w]);
             self.costs
@@ -225,15 +248,21 @@ impl Dynamo {
     }
 
     fn softmax_sample(&mut self, temperature: f64) -> usize {
+        // Over the workers with a finite cost (the eligible ones).
         let (min, max) = self
             .costs
             .iter()
+            .filter(|c| c.is_finite())
             .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &c| {
                 (lo.min(c), hi.max(c))
             });
         self.weights.clear();
         if min == max || !(max - min).is_finite() {
-            self.weights.resize(self.costs.len(), 1.0);
+            self.weights.extend(
+                self.costs
+                    .iter()
+                    .map(|c| if c.is_finite() { 1.0 } else { 0.0 }),
+            );
         } else {
             let scale = (max - min) * temperature;
             self.weights
@@ -244,11 +273,31 @@ impl Dynamo {
         let mut cumulative = 0.0;
         for (w, &p) in self.weights.iter().enumerate() {
             cumulative += p;
-            if sample <= cumulative {
+            if p > 0.0 && sample <= cumulative {
                 return w;
             }
         }
-        self.weights.len().saturating_sub(1)
+        self.weights.iter().rposition(|&p| p > 0.0).unwrap_or(0)
+    }
+
+    /// Routes `request` among the workers `eligible` admits and counts it there; `None` (and
+    /// nothing counted) when it admits none.
+    fn route_among(
+        &mut self,
+        request: &RouteRequest<'_>,
+        view: &View<'_>,
+        eligible: &dyn Fn(usize) -> bool,
+    ) -> Option<usize> {
+        self.deliver(view.now);
+        let n = view.inflight.len().min(self.index.len());
+        if !(0..n).any(eligible) {
+            return None;
+        }
+        self.hash_request(request.text);
+        self.score(n, eligible);
+        let worker = self.select();
+        self.admit(request.id, worker);
+        Some(worker)
     }
 
     /// Adds the hashed request to `worker`'s active load.
@@ -268,6 +317,7 @@ impl Dynamo {
         for &h in &blocks {
             *active.entry(h).or_insert(0) += 1;
         }
+        self.active_block_refs[worker] += blocks.len() as u64;
         self.active_prefill_tokens[worker] += prefill_tokens;
         self.active_requests[worker] += 1;
         let previous = self.open.insert(
@@ -288,6 +338,8 @@ impl Dynamo {
         self.active_prefill_tokens[w] =
             self.active_prefill_tokens[w].saturating_sub(request.prefill_tokens);
         self.active_requests[w] = self.active_requests[w].saturating_sub(1);
+        self.active_block_refs[w] =
+            self.active_block_refs[w].saturating_sub(request.blocks.len() as u64);
         let active = &mut self.active_blocks[w];
         for h in &request.blocks {
             if let Entry::Occupied(mut e) = active.entry(*h) {
@@ -303,16 +355,7 @@ impl Dynamo {
 
 impl Policy for Dynamo {
     fn pick(&mut self, request: &RouteRequest<'_>, view: &View<'_>) -> usize {
-        self.deliver(view.now);
-        let n = view.inflight.len().min(self.index.len());
-        if n == 0 {
-            return 0;
-        }
-        self.hash_request(request.text);
-        self.score(n);
-        let worker = self.select();
-        self.admit(request.id, worker);
-        worker
+        self.route_among(request, view, &|_| true).unwrap_or(0)
     }
 
     fn on_first_token(&mut self, request: u64, _endpoint: usize, _now: Duration) {
@@ -342,6 +385,85 @@ impl Policy for Dynamo {
                 endpoint,
                 events.to_vec(),
             ));
+        }
+    }
+}
+
+/// Dynamo's disaggregated routing (`dynamo-pd`), its defaults (sources and commits:
+/// bench/README.md): every request is prefilled remotely (conditional disaggregation is off by
+/// default), the prefill worker chosen first by the KV router over the prefill workers with
+/// active blocks untracked (`router_track_active_blocks` off: the cost is the prefill term
+/// alone, prefill tokens released once the prefill's one token is out), then the decode worker
+/// by load only (`overlap_score_credit` 0, `track_prefill_tokens` off, `assume_kv_reuse` off:
+/// the fewest active prompt blocks, every request's counted). No prefill worker: the request is
+/// served whole by the decode router.
+pub struct DynamoPd {
+    prefill: Dynamo,
+    decode: Dynamo,
+    roles: Vec<kvoy_shared::Role>,
+}
+
+impl DynamoPd {
+    pub fn new(replicas: usize, roles: &[kvoy_shared::Role], profile: &Profile, rng: Rng) -> Self {
+        let base = DynamoConfig::for_profile(profile);
+        let prefill = DynamoConfig {
+            track_active_blocks: false,
+            ..base
+        };
+        let decode = DynamoConfig {
+            overlap_score_credit: 0.0,
+            host_credit: 0.0,
+            track_prefill_tokens: false,
+            assume_kv_reuse: false,
+            ..base
+        };
+        let mut rng = rng;
+        let decode_rng = Rng::new(rng.next_u64());
+        DynamoPd {
+            prefill: Dynamo::new(replicas, prefill, rng),
+            decode: Dynamo::new(replicas, decode, decode_rng),
+            roles: roles.to_vec(),
+        }
+    }
+
+    fn role(&self, e: usize) -> kvoy_shared::Role {
+        self.roles.get(e).copied().unwrap_or_default()
+    }
+}
+
+impl Policy for DynamoPd {
+    fn pick(&mut self, request: &RouteRequest<'_>, view: &View<'_>) -> usize {
+        self.pick_pd(request, view).decode
+    }
+
+    fn pick_pd(&mut self, request: &RouteRequest<'_>, view: &View<'_>) -> Pick {
+        let roles = self.roles.clone();
+        let role = |e: usize| roles.get(e).copied().unwrap_or_default();
+        let prefill = self
+            .prefill
+            .route_among(request, view, &|e| role(e).prefills());
+        let decode = self
+            .decode
+            .route_among(request, view, &|e| role(e).decodes() && Some(e) != prefill)
+            .unwrap_or(0);
+        Pick { decode, prefill }
+    }
+
+    fn on_prefilled(&mut self, request: u64, endpoint: usize, now: Duration) {
+        // The prefill request's one token ends its stream: its load goes at once.
+        self.prefill.on_finished(request, endpoint, now);
+    }
+
+    fn on_finished(&mut self, request: u64, endpoint: usize, now: Duration) {
+        self.decode.on_finished(request, endpoint, now);
+        // A split request refused before its prefill answered.
+        self.prefill.on_finished(request, endpoint, now);
+    }
+
+    fn on_kv_events(&mut self, endpoint: usize, events: &[KvEvent], now: Duration) {
+        // Only the prefill router reads the cache (the decode one credits no overlap).
+        if self.role(endpoint).prefills() {
+            self.prefill.on_kv_events(endpoint, events, now);
         }
     }
 }

@@ -158,9 +158,7 @@ pub enum Gate {
 
 pub struct LlmDV1 {
     config: LlmDV1Config,
-    model: &'static str,
-    /// Per endpoint, created on the first request routed there.
-    lru: Vec<Option<LruSet>>,
+    prefix: ApproxPrefix,
     /// In-flight uncached tokens per endpoint.
     inflight_tokens: Vec<u64>,
     /// Requests whose tokens still count: endpoint and tokens.
@@ -168,62 +166,75 @@ pub struct LlmDV1 {
     rng: Rng,
     last_gate: Option<Gate>,
     // Scratch, reused across requests.
-    hashes: Vec<u64>,
-    tail: Vec<u8>,
-    matched: Vec<u64>,
     uncached: Vec<u64>,
     candidates: Vec<usize>,
     scores: Vec<f64>,
 }
 
-impl LlmDV1 {
-    pub fn new(replicas: usize, config: LlmDV1Config, rng: Rng) -> Self {
-        LlmDV1 {
-            config,
+/// The `approx-prefix-cache-producer` (`autoTune`): per endpoint an LRU of the block hashes of
+/// the requests routed there, and the last request's blocks matched against them. Shared by
+/// every llm-d 1.x configuration modelled here (this guide's and the P/D one,
+/// [`super::llmd_pd`]).
+pub(crate) struct ApproxPrefix {
+    model: &'static str,
+    /// `blockSizeTokens`, used when no endpoint reports a block size.
+    block_tokens: usize,
+    /// The floor the block size is clamped to.
+    min_block_tokens: usize,
+    /// `maxPrefixTokensToMatch` (0: the whole prompt).
+    max_prefix_tokens: usize,
+    /// `lruCapacityPerServer`, used when the endpoint reports no `num_gpu_blocks`.
+    lru_blocks: usize,
+    /// Per endpoint, created on the first request recorded there.
+    lru: Vec<Option<LruSet>>,
+    /// The last request's chained block hashes.
+    pub(crate) hashes: Vec<u64>,
+    /// Per endpoint, the leading blocks of the last request it holds.
+    pub(crate) matched: Vec<u64>,
+    tail: Vec<u8>,
+}
+
+impl ApproxPrefix {
+    pub(crate) fn new(
+        replicas: usize,
+        block_tokens: usize,
+        min_block_tokens: usize,
+        max_prefix_tokens: usize,
+        lru_blocks: usize,
+    ) -> Self {
+        ApproxPrefix {
             model: super::kvoy::MODEL,
+            block_tokens,
+            min_block_tokens,
+            max_prefix_tokens,
+            lru_blocks,
             lru: (0..replicas).map(|_| None).collect(),
-            inflight_tokens: vec![0; replicas],
-            open: HashMap::new(),
-            rng,
-            last_gate: None,
             hashes: Vec::new(),
-            tail: Vec::new(),
             matched: Vec::new(),
-            uncached: Vec::new(),
-            candidates: Vec::new(),
-            scores: Vec::new(),
+            tail: Vec::new(),
         }
     }
 
-    pub fn config(&self) -> &LlmDV1Config {
-        &self.config
-    }
-
-    pub fn last_gate(&self) -> Option<Gate> {
-        self.last_gate
-    }
-
-    /// In-flight uncached tokens per endpoint.
-    pub fn inflight_tokens(&self) -> &[u64] {
-        &self.inflight_tokens
+    pub(crate) fn replicas(&self) -> usize {
+        self.lru.len()
     }
 
     /// The prefix block size in tokens: the first endpoint's reported block size (or the
     /// configured one), clamped up to the floor.
-    fn block_tokens(&self, view: &View<'_>) -> usize {
+    pub(crate) fn block_tokens(&self, view: &View<'_>) -> usize {
         let reported = view
             .metrics
             .first()
             .map(|m| m.block_size as usize)
             .filter(|&b| b > 0)
-            .unwrap_or(self.config.block_tokens);
-        reported.max(self.config.min_block_tokens).max(1)
+            .unwrap_or(self.block_tokens);
+        reported.max(self.min_block_tokens).max(1)
     }
 
     /// Chained block hashes of `text` into `self.hashes`.
-    fn hash_prompt(&mut self, text: &[u8], block_tokens: usize) {
+    pub(crate) fn hash_prompt(&mut self, text: &[u8], block_tokens: usize) {
         self.hashes.clear();
-        let max_blocks = match self.config.max_prefix_tokens {
+        let max_blocks = match self.max_prefix_tokens {
             0 => usize::MAX,
             t => t / block_tokens,
         };
@@ -249,7 +260,7 @@ impl LlmDV1 {
 
     /// Per endpoint, the blocks of the hashed request its LRU holds, walking the blocks until
     /// one that no endpoint holds.
-    fn match_prefix(&mut self, n: usize) {
+    pub(crate) fn match_prefix(&mut self, n: usize) {
         self.matched.clear();
         self.matched.resize(n, 0);
         for &h in &self.hashes {
@@ -271,7 +282,8 @@ impl LlmDV1 {
         }
     }
 
-    fn prefix_score(&self, e: usize) -> f64 {
+    /// Matched blocks over the request's blocks, for endpoint `e`.
+    pub(crate) fn prefix_score(&self, e: usize) -> f64 {
         let total = self.hashes.len();
         if total == 0 {
             return 0.0;
@@ -279,6 +291,59 @@ impl LlmDV1 {
         self.matched
             .get(e)
             .map_or(0.0, |&m| m as f64 / total as f64)
+    }
+
+    /// `PreRequest`: the hashed request's blocks into `e`'s LRU (sized by the endpoint's
+    /// reported `num_gpu_blocks`).
+    pub(crate) fn record(&mut self, e: usize, view: &View<'_>) {
+        let capacity = view
+            .metrics
+            .get(e)
+            .map(|m| m.num_gpu_blocks as usize)
+            .filter(|&c| c > 0)
+            .unwrap_or(self.lru_blocks);
+        let Some(slot) = self.lru.get_mut(e) else {
+            return;
+        };
+        let set = slot.get_or_insert_with(|| LruSet::new(capacity, e as u64));
+        for &h in &self.hashes {
+            set.touch(h);
+        }
+    }
+}
+
+impl LlmDV1 {
+    pub fn new(replicas: usize, config: LlmDV1Config, rng: Rng) -> Self {
+        LlmDV1 {
+            config,
+            prefix: ApproxPrefix::new(
+                replicas,
+                config.block_tokens,
+                config.min_block_tokens,
+                config.max_prefix_tokens,
+                config.lru_blocks,
+            ),
+            inflight_tokens: vec![0; replicas],
+            open: HashMap::new(),
+            rng,
+            last_gate: None,
+            uncached: Vec::new(),
+            candidates: Vec::new(),
+            scores: Vec::new(),
+        }
+    }
+
+    pub fn config(&self) -> &LlmDV1Config {
+        &self.config
+    }
+
+    pub fn last_gate(&self) -> Option<Gate> {
+        self.last_gate
+    }
+
+    /// In-flight uncached tokens per endpoint.
+    pub fn inflight_tokens(&self) -> &[u64] {
+        &self.inflight_tokens
     }
 
     fn ttft_ms(&self, e: usize) -> f64 {
@@ -305,7 +370,7 @@ impl LlmDV1 {
         let mut sticky = 0;
         for e in 0..n {
             let ttft = self.ttft_ms(e);
-            if self.prefix_score(e) >= threshold {
+            if self.prefix.prefix_score(e) >= threshold {
                 sticky += 1;
                 best_sticky = best_sticky.min(ttft);
             } else {
@@ -323,27 +388,26 @@ impl LlmDV1 {
             self.last_gate = Some(Gate::Broken);
             return;
         }
-        let matched = &self.matched;
-        let total = self.hashes.len() as f64;
+        let prefix = &self.prefix;
         self.candidates
-            .retain(|&e| matched.get(e).map_or(0.0, |&m| m as f64 / total) >= threshold);
+            .retain(|&e| prefix.prefix_score(e) >= threshold);
         self.last_gate = Some(Gate::Sticky);
     }
 }
 
 impl Policy for LlmDV1 {
     fn pick(&mut self, request: &RouteRequest<'_>, view: &View<'_>) -> usize {
-        let n = view.inflight.len().min(self.lru.len());
+        let n = view.inflight.len().min(self.prefix.replicas());
         let text = request.text.as_bytes();
-        let block_tokens = self.block_tokens(view);
-        self.hash_prompt(text, block_tokens);
-        self.match_prefix(n);
+        let block_tokens = self.prefix.block_tokens(view);
+        self.prefix.hash_prompt(text, block_tokens);
+        self.prefix.match_prefix(n);
         let input_tokens = text.len().div_ceil(BYTES_PER_TOKEN) as u64;
-        let total = self.hashes.len() as u64;
+        let total = self.prefix.hashes.len() as u64;
         let bt = block_tokens as u64;
         self.uncached.clear();
         for e in 0..n {
-            let matched = self.matched[e].min(total);
+            let matched = self.prefix.matched[e].min(total);
             let tail = input_tokens.saturating_sub(total * bt);
             self.uncached.push((total - matched) * bt + tail);
         }
@@ -363,16 +427,7 @@ impl Policy for LlmDV1 {
             return 0;
         };
         // PreRequest: the index records the blocks, the load counts the uncached tokens.
-        let capacity = view
-            .metrics
-            .get(chosen)
-            .map(|m| m.num_gpu_blocks as usize)
-            .filter(|&c| c > 0)
-            .unwrap_or(self.config.lru_blocks);
-        let set = self.lru[chosen].get_or_insert_with(|| LruSet::new(capacity, chosen as u64));
-        for &h in &self.hashes {
-            set.touch(h);
-        }
+        self.prefix.record(chosen, view);
         let tokens = self.uncached[chosen];
         self.inflight_tokens[chosen] += tokens;
         if let Some((e, t)) = self.open.insert(request.id, (chosen, tokens)) {
@@ -419,7 +474,7 @@ mod tests {
         // 10 blocks and 10 bytes: 643 tokens, 11 blocks (the partial one included).
         let prompt = format!("{}0123456789", text(10, |i| (b'a' + i as u8) as char));
         let first = pick(&mut p, 1, &prompt, 2);
-        assert_eq!(p.hashes.len(), 11);
+        assert_eq!(p.prefix.hashes.len(), 11);
         // A cold request counts its partial block whole: 11 * 64 tokens.
         assert_eq!(p.inflight_tokens()[first], 704);
         assert_eq!(p.last_gate(), Some(Gate::NoneSticky));
@@ -498,8 +553,8 @@ mod tests {
             &text_request(1, &text(3, |i| (b'a' + i as u8) as char)),
             &view,
         );
-        assert_eq!(p.lru[0].as_ref().map(LruSet::capacity), Some(2));
-        assert_eq!(p.block_tokens(&view), 64, "16 is clamped up to 64");
+        assert_eq!(p.prefix.lru[0].as_ref().map(LruSet::capacity), Some(2));
+        assert_eq!(p.prefix.block_tokens(&view), 64, "16 is clamped up to 64");
     }
 
     #[test]

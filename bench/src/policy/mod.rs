@@ -9,6 +9,9 @@
 //!   `llm-d-1.0-calibrated` with the guide's calibration recipe run on the simulated engine).
 //! - [`dynamo`]: NVIDIA Dynamo's KV router, fed the engines' KV events (`dynamo`).
 //! - [`sglang`]: SGLang router's cache-aware policy (`sglang`).
+//! - [`llmd_pd`]: llm-d's P/D configuration, decode first then its prefix-based decider
+//!   (`llm-d-pd`), and [`dynamo::DynamoPd`], Dynamo's (`dynamo-pd`): for fleets with prefill
+//!   replicas ([`PolicyKind::PD`]).
 
 pub mod basic;
 pub mod dynamo;
@@ -16,6 +19,7 @@ pub mod dynamo;
 mod fixture;
 pub mod kvoy;
 pub mod llmd;
+pub mod llmd_pd;
 pub mod llmd_v1;
 pub mod radix;
 pub mod sglang;
@@ -129,6 +133,11 @@ pub trait Policy {
     /// prefill is done): what a proxy sees at once, unlike a scrape.
     fn on_first_token(&mut self, _request: u64, _endpoint: usize, _now: Duration) {}
 
+    /// The prefill half of split request `request` produced its one token on `endpoint` (its
+    /// KV then leaves for the decode engine): what a router that sent the prefill itself sees.
+    /// A proxy that only forwards the request to its decode endpoint does not.
+    fn on_prefilled(&mut self, _request: u64, _endpoint: usize, _now: Duration) {}
+
     /// Request `request` on `endpoint` finished (or was refused by the engine).
     fn on_finished(&mut self, _request: u64, _endpoint: usize, _now: Duration) {}
 
@@ -158,6 +167,10 @@ pub enum PolicyKind {
     Dynamo,
     /// kvoy's first scorer (weighted sum with the hot-spot guard), for comparison.
     KvoyWeighted,
+    /// llm-d's P/D configuration (fleets with prefill replicas).
+    LlmDPd,
+    /// Dynamo's disaggregated routing (fleets with prefill replicas).
+    DynamoPd,
 }
 
 /// Settings shared by the policies that need them.
@@ -198,8 +211,14 @@ impl PolicyKind {
         PolicyKind::Dynamo,
     ];
 
+    /// The P/D references: what a fleet with prefill replicas is also run with (not in
+    /// [`PolicyKind::ALL`], the aggregated fleet's default).
+    pub const PD: [PolicyKind; 2] = [PolicyKind::LlmDPd, PolicyKind::DynamoPd];
+
     pub fn name(self) -> &'static str {
         match self {
+            PolicyKind::LlmDPd => "llm-d-pd",
+            PolicyKind::DynamoPd => "dynamo-pd",
             PolicyKind::RoundRobin => "round-robin",
             PolicyKind::LeastRequest => "least-request",
             PolicyKind::Random => "random",
@@ -215,7 +234,10 @@ impl PolicyKind {
     }
 
     pub fn from_name(name: &str) -> Option<PolicyKind> {
-        PolicyKind::ALL.into_iter().find(|p| p.name() == name)
+        PolicyKind::ALL
+            .into_iter()
+            .chain(PolicyKind::PD)
+            .find(|p| p.name() == name)
     }
 
     /// One of the published prefix-aware routers kvoy is measured against (llm-d before and
@@ -228,6 +250,8 @@ impl PolicyKind {
                 | PolicyKind::LlmD1
                 | PolicyKind::LlmD1Calibrated
                 | PolicyKind::Dynamo
+                | PolicyKind::LlmDPd
+                | PolicyKind::DynamoPd
         )
     }
 
@@ -283,6 +307,15 @@ impl PolicyKind {
                 dynamo::DynamoConfig::for_profile(&o.profile),
                 rng,
             )),
+            PolicyKind::LlmDPd => Box::new(llmd_pd::LlmDPd::new(
+                o.replicas,
+                &o.roles,
+                llmd_pd::LlmDPdConfig::default(),
+                rng,
+            )),
+            PolicyKind::DynamoPd => {
+                Box::new(dynamo::DynamoPd::new(o.replicas, &o.roles, &o.profile, rng))
+            }
             PolicyKind::Sglang => {
                 let chars = o
                     .sglang_tree_chars
@@ -331,7 +364,7 @@ mod tests {
 
     #[test]
     fn names_round_trip() {
-        for p in PolicyKind::ALL {
+        for p in PolicyKind::ALL.into_iter().chain(PolicyKind::PD) {
             assert_eq!(PolicyKind::from_name(p.name()), Some(p));
         }
         assert_eq!(PolicyKind::from_name("nope"), None);

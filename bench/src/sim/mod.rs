@@ -564,7 +564,14 @@ impl Sim<'_, '_> {
 
     /// A split request's prefill half produced its token (and finished) on engine `p`: its KV
     /// leaves for the decode engine, minus the blocks that one already holds.
-    fn prefill_output(&mut self, now: Duration, p: usize, id: u64, kind: &OutputKind) {
+    fn prefill_output(
+        &mut self,
+        now: Duration,
+        p: usize,
+        id: u64,
+        kind: &OutputKind,
+        policy: &mut dyn Policy,
+    ) {
         match *kind {
             OutputKind::FirstToken {
                 prefill_time,
@@ -575,6 +582,7 @@ impl Sim<'_, '_> {
                     t.prefill_time = prefill_time;
                     t.cached_tokens = cached_tokens;
                 }
+                policy.on_prefilled(id & !PREFILL_HALF, p, now);
             }
             OutputKind::Finished { usage, .. } => {
                 self.inflight[p] = self.inflight[p].saturating_sub(1);
@@ -689,7 +697,7 @@ impl Sim<'_, '_> {
         for out in outputs {
             let id = out.id;
             if id & PREFILL_HALF != 0 {
-                self.prefill_output(now, e, id, &out.kind);
+                self.prefill_output(now, e, id, &out.kind, policy);
                 continue;
             }
             let si = (id / crate::workload::TURN_SLOTS) as usize;

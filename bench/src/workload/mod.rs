@@ -10,8 +10,10 @@
 //! - [`Agents`]: bursty multi-turn agent sessions mixed with interactive chat.
 //! - [`Mooncake`]: replay of the Mooncake conversation trace.
 //! - [`NoSharing`]: unique random prompts, the control.
+//! - [`LongPrompt`]: 8k-token prompts, half sharing a document (prefill/decode disaggregation).
 
 mod agents;
+mod long_prompt;
 mod mooncake;
 mod no_sharing;
 mod shared_prefix;
@@ -21,6 +23,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use agents::Agents;
+pub use long_prompt::LongPrompt;
 pub use mooncake::{Mooncake, Trace, TraceError, TraceRecord};
 pub use no_sharing::NoSharing;
 pub use shared_prefix::SharedPrefix;
@@ -156,11 +159,18 @@ pub enum Workload {
     Agents(Agents),
     Mooncake(Mooncake),
     NoSharing(NoSharing),
+    LongPrompt(LongPrompt),
 }
 
 impl Workload {
     /// Names accepted on the command line.
-    pub const NAMES: [&'static str; 4] = ["shared-prefix", "agents", "mooncake", "no-sharing"];
+    pub const NAMES: [&'static str; 5] = [
+        "shared-prefix",
+        "agents",
+        "mooncake",
+        "no-sharing",
+        "long-prompt",
+    ];
 
     pub fn name(&self) -> &'static str {
         match self {
@@ -168,6 +178,7 @@ impl Workload {
             Workload::Agents(_) => "agents",
             Workload::Mooncake(_) => "mooncake",
             Workload::NoSharing(_) => "no-sharing",
+            Workload::LongPrompt(_) => "long-prompt",
         }
     }
 
@@ -178,6 +189,7 @@ impl Workload {
             Workload::Agents(w) => w.describe(),
             Workload::Mooncake(w) => w.describe(),
             Workload::NoSharing(w) => w.describe(),
+            Workload::LongPrompt(w) => w.describe(),
         }
     }
 
@@ -188,6 +200,7 @@ impl Workload {
             Workload::Agents(w) => w.plan(rate, seed),
             Workload::Mooncake(w) => w.plan(rate),
             Workload::NoSharing(w) => w.plan(rate, seed),
+            Workload::LongPrompt(w) => w.plan(rate, seed),
         }
     }
 
