@@ -18,6 +18,11 @@
 //! alone), and `filter/wasm_previous/N` with the previous defaults as well (weighted, 256 dense
 //! keys: a prompt keyed over its first 16 KB only), so the new defaults' cost per request is
 //! read side by side in one run.
+//! `filter/wasm_pd/N` and `filter/wasm_pd_cold/N` are `filter/wasm/N` and `filter/wasm_cold/N`
+//! on a prefill/decode pool (the same 8 endpoints, the first 4 prefill-only): a warm request
+//! is served whole by the decode endpoint holding its prefix, a cold one is split (the
+//! prefill endpoint chosen as well and named in `x-prefiller-host-port`), issue 39's cost of
+//! P/D against the aggregated path.
 //!
 //! Needs `make wasm`. `KVOY_BENCH_WASM=path/to/filter.wasm` benches another build of the filter
 //! (e.g. one built with `-C target-feature=+simd128`); see BENCHMARKS.md.
@@ -38,6 +43,7 @@ use kvoy_harness::{testing, Action, Host, Plugin};
 const WASM_ENV: &str = "KVOY_BENCH_WASM";
 const FILTER: &str = "kvoy_prefix_affinity";
 const DESTINATION: &str = "x-gateway-destination-endpoint";
+const PREFILLER: &str = "x-prefiller-host-port";
 const REQUESTED: &str = "kvoy_prefix_affinity_prefix_blocks_requested_total";
 const MATCHED: &str = "kvoy_prefix_affinity_prefix_blocks_matched_total";
 const SHARED_ERRORS: &str = "kvoy_prefix_affinity_shared_state_errors_total";
@@ -46,6 +52,17 @@ const VMS: usize = 2;
 #[path = "../../shared/benches/support/fixtures.rs"]
 mod fixtures;
 use fixtures::{bench_route, chat_body, config_json};
+
+/// [`config_json`]'s 8 endpoints, the first 4 prefill-only (a prefill/decode pool).
+fn pd_config_json() -> String {
+    let endpoints: Vec<String> = (1..=8)
+        .map(|i| {
+            let role = if i <= 4 { "prefill" } else { "decode" };
+            format!(r#"{{"address":"10.0.0.{i}:8000","models":["llama"],"role":"{role}"}}"#)
+        })
+        .collect();
+    format!(r#"{{"endpoints":[{}]}}"#, endpoints.join(","))
+}
 
 fn load_host() -> Host {
     match std::env::var_os(WASM_ENV) {
@@ -59,8 +76,9 @@ fn load_host() -> Host {
     }
 }
 
-/// One request as Envoy drives it; panics if the filter does not route it.
-fn request(plugin: &Plugin, vm: usize, headers: &[(&str, &str)], body: &[u8]) {
+/// One request as Envoy drives it; panics if the filter does not route it. Whether it named a
+/// prefill endpoint.
+fn request(plugin: &Plugin, vm: usize, headers: &[(&str, &str)], body: &[u8]) -> bool {
     let stream = plugin.http_stream(vm).expect("new stream");
     let action = stream
         .send_request_headers(headers, false)
@@ -77,7 +95,9 @@ fn request(plugin: &Plugin, vm: usize, headers: &[(&str, &str)], body: &[u8]) {
         stream.request_header(DESTINATION).is_some(),
         "no {DESTINATION} header"
     );
+    let split = stream.request_header(PREFILLER).is_some();
     stream.finish().expect("finish");
+    split
 }
 
 fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
@@ -119,6 +139,7 @@ fn bench(c: &mut Criterion) {
                 r#""scorer":"weighted","max_blocks":256,"dense_blocks":256"#,
             )),
         ),
+        ("wasm_pd", start(pd_config_json())),
     ];
     let plugin = &variants[0].1;
     let mut g = c.benchmark_group("filter");
@@ -189,24 +210,27 @@ fn bench(c: &mut Criterion) {
             b[at..at + 16].copy_from_slice(format!("{stamp:016x}").as_bytes());
             b
         };
-        let (requested, matched) = (counter(plugin, REQUESTED), counter(plugin, MATCHED));
-        request(plugin, 0, &headers, &fresh());
-        assert!(
-            counter(plugin, REQUESTED) > requested && counter(plugin, MATCHED) == matched,
-            "a fresh prompt matched"
-        );
-        let mut next_vm = 0;
-        g.bench_function(BenchmarkId::new("wasm_cold", tokens), |b| {
-            b.iter_batched(
-                &mut fresh,
-                |body| {
-                    request(plugin, next_vm, &headers, black_box(&body));
-                    next_vm = (next_vm + 1) % VMS;
-                },
-                BatchSize::SmallInput,
-            )
-        });
-        assert_eq!(counter(plugin, SHARED_ERRORS), 0, "shared state errors");
+        let pd = &variants[3].1;
+        for (name, plugin, splits) in [("wasm_cold", plugin, false), ("wasm_pd_cold", pd, true)] {
+            let (requested, matched) = (counter(plugin, REQUESTED), counter(plugin, MATCHED));
+            assert_eq!(request(plugin, 0, &headers, &fresh()), splits, "{name}");
+            assert!(
+                counter(plugin, REQUESTED) > requested && counter(plugin, MATCHED) == matched,
+                "a fresh prompt matched"
+            );
+            let mut next_vm = 0;
+            g.bench_function(BenchmarkId::new(name, tokens), |b| {
+                b.iter_batched(
+                    &mut fresh,
+                    |body| {
+                        request(plugin, next_vm, &headers, black_box(&body));
+                        next_vm = (next_vm + 1) % VMS;
+                    },
+                    BatchSize::SmallInput,
+                )
+            });
+            assert_eq!(counter(plugin, SHARED_ERRORS), 0, "shared state errors");
+        }
 
         bench_route(&mut g, BenchmarkId::new("native", tokens), &body);
     }

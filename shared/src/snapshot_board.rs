@@ -218,7 +218,8 @@ pub fn live_pool(snapshot: &Snapshot, with_loads: bool) -> Pool {
 /// turns each replica's snapshot into the proxy's own numbering before it publishes it: an
 /// address keeps the slot the board gave it, a new one takes its replica's slot when that is
 /// free (the lowest free one otherwise); a generation moves on only when the same replica, in
-/// the same epoch, reports a new one.
+/// the same epoch, reports a new one. A server the replica has no prefill rate for keeps the
+/// one the board had.
 #[derive(Debug, Default)]
 pub struct Renumber {
     /// The replica and epoch the generations below come from.
@@ -247,6 +248,13 @@ impl Renumber {
             match before(e.address) {
                 Some(b) => {
                     local.slot = b.slot;
+                    // A replica that (re)started has no prefill rate for a server until it
+                    // has seen enough of its work; the server is as fast as it was, and the
+                    // rate the proxy knew keeps its costs where they were meanwhile (a move to
+                    // the configured default shifted them: turns left their servers).
+                    if local.prefill_tokens_per_s.is_none() {
+                        local.prefill_tokens_per_s = b.prefill_tokens_per_s;
+                    }
                     let reported = self
                         .upstream
                         .iter()
@@ -507,6 +515,31 @@ mod tests {
         assert_eq!(
             numbering(&board),
             vec![(8001, 0, 4), (8003, 2, 1), (8004, 3, 0), (8005, 1, 0)]
+        );
+    }
+
+    #[test]
+    fn a_replica_without_a_prefill_rate_keeps_the_boards() {
+        let mut r = Renumber::default();
+        let mut a = snap(7, 3, &[(0, 8001, 0), (1, 8002, 0)]);
+        a.endpoints[0].prefill_tokens_per_s = Some(61_000.0);
+        a.endpoints[1].prefill_tokens_per_s = Some(47_000.0);
+        let board = r.local(0, &a, &Snapshot::default());
+        // Replica 1 just started: no rate for 8001, its own for 8002, and a new server.
+        let mut b = snap(9, 1, &[(0, 8001, 0), (1, 8002, 0), (2, 8003, 0)]);
+        for e in &mut b.endpoints {
+            e.prefill_tokens_per_s = None;
+        }
+        b.endpoints[1].prefill_tokens_per_s = Some(52_000.0);
+        let board = r.local(1, &b, &board);
+        let rates: Vec<_> = board
+            .endpoints
+            .iter()
+            .map(|e| (e.address.port(), e.prefill_tokens_per_s))
+            .collect();
+        assert_eq!(
+            rates,
+            [(8001, Some(61_000.0)), (8002, Some(52_000.0)), (8003, None)]
         );
     }
 
