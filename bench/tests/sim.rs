@@ -13,7 +13,8 @@ use kvoy_bench::policy::{Policy, PolicyKind, PolicyOptions, Prefilled, RouteRequ
 use kvoy_bench::runner::{self, Grid, Rate};
 use kvoy_bench::sim::{self, SimConfig, SimError};
 use kvoy_bench::workload::{
-    Agents, Count, NoSharing, Part, Plan, Session, SharedPrefix, Trace, Turn, Workload, TURN_SLOTS,
+    Agents, Count, LongPrompt, NoSharing, Part, Plan, Session, SharedPrefix, Trace, Turn, Workload,
+    TURN_SLOTS,
 };
 use kvoy_sim_engine::{KvEvent, Profile};
 
@@ -574,6 +575,39 @@ fn a_disaggregated_fleet_prefills_on_prefill_replicas_and_decodes_on_the_others(
     let mut whole = PolicyKind::Kvoy.build(&options(4)).unwrap();
     let rec = sim::run(&plan, whole.as_mut(), &cfg, &mut |_, _| {}).unwrap();
     assert_eq!((rec.completed, rec.disaggregated), (60, 0));
+}
+
+/// llm-d's and Dynamo's P/D routing on the same fleet: llm-d splits what its decider passes
+/// (a repeat that its decode endpoint holds whole is not), Dynamo splits everything; neither
+/// answers on a prefill replica. With no prefill replica both serve every request whole.
+#[test]
+fn the_pd_references_split_on_a_disaggregated_fleet() {
+    use kvoy_shared::Role;
+    let plan = LongPrompt::new(0.25, Count::Fixed(60)).plan(4.0, 5);
+    let roles = vec![Role::Prefill, Role::Prefill, Role::Decode, Role::Decode];
+    let mut cfg = SimConfig::new(Profile::llama_8b_h100(), 4);
+    cfg.roles = roles.clone();
+    let mut o = options(4);
+    o.roles = roles;
+    for kind in PolicyKind::PD {
+        let mut policy = kind.build(&o).unwrap();
+        let rec = sim::run(&plan, policy.as_mut(), &cfg, &mut |_, _| {}).unwrap();
+        assert_eq!(rec.completed, 60, "{}", kind.name());
+        assert_eq!(rec.per_endpoint[..2], [0, 0], "{}", kind.name());
+        match kind {
+            PolicyKind::DynamoPd => assert_eq!(rec.disaggregated, 60),
+            _ => assert!(rec.disaggregated >= 50, "{} of 60", rec.disaggregated),
+        }
+        let aggregated = SimConfig::new(Profile::llama_8b_h100(), 4);
+        let mut whole = kind.build(&options(4)).unwrap();
+        let rec = sim::run(&plan, whole.as_mut(), &aggregated, &mut |_, _| {}).unwrap();
+        assert_eq!(
+            (rec.completed, rec.disaggregated),
+            (60, 0),
+            "{}",
+            kind.name()
+        );
+    }
 }
 
 /// On 8 prefill and 8 decode replicas, the shared-prefix plan's groups keep their prefill
