@@ -300,9 +300,9 @@ fn runnable_header(runnable: &RunnableBootstrap) -> String {
 #                    allowed; session and admission at their defaults (admission counts {count}
 #                    endpoints)
 #   kvoy_aggregator  127.0.0.1:{aggregator} (kvoy-aggregator's default address); unused, as the
-#                    configuration has no `aggregator` section (README.md, \"kvoy-aggregator: the
-#                    live pool\", says how to add one); kvoy_aggregator_b 127.0.0.1:{aggregator_b},
-#                    a second replica's, for `aggregator.failover_clusters`
+#                    configuration has no `aggregator` section (docs/aggregator.md,
+#                    \"kvoy-aggregator: the live pool\", says how to add one); kvoy_aggregator_b
+#                    127.0.0.1:{aggregator_b}, a second replica's, for `aggregator.failover_clusters`
 #
 ",
         model = RUNNABLE_MODEL,

@@ -1,7 +1,7 @@
 //! `kvoy-aggregator --config FILE [--listen ADDR]`: follows the model servers listed in FILE
 //! (or the Ready pods of the InferencePool its `kubernetes:` section names) and serves the
 //! pool snapshot. `kvoy-aggregator calibrate --url URL --model M`: measures one server's
-//! prefill rate and prints the configuration line. See the crate docs and the README.
+//! prefill rate and prints the configuration line. See the crate docs and docs/aggregator.md.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
