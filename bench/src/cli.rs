@@ -134,7 +134,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum CliCommand {
     /// Routing policies on a simulated fleet of kvoy-sim engines (virtual time)
-    Sim(SimCli),
+    Sim(Box<SimCli>),
     /// Real Envoy, kvoy-sim simulators and kvoy-aggregator on 127.0.0.1: the same plan
     /// through every router
     Live(crate::live::cli::LiveCli),
@@ -263,6 +263,10 @@ pub struct SimCli {
     /// filter's defaults)
     #[arg(long, value_name = "JSON")]
     pub kvoy_cost: Option<crate::policy::kvoy::CostOverrides>,
+    /// kvoy: fields set in its `disaggregation` configuration (fleets with --prefill-replicas),
+    /// e.g. '{"prefill_uncached_weight": 1}' (default: the filter's defaults)
+    #[arg(long, value_name = "JSON")]
+    pub kvoy_disaggregation: Option<crate::policy::kvoy::CostOverrides>,
     /// Put this share (0-1, exclusive) of each plan's sessions in a sheddable band (objective
     /// `sheddable`, priority -1; the rest `interactive`, priority 0) and run each policy behind
     /// its admission stage: kvoy's own, llm-d's legacy admission controller, none for the
@@ -403,6 +407,7 @@ pub struct SimArgs {
     pub threads: usize,
     pub sglang_tree_chars: Option<usize>,
     pub kvoy_cost: crate::policy::kvoy::CostOverrides,
+    pub kvoy_disaggregation: crate::policy::kvoy::CostOverrides,
     pub sheddable: Option<f64>,
     pub kvoy_flow: serde_json::Map<String, serde_json::Value>,
     pub out: PathBuf,
@@ -489,6 +494,7 @@ impl SimCli {
             threads: self.threads,
             sglang_tree_chars: self.sglang_tree_chars,
             kvoy_cost: self.kvoy_cost.unwrap_or_default(),
+            kvoy_disaggregation: self.kvoy_disaggregation.unwrap_or_default(),
             sheddable: self.sheddable,
             kvoy_flow: self.kvoy_flow.unwrap_or_default(),
             out: self.out,
@@ -575,6 +581,7 @@ impl SimArgs {
             threads: self.threads,
             sglang_tree_chars: self.sglang_tree_chars,
             kvoy_cost: self.kvoy_cost.clone(),
+            kvoy_disaggregation: self.kvoy_disaggregation.clone(),
             envoy_workers: None,
             scrape_interval: std::time::Duration::from_millis(50),
             sheddable: self.sheddable,

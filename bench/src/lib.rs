@@ -27,6 +27,7 @@
 //!     replica_profiles: vec![Profile::llama_8b_h100(); 2],
 //!     sglang_tree_chars: None,
 //!     kvoy_cost: Default::default(),
+//!     kvoy_disaggregation: Default::default(),
 //!     envoy_workers: None,
 //!     roles: Vec::new(),
 //! };

@@ -45,6 +45,8 @@ pub struct Grid {
     pub sglang_tree_chars: Option<usize>,
     /// kvoy's `cost` fields set over the bench's (`--kvoy-cost`).
     pub kvoy_cost: crate::policy::kvoy::CostOverrides,
+    /// kvoy's `disaggregation` fields set over the filter's.
+    pub kvoy_disaggregation: crate::policy::kvoy::CostOverrides,
     /// Model the cache-blind baselines as Envoy runs them on this many worker threads (see
     /// [`crate::policy::basic`]); `None`: the textbook algorithms.
     pub envoy_workers: Option<usize>,
@@ -316,6 +318,7 @@ fn run_job(
             replica_profiles: profiles.to_vec(),
             sglang_tree_chars: grid.sglang_tree_chars,
             kvoy_cost: grid.kvoy_cost.clone(),
+            kvoy_disaggregation: grid.kvoy_disaggregation.clone(),
             envoy_workers: grid.envoy_workers,
             roles: grid.roles(),
         })

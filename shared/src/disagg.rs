@@ -32,6 +32,11 @@ pub struct DisaggParams {
     /// endpoints (hit rate 34% of an ideal 83% in the fleet simulation); at 2 it stays
     /// (bench/README.md, "Prefill/decode disaggregation").
     pub prefill_uncached_weight: f64,
+    /// KV-cache tokens per second a decode endpoint receives from a prefill endpoint: a split
+    /// request's decode endpoint is chosen by the transfer of the blocks it lacks and its
+    /// decode load ([`crate::prefix_affinity::cost::decode_terms`]), not by a prefill it does
+    /// not run.
+    pub kv_transfer_tokens_per_s: f64,
 }
 
 impl Default for DisaggParams {
@@ -41,6 +46,9 @@ impl Default for DisaggParams {
             non_cached_tokens: 16,
             prompt_tokens: 0,
             prefill_uncached_weight: 2.0,
+            // NIXL over RDMA at about 25 GB/s, 128 KiB of KV per token (an 8B model): what
+            // kvoy-sim's `--kv-transfer-tokens-per-s` defaults to.
+            kv_transfer_tokens_per_s: 200_000.0,
         }
     }
 }
@@ -65,6 +73,8 @@ pub(crate) struct RawDisagg {
     prompt_tokens: Option<i64>,
     #[serde(default)]
     prefill_uncached_weight: Option<f64>,
+    #[serde(default)]
+    kv_transfer_tokens_per_s: Option<f64>,
 }
 
 impl TryFrom<RawDisagg> for DisaggParams {
@@ -82,6 +92,10 @@ impl TryFrom<RawDisagg> for DisaggParams {
             None => d.prefill_uncached_weight,
             Some(v) => within("disaggregation.prefill_uncached_weight", 1.0..=100.0, v)?,
         };
+        let kv_transfer_tokens_per_s = match raw.kv_transfer_tokens_per_s {
+            None => d.kv_transfer_tokens_per_s,
+            Some(v) => within("disaggregation.kv_transfer_tokens_per_s", 1.0..=1e10, v)?,
+        };
         Ok(DisaggParams {
             non_cached_tokens: tokens(
                 "disaggregation.non_cached_tokens",
@@ -94,6 +108,7 @@ impl TryFrom<RawDisagg> for DisaggParams {
                 d.prompt_tokens,
             )?,
             prefill_uncached_weight,
+            kv_transfer_tokens_per_s,
         })
     }
 }
@@ -157,6 +172,15 @@ mod tests {
         assert_eq!(
             parse(r#"{"prefill_uncached_weight":3}"#).map(|p| p.prefill_uncached_weight),
             Ok(3.0)
+        );
+        let e = parse(r#"{"kv_transfer_tokens_per_s":0}"#).unwrap_err();
+        assert!(
+            e.contains("`disaggregation.kv_transfer_tokens_per_s`"),
+            "{e}"
+        );
+        assert_eq!(
+            parse(r#"{"kv_transfer_tokens_per_s":50000}"#).map(|p| p.kv_transfer_tokens_per_s),
+            Ok(50_000.0)
         );
         let e = parse(r#"{"noncached":1}"#).unwrap_err();
         assert!(e.contains("noncached"), "{e}");

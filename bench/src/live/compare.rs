@@ -103,6 +103,7 @@ pub fn simulate(grid: &LiveGrid, rates: &[(String, Vec<f64>)]) -> Result<Report,
             threads: 2,
             sglang_tree_chars: None,
             kvoy_cost: Default::default(),
+            kvoy_disaggregation: Default::default(),
             // The live baselines are Envoy's own balancers on two workers.
             envoy_workers: Some(2),
             // What the live filter's loads lag by: an aggregator scrape plus a poll, in real

@@ -83,6 +83,8 @@ pub struct KvoyOptions {
     pub cost: CostOverrides,
     /// Each endpoint's role (empty: all decode).
     pub roles: Vec<kvoy_shared::Role>,
+    /// Fields set in the `disaggregation` configuration (`--kvoy-disaggregation`).
+    pub disaggregation: CostOverrides,
 }
 
 /// A kvoy configuration over `replicas` simulated endpoints with the crate's defaults but for
@@ -119,6 +121,9 @@ pub fn config(
     });
     for (field, value) in &o.cost.0 {
         json["cost"][field] = value.clone();
+    }
+    if !o.disaggregation.0.is_empty() {
+        json["disaggregation"] = serde_json::Value::Object(o.disaggregation.0.clone());
     }
     let json = json.to_string();
     PluginConfig::from_json(json.as_bytes())
@@ -486,6 +491,7 @@ mod tests {
             kv_capacity_tokens: 409_600,
             cost: CostOverrides::default(),
             roles: Vec::new(),
+            disaggregation: CostOverrides::default(),
         }
     }
 

@@ -194,6 +194,8 @@ pub struct PolicyOptions {
     pub envoy_workers: Option<usize>,
     /// Each replica's role (empty: every one decodes, the aggregated fleet).
     pub roles: Vec<kvoy_shared::Role>,
+    /// kvoy's `disaggregation` fields set over the filter's (`--kvoy-disaggregation`).
+    pub kvoy_disaggregation: kvoy::CostOverrides,
 }
 
 impl PolicyKind {
@@ -283,6 +285,7 @@ impl PolicyKind {
                         .saturating_mul(o.profile.block_size),
                     cost: o.kvoy_cost.clone(),
                     roles: o.roles.clone(),
+                    disaggregation: o.kvoy_disaggregation.clone(),
                 };
                 let rates: Vec<f64> = o
                     .replica_profiles

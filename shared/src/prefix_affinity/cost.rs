@@ -413,6 +413,36 @@ pub fn terms(
     }
 }
 
+/// A split request's cost at decode endpoint `c` (prefill/decode disaggregation): its prompt is
+/// computed on a prefill endpoint, so what it waits for here is the transfer of the blocks `c`
+/// lacks (at `transfer_tokens_per_s`, weighed by the KV those in flight there claim, as the
+/// aggregated model weighs recomputing), the prefill already queued there (whole requests
+/// share its steps) and the running sequences' steps, plus the KV and seat terms.
+pub fn decode_terms(
+    c: &Candidate,
+    req: &RequestSize,
+    params: &CostParams,
+    transfer_tokens_per_s: f64,
+) -> CostTerms {
+    let t = terms(c, req, params, 1.0, false);
+    let transfer = if transfer_tokens_per_s.is_finite() && transfer_tokens_per_s > 0.0 {
+        transfer_tokens_per_s
+    } else {
+        f64::INFINITY
+    };
+    let prefill_s = t.queued_tokens / t.rate
+        + t.uncached_tokens * (1.0 + params.claim_weight * t.claimed) / transfer;
+    let steps = 1.0 + t.queued_tokens / f64::from(params.step_tokens.max(1));
+    let decode_s = steps * f64::from(t.running) * params.decode_s_per_sequence;
+    CostTerms {
+        prefill_s,
+        decode_s,
+        footprint_s: 0.0,
+        total_s: prefill_s + decode_s + t.kv_s + t.seat_s,
+        ..t
+    }
+}
+
 /// Costs `candidates` into `out` (same order), their uncached tokens weighted by `weight`.
 pub fn fill(
     candidates: &[Candidate],

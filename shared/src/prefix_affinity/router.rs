@@ -169,6 +169,9 @@ pub struct Router {
     prefill_ids: Vec<EndpointId>,
     prefill_candidates: Vec<Candidate>,
     prefill_costs: Vec<CostTerms>,
+    /// A split request's decode candidates' costs ([`cost::decode_terms`]), same order as
+    /// `candidates`.
+    decode_costs: Vec<CostTerms>,
     /// The pool has prefill endpoints (requests may be split).
     disaggregated: bool,
     keys: Vec<BlockKey>,
@@ -222,6 +225,7 @@ impl Router {
             prefill_ids: Vec::new(),
             prefill_candidates: Vec::new(),
             prefill_costs: Vec::new(),
+            decode_costs: Vec::new(),
             disaggregated,
             keys: Vec::new(),
             matched: Vec::new(),
@@ -613,6 +617,10 @@ impl Router {
                 SessionOutcome::Broken(BreakReason::Outscored)
             };
         }
+        let chosen = match (self.config.scorer, pinned) {
+            (Scorer::Cost, None) => self.decode_for_split(chosen, &size),
+            _ => chosen,
+        };
         let c = self.candidates[chosen];
         let longest_match = self.candidates.iter().map(|c| c.matched).max().unwrap_or(0);
         self.index.record(c.id, &self.keys);
@@ -726,6 +734,36 @@ impl Router {
             self.index.record(p.id, &self.keys);
         }
         chosen
+    }
+
+    /// The decode candidate for the request `chosen` would serve whole: `chosen` itself unless
+    /// the request splits there, then the candidate where the transfer of the blocks it lacks
+    /// and its decode load cost least ([`cost::decode_terms`]; the prefill it would have run
+    /// is another endpoint's), provided the request still splits there.
+    fn decode_for_split(&mut self, chosen: usize, size: &RequestSize) -> usize {
+        self.decode_costs.clear();
+        let disagg = self.config.disagg;
+        let uncached = |costs: &[CostTerms], i: usize| {
+            costs
+                .get(i)
+                .map_or(size.prompt_tokens, |t| t.uncached_tokens)
+        };
+        if !self.disaggregated || !disagg.splits(size.prompt_tokens, uncached(&self.costs, chosen))
+        {
+            return chosen;
+        }
+        let params = &self.config.cost;
+        self.decode_costs.extend(
+            self.candidates
+                .iter()
+                .map(|c| cost::decode_terms(c, size, params, disagg.kv_transfer_tokens_per_s)),
+        );
+        let ties = cost::cheapest(&self.decode_costs).count();
+        let nth = self.rng.below(ties.max(1));
+        match cost::cheapest(&self.decode_costs).nth(nth) {
+            Some(d) if disagg.splits(size.prompt_tokens, uncached(&self.costs, d)) => d,
+            _ => chosen,
+        }
     }
 
     /// The prefill candidates and their costs of the last request that was split (empty when
