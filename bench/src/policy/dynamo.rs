@@ -425,10 +425,11 @@ impl DynamoPd {
             roles: roles.to_vec(),
         }
     }
+}
 
-    fn role(&self, e: usize) -> kvoy_shared::Role {
-        self.roles.get(e).copied().unwrap_or_default()
-    }
+/// Endpoint `e`'s role; one past the list decodes.
+fn role_of(roles: &[kvoy_shared::Role], e: usize) -> kvoy_shared::Role {
+    roles.get(e).copied().unwrap_or_default()
 }
 
 impl Policy for DynamoPd {
@@ -437,8 +438,8 @@ impl Policy for DynamoPd {
     }
 
     fn pick_pd(&mut self, request: &RouteRequest<'_>, view: &View<'_>) -> Pick {
-        let roles = self.roles.clone();
-        let role = |e: usize| roles.get(e).copied().unwrap_or_default();
+        let roles = &self.roles;
+        let role = |e: usize| role_of(roles, e);
         let prefill = self
             .prefill
             .route_among(request, view, &|e| role(e).prefills());
@@ -462,7 +463,7 @@ impl Policy for DynamoPd {
 
     fn on_kv_events(&mut self, endpoint: usize, events: &[KvEvent], now: Duration) {
         // Only the prefill router reads the cache (the decode one credits no overlap).
-        if self.role(endpoint).prefills() {
+        if role_of(&self.roles, endpoint).prefills() {
             self.prefill.on_kv_events(endpoint, events, now);
         }
     }

@@ -24,11 +24,8 @@
 
 use kvoy_shared::{Rng, Role};
 
-use super::llmd_v1::ApproxPrefix;
+use super::llmd_v1::{ApproxPrefix, BYTES_PER_TOKEN};
 use super::{argmax_random, Pick, Policy, RouteRequest, View};
-
-/// Bytes per pseudo-token of the `estimate` token producer.
-const BYTES_PER_TOKEN: usize = 4;
 
 /// The configuration's parameters.
 #[derive(Clone, Copy, Debug, PartialEq)]

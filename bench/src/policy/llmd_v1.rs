@@ -42,7 +42,7 @@ use super::{argmax_random, Policy, RouteRequest, View};
 use kvoy_shared::Rng;
 
 /// Bytes per pseudo-token of the `estimate` token producer.
-const BYTES_PER_TOKEN: usize = 4;
+pub(crate) const BYTES_PER_TOKEN: usize = 4;
 
 /// The plugins' defaults.
 #[derive(Clone, Copy, Debug, PartialEq)]

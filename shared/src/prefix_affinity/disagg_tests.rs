@@ -177,19 +177,8 @@ fn a_split_request_decodes_where_the_transfer_and_the_decode_load_are_least() {
         r#","cost":{"prefill_tokens_per_s":20000}"#,
     );
     let half = "half of the prompt ".repeat(850);
-    let first = route(&mut r, &body(&half, 0));
-    let holder = first.endpoint;
+    let (holder, d) = half_then_whole(&mut r, &half);
     let other = EndpointId(1 - holder.0);
-    let mut loads = [Outstanding::default(); 3];
-    loads[holder.index()] = loads_of_holder();
-    let d = r
-        .route_body(
-            Api::ChatCompletions,
-            &body(&format!("{half} and the other half"), 16_000),
-            &loads,
-            Duration::ZERO,
-        )
-        .unwrap();
     // The aggregated model: (3,000 queued + 4,000 uncached) / 20,000 at the holder against
     // 8,000 / 20,000 at the other. Split, the holder waits 0.15 s for its queue, the other
     // 8,000 / 200,000 for the transfer.
@@ -200,10 +189,24 @@ fn a_split_request_decodes_where_the_transfer_and_the_decode_load_are_least() {
         &["decode", "decode", "prefill"],
         r#","cost":{"prefill_tokens_per_s":20000},"disaggregation":{"non_cached_tokens":100000}"#,
     );
-    let first = route(&mut whole, &body(&half, 0));
+    let (holder, d) = half_then_whole(&mut whole, &half);
+    assert!(d.prefill.is_none());
+    assert_eq!(d.endpoint, holder, "{d:?}");
+}
+
+/// Routes `half` (about 4,000 tokens), then, with one whole request's 3,000 tokens of
+/// prefill queued at its decode endpoint (the holder), `half` and as much again: the holder
+/// and that second decision.
+fn half_then_whole(r: &mut Router, half: &str) -> (EndpointId, Decision) {
+    let holder = route(r, &body(half, 0)).endpoint;
     let mut loads = [Outstanding::default(); 3];
-    loads[first.endpoint.index()] = loads_of_holder();
-    let d = whole
+    loads[holder.index()] = Outstanding {
+        requests: 1,
+        prefilling: 1,
+        prefill_tokens: 3_000,
+        ..Outstanding::default()
+    };
+    let d = r
         .route_body(
             Api::ChatCompletions,
             &body(&format!("{half} and the other half"), 16_000),
@@ -211,16 +214,5 @@ fn a_split_request_decodes_where_the_transfer_and_the_decode_load_are_least() {
             Duration::ZERO,
         )
         .unwrap();
-    assert!(d.prefill.is_none());
-    assert_eq!(d.endpoint, first.endpoint, "{d:?}");
-}
-
-/// One whole request's 3,000 tokens of prefill queued.
-fn loads_of_holder() -> Outstanding {
-    Outstanding {
-        requests: 1,
-        prefilling: 1,
-        prefill_tokens: 3_000,
-        ..Outstanding::default()
-    }
+    (holder, d)
 }
