@@ -21,6 +21,7 @@
 //!   streaming client that times each completion (TTFT, inter-token gaps); [`scenario`]: the
 //!   request patterns the Envoy tests and kvoy-local's both run (a same-prefix burst,
 //!   admission's priority and TTL runs).
+//! - [`redis`]: a real `redis-server` on a free port ([`redis::RedisServer`]), for kvoy-async.
 //! - [`webdriver`]: a headless Chromium driven through chromedriver, for the browser tests.
 //!
 //! kvoy's own services run in-process through their crates' starters, not through the kit:
@@ -52,6 +53,7 @@ pub mod envoy;
 pub mod http;
 pub mod load;
 pub mod net;
+pub mod redis;
 pub mod requests;
 pub mod scenario;
 pub mod stack;
