@@ -37,7 +37,7 @@ EXPLAIN_TARGET := wasm32-unknown-unknown
 TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 EXPLAIN_DIR := $(TARGET_DIR)/explain
 # Every crate with a native binary (a [[bin]], src/main.rs or src/bin/).
-BIN_CRATES := kvoy-stack kvoy-sim kvoy-aggregator kvoy-local kvoy-bench
+BIN_CRATES := kvoy-stack kvoy-sim kvoy-aggregator kvoy-local kvoy-bench kvoy-async
 # Flags for kvoy-stack (`kvoy-stack --help`), e.g. RUN_ARGS='--backend echo --speedup 1'.
 RUN_ARGS ?=
 # Flags for `kvoy-bench live` and `kvoy-bench overhead` (`cargo run -p kvoy-bench -- live --help`,

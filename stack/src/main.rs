@@ -9,7 +9,11 @@
 //!            [--model kvoy-demo] [--speedup 10] [--kv-events-port 5557]
 //!            [--aggregator-port 18090] [--listen-port 18000] [--admin-port 18900]
 //!            [--run-dir .run] [--wasm-dir DIR] [--concurrency 2]
+//!            [--async] [--redis-port 16379] [--async-port 18095]
 //! ```
+//!
+//! `--async` also starts `redis-server` (Debian's package) and kvoy-async with two lanes,
+//! `async` above `batch`, both sheddable in the admission filter (docs/async.md).
 //!
 //! Simulator `i` publishes its KV events (vLLM's ZMQ wire format) on
 //! `tcp://127.0.0.1:<kv-events-port + i>` and replays missed ones on
@@ -90,7 +94,20 @@ struct Args {
     /// Envoy's worker threads (its --concurrency)
     #[arg(long, value_name = "N", default_value_t = 2)]
     concurrency: u32,
+    /// Also run redis-server and kvoy-async: jobs from Redis streams into the pool's free
+    /// capacity (lanes `async` > `batch`)
+    #[arg(long = "async")]
+    run_async: bool,
+    /// redis-server's port with --async
+    #[arg(long, value_name = "N", default_value_t = 16379)]
+    redis_port: u16,
+    /// kvoy-async's /metrics and /v1/status port with --async
+    #[arg(long, value_name = "N", default_value_t = 18095)]
+    async_port: u16,
 }
+
+/// The admission objectives of kvoy-async's lanes: both sheddable, `async` above `batch`.
+const ASYNC_OBJECTIVES: &str = r#"{"async": -1, "batch": -2}"#;
 
 fn main() -> anyhow::Result<()> {
     // clap prints --help and usage errors itself (exit 0 and 2).
@@ -115,6 +132,13 @@ fn main() -> anyhow::Result<()> {
     config.listen_port = args.listen_port;
     config.admin_port = args.admin_port;
     config.concurrency = args.concurrency;
+    if args.run_async {
+        let objectives: serde_json::Value = serde_json::from_str(ASYNC_OBJECTIVES)?;
+        config.admission_config = Some(
+            serde_json::json!({"endpoints": backends.addrs().len(), "flow": {"objectives": objectives}})
+                .to_string(),
+        );
+    }
     if let Some(dir) = &args.wasm_dir {
         config.wasm_dir = dir.clone();
     }
@@ -134,6 +158,11 @@ fn main() -> anyhow::Result<()> {
         );
     }
     println!("kvoy proxy    http://{}", stack.listen);
+    let async_lane = if args.run_async {
+        Some(start_async(&args, stack.listen, aggregator.as_ref().map(LocalAggregator::addr))?)
+    } else {
+        None
+    };
     println!();
     println!("Try it twice: the same prompt prefix lands on the same backend (x-served-by).");
     if args.backend == Backend::Sim {
@@ -148,6 +177,15 @@ fn main() -> anyhow::Result<()> {
         stack.listen, args.model
     );
     println!();
+    if async_lane.is_some() {
+        println!();
+        println!("Submit a job to the batch lane and read its result (docs/async.md):");
+        println!(
+            "  redis-cli -p {} XADD kvoy-async:jobs:batch '*' job '{{\"id\":\"job-1\",\"tenant\":\"me\",\"body\":{{\"model\":\"{}\",\"max_tokens\":32,\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}]}}}}'",
+            args.redis_port, args.model
+        );
+        println!("  redis-cli -p {} XRANGE kvoy-async:results - +", args.redis_port);
+    }
     println!("Ctrl-C stops everything.");
 
     // Bounded wait loop: wake every second to notice an Envoy that died on its own.
@@ -162,6 +200,9 @@ fn main() -> anyhow::Result<()> {
         }
     }
     println!("stopping");
+    if let Some(lane) = async_lane {
+        lane.stop();
+    }
     stack.envoy.stop();
     drop(aggregator);
     drop(backends);
@@ -261,4 +302,82 @@ fn start_backends(args: &Args) -> anyhow::Result<Backends> {
             Ok(Backends::Sim(fleet))
         }
     }
+}
+
+/// redis-server and kvoy-async (on its own thread and runtime), until [`AsyncLane::stop`].
+struct AsyncLane {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    _redis: kvoy_testkit::redis::RedisServer,
+}
+
+impl AsyncLane {
+    fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn start_async(
+    args: &Args,
+    proxy: SocketAddr,
+    aggregator: Option<SocketAddr>,
+) -> anyhow::Result<AsyncLane> {
+    anyhow::ensure!(
+        kvoy_testkit::redis::redis_available(),
+        "--async needs redis-server (apt-get install redis-server)"
+    );
+    let redis = kvoy_testkit::redis::RedisServer::start_on(
+        &args.run_dir.join("redis"),
+        args.redis_port,
+        true,
+    )?;
+    let aggregator = aggregator.map_or_else(String::new, |a| format!("aggregator: {a}\n"));
+    let yaml = format!(
+        "redis_url: {}\nproxy: {proxy}\n{aggregator}listen: 127.0.0.1:{}\n\
+         lanes:\n  - {{name: async, objective: async}}\n  - {{name: batch, objective: batch}}\n",
+        redis.url(),
+        args.async_port
+    );
+    let path = args.run_dir.join("async.yaml");
+    std::fs::write(&path, &yaml).with_context(|| format!("writing {}", path.display()))?;
+    let config = kvoy_async::config::Config::from_yaml(&yaml)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let status = std::sync::Arc::new(std::sync::Mutex::new(kvoy_async::status::Status::default()));
+    let listen = SocketAddr::from(([127, 0, 0, 1], args.async_port));
+    let queue = runtime.block_on(async {
+        kvoy_async::http::serve(listen, status.clone()).await?;
+        anyhow::Ok(
+            kvoy_async::queue::RedisQueue::connect(&config, format!("kvoy-stack-{}", std::process::id()))
+                .await?,
+        )
+    })?;
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let thread = std::thread::Builder::new()
+        .name("kvoy-async".into())
+        .spawn(move || {
+            let stop = async {
+                let _ = stop_rx.await;
+            };
+            if let Err(e) = runtime.block_on(kvoy_async::service::run(config, queue, status, stop)) {
+                eprintln!("kvoy-async stopped: {e:#}");
+            }
+        })?;
+    println!("redis-server  redis://127.0.0.1:{} (data {})", args.redis_port, args.run_dir.join("redis").display());
+    println!(
+        "kvoy-async    http://{listen}/metrics (also /v1/status), config {}",
+        path.display()
+    );
+    Ok(AsyncLane {
+        stop: Some(stop_tx),
+        thread: Some(thread),
+        _redis: redis,
+    })
 }

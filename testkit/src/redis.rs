@@ -46,9 +46,14 @@ pub struct RedisServer {
 impl RedisServer {
     /// Starts one in `dir` (created) on a free port; `persistent` turns the append-only file on.
     pub fn start(dir: &Path, persistent: bool) -> anyhow::Result<RedisServer> {
+        Self::start_on(dir, free_port()?, persistent)
+    }
+
+    /// Starts one in `dir` (created) on `port` of 127.0.0.1.
+    pub fn start_on(dir: &Path, port: u16, persistent: bool) -> anyhow::Result<RedisServer> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let mut server = RedisServer {
-            port: free_port()?,
+            port,
             dir: dir.to_path_buf(),
             persistent,
             child: None,
