@@ -1,0 +1,328 @@
+//! Issue 40's acceptance run, end to end: kvoy-async (the real binary) against a real
+//! `redis-server` (append-only file on), sending jobs through a real Envoy with the kvoy filter
+//! (admission gives the lanes sheddable objectives) to two kvoy-sim servers that
+//! kvoy-aggregator follows.
+//!
+//! Phases, each printed as it ends and summed up in a table:
+//! 1. capacity: a closed loop of streamed requests at three times the servers' seats, for the
+//!    fleet's output tokens per second;
+//! 2. interactive alone: an open loop at 0.6 of the saturating request rate (its TTFT p90);
+//! 3. the same interactive loop with `KVOY_ASYNC_JOBS` jobs (default 1,000; issue 40 names
+//!    5,000) queued in two lanes: its TTFT p90 again, and the jobs' output tokens per second
+//!    against the capacity the interactive loop left free;
+//! 4. the drain: the rest of the jobs, with kvoy-async killed (`kill -9`) twice and Redis
+//!    killed and restarted once.
+//!
+//! Asserted: every job has exactly one result or dead-letter entry, none lost, none doubled;
+//! the async lane finishes before the batch lane; the async lane's two tenants (weights 3:1)
+//! split its first half of results within 5% of 3:1; no interactive request failed. The
+//! TTFT rise and the share of free capacity are printed and reported against the issue's
+//! targets (docs/async.md), not asserted: on this 2-core machine the client, Envoy, the
+//! simulators and kvoy-async share the cores, so they are measurements, not guarantees.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{wait_until, AsyncProcess, Redis};
+use kvoy_aggregator::local::{aggregator_yaml, AggregatedEndpoint, LocalAggregator};
+use kvoy_sim::fleet::SimFleet;
+use kvoy_testkit::load::{quantile, stream};
+use kvoy_testkit::redis::{redis_or_skip, RedisServer};
+use kvoy_testkit::{PoolEndpoint, Stack, StackConfig};
+
+const TEST: &str = "envoy_async";
+const MODEL: &str = "m";
+const SEATS_PER_SIM: usize = 16;
+const SIMS: usize = 2;
+const OUTPUT_TOKENS: u64 = 128;
+const RESULTS: &str = "kvoy-async:results";
+const DEAD: &str = "kvoy-async:dead-letter";
+
+fn body(id: &str) -> Vec<u8> {
+    serde_json::json!({
+        "model": MODEL, "stream": true, "stream_options": {"include_usage": true},
+        "max_tokens": OUTPUT_TOKENS,
+        "messages": [{"role": "user", "content": format!("request {id}: {}", "tell me more. ".repeat(12))}],
+    })
+    .to_string()
+    .into_bytes()
+}
+
+/// A closed loop of `clients` for `length`: output tokens per second.
+fn capacity(proxy: SocketAddr, clients: usize, length: Duration) -> f64 {
+    let tokens = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let threads: Vec<_> = (0..clients)
+        .map(|c| {
+            let tokens = tokens.clone();
+            std::thread::spawn(move || {
+                for i in 0..10_000 {
+                    if start.elapsed() >= length {
+                        break;
+                    }
+                    if let Ok(t) = stream(proxy, "/v1/chat/completions", &[], &body(&format!("cap-{c}-{i}")), Duration::from_secs(30)) {
+                        tokens.fetch_add(u64::from(t.tokens), Ordering::Relaxed);
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        let _ = t.join();
+    }
+    tokens.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64()
+}
+
+/// An open loop at `rate` requests/s for `length`: (TTFT p90 s, output tokens/s, failures).
+fn interactive(proxy: SocketAddr, rate: f64, length: Duration, tag: &str) -> (f64, f64, usize) {
+    let count = (rate * length.as_secs_f64()) as usize;
+    let start = Instant::now();
+    let mut threads = Vec::with_capacity(count);
+    for i in 0..count {
+        let at = Duration::from_secs_f64(i as f64 / rate);
+        if let Some(wait) = at.checked_sub(start.elapsed()) {
+            std::thread::sleep(wait);
+        }
+        let id = format!("{tag}-{i}");
+        threads.push(std::thread::spawn(move || {
+            stream(proxy, "/v1/chat/completions", &[], &body(&id), Duration::from_secs(60))
+        }));
+    }
+    let mut ttfts = Vec::new();
+    let (mut tokens, mut failures) = (0u64, 0usize);
+    for t in threads {
+        match t.join() {
+            Ok(Ok(timing)) if timing.status == 200 && timing.ttft.is_some() => {
+                ttfts.extend(timing.ttft);
+                tokens += u64::from(timing.tokens);
+            }
+            _ => failures += 1,
+        }
+    }
+    let p90 = quantile(&ttfts, 0.9).map_or(f64::NAN, |d| d.as_secs_f64());
+    (p90, tokens as f64 / start.elapsed().as_secs_f64(), failures)
+}
+
+/// The ms timestamp of a stream entry id.
+fn entry_ms(entry: &str) -> u64 {
+    entry.split('-').next().and_then(|m| m.parse().ok()).unwrap_or(0)
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn completion_tokens(payload: &str) -> u64 {
+    serde_json::from_str::<serde_json::Value>(payload)
+        .ok()
+        .and_then(|v| v["usage"]["completion_tokens"].as_u64())
+        .unwrap_or(0)
+}
+
+#[test]
+fn jobs_fill_free_capacity_in_lane_order_and_none_is_lost() {
+    if !redis_or_skip(TEST) {
+        return;
+    }
+    let jobs: usize = std::env::var("KVOY_ASYNC_JOBS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000);
+    let dir = std::env::temp_dir().join(format!("kvoy-{TEST}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let seats = SEATS_PER_SIM.to_string();
+    let fleet = SimFleet::loopback(
+        SIMS,
+        &["--model", MODEL, "--speedup", "2", "--max-num-seqs", &seats],
+    )
+    .unwrap();
+    fleet.wait_healthy(Duration::from_secs(15)).unwrap();
+    let yaml = aggregator_yaml(
+        "scrape_interval_ms: 50\nstale_after_ms: 1000\n",
+        &AggregatedEndpoint::scraped(fleet.addrs(), MODEL),
+    );
+    let aggregator = LocalAggregator::start(
+        &dir.join("aggregator.yaml"),
+        &yaml,
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+    )
+    .unwrap();
+    let pool = fleet
+        .addrs()
+        .iter()
+        .map(|a| PoolEndpoint::new(*a, &[MODEL]))
+        .collect();
+    let mut config = StackConfig::new(pool, dir.join("envoy"));
+    config.aggregator = Some(aggregator.addr());
+    config.admission_config = Some(
+        serde_json::json!({"endpoints": SIMS,
+            "aggregator": {"cluster": kvoy_testkit::AGGREGATOR_CLUSTER},
+            "allowed_destinations": [{"cidr": kvoy_testkit::LOOPBACK_CIDR}],
+            "flow": {"objectives": {"async": -1, "batch": -2}}})
+        .to_string(),
+    );
+    let stack = Stack::start(&config).unwrap_or_else(|e| panic!("[{TEST}] {e:#}"));
+    let proxy = stack.listen;
+
+    // 1. Capacity.
+    let cap = capacity(proxy, 3 * SEATS_PER_SIM * SIMS, Duration::from_secs(8));
+    let saturating_rate = cap / OUTPUT_TOKENS as f64;
+    let rate = 0.6 * saturating_rate;
+    eprintln!("[{TEST}] capacity {cap:.0} output tok/s ({saturating_rate:.1} req/s); interactive at {rate:.1} req/s");
+    std::thread::sleep(Duration::from_secs(2));
+
+    // 2. Interactive alone.
+    let window = Duration::from_secs(10);
+    let (base_p90, base_tps, base_failures) = interactive(proxy, rate, window, "alone");
+    eprintln!("[{TEST}] interactive alone: TTFT p90 {base_p90:.3} s, {base_tps:.0} tok/s, {base_failures} failed");
+
+    // 3. The jobs: 30% in the async lane (tenants a and b, weights 3:1), 70% in batch.
+    let mut redis_server = RedisServer::start(&dir.join("redis"), true).unwrap();
+    let mut redis = Redis::new(&redis_server.url());
+    let mut lane_of = BTreeMap::new();
+    for i in 0..jobs {
+        let (stream_key, lane, tenant) = if i % 10 < 3 {
+            ("kvoy-async:jobs:async", "async", if i % 2 == 0 { "a" } else { "b" })
+        } else {
+            ("kvoy-async:jobs:batch", "batch", "c")
+        };
+        let id = format!("job-{i}");
+        let job = serde_json::json!({"id": id, "tenant": tenant, "body": {
+            "model": MODEL, "max_tokens": OUTPUT_TOKENS,
+            "messages": [{"role": "user", "content": format!("job {i}: {}", "summarise this. ".repeat(12))}]}});
+        redis.add_job(stream_key, &job.to_string());
+        lane_of.insert(id, lane);
+    }
+    let async_config = format!(
+        "redis_url: {}\nproxy: {proxy}\naggregator: {}\nlisten: 127.0.0.1:0\nmax_inflight: {}\n\
+         claim_idle_ms: 3000\nbackoff_ms: 50\nmax_backoff_ms: 1000\n\
+         lanes:\n  - {{name: async, objective: async}}\n  - {{name: batch, objective: batch}}\n\
+         tenants:\n  a: {{weight: 3}}\n  b: {{weight: 1}}\n",
+        redis_server.url(),
+        aggregator.addr(),
+        SEATS_PER_SIM * SIMS
+    );
+    let mut worker = AsyncProcess::start(&dir, &async_config, 1);
+    let window_start = unix_ms();
+    let (with_p90, with_tps, with_failures) = interactive(proxy, rate, window, "with");
+    let window_end = unix_ms();
+    let job_tokens_in_window: u64 = redis
+        .entries(RESULTS)
+        .iter()
+        .filter(|(e, _)| (window_start..window_end).contains(&entry_ms(e)))
+        .map(|(_, f)| completion_tokens(&f["payload"]))
+        .sum();
+    let job_tps = job_tokens_in_window as f64 * 1000.0 / (window_end - window_start) as f64;
+    let free = (cap - with_tps).max(1.0);
+    eprintln!(
+        "[{TEST}] interactive with jobs: TTFT p90 {with_p90:.3} s ({:.2}x alone), {with_tps:.0} tok/s, \
+         {with_failures} failed; jobs {job_tps:.0} tok/s = {:.0}% of the {free:.0} tok/s left free",
+        with_p90 / base_p90,
+        100.0 * job_tps / free
+    );
+
+    // 4. The drain, through two kills and a Redis restart.
+    let outcomes = |redis: &mut Redis| redis.entries(RESULTS).len() + redis.entries(DEAD).len();
+    let mut n = 1;
+    for (at, what) in [(0.4, "kill"), (0.6, "kill"), (0.8, "redis")] {
+        let target = (at * jobs as f64) as usize;
+        let reached = wait_until(TEST, Duration::from_secs(180), || {
+            let done = outcomes(&mut redis);
+            (done >= target, format!("{done}/{jobs} jobs done"))
+        });
+        assert!(reached, "[{TEST}] stuck before {at}; log:\n{}", worker.log_text());
+        let done = outcomes(&mut redis);
+        if done >= jobs {
+            break;
+        }
+        if what == "kill" {
+            eprintln!("[{TEST}] kill -9 of kvoy-async at {done}/{jobs}");
+            worker.kill();
+            n += 1;
+            worker = AsyncProcess::start(&dir, &async_config, n);
+        } else {
+            eprintln!("[{TEST}] redis-server killed and restarted at {done}/{jobs}");
+            redis_server.restart().unwrap();
+        }
+    }
+    let drained = wait_until(TEST, Duration::from_secs(240), || {
+        let done = outcomes(&mut redis);
+        (done >= jobs, format!("{done}/{jobs} jobs done"))
+    });
+    assert!(drained, "[{TEST}] log:\n{}", worker.log_text());
+    std::thread::sleep(Duration::from_millis(500));
+
+    let results = redis.entries(RESULTS);
+    let dead = redis.entries(DEAD);
+    let mut count: BTreeMap<String, u32> = BTreeMap::new();
+    for (_, f) in results.iter().chain(dead.iter()) {
+        *count.entry(f["id"].clone()).or_default() += 1;
+    }
+    let doubled: Vec<_> = count.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(doubled.is_empty(), "[{TEST}] doubled: {doubled:?}");
+    assert_eq!(count.len(), jobs, "[{TEST}] every job has one outcome");
+    assert!(dead.is_empty(), "[{TEST}] no job should be dead-lettered: {:?}", &dead[..dead.len().min(3)]);
+    let statuses: BTreeMap<&str, usize> = results.iter().fold(BTreeMap::new(), |mut m, (_, f)| {
+        *m.entry(f["status_code"].as_str()).or_default() += 1;
+        m
+    });
+    assert_eq!(statuses.get("200"), Some(&jobs), "[{TEST}] {statuses:?}");
+
+    // Lane order: positions in the result stream.
+    let position = |lane: &str| -> Vec<usize> {
+        results
+            .iter()
+            .enumerate()
+            .filter(|(_, (_, f))| lane_of.get(&f["id"]).copied() == Some(lane))
+            .map(|(i, _)| i)
+            .collect()
+    };
+    let (high, low) = (position("async"), position("batch"));
+    let median = |v: &[usize]| v[v.len() / 2];
+    eprintln!(
+        "[{TEST}] async lane: median result {} / last {}; batch lane: median {} / last {}",
+        median(&high),
+        high[high.len() - 1],
+        median(&low),
+        low[low.len() - 1]
+    );
+    assert!(high[high.len() - 1] < low[low.len() - 1], "[{TEST}] the async lane finished after batch");
+    assert!(median(&high) < median(&low), "[{TEST}] the async lane's median result came after batch's");
+    // Tenant shares in the async lane while both had work: its first half.
+    let half: Vec<&str> = results
+        .iter()
+        .filter(|(_, f)| lane_of.get(&f["id"]).copied() == Some("async"))
+        .take(high.len() / 2)
+        .map(|(_, f)| f["tenant"].as_str())
+        .collect();
+    let tokens = |t: &str| {
+        results
+            .iter()
+            .filter(|(_, f)| f["tenant"] == t)
+            .take(half.iter().filter(|x| **x == t).count())
+            .map(|(_, f)| completion_tokens(&f["payload"]))
+            .sum::<u64>() as f64
+    };
+    let ratio = tokens("a") / tokens("b").max(1.0);
+    eprintln!("[{TEST}] async lane's first half: tenant tokens a:b = {ratio:.3} (weights 3:1)");
+    assert!((ratio / 3.0 - 1.0).abs() <= 0.05, "[{TEST}] shares {ratio:.3} not within 5% of 3:1");
+    assert_eq!(base_failures + with_failures, 0, "[{TEST}] interactive requests failed");
+
+    eprintln!("\n| {TEST} ({jobs} jobs) | figure | issue 40's target |\n|---|---|---|");
+    eprintln!("| capacity | {cap:.0} output tok/s | |");
+    eprintln!("| interactive TTFT p90 alone / with jobs | {base_p90:.3} / {with_p90:.3} s ({:+.0}%) | at most +10% |", 100.0 * (with_p90 / base_p90 - 1.0));
+    eprintln!("| jobs' share of the free capacity | {:.0}% ({job_tps:.0} of {free:.0} tok/s) | at least 80% |", 100.0 * job_tps / free);
+    eprintln!("| outcomes | {} results, {} dead letters, 0 doubled, 0 lost (2 kills, 1 Redis restart) | exactly one each |", results.len(), dead.len());
+    eprintln!("| async lane tenants a:b tokens | {ratio:.2} | 3 within 5% |");
+    drop(worker);
+    stack.finish(TEST);
+    let _ = std::fs::remove_dir_all(&dir);
+}
