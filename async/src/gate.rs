@@ -35,6 +35,31 @@ pub fn allowed_inflight(max_inflight: u32, saturation: f64, level: f64) -> u32 {
     ((f64::from(max_inflight) * share).ceil() as u32).clamp(1, max_inflight)
 }
 
+/// Seats for more jobs, when the servers' seats are known: kvoy-async keeps `reserve` of the
+/// pool's seats (`seats` per endpoint, vLLM's `max_num_seqs`) free of everyone's sequences,
+/// running or waiting, for interactive requests to start at once. Its own `inflight` jobs are
+/// among the running, so the limit is what it has plus the seats above the reserve (or less).
+/// vLLM schedules first come, first served: a request that finds every seat taken waits for
+/// a sequence to end, which is what the reserve is for.
+///
+/// ```
+/// use kvoy_async::gate::seat_limit;
+/// // Two servers of 16 seats, a quarter kept free: 24 may be taken.
+/// assert_eq!(seat_limit(4, &[(6, 0), (4, 0)], 16, 0.25), 18);
+/// // Six over: of its 10 jobs, kvoy-async sends no more until only 4 run.
+/// assert_eq!(seat_limit(10, &[(16, 2), (12, 0)], 16, 0.25), 4);
+/// ```
+pub fn seat_limit(inflight: u32, endpoints: &[(u64, u64)], seats: u32, reserve: f64) -> u32 {
+    let total = f64::from(seats) * endpoints.len() as f64;
+    let usable = (total * (1.0 - reserve.clamp(0.0, 1.0))).floor() as i64;
+    let taken: u64 = endpoints
+        .iter()
+        .map(|&(running, waiting)| running.saturating_add(waiting))
+        .sum();
+    let free = usable - i64::try_from(taken).unwrap_or(i64::MAX);
+    u32::try_from((i64::from(inflight) + free).max(0)).unwrap_or(u32::MAX)
+}
+
 /// What the aggregator says of the pool.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct PoolReading {
@@ -42,6 +67,8 @@ pub struct PoolReading {
     pub saturation: f64,
     /// Every model some endpoint serves.
     pub models: BTreeSet<String>,
+    /// (running, waiting) of each ready endpoint with fresh metrics.
+    pub endpoints: Vec<(u64, u64)>,
 }
 
 #[derive(Deserialize)]
@@ -60,13 +87,28 @@ struct Pool {
 struct Endpoint {
     #[serde(default)]
     models: Vec<String>,
+    #[serde(default)]
+    ready: bool,
+    #[serde(default)]
+    stale: bool,
+    #[serde(default)]
+    running: Option<f64>,
+    #[serde(default)]
+    waiting: Option<f64>,
 }
 
 /// Parses a `GET /v1/endpoints` body.
 pub fn parse_endpoints(body: &[u8]) -> Result<PoolReading, serde_json::Error> {
     let e: Endpoints = serde_json::from_slice(body)?;
+    let count = |v: Option<f64>| v.map_or(0, |v| v.max(0.0) as u64);
     Ok(PoolReading {
         saturation: e.pool.saturation,
+        endpoints: e
+            .endpoints
+            .iter()
+            .filter(|e| e.ready && !e.stale)
+            .map(|e| (count(e.running), count(e.waiting)))
+            .collect(),
         models: e.endpoints.into_iter().flat_map(|e| e.models).collect(),
     })
 }
@@ -101,10 +143,12 @@ mod tests {
     fn the_endpoints_answer_parses() {
         let r = parse_endpoints(
             br#"{"epoch":1,"pool":{"saturation":0.25,"ready":2},
-                 "endpoints":[{"address":"a","models":["m1"]},{"address":"b","models":["m1","m2"]}]}"#,
+                 "endpoints":[{"address":"a","models":["m1"],"ready":true,"stale":false,"running":3,"waiting":1},
+                              {"address":"b","models":["m1","m2"],"ready":false,"stale":true}]}"#,
         )
         .unwrap();
         assert_eq!(r.saturation, 0.25);
+        assert_eq!(r.endpoints, vec![(3, 1)]);
         assert_eq!(r.models.into_iter().collect::<Vec<_>>(), vec!["m1", "m2"]);
         assert!(parse_endpoints(b"{}").is_err());
     }

@@ -16,7 +16,7 @@ use fnv::{FnvHashMap, FnvHashSet};
 use tokio::sync::{mpsc, watch};
 
 use crate::config::Config;
-use crate::gate::{allowed_inflight, read_pool, PoolReading};
+use crate::gate::{allowed_inflight, read_pool, seat_limit, PoolReading};
 use crate::job::{decode, DeadReason, Job, Limits};
 use crate::queue::{DeadLetter, Delivery, Finish, JobResult, Outcome, Queue};
 use crate::schedule::Scheduler;
@@ -102,6 +102,8 @@ struct Service<Q> {
     status: SharedStatus,
     started: Instant,
     pool: watch::Receiver<Option<(PoolReading, Instant)>>,
+    /// When the last pool reading came, and the jobs in flight then.
+    seat_base: Option<(Instant, u32)>,
 }
 
 /// Runs kvoy-async until `stop` resolves. Returns an error only if Redis cannot be prepared at
@@ -158,6 +160,7 @@ pub async fn run<Q: Queue + 'static>(
         status,
         started: Instant::now(),
         pool: pool_rx,
+        seat_base: None,
         config: config.clone(),
         queue,
     };
@@ -377,13 +380,20 @@ impl<Q: Queue + 'static> Service<Q> {
     }
 
     /// The pool reading, if fresh: older than three polls and a second counts as none.
-    fn reading(&self) -> Option<PoolReading> {
+    fn reading(&mut self) -> Option<PoolReading> {
         let fresh = self.config.gate_poll * 3 + Duration::from_secs(1);
-        self.pool
+        let (reading, at) = self
+            .pool
             .borrow()
             .as_ref()
             .filter(|(_, at)| at.elapsed() <= fresh)
-            .map(|(r, _)| r.clone())
+            .cloned()?;
+        if self.seat_base.is_none_or(|(seen, _)| seen != at) {
+            // The servers' counts include the jobs in flight about now, not the ones sent
+            // after: the seat limit is counted from this many until the next reading.
+            self.seat_base = Some((at, self.inflight));
+        }
+        Some(reading)
     }
 
     fn limit(&self, reading: Option<&PoolReading>) -> u32 {
@@ -391,11 +401,22 @@ impl<Q: Queue + 'static> Service<Q> {
             (None, _) => self.config.max_inflight,
             // An aggregator that cannot be read is a saturated pool: the gate closes.
             (Some(_), None) => 0,
-            (Some(_), Some(r)) => allowed_inflight(
-                self.config.max_inflight,
-                r.saturation,
-                self.config.saturation_level,
-            ),
+            (Some(_), Some(r)) => {
+                let by_saturation = allowed_inflight(
+                    self.config.max_inflight,
+                    r.saturation,
+                    self.config.saturation_level,
+                );
+                match self.config.seats_per_endpoint {
+                    Some(seats) => by_saturation.min(seat_limit(
+                        self.seat_base.map_or(self.inflight, |(_, n)| n),
+                        &r.endpoints,
+                        seats,
+                        self.config.reserve_seats,
+                    )),
+                    None => by_saturation,
+                }
+            }
         }
     }
 

@@ -159,7 +159,11 @@ fn main() -> anyhow::Result<()> {
     }
     println!("kvoy proxy    http://{}", stack.listen);
     let async_lane = if args.run_async {
-        Some(start_async(&args, stack.listen, aggregator.as_ref().map(LocalAggregator::addr))?)
+        Some(start_async(
+            &args,
+            stack.listen,
+            aggregator.as_ref().map(LocalAggregator::addr),
+        )?)
     } else {
         None
     };
@@ -184,7 +188,10 @@ fn main() -> anyhow::Result<()> {
             "  redis-cli -p {} XADD kvoy-async:jobs:batch '*' job '{{\"id\":\"job-1\",\"tenant\":\"me\",\"body\":{{\"model\":\"{}\",\"max_tokens\":32,\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}]}}}}'",
             args.redis_port, args.model
         );
-        println!("  redis-cli -p {} XRANGE kvoy-async:results - +", args.redis_port);
+        println!(
+            "  redis-cli -p {} XRANGE kvoy-async:results - +",
+            args.redis_port
+        );
     }
     println!("Ctrl-C stops everything.");
 
@@ -355,8 +362,11 @@ fn start_async(
     let queue = runtime.block_on(async {
         kvoy_async::http::serve(listen, status.clone()).await?;
         anyhow::Ok(
-            kvoy_async::queue::RedisQueue::connect(&config, format!("kvoy-stack-{}", std::process::id()))
-                .await?,
+            kvoy_async::queue::RedisQueue::connect(
+                &config,
+                format!("kvoy-stack-{}", std::process::id()),
+            )
+            .await?,
         )
     })?;
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -366,11 +376,16 @@ fn start_async(
             let stop = async {
                 let _ = stop_rx.await;
             };
-            if let Err(e) = runtime.block_on(kvoy_async::service::run(config, queue, status, stop)) {
+            if let Err(e) = runtime.block_on(kvoy_async::service::run(config, queue, status, stop))
+            {
                 eprintln!("kvoy-async stopped: {e:#}");
             }
         })?;
-    println!("redis-server  redis://127.0.0.1:{} (data {})", args.redis_port, args.run_dir.join("redis").display());
+    println!(
+        "redis-server  redis://127.0.0.1:{} (data {})",
+        args.redis_port,
+        args.run_dir.join("redis").display()
+    );
     println!(
         "kvoy-async    http://{listen}/metrics (also /v1/status), config {}",
         path.display()
