@@ -106,6 +106,8 @@ const REMOVALS_PER_EXCHANGE: usize = 64;
 /// Keys one page of `GET /v1/decisions` carries at most (2 MiB of keys).
 const PAGE_MAX_KEYS: usize = 1 << 18;
 /// The longest an exchange may wait for other proxies' decisions (`wait_ms`).
+/// Where kvoy-async workers report their lanes (`POST`), for the pool view.
+pub const ASYNC_PATH: &str = "/v1/async";
 const MAX_DECISION_WAIT: Duration = Duration::from_secs(30);
 
 impl Api {
@@ -221,6 +223,9 @@ pub async fn serve(listener: TcpListener, api: Api, mut shutdown: watch::Receive
                 async move {
                     if req.uri().path() == relay::PATH {
                         return Ok::<_, Infallible>(api.decisions(req).await);
+                    }
+                    if req.uri().path() == ASYNC_PATH {
+                        return Ok::<_, Infallible>(api.async_report(req).await);
                     }
                     Ok::<_, Infallible>(api.handle(&req))
                 }
@@ -451,7 +456,7 @@ impl Api {
             }
             _ => text(
                 StatusCode::NOT_FOUND,
-                "not found; try /, /v1/pool, /v1/snapshot, /v1/endpoints, /v1/removals, /metrics, /healthz, /readyz\n",
+                "not found; try /, /v1/pool, /v1/async (POST), /v1/snapshot, /v1/endpoints, /v1/removals, /metrics, /healthz, /readyz\n",
             ),
         }
     }
@@ -545,6 +550,78 @@ impl Api {
             serde_json::to_vec(&serde_json::json!({"next": next, "removals": removals}))
                 .unwrap_or_default(),
         )
+    }
+
+    /// `POST /v1/async?worker=NAME`: a kvoy-async worker's lanes, for the pool view.
+    async fn async_report(&self, req: Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
+        if req.method() != Method::POST {
+            return text(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "only POST (a kvoy-async report)\n",
+            );
+        }
+        if !self.authorized(&req) {
+            return unauthorized();
+        }
+        let worker = query_value(req.uri().query().unwrap_or(""), "worker")
+            .filter(|w| {
+                !w.is_empty()
+                    && w.len() <= page::MAX_ASYNC_WORKER_NAME
+                    && w.bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b))
+            })
+            .map(str::to_owned);
+        let Some(worker) = worker else {
+            self.rejections.reject(
+                Reason::BadRequest,
+                format_args!("POST {ASYNC_PATH}: no valid worker= (1-128 of [A-Za-z0-9-_.:])"),
+            );
+            return text(
+                StatusCode::BAD_REQUEST,
+                "worker= is missing or not a plain name\n",
+            );
+        };
+        let body = match http_client::read_body(req.into_body(), page::MAX_ASYNC_REPORT_BYTES).await
+        {
+            Ok(b) => b,
+            Err(e) => {
+                self.rejections.reject(
+                    Reason::BadRequest,
+                    format_args!(
+                        "POST {ASYNC_PATH}: body unreadable or over {} bytes: {e}",
+                        page::MAX_ASYNC_REPORT_BYTES
+                    ),
+                );
+                return text(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "report too large or unreadable\n",
+                );
+            }
+        };
+        let report: page::AsyncReport = match serde_json::from_slice(&body) {
+            Ok(r) => r,
+            Err(e) => {
+                self.rejections.reject(
+                    Reason::BadRequest,
+                    format_args!("POST {ASYNC_PATH}: not a kvoy-async report: {e}"),
+                );
+                return text(
+                    StatusCode::BAD_REQUEST,
+                    format!("not a kvoy-async report: {e}\n"),
+                );
+            }
+        };
+        if self
+            .page
+            .report_async(&worker, report, std::time::Instant::now())
+        {
+            text(StatusCode::NO_CONTENT, "")
+        } else {
+            text(
+                StatusCode::TOO_MANY_REQUESTS,
+                "too many kvoy-async workers reporting\n",
+            )
+        }
     }
 
     /// `POST /v1/decisions?since=C[&limit=N]`: stores the proxy's decisions (only those naming a pool

@@ -4,6 +4,9 @@
 //! per tier and the decisions the proxies relayed for it; the pool's saturation, queue depth
 //! and prefix-cache hit rate over time.
 //!
+//! kvoy-async workers report their lanes here (`POST /v1/async?worker=NAME`, [`AsyncReport`]);
+//! the page shows the fresh reports as a table of lanes and tenants.
+//!
 //! The history is kept here, not in the browser, so that a page opened now draws the last
 //! minutes at once: [`sample`] records the current [`PoolView`] into a [`Timeline`] every
 //! [`TIMELINE_INTERVAL`].
@@ -13,7 +16,9 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use serde::{Deserialize, Serialize};
 use serde_json::json;
+use std::collections::BTreeMap;
 use tokio::sync::watch;
 
 use crate::pool::PoolView;
@@ -85,7 +90,57 @@ pub struct PoolPage {
     /// The requests each proxy's admission stage holds, as its last snapshot poll said
     /// (`&proxy=ID&held=N`), and when.
     admission: Mutex<FnvHashMap<u64, (u64, Instant)>>,
+    /// The kvoy-async workers' last reports, and when.
+    async_workers: Mutex<BTreeMap<String, (AsyncReport, Instant)>>,
 }
+
+/// One tenant of one lane, as a kvoy-async worker reports it (its `/v1/status` shape).
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+pub struct AsyncTenant {
+    #[serde(default)]
+    pub queued: u64,
+    #[serde(default)]
+    pub running: u64,
+    #[serde(default)]
+    pub done: u64,
+    #[serde(default)]
+    pub dead_lettered: u64,
+    #[serde(default)]
+    pub retried: u64,
+    #[serde(default)]
+    pub tokens: u64,
+}
+
+/// One lane of a kvoy-async worker.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+pub struct AsyncLane {
+    pub name: String,
+    #[serde(default)]
+    pub backlog: Option<u64>,
+    #[serde(default)]
+    pub tenants: BTreeMap<String, AsyncTenant>,
+}
+
+/// What a kvoy-async worker reports (fields it may add later are ignored).
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+pub struct AsyncReport {
+    #[serde(default)]
+    pub saturation: Option<f64>,
+    #[serde(default)]
+    pub inflight: u64,
+    #[serde(default)]
+    pub inflight_limit: u64,
+    #[serde(default)]
+    pub lanes: Vec<AsyncLane>,
+}
+
+/// A kvoy-async worker's report is shown this long after it came (workers report every second).
+pub const ASYNC_REPORT_TTL: Duration = Duration::from_secs(10);
+/// Workers whose reports are kept at most.
+pub const MAX_ASYNC_WORKERS: usize = 64;
+/// Longest report body, and longest worker name.
+pub const MAX_ASYNC_REPORT_BYTES: usize = 256 << 10;
+pub const MAX_ASYNC_WORKER_NAME: usize = 128;
 
 /// A proxy's admission report counts this long after its last poll (polls come every poll
 /// interval, 100 ms by default; a proxy that stopped is gone from the sum after this).
@@ -100,6 +155,7 @@ impl Default for PoolPage {
             timeline: Mutex::new(Timeline::new(TIMELINE_SAMPLES)),
             routed: Mutex::new(FnvHashMap::default()),
             admission: Mutex::new(FnvHashMap::default()),
+            async_workers: Mutex::new(BTreeMap::new()),
         }
     }
 }
@@ -138,6 +194,37 @@ impl PoolPage {
             .values()
             .filter(|(_, at)| now.saturating_duration_since(*at) < ADMISSION_REPORT_TTL)
             .fold((0, 0), |(held, n), (h, _)| (held + h, n + 1))
+    }
+
+    /// Records kvoy-async worker `worker`'s report; false when it is not kept (too many
+    /// workers reporting).
+    pub fn report_async(&self, worker: &str, report: AsyncReport, now: Instant) -> bool {
+        let Ok(mut workers) = self.async_workers.lock() else {
+            return false;
+        };
+        workers.retain(|_, (_, at)| now.saturating_duration_since(*at) < ASYNC_REPORT_TTL);
+        if workers.len() >= MAX_ASYNC_WORKERS && !workers.contains_key(worker) {
+            return false;
+        }
+        workers.insert(worker.to_owned(), (report, now));
+        true
+    }
+
+    /// The fresh kvoy-async reports, by worker.
+    pub fn async_json(&self, now: Instant) -> serde_json::Value {
+        let Ok(workers) = self.async_workers.lock() else {
+            return serde_json::Value::Null;
+        };
+        let fresh: Vec<_> = workers
+            .iter()
+            .filter(|(_, (_, at))| now.saturating_duration_since(*at) < ASYNC_REPORT_TTL)
+            .map(|(name, (report, _))| json!({"worker": name, "report": report}))
+            .collect();
+        if fresh.is_empty() {
+            serde_json::Value::Null
+        } else {
+            json!(fresh)
+        }
     }
 
     fn millis(&self, now: Instant) -> u64 {
@@ -215,6 +302,8 @@ impl PoolPage {
             "admission": (proxies > 0).then(|| json!({"held": held, "proxies": proxies})),
             "endpoints": endpoints,
             "history": history,
+            // kvoy-async's lanes (null: no worker reported lately).
+            "async": self.async_json(now),
         })
     }
 }
@@ -297,6 +386,29 @@ mod tests {
         // Proxy 2 stopped reporting: it is not counted after the TTL.
         let later = t0 + ADMISSION_REPORT_TTL + Duration::from_millis(500);
         assert_eq!(page.admission(later), (4, 1));
+    }
+
+    #[test]
+    fn async_reports_are_shown_while_fresh_and_bounded() {
+        let page = PoolPage::default();
+        let now = Instant::now();
+        assert!(page.async_json(now).is_null());
+        let report: AsyncReport = serde_json::from_str(
+            r#"{"saturation":0.2,"inflight":3,"inflight_limit":8,"future_field":1,
+                "lanes":[{"name":"batch","tenants":{"t":{"done":5,"queued":2}}}]}"#,
+        )
+        .unwrap();
+        assert!(page.report_async("w1", report.clone(), now));
+        let json = page.async_json(now);
+        assert_eq!(json[0]["worker"], "w1");
+        assert_eq!(json[0]["report"]["lanes"][0]["tenants"]["t"]["done"], 5);
+        for i in 1..MAX_ASYNC_WORKERS {
+            assert!(page.report_async(&format!("x{i}"), report.clone(), now));
+        }
+        assert!(!page.report_async("one-too-many", report.clone(), now));
+        // A stale worker is dropped, making room.
+        assert!(page.async_json(now + ASYNC_REPORT_TTL).is_null());
+        assert!(page.report_async("late", report, now + ASYNC_REPORT_TTL));
     }
 
     #[test]

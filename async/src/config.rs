@@ -80,6 +80,8 @@ struct RawConfig {
     reserve_seats: f64,
     #[serde(default = "defaults::read_ahead")]
     read_ahead: u32,
+    #[serde(default = "defaults::max_read_ahead")]
+    max_read_ahead: u32,
     #[serde(default = "defaults::max_attempts")]
     max_attempts: u32,
     #[serde(default = "defaults::max_deliveries")]
@@ -148,6 +150,9 @@ mod defaults {
     }
     pub fn read_ahead() -> u32 {
         256
+    }
+    pub fn max_read_ahead() -> u32 {
+        2048
     }
     pub fn max_attempts() -> u32 {
         5
@@ -252,7 +257,8 @@ pub struct Config {
     pub listen: Option<SocketAddr>,
     /// The consumer group on every lane's stream.
     pub group: String,
-    /// This process's consumer name (default: `kvoy-async-<pid>-<start ms>`).
+    /// This process's consumer name (default: `kvoy-async-<pid>-<start ms>`); also its name
+    /// in the pool view.
     pub consumer: Option<String>,
     /// Lanes in strict priority order, highest first.
     pub lanes: Vec<Lane>,
@@ -271,6 +277,9 @@ pub struct Config {
     pub reserve_seats: f64,
     /// Jobs read ahead per lane (pending in Redis until done).
     pub read_ahead: u32,
+    /// Jobs read ahead per lane at most while a tenant that ran lately has few waiting: a
+    /// lane's stream mixes tenants, and a tenant's share needs its next jobs in view.
+    pub max_read_ahead: u32,
     /// Failures (errors other than 429/503) before a job is dead-lettered.
     pub max_attempts: u32,
     /// Deliveries (kvoy-async restarts mid-job) before a job is dead-lettered.
@@ -420,6 +429,9 @@ impl TryFrom<RawConfig> for Config {
         if raw.read_ahead == 0 {
             return Err(invalid("read_ahead", "must be at least 1"));
         }
+        if raw.max_read_ahead < raw.read_ahead {
+            return Err(invalid("max_read_ahead", "must be at least read_ahead"));
+        }
         if raw.max_attempts == 0 {
             return Err(invalid("max_attempts", "must be at least 1"));
         }
@@ -459,6 +471,7 @@ impl TryFrom<RawConfig> for Config {
             seats_per_endpoint: raw.seats_per_endpoint,
             reserve_seats: raw.reserve_seats,
             read_ahead: raw.read_ahead,
+            max_read_ahead: raw.max_read_ahead,
             max_attempts: raw.max_attempts,
             max_deliveries: raw.max_deliveries,
             backoff: positive_ms("backoff_ms", raw.backoff_ms)?,

@@ -56,6 +56,8 @@ struct Lane<T> {
     waiting: BTreeMap<String, VecDeque<Waiting<T>>>,
     /// Each tenant's weighted tokens started in this lane.
     virtual_tokens: FnvHashMap<String, f64>,
+    /// When each tenant last had a job started here.
+    last_started: FnvHashMap<String, u64>,
 }
 
 /// A job taken to run.
@@ -85,6 +87,7 @@ impl<T> Scheduler<T> {
                 .map(|_| Lane {
                     waiting: BTreeMap::new(),
                     virtual_tokens: FnvHashMap::default(),
+                    last_started: FnvHashMap::default(),
                 })
                 .collect(),
             tenants: FnvHashMap::default(),
@@ -166,6 +169,7 @@ impl<T> Scheduler<T> {
                 lane.waiting.remove(&name);
             }
             let weight = quota(&name).weight;
+            lane.last_started.insert(name.clone(), now);
             *lane.virtual_tokens.entry(name.clone()).or_insert(0.0) +=
                 waiting.tokens as f64 / weight;
             let book = self.tenants.entry(name.clone()).or_default();
@@ -215,6 +219,19 @@ impl<T> Scheduler<T> {
             .get(lane)
             .into_iter()
             .flat_map(|l| l.waiting.iter().map(|(t, q)| (t.as_str(), q.len())))
+    }
+
+    /// Whether a tenant that started a job in `lane` within `recent_ms` of `now` has fewer
+    /// than `min_waiting` jobs waiting there: reading further into the lane may find its next
+    /// ones, without which its share goes to the others.
+    pub fn starved(&self, lane: usize, min_waiting: usize, recent_ms: u64, now: u64) -> bool {
+        let Some(l) = self.lanes.get(lane) else {
+            return false;
+        };
+        l.last_started.iter().any(|(tenant, at)| {
+            now.saturating_sub(*at) <= recent_ms
+                && l.waiting.get(tenant).map_or(0, VecDeque::len) < min_waiting
+        })
     }
 
     /// Jobs waiting in `lane`.
@@ -378,6 +395,22 @@ mod tests {
         assert_eq!(items, vec!["cold-later"]);
         assert_eq!(s.lane_len(0), 1);
         assert_eq!(s.running("hot"), 1);
+    }
+
+    #[test]
+    fn a_tenant_that_ran_lately_and_has_little_waiting_is_starved() {
+        let mut s = Scheduler::new(1);
+        let q = TenantQuota::default();
+        s.push(0, "a", 1, 0, 1);
+        s.push(0, "b", 1, 0, 2);
+        s.push(0, "b", 1, 0, 3);
+        assert!(!s.starved(0, 1, 1000, 0), "nobody ran yet");
+        let first = s.next(0, |_| &q).unwrap();
+        assert_eq!(first.tenant, "a");
+        assert!(s.starved(0, 1, 1000, 10), "a ran and has nothing waiting");
+        assert!(!s.starved(0, 1, 1000, 2000), "a ran too long ago");
+        s.push(0, "a", 1, 0, 4);
+        assert!(!s.starved(0, 1, 1000, 10));
     }
 
     #[test]

@@ -30,6 +30,11 @@ pub const FAIRNESS_HEADER: &str = "x-gateway-inference-fairness-id";
 /// The header carrying the job id to the proxy's and servers' logs.
 pub const JOB_HEADER: &str = "x-kvoy-async-job";
 
+/// A tenant with fewer jobs than this waiting in a lane, having run one there within
+/// [`STARVED_RECENT_MS`], makes the lane read further ahead (up to `max_read_ahead`).
+const STARVED_BELOW: usize = 8;
+const STARVED_RECENT_MS: u64 = 5_000;
+
 /// A job in hand.
 struct Held {
     delivery: Delivery,
@@ -148,6 +153,47 @@ pub async fn run<Q: Queue + 'static>(
             }
         })
     });
+    let report_task = config.aggregator.map(|address| {
+        let status = status.clone();
+        let worker: String = config
+            .consumer
+            .as_deref()
+            .unwrap_or("kvoy-async")
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || "-_.:".contains(c) {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .take(128)
+            .collect();
+        tokio::spawn(async move {
+            // The pool view's table (the aggregator's `POST /v1/async`), every second.
+            let path = format!("/v1/async?worker={worker}");
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let body = match status.lock() {
+                    Ok(s) => serde_json::to_vec(&*s).unwrap_or_default(),
+                    Err(_) => break,
+                };
+                if let Err(e) = post_json(
+                    address,
+                    &path,
+                    &[],
+                    Bytes::from(body),
+                    Duration::from_secs(2),
+                )
+                .await
+                {
+                    log::debug!("reporting to the aggregator {address}: {e}");
+                }
+            }
+        })
+    });
     let (events_tx, mut events_rx) = mpsc::unbounded_channel();
     let mut service = Service {
         scheduler: Scheduler::new(config.lanes.len()),
@@ -199,7 +245,7 @@ pub async fn run<Q: Queue + 'static>(
             () = tokio::time::sleep(config.poll) => {}
         }
     }
-    if let Some(task) = gate_task {
+    for task in [gate_task, report_task].into_iter().flatten() {
         task.abort();
     }
     Ok(())
@@ -225,9 +271,22 @@ impl<Q: Queue + 'static> Service<Q> {
     }
 
     async fn read(&mut self) {
+        let now = self.now_ms();
         for lane in 0..self.config.lanes.len() {
-            let room =
-                (self.config.read_ahead as usize).saturating_sub(self.scheduler.lane_len(lane));
+            let waiting = self.scheduler.lane_len(lane);
+            let read_ahead = self.config.read_ahead as usize;
+            let most = self.config.max_read_ahead as usize;
+            let room = if waiting < read_ahead {
+                read_ahead - waiting
+            } else if waiting < most
+                && self
+                    .scheduler
+                    .starved(lane, STARVED_BELOW, STARVED_RECENT_MS, now)
+            {
+                (most - waiting).min(read_ahead)
+            } else {
+                0
+            };
             if room == 0 {
                 continue;
             }

@@ -352,7 +352,9 @@ fn start_async(
     );
     let path = args.run_dir.join("async.yaml");
     std::fs::write(&path, &yaml).with_context(|| format!("writing {}", path.display()))?;
-    let config = kvoy_async::config::Config::from_yaml(&yaml)?;
+    let mut config = kvoy_async::config::Config::from_yaml(&yaml)?;
+    let consumer = format!("kvoy-stack-{}", std::process::id());
+    config.consumer = Some(consumer.clone());
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()

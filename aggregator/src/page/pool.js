@@ -150,6 +150,34 @@ function renderEmpty(data) {
   document.body.dataset.pool = !data.loaded ? "not-loaded" : data.endpoints.length === 0 ? "empty" : "live";
 }
 
+// kvoy-async's lanes, per worker, lane and tenant (hidden when no worker reports).
+function renderAsync(data) {
+  const section = document.getElementById("async");
+  const body = document.querySelector("#async-lanes tbody");
+  body.replaceChildren();
+  const workers = data.async || [];
+  section.hidden = workers.length === 0;
+  for (const w of workers) {
+    const r = w.report;
+    for (const lane of r.lanes) {
+      const tenants = Object.entries(lane.tenants);
+      const laneName = lane.backlog === null || lane.backlog === undefined
+        ? lane.name : `${lane.name} (backlog ${lane.backlog})`;
+      if (tenants.length === 0) tenants.push(["–", { queued: 0, running: 0, done: 0, dead_lettered: 0, retried: 0, tokens: 0 }]);
+      for (const [tenant, c] of tenants) {
+        const row = el("tr", { "data-lane": lane.name, "data-tenant": tenant }, undefined);
+        for (const v of [w.worker, laneName, tenant, c.queued, c.running, c.done, c.dead_lettered, c.retried, c.tokens]) {
+          row.append(el("td", {}, String(v)));
+        }
+        body.append(row);
+      }
+    }
+  }
+  document.getElementById("async-limits").textContent = workers.map((w) =>
+    `${w.worker}: ${w.report.inflight} jobs in flight of ${w.report.inflight_limit} allowed` +
+    (w.report.saturation === null || w.report.saturation === undefined ? "" : ` at saturation ${fixed(w.report.saturation, 2)}`)).join("; ");
+}
+
 function render(data) {
   const p = data.pool;
   const rates = data.history.filter((h) => h.hit_rate !== null);
@@ -178,6 +206,7 @@ function render(data) {
   lineChart(document.getElementById("chart-hit-rate"), "hit-rate", points((h) => h.hit_rate),
     { max: 1, format: (v) => Math.round(100 * v) + "%", empty: "no prompts yet" });
   renderRows(data);
+  renderAsync(data);
   const status = document.getElementById("status");
   status.className = "status";
   status.textContent = `updated ${new Date().toLocaleTimeString()} · ${data.history.length} samples, one a second`;

@@ -28,7 +28,7 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let text = std::fs::read_to_string(&args.config)
         .with_context(|| format!("reading {}", args.config.display()))?;
-    let config =
+    let mut config =
         Config::from_yaml(&text).with_context(|| format!("in {}", args.config.display()))?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -41,6 +41,7 @@ fn main() -> anyhow::Result<()> {
                 .map_or(0, |d| d.as_millis());
             format!("kvoy-async-{}-{ms}", std::process::id())
         });
+        config.consumer = Some(consumer.clone());
         let queue = RedisQueue::connect(&config, consumer.clone())
             .await
             .with_context(|| format!("connecting to {}", config.redis_url))?;
