@@ -83,6 +83,8 @@ pub struct JobResult {
     pub error_message: Option<String>,
     /// Attempts it took.
     pub attempts: u32,
+    /// When the attempt that gave the answer was sent (Unix ms; 0 for a duplicate's).
+    pub started_ms: u64,
     /// The shape the job came in.
     pub format: Format,
 }
@@ -446,7 +448,9 @@ impl Queue for RedisQueue {
                             .arg("error_message")
                             .arg(r.error_message.as_deref().unwrap_or(""))
                             .arg("attempts")
-                            .arg(r.attempts);
+                            .arg(r.attempts)
+                            .arg("started_ms")
+                            .arg(r.started_ms);
                     }
                 }
             }
@@ -592,6 +596,7 @@ mod tests {
             error_code: Some("INFERENCE_ERROR".into()),
             error_message: Some("down".into()),
             attempts: 1,
+            started_ms: 0,
             format: Format::LlmD,
         };
         let v: serde_json::Value = serde_json::from_str(&r.llm_d_json()).unwrap();

@@ -44,6 +44,8 @@ struct Held {
     /// Times put back, for the backoff.
     retries: u32,
     last_error: String,
+    /// When its latest attempt was sent (Unix ms).
+    started_ms: u64,
 }
 
 enum Event {
@@ -392,6 +394,7 @@ impl<Q: Queue + 'static> Service<Q> {
                 failures: 0,
                 retries: 0,
                 last_error: String::new(),
+                started_ms: 0,
             },
         );
     }
@@ -493,7 +496,7 @@ impl<Q: Queue + 'static> Service<Q> {
             let Some(d) = self.scheduler.next(now, |t| config.tenant(t)) else {
                 break;
             };
-            let held = d.item;
+            let mut held = d.item;
             let known = match models {
                 Some(m) => m.contains(&held.job.model),
                 None => config.models.is_empty() || config.models.contains(&held.job.model),
@@ -516,6 +519,7 @@ impl<Q: Queue + 'static> Service<Q> {
             self.inflight += 1;
             *self.running.entry((d.lane, d.tenant.clone())).or_default() += 1;
             self.busy[d.lane].insert(held.delivery.entry.clone());
+            held.started_ms = (unix_now() * 1000.0) as u64;
             let lane = &config.lanes[d.lane];
             let mut headers = vec![
                 (OBJECTIVE_HEADER.to_owned(), lane.objective.clone()),
@@ -637,6 +641,7 @@ impl<Q: Queue + 'static> Service<Q> {
                         error_code: None,
                         error_message: None,
                         attempts: held.failures + held.retries + 1,
+                        started_ms: held.started_ms,
                         format: held.job.format,
                     }),
                     used,
@@ -661,6 +666,7 @@ impl<Q: Queue + 'static> Service<Q> {
                     error_code: None,
                     error_message: None,
                     attempts: held.failures + held.retries + 1,
+                    started_ms: held.started_ms,
                     format: held.job.format,
                 }),
                 Some(0),
@@ -771,6 +777,7 @@ impl<Q: Queue + 'static> Service<Q> {
             error_code: None,
             error_message: None,
             attempts: 0,
+            started_ms: 0,
             format: crate::job::Format::Kvoy,
         });
         // The id's key exists, so the script writes nothing and only acknowledges.

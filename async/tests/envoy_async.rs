@@ -242,12 +242,13 @@ fn jobs_fill_free_capacity_in_lane_order_and_none_is_lost() {
     let (base_p90, base_tps, base_failures) = interactive(proxy, rate, window, "alone");
     eprintln!("[{TEST}] interactive alone: TTFT p90 {base_p90:.3} s, {base_tps:.0} tok/s, {base_failures} failed");
 
-    // 3. The jobs: 30% in the async lane (tenants a and b, weights 3:1), 70% in batch.
+    // 3. The jobs: 60% in the async lane (tenants a and b, one job each in turn; weights 3:1),
+    // 40% in batch.
     let mut redis_server = RedisServer::start(&dir.join("redis"), true).unwrap();
     let mut redis = Redis::new(&redis_server.url());
     let mut lane_of = BTreeMap::new();
     for i in 0..jobs {
-        let (stream_key, lane, tenant) = if i % 10 < 3 {
+        let (stream_key, lane, tenant) = if i % 10 < 6 {
             (
                 "kvoy-async:jobs:async",
                 "async",
@@ -311,7 +312,7 @@ fn jobs_fill_free_capacity_in_lane_order_and_none_is_lost() {
             break;
         }
         if what == "kill" {
-            first_kill_at.get_or_insert(redis.entries(RESULTS).len());
+            first_kill_at.get_or_insert(unix_ms());
             eprintln!("[{TEST}] kill -9 of kvoy-async at {done}/{jobs}");
             worker.kill();
             n += 1;
@@ -396,33 +397,38 @@ fn jobs_fill_free_capacity_in_lane_order_and_none_is_lost() {
         median(&high) < median(&low),
         "[{TEST}] the async lane's median result came after batch's"
     );
-    // Tenant shares in the async lane while both had work and before the first kill (a
-    // restarted worker starts its shares afresh, and re-runs what was in flight): the results
-    // before either tenant's 90th percentile result (a has twice b's jobs; at 3:1 a runs out
-    // first, and its stragglers finish while b has the lane to itself).
-    let tenant_results = |t: &str| -> Vec<usize> {
-        results
-            .iter()
-            .enumerate()
-            .filter(|(_, (_, f))| f["tenant"] == t)
-            .map(|(i, _)| i)
-            .collect()
+    // Tenant shares in the async lane while both had work, in the order the jobs were sent
+    // (`started_ms`), by the first worker (a restarted one starts its shares afresh, and
+    // re-runs what was in flight): the jobs sent before either tenant's 90th percentile
+    // (a and b have as many jobs; at 3:1 a runs out first).
+    let killed = first_kill_at.unwrap_or(u64::MAX);
+    let mut sent: Vec<(u64, &str, u64)> = results
+        .iter()
+        .filter_map(|(_, f)| {
+            let started: u64 = f["started_ms"].parse().ok()?;
+            let tenant = f["tenant"].as_str();
+            ((tenant == "a" || tenant == "b") && started < killed)
+                .then(|| (started, tenant, completion_tokens(&f["payload"])))
+        })
+        .collect();
+    sent.sort_unstable();
+    let nth = |t: &str, q: f64| -> u64 {
+        let of: Vec<u64> = sent.iter().filter(|s| s.1 == t).map(|s| s.0).collect();
+        of.get(((of.len() as f64 * q) as usize).min(of.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or(0)
     };
-    let (of_a, of_b) = (tenant_results("a"), tenant_results("b"));
-    let cut = of_a[of_a.len() * 9 / 10]
-        .min(of_b[of_b.len() * 9 / 10])
-        .min(first_kill_at.unwrap_or(usize::MAX));
+    let cut = nth("a", 0.9).min(nth("b", 0.9));
     let tokens = |t: &str| {
-        results[..cut]
-            .iter()
-            .filter(|(_, f)| f["tenant"] == t)
-            .map(|(_, f)| completion_tokens(&f["payload"]))
+        sent.iter()
+            .filter(|s| s.1 == t && s.0 < cut)
+            .map(|s| s.2)
             .sum::<u64>() as f64
     };
     let ratio = tokens("a") / tokens("b").max(1.0);
     eprintln!(
-        "[{TEST}] async lane, results before position {cut}: tenant tokens a:b = {ratio:.3} \
-         ({:.0}:{:.0}, weights 3:1)",
+        "[{TEST}] async lane, jobs sent by the first worker before either tenant's 90th \
+         percentile: tenant tokens a:b = {ratio:.3} ({:.0}:{:.0}, weights 3:1)",
         tokens("a"),
         tokens("b")
     );
