@@ -203,11 +203,16 @@ fn lanes_go_in_priority_order_and_tenants_share_tokens_by_weight() {
         .into_iter()
         .map(|(_, f)| f["id"].clone())
         .collect();
+    // No batch job was sent while an async one waited: after the first batch result, only
+    // async jobs already running (max_inflight 4: at most 3 others) may finish.
     let first_low = order.iter().position(|id| id.starts_with("low")).unwrap();
-    let last_high = order.iter().rposition(|id| !id.starts_with("low")).unwrap();
+    let late_high = order[first_low..]
+        .iter()
+        .filter(|id| !id.starts_with("low"))
+        .count();
     assert!(
-        last_high < first_low,
-        "[{TEST}] a batch job finished (at {first_low}) before the last async one ({last_high})"
+        late_high <= 3,
+        "[{TEST}] {late_high} async jobs finished after the first batch one (at {first_low})"
     );
     // Shares while both tenants had work: the first 300 async results.
     let a = order[..300].iter().filter(|id| id.starts_with('a')).count() as f64;
